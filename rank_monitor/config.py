@@ -1,0 +1,226 @@
+"""The fault-tolerance configuration schema: keys, defaults, validation and value parsing.
+
+This is the one definition of what a `fault_tolerance:` YAML section or an `--ft-<key>` flag may
+hold. It lives at the bottom layer because it travels to every rank monitor; `ft_launcher` only
+finds the YAML section and the flags and hands them here. Every problem is raised as
+`ConfigError` with a one-line message naming the key and the source of the bad value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import signal
+from typing import Any, Dict, Mapping, Optional
+
+# Section names every user knows; any other name is accepted too.
+COMMON_SECTIONS = ("setup", "step", "checkpointing")
+NULL_WORDS = ("null", "none", "")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded as one line for the operator."""
+
+
+@dataclasses.dataclass
+class FaultToleranceConfig:
+    """Timeouts are seconds; None means "no timeout"."""
+
+    rank_section_timeouts: Dict[str, Optional[float]] = dataclasses.field(default_factory=dict)
+    rank_out_of_section_timeout: Optional[float] = None
+    initial_rank_heartbeat_timeout: Optional[float] = None
+    rank_heartbeat_timeout: Optional[float] = None
+    rank_termination_signal: int = int(signal.SIGKILL)
+    # With a catchable termination signal, SIGKILL follows after this many seconds.
+    rank_termination_grace: float = 5.0
+    # How long a monitor waits for a hung rank's stack dump before terminating it.
+    stack_dump_wait: float = 0.3
+    # NVRx's polling period. Our monitors are deadline driven; they poll shared memory at
+    # min(this, 0.05) s, so a hang is seen within its timeout + 50 ms whatever is set here.
+    workload_check_interval: float = 5.0
+    safety_factor: float = 5.0
+    calc_ft_timeouts: bool = False
+    log_level: str = "INFO"
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_sources(cls, *layers: "tuple[str, Mapping[str, Any]]", warn=None) -> "FaultToleranceConfig":
+        """Build from (source_name, mapping) layers, later layers overriding earlier ones."""
+        cfg = cls()
+        for source, mapping in layers:
+            cfg.update(mapping, source, warn=warn)
+        cfg.validate()
+        return cfg
+
+    def update(self, mapping: Mapping[str, Any], source: str, warn=None) -> None:
+        for raw_key, value in mapping.items():
+            key = normalize_key(str(raw_key))
+            if key not in FIELD_NAMES:
+                hint = closest_key(key)
+                msg = f"{source}: unknown fault_tolerance key '{raw_key}'" + (
+                    f" (did you mean '{hint}'?)" if hint else "")
+                if warn is None:
+                    raise ConfigError(msg)
+                warn(msg + "; ignored")
+                continue
+            setattr(self, key, parse_value(key, value, source))
+
+    def validate(self) -> None:
+        for name, value in self.timeouts().items():
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"timeout {name} must be a positive number of seconds or null, got {value}")
+        if not self.safety_factor > 0:
+            raise ConfigError(f"safety_factor must be positive, got {self.safety_factor}")
+        for key in ("rank_termination_grace", "stack_dump_wait", "workload_check_interval"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key} must not be negative, got {getattr(self, key)}")
+
+    # ---- views ----------------------------------------------------------------------------
+    def timeouts(self) -> Dict[str, Optional[float]]:
+        out = {f"section {k}": v for k, v in self.rank_section_timeouts.items()}
+        out["rank_out_of_section_timeout"] = self.rank_out_of_section_timeout
+        out["initial_rank_heartbeat_timeout"] = self.initial_rank_heartbeat_timeout
+        out["rank_heartbeat_timeout"] = self.rank_heartbeat_timeout
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "FaultToleranceConfig":
+        return cls(**json.loads(text))
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(FaultToleranceConfig))
+
+
+def normalize_key(key: str) -> str:
+    """`--ft-rank-section-timeouts`, `ft-param-rank_section_timeouts`, ... -> field name."""
+    key = key.lstrip("-")
+    for prefix in ("ft-param-", "ft_param_", "ft-", "ft_"):
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+            break
+    return key.replace("-", "_")
+
+
+def closest_key(key: str) -> Optional[str]:
+    hits = difflib.get_close_matches(key, FIELD_NAMES, n=1, cutoff=0.6)
+    return hits[0] if hits else None
+
+
+# ---- value parsing ------------------------------------------------------------------------
+def _timeout(key: str, value: Any, source: str) -> Optional[float]:
+    if value is None or (isinstance(value, str) and value.strip().lower() in NULL_WORDS):
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be seconds or null, got {value!r}")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {key} must be seconds or null, got {value!r}") from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ConfigError(f"{source}: {key} must be a positive number of seconds or null, got {value!r}")
+    return seconds
+
+
+def _number(key: str, value: Any, source: str) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {key} must be a number, got {value!r}") from None
+    if number < 0 or not math.isfinite(number):
+        raise ConfigError(f"{source}: {key} must be a non-negative number, got {value!r}")
+    return number
+
+
+def _bool(key: str, value: Any, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+
+
+def parse_signal(value: Any, source: str = "config", key: str = "rank_termination_signal") -> int:
+    if isinstance(value, signal.Signals):
+        return int(value)
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        number = int(text)
+        valid = {int(s) for s in signal.Signals}
+        if number not in valid:
+            raise ConfigError(f"{source}: {key}: {number} is not a signal number")
+        return number
+    name = text.upper()
+    if not name.startswith("SIG"):
+        name = "SIG" + name
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        raise ConfigError(f"{source}: {key}: unknown signal {value!r}") from None
+
+
+def parse_section_timeouts(value: Any, source: str) -> Dict[str, Optional[float]]:
+    """A mapping, or the command-line form `setup:600,step:180,checkpointing:null`."""
+    key = "rank_section_timeouts"
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                raise ConfigError(f"{source}: {key}: not valid JSON: {text!r}") from None
+        else:
+            pairs = {}
+            for item in filter(None, (p.strip() for p in text.split(","))):
+                name, sep, seconds = item.partition(":")
+                if not sep or not name.strip():
+                    raise ConfigError(
+                        f"{source}: {key}: expected name:seconds (e.g. setup:600,step:180), got {item!r}")
+                pairs[name.strip()] = seconds.strip()
+            value = pairs
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: {key} must map section names to seconds, got {value!r}")
+    return {str(name): _timeout(f"{key}.{name}", seconds, source) for name, seconds in value.items()}
+
+
+_PARSERS = {
+    "rank_section_timeouts": lambda k, v, s: parse_section_timeouts(v, s),
+    "rank_out_of_section_timeout": _timeout,
+    "initial_rank_heartbeat_timeout": _timeout,
+    "rank_heartbeat_timeout": _timeout,
+    "rank_termination_signal": lambda k, v, s: parse_signal(v, s, k),
+    "rank_termination_grace": _number,
+    "stack_dump_wait": _number,
+    "workload_check_interval": _number,
+    "safety_factor": _number,
+    "calc_ft_timeouts": _bool,
+    "log_level": lambda k, v, s: _log_level(v, s),
+}
+
+
+def _log_level(value: Any, source: str) -> str:
+    import logging
+
+    if isinstance(value, int) and not isinstance(value, bool):
+        return logging.getLevelName(value)
+    name = str(value).strip().upper()
+    if name not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError(f"{source}: log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {value!r}")
+    return name
+
+
+def parse_value(key: str, value: Any, source: str) -> Any:
+    return _PARSERS[key](key, value, source)
+
+
+assert set(_PARSERS) == set(FIELD_NAMES), "every config field needs a parser"
