@@ -1,0 +1,386 @@
+"""The node agent: one per node. Joins rounds, starts the monitors and ranks, watches them, and
+decides what happens when something fails.
+
+Event-driven: one selector waits on every rank's pidfd, every monitor's report channel, and a
+wake-up pipe that signal handlers and the round watcher write to. A rank's death, a monitor's
+hang report, a peer's failure and a signal are therefore all handled the moment they happen,
+not on the next poll.
+
+Exit codes: 0 all ranks succeeded; 1 the restart budget is spent or the rendezvous failed;
+128+N terminated by signal N (forwarded to the ranks first).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import selectors
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional
+
+from torch.distributed import TCPStore
+
+from .events import EventLog
+from .launch_config import LaunchConfig
+from .orphan_watchdog import OrphanWatchdog
+from .rank_output import RankOutput
+from .rendezvous import JobStore, NodeInfo, RendezvousError, Round, RoundProtocol, RoundWatcher, StoreLost
+from .workers import Rank, WorkerGroup, describe_exit
+
+EXIT_OK, EXIT_FAILED = 0, 1
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class Shutdown(Exception):
+    def __init__(self, code: int):
+        self.code = code
+
+
+class NodeAgent:
+    def __init__(self, cfg: LaunchConfig, events: EventLog):
+        self.cfg = cfg
+        self.events = events
+        self.say = events.say
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._signal: Optional[int] = None
+        self.monitors: list = []
+        self._pending_reports: Dict[int, List[dict]] = {}
+
+    # ---- plumbing -----------------------------------------------------------------------
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except BlockingIOError:
+            pass
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self._signal is None:
+            self._signal = signum
+        self.wake()
+
+    def _node_info(self) -> NodeInfo:
+        host = self.cfg.local_addr or ("127.0.0.1" if self.cfg.standalone else socket.getfqdn())
+        node_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        return NodeInfo(node_id=node_id, host=host, order_key=self.cfg.order_key, nproc=self.cfg.nproc_per_node)
+
+    # ---- main ---------------------------------------------------------------------------
+    def run(self) -> int:
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, self._on_signal)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self.watchdog = OrphanWatchdog()
+        self.output = RankOutput()
+        pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
+        monitor_starts = self._start_monitors(pool)
+        try:
+            try:
+                self.store = JobStore(self.cfg, self.say)
+                self.me = self._node_info()
+                self.proto = RoundProtocol(self.store, self.cfg, self.me)
+                self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake)
+                self.watcher.s.add(self.store.key(f"alive/{self.me.node_id}"), 1)
+                self.watcher.start()
+                self.monitors = [f.result() for f in monitor_starts]
+                return self._cycles()
+            except StoreLost as exc:
+                self.events.event("store_lost", f"{exc}; stopping this node's ranks", error=str(exc))
+                return EXIT_FAILED
+            except RendezvousError as exc:
+                self.events.event("rendezvous_failed", f"error: {exc}", error=str(exc))
+                return EXIT_FAILED
+            except Shutdown as exc:
+                return exc.code
+        finally:
+            self._teardown(pool)
+
+    def _teardown(self, pool) -> None:
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.stop(signal.SIGKILL, 1.0)
+        watcher = getattr(self, "watcher", None)
+        if watcher is not None:
+            watcher.stop()
+        for handle in self.monitors:
+            handle.stop()
+            self.watchdog.forget(handle.pid)
+        pool.shutdown(wait=True)
+        self.watchdog.close()
+        signal.set_wakeup_fd(-1)
+
+    def _cycles(self) -> int:
+        number = self.proto.current_round()
+        expected = None
+        while True:
+            self._check_signal(None)
+            rnd = self.proto.join(number, expected)
+            self.events.cycle = number
+            if rnd.group_rank is None:
+                verdict = self._wait_as_spare(rnd)
+            else:
+                self.events.node = rnd.group_rank
+                verdict = self._run_round(rnd)
+            if verdict.get("kind") == "complete":
+                return EXIT_OK
+            if verdict.get("kind") == "shutdown":
+                return 128 + int(verdict.get("signal", signal.SIGTERM))
+            if not verdict.get("restart"):
+                self.events.event(
+                    "job_failed",
+                    f"error: {verdict.get('what', 'a failure')} in cycle {number}; restart budget spent "
+                    f"({min(verdict.get('restarts_used', 0), self.cfg.max_restarts)}/{self.cfg.max_restarts} "
+                    f"restarts used) -> exiting 1", **verdict)
+                return EXIT_FAILED
+            dead = {n["node_id"] for n in verdict.get("dead_nodes", [])}
+            expected = len([n for n in rnd.active + rnd.spares if n.node_id not in dead])
+            number = verdict["next_round"]
+
+    def _check_signal(self, rnd: Optional[Round]) -> None:
+        if self._signal is None:
+            return
+        sig = self._signal
+        self.events.event("signal", f"received {signal.Signals(sig).name}: forwarding to the ranks "
+                          f"(SIGKILL after {self.cfg.term_timeout:g}s) and stopping the job", signal=sig)
+        if rnd is not None:
+            try:
+                self.proto.interrupt(rnd.number, {"kind": "shutdown", "signal": sig, "node_id": self.me.node_id})
+            except RendezvousError:
+                pass
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.stop(sig, self.cfg.term_timeout)
+        raise Shutdown(128 + sig)
+
+    # ---- one round ----------------------------------------------------------------------
+    def _run_round(self, rnd: Round) -> dict:
+        cfg = self.cfg
+        worker_store = None
+        if rnd.group_rank == 0:
+            worker_store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=cfg.conf("read_timeout")))
+            master = (self.me.host, worker_store.port)
+            self.proto.publish_worker_store(rnd.number, *master)
+        else:
+            master = self.proto.worker_store(rnd.number)
+        restarts = self.proto.restarts_used()
+        self.events.event(
+            "cycle_start",
+            f"cycle {rnd.number}: node {rnd.group_rank} of {len(rnd.active)}, ranks "
+            f"{rnd.rank_offset}-{rnd.rank_offset + cfg.nproc_per_node - 1} of {rnd.world_size}"
+            + (f", {len(rnd.spares)} hot spare(s)" if rnd.spares else "")
+            + (f" (restart {restarts}/{cfg.max_restarts})" if rnd.number else ""),
+            world_size=rnd.world_size, nodes=[n.label() for n in rnd.active],
+            spares=[n.label() for n in rnd.spares], master=f"{master[0]}:{master[1]}")
+        self.group = WorkerGroup(cfg, self.watchdog, self.output)
+        self.watcher.watch(rnd)
+        for local_rank in range(cfg.nproc_per_node):
+            monitor = self.monitors[local_rank] if self.monitors else None
+            env = self.group.rank_env(local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
+                                      rnd.world_size, len(rnd.active), master,
+                                      monitor.rank_env() if monitor else {})
+            rank = self.group.spawn(local_rank, rnd.rank_offset + local_rank, env, rnd.number)
+            if monitor:
+                monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
+        try:
+            return self._supervise(rnd)
+        finally:
+            for monitor in self.monitors:
+                monitor.rank_stopped()
+            self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout)
+            self.watcher.watch(None)
+            del worker_store
+
+    def _supervise(self, rnd: Round) -> dict:
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        for rank in self.group.ranks:
+            sel.register(rank.pidfd, selectors.EVENT_READ, rank)
+        for local_rank, monitor in enumerate(self.monitors):
+            sel.register(monitor.fileno(), selectors.EVENT_READ, ("monitor", local_rank))
+        succeeded = False
+        try:
+            while True:
+                ready = sel.select(timeout=self.cfg.monitor_interval)
+                for key, _ in ready:
+                    if key.data == "wake":
+                        try:
+                            os.read(self._wake_r, 4096)
+                        except BlockingIOError:
+                            pass
+                    elif isinstance(key.data, tuple):
+                        self._collect_reports(key.data[1], sel)
+                self._check_signal(rnd)
+                if self.watcher.store_lost:
+                    raise StoreLost(self.watcher.store_lost)
+                if self.watcher.interrupted_round == rnd.number:
+                    return self._interrupted(rnd)
+                if self.watcher.dead_peers:
+                    dead = self.watcher.dead_peers
+                    what = ", ".join(f"node {n.label()}" for n in dead) + " stopped answering"
+                    return self._fail(rnd, {"kind": "failure", "what": what, "dead_nodes": [n.__dict__ for n in dead]})
+                for rank in list(self.group.ranks):
+                    if rank.exitcode is not None or rank.proc.poll() is None:
+                        continue
+                    sel.unregister(rank.pidfd)
+                    code = self.group.reap(rank)
+                    if code != 0:
+                        return self._fail(rnd, self._rank_failure(rank, code, rnd))
+                    self.events.event("rank_exit", f"rank {rank.rank} finished (exit code 0)",
+                                      rank=rank.rank, exitcode=0)
+                if not succeeded and not self.group.running():
+                    succeeded = True
+                    if self.proto.mark_done(rnd.number) >= len(rnd.active):
+                        self.proto.interrupt(rnd.number, {"kind": "complete"})
+                    else:
+                        self.say("all local ranks finished; waiting for the other nodes")
+        finally:
+            sel.close()
+
+    def _rank_failure(self, rank: Rank, code: int, rnd: Round) -> dict:
+        reports = [r for r in self._pending_reports.pop(rank.local_rank, []) if r.get("kind") == "hang"]
+        node = f"node {rnd.group_rank} ({self.me.host})"
+        if reports:
+            hang = reports[-1]
+            section = f"section '{hang['section']}'" if hang.get("section") else hang.get("reason", "?").replace("_", " ")
+            what = (f"rank {rank.rank} on {node} hung in {section} for {hang.get('elapsed', 0):.2f}s "
+                    f"(timeout {hang.get('timeout', 0):g}s) and was stopped by its monitor")
+            return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code, "hang": hang}
+        what = f"rank {rank.rank} on {node} {describe_exit(code)}"
+        return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code}
+
+    def _fail(self, rnd: Round, reason: dict) -> dict:
+        reason.setdefault("node_id", self.me.node_id)
+        self.events.event("failure", f"{reason['what']} -> stopping all ranks",
+                          rank=reason.get("rank"), **{k: v for k, v in reason.items() if k not in ("rank",)})
+        verdict = self.proto.interrupt(rnd.number, reason)
+        return self._announce(rnd, verdict)
+
+    def _interrupted(self, rnd: Round) -> dict:
+        verdict = self.proto.verdict(rnd.number)
+        if verdict.get("kind") == "shutdown":
+            self._signal = self._signal or int(verdict.get("signal", signal.SIGTERM))
+            self.say(f"another node is shutting down the job ({signal.Signals(self._signal).name})")
+            group = self.group
+            group.stop(self._signal, self.cfg.term_timeout)
+            raise Shutdown(128 + self._signal)
+        if verdict.get("kind") == "complete":
+            self._finish_job(rnd)
+            return verdict
+        if verdict.get("node_id") != self.me.node_id:
+            self.say(f"{verdict.get('what')} (on another node) -> stopping this node's ranks")
+        return self._announce(rnd, verdict)
+
+    def _announce(self, rnd: Round, verdict: dict) -> dict:
+        if verdict.get("restart"):
+            self.events.event("restart", f"restarting all ranks: cycle {verdict['next_round']} "
+                              f"(restart {verdict['restarts_used']}/{self.cfg.max_restarts})",
+                              next_cycle=verdict["next_round"], restarts_used=verdict["restarts_used"])
+        return verdict
+
+    def _finish_job(self, rnd: Round) -> None:
+        left = self.proto.mark_left(rnd.number)
+        self.events.event("job_complete", "all ranks on all nodes finished: job complete")
+        if self.store.is_host:  # keep the store up until every node has read the verdict
+            deadline = time.monotonic() + 10
+            while left < len(rnd.active) + len(rnd.spares) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                left = self.proto.left_count(rnd.number)
+
+    def _wait_as_spare(self, rnd: Round) -> dict:
+        self.say(f"hot spare: {len(rnd.active)} node(s) are training; waiting to be needed")
+        self.events.event("spare_waiting", None, active=[n.label() for n in rnd.active])
+        self.watcher.watch(rnd)
+        sel = selectors.DefaultSelector()
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while True:
+                sel.select(timeout=1.0)
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                self._check_signal(None)
+                if self.watcher.store_lost:
+                    raise StoreLost(self.watcher.store_lost)
+                if self.watcher.interrupted_round == rnd.number:
+                    verdict = self.proto.verdict(rnd.number)
+                    if verdict.get("kind") == "complete":
+                        self.proto.mark_left(rnd.number)
+                    return verdict
+        finally:
+            sel.close()
+            self.watcher.watch(None)
+
+    # ---- monitors -----------------------------------------------------------------------
+    def _start_monitors(self, pool) -> list:
+        try:
+            from rank_monitor.monitor_handle import MonitorHandle
+        except ImportError:
+            return []
+        run_dir = self.cfg.log_dir or os.path.join("/tmp", f"ft_launcher-{os.getpid()}")
+
+        def start(local_rank):
+            handle = MonitorHandle.start(local_rank, self.cfg.ft, run_dir)
+            self.watchdog.watch(handle.pid)
+            return handle
+
+        return [pool.submit(start, i) for i in range(self.cfg.nproc_per_node)]
+
+    def _collect_reports(self, local_rank: int, sel) -> None:
+        monitor = self.monitors[local_rank]
+        for report in monitor.read_reports():
+            kind = report.get("kind")
+            if kind == "hang":
+                self._pending_reports.setdefault(local_rank, []).append(report)
+                section = report.get("section") or report.get("reason")
+                self.events.event(
+                    "hang", f"rank {report.get('rank')} hang detected: {section} "
+                    f"elapsed {report.get('elapsed', 0):.2f}s > timeout {report.get('timeout', 0):g}s "
+                    f"-> monitor is stopping it; stack dump: {report.get('stack_file')}",
+                    rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"},
+                    stack=_read_text(report.get("stack_file")))
+            elif kind == "stack_dump":
+                self.events.event("stack_dump", None, rank=report.get("rank"),
+                                  stack_file=report.get("stack_file"), stack=_read_text(report.get("stack_file")))
+            elif kind == "monitor_died":
+                sel.unregister(monitor.fileno())
+                new = self._replace_monitor(local_rank)
+                sel.register(new.fileno(), selectors.EVENT_READ, ("monitor", local_rank))
+                return
+            else:
+                self.events.event(kind or "monitor_report", None, rank=report.get("rank"), **report)
+
+    def _replace_monitor(self, local_rank: int) -> None:
+        from rank_monitor.monitor_handle import MonitorHandle
+
+        old = self.monitors[local_rank]
+        self.watchdog.forget(old.pid)
+        old.stop()
+        rank = next((r for r in self.group.ranks if r.local_rank == local_rank), None) if getattr(self, "group", None) else None
+        self.events.event("monitor_died", f"rank monitor for local rank {local_rank} (pid {old.pid}) died: "
+                          f"rank {rank.rank if rank else '?'} is unprotected -> starting a new monitor and "
+                          f"restarting the ranks", rank=rank.rank if rank else None, local_rank=local_rank)
+        handle = MonitorHandle.start(local_rank, self.cfg.ft,
+                                     self.cfg.log_dir or os.path.join("/tmp", f"ft_launcher-{os.getpid()}"))
+        self.watchdog.watch(handle.pid)
+        self.monitors[local_rank] = handle
+        if rank is not None and rank.exitcode is None:
+            # Its failure, reported as such, restarts the group under the new monitor.
+            self._pending_reports.setdefault(local_rank, []).append(
+                {"kind": "hang", "reason": "monitor_died", "section": None, "elapsed": 0, "timeout": 0})
+            os.killpg(rank.pid, signal.SIGKILL)
+        return handle
+
+
+def _read_text(path: Optional[str], limit: int = 20000) -> Optional[str]:
+    if not path:
+        return None
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read(limit)
+    except OSError:
+        return None

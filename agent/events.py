@@ -1,0 +1,61 @@
+"""The agent's voice: one operator-readable log line per event, and the same event as a JSON
+object appended to `events.jsonl` in the log directory (time, node, rank, cycle, kind, detail).
+
+Lines look like
+    [ft_launcher node=1 cycle=2] rank 3 exited with code 1 -> restarting all ranks (restart 2/3)
+Each JSONL record is written with one `write` on an O_APPEND descriptor, so several agents
+sharing a log directory never interleave within a line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+
+class EventLog:
+    def __init__(self, events_path: Optional[str] = None, stream=None):
+        self.node: Any = "?"
+        self.cycle: Optional[int] = None
+        self._stream = stream if stream is not None else sys.stderr
+        self._fd = None
+        self._lock = threading.Lock()
+        self.path = events_path
+        if events_path:
+            os.makedirs(os.path.dirname(os.path.abspath(events_path)), exist_ok=True)
+            self._fd = os.open(events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def say(self, message: str) -> None:
+        """An operator line with no structured record (progress, hints)."""
+        cycle = "" if self.cycle is None else f" cycle={self.cycle}"
+        line = f"[ft_launcher node={self.node}{cycle}] {message}\n"
+        with self._lock:
+            try:
+                self._stream.write(line)
+                self._stream.flush()
+            except (OSError, ValueError):
+                pass
+
+    def event(self, kind: str, message: Optional[str] = None, rank: Optional[int] = None,
+              **detail: Any) -> None:
+        """Record one event; `message`, when given, is also logged as the operator's line."""
+        if message:
+            self.say(message)
+        if self._fd is None:
+            return
+        record = {"time": round(time.time(), 6), "node": self.node, "rank": rank,
+                  "cycle": self.cycle, "kind": kind, "detail": detail}
+        data = (json.dumps(record, default=str) + "\n").encode()
+        with self._lock:
+            try:
+                os.write(self._fd, data)
+            except OSError as exc:
+                self.say(f"cannot append to {self.path}: {exc}")
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,53 @@
+"""What one node's agent is asked to run: the parsed, validated launch settings.
+
+`ft_launcher.cli` fills it from torchrun-style flags, SLURM and the fault-tolerance YAML; the
+agent only reads it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Set
+
+from rank_monitor.config import FaultToleranceConfig
+
+# torch's c10d rendezvous defaults, in seconds, so `--rdzv-conf` keeps its meaning.
+RDZV_CONF_DEFAULTS = {
+    "join_timeout": 600.0,
+    "last_call_timeout": 30.0,
+    "close_timeout": 30.0,
+    "read_timeout": 60.0,
+    # Ours: how often agents prove they are alive, and after how many silent intervals a
+    # node counts as dead (torch's dynamic handler spells them the same way).
+    "keep_alive_interval": 1.0,
+    "keep_alive_max_attempt": 3,
+}
+
+
+@dataclasses.dataclass
+class LaunchConfig:
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    entrypoint: List[str]                 # the full command of one rank
+    rdzv_backend: str = "c10d"            # c10d | static
+    rdzv_host: str = "127.0.0.1"
+    rdzv_port: int = 29400                # 0: pick a free one (standalone)
+    rdzv_id: str = "none"
+    rdzv_conf: Dict[str, object] = dataclasses.field(default_factory=lambda: dict(RDZV_CONF_DEFAULTS))
+    is_host: Optional[bool] = None        # host the store here? None: decide from the address
+    order_key: Optional[int] = None       # node order from the infrastructure (SLURM_PROCID, ...)
+    standalone: bool = False
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    role: str = "default"
+    log_dir: Optional[str] = None
+    capture: Dict[int, int] = dataclasses.field(default_factory=dict)  # local rank -> streams (1 out, 2 err, 3 both)
+    tee: Dict[int, int] = dataclasses.field(default_factory=dict)
+    local_ranks_filter: Optional[Set[int]] = None
+    local_addr: Optional[str] = None
+    term_timeout: float = 30.0
+    workers_stop_timeout: float = 15.0
+    ft: FaultToleranceConfig = dataclasses.field(default_factory=FaultToleranceConfig)
+
+    def conf(self, key: str) -> float:
+        return float(self.rdzv_conf.get(key, RDZV_CONF_DEFAULTS[key]))

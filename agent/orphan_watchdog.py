@@ -1,0 +1,83 @@
+"""The orphan watchdog: a tiny process beside the agent that kills the agent's process groups
+(ranks, their children, monitors) the moment the agent dies, however it dies.
+
+The agent writes `+PGID` / `-PGID` lines into the watchdog's stdin as it starts and reaps
+process groups. When that pipe reaches end-of-file (the kernel closes it when the agent exits,
+SIGKILL included), every group still registered gets SIGKILL. The watchdog runs in its own
+session and ignores SIGINT/SIGTERM/SIGHUP, so a signal aimed at the agent's terminal or process
+group cannot take it out first. Started with `python -m agent.orphan_watchdog` (a fresh
+interpreter, not a fork of a threaded agent).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+
+def main() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        from setproctitle import setproctitle
+
+        setproctitle(f"ft_launcher: orphan_watchdog agent_pid={os.getppid()}")
+    except ImportError:
+        pass
+    groups = set()
+    for line in sys.stdin.buffer:
+        text = line.strip().decode(errors="replace")
+        if len(text) > 1 and text[1:].isdigit():
+            (groups.add if text[0] == "+" else groups.discard)(int(text[1:]))
+    for pgid in groups:  # EOF: the agent is gone
+        try:
+            os.killpg(pgid, signal.SIGCONT)
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class OrphanWatchdog:
+    """Agent side: start the watchdog and register process groups with it."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "agent.orphan_watchdog"], stdin=subprocess.PIPE,
+            start_new_session=True, env=_env_with_our_packages(), close_fds=True)
+
+    def _send(self, line: str) -> None:
+        try:
+            self._proc.stdin.write(line.encode())
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    def watch(self, pgid: int) -> None:
+        self._send(f"+{pgid}\n")
+
+    def forget(self, pgid: int) -> None:
+        self._send(f"-{pgid}\n")
+
+    def close(self) -> None:
+        """Normal exit: every group is already reaped; let the watchdog end."""
+        try:
+            self._proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+
+
+def _env_with_our_packages() -> dict:
+    """The watchdog must import `agent` even when ft_launcher runs from a source checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+if __name__ == "__main__":
+    main()

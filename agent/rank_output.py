@@ -1,0 +1,120 @@
+"""Rank output: where each rank's stdout/stderr go (console, per-cycle log file, or both).
+
+Captured streams come through pipes that one reader thread serves for all ranks: each complete
+line is written to the rank's file `<log_dir>/cycle_<c>/rank_<r>.log` and, when teed, to the
+agent's stdout as `[rank N] line`. Streams that are neither captured nor filtered out are
+inherited directly (no thread, no copy).
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import sys
+import threading
+from typing import Dict, Optional
+
+
+class RankOutput:
+    def __init__(self) -> None:
+        self._sel = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._open: Dict[int, dict] = {}
+        self._thread = threading.Thread(target=self._serve, name="ft-rank-output", daemon=True)
+        self._thread.start()
+
+    def plan(self, rank: int, capture: int, tee: int, show: bool, log_file: Optional[str]):
+        """Return (stdout, stderr) for Popen and a handle for attach()/finish().
+
+        capture and tee are stream masks (1 stdout, 2 stderr, 3 both): a captured stream goes to
+        `log_file`; a teed one goes there too and to the console as `[rank N] line`. `show`
+        False (--local-ranks-filter) keeps a rank off the console.
+        """
+        fh = open(log_file, "ab", buffering=0) if log_file and (capture | tee) else None
+        args, sinks = [], []
+        for bit, console in ((1, sys.stdout), (2, sys.stderr)):
+            to_file = fh is not None and bool((capture | tee) & bit)
+            to_console = show and (bool(tee & bit) or not capture & bit)
+            if not to_file and not to_console:
+                args.append(subprocess.DEVNULL)
+            elif not to_file and not tee & bit:
+                args.append(None)  # plain console: inherit, no copy
+            else:
+                r, w = os.pipe()
+                args.append(w)
+                sinks.append((r, dict(file=fh if to_file else None,
+                                      console=console if to_console else None,
+                                      prefix=f"[rank {rank}] ".encode(), rest=b"")))
+        return args[0], args[1], ((sinks, fh) if sinks or fh else None)
+
+    def attach(self, handle) -> None:
+        """After Popen: start reading the pipes (and close our copies of the write ends)."""
+        if handle is None:
+            return
+        sinks, _ = handle
+        with self._lock:
+            for r, sink in sinks:
+                self._open[r] = sink
+                self._sel.register(r, selectors.EVENT_READ, sink)
+        os.write(self._wake_w, b"x")
+
+    def _serve(self) -> None:
+        while True:
+            for key, _ in self._sel.select():
+                if key.data is None:
+                    os.read(self._wake_r, 4096)
+                    continue
+                self._pump(key.fd, key.data)
+
+    def _pump(self, fd: int, sink: dict) -> None:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._emit(sink, sink["rest"], final=True)
+            with self._lock:
+                self._sel.unregister(fd)
+                self._open.pop(fd, None)
+            os.close(fd)
+            sink["closed"] = True
+            return
+        data = sink["rest"] + data
+        cut = data.rfind(b"\n") + 1
+        sink["rest"] = data[cut:]
+        self._emit(sink, data[:cut])
+
+    @staticmethod
+    def _emit(sink: dict, data: bytes, final: bool = False) -> None:
+        if not data:
+            return
+        if final and not data.endswith(b"\n"):
+            data += b"\n"
+        if sink["file"] is not None:
+            try:
+                sink["file"].write(data)
+            except (OSError, ValueError):
+                pass
+        if sink["console"] is not None:
+            prefix = sink["prefix"]
+            text = b"".join(prefix + line + b"\n" for line in data.split(b"\n")[:-1])
+            try:
+                sink["console"].buffer.write(text)
+                sink["console"].flush()
+            except (OSError, ValueError):
+                pass
+
+    def finish(self, handle, timeout: float = 2.0) -> None:
+        """After the rank (and its process group) is gone: drain and close its pipes."""
+        if handle is None:
+            return
+        sinks, fh = handle
+        deadline = threading.Event()
+        for _ in range(int(timeout / 0.01)):
+            if all(s.get("closed") for _, s in sinks):
+                break
+            deadline.wait(0.01)
+        if fh is not None:
+            fh.close()

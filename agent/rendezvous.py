@@ -1,0 +1,397 @@
+"""Rendezvous: the job-wide TCPStore and the round protocol the agents run on it.
+
+One agent hosts torch's `TCPStore` at the rendezvous endpoint; every agent talks to it. All keys
+live under `ft/<run_id>/`. A *round* is one training cycle:
+
+    r<R>/joined            counter; each agent's `add` gives it a join sequence number
+    r<R>/node/<seq>        JSON NodeInfo of that joiner
+    r<R>/closed            the number of joiners admitted (set once, by compare_set)
+    r<R>/worker_store      "addr:port" of the fresh store the workers of this round use
+    r<R>/interrupt         why the round ends early: a failure or a shutdown (first writer wins)
+    r<R>/verdict           what the job does next (restart or stop), written by that first writer
+    r<R>/done, r<R>/left   barrier counters for a round that succeeds
+    restarts_used          the job-wide restart budget spent so far
+    alive/<node_id>        keep-alive counters
+
+Ranks are assigned in infrastructure order (SLURM_PROCID / node rank / GROUP_RANK when known,
+then host name, then join order), never purely by who joined first. With `--nnodes MIN:MAX`,
+the first MIN nodes in that order train and the others wait as hot spares for the next round.
+Waits block in the store (`TCPStore.wait`), so a closed round is seen at once, not on a 1 s poll.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import socket
+import threading
+import time
+from typing import Callable, List, Optional
+
+from torch.distributed import DistNetworkError, DistStoreError, TCPStore
+
+from .launch_config import LaunchConfig
+
+
+class RendezvousError(RuntimeError):
+    """A rendezvous that cannot go on; the message is one line for the operator."""
+
+
+class StoreLost(RendezvousError):
+    """The store host is gone: nothing can be coordinated any more."""
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+@dataclasses.dataclass
+class NodeInfo:
+    node_id: str
+    host: str          # address the other nodes reach this node at
+    order_key: Optional[int]
+    nproc: int
+    seq: int = 0
+
+    def label(self) -> str:
+        order = "" if self.order_key is None else f" order={self.order_key}"
+        return f"{self.host}{order}"
+
+
+@dataclasses.dataclass
+class Round:
+    number: int
+    me: NodeInfo
+    active: List[NodeInfo]
+    spares: List[NodeInfo]
+
+    @property
+    def group_rank(self) -> Optional[int]:
+        for i, node in enumerate(self.active):
+            if node.node_id == self.me.node_id:
+                return i
+        return None
+
+    @property
+    def world_size(self) -> int:
+        return sum(node.nproc for node in self.active)
+
+    @property
+    def rank_offset(self) -> int:
+        return sum(node.nproc for node in self.active[: self.group_rank])
+
+
+def is_local_address(host: str) -> bool:
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _is_addr_in_use(exc: Exception) -> bool:
+    return "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower()
+
+
+class JobStore:
+    """The job's store: hosted here or reached as a client; keys are namespaced per run id."""
+
+    HANDSHAKE_LIMIT = 15.0  # a listener that does not answer as a TCPStore within this is foreign
+
+    def __init__(self, cfg: LaunchConfig, say: Callable[[str], None]):
+        self.cfg = cfg
+        self.say = say
+        self.prefix = f"ft/{cfg.rdzv_id}/"
+        self.is_host = False
+        self.server: Optional[TCPStore] = None
+        self.host, self.port = cfg.rdzv_host, cfg.rdzv_port
+        timeout = _td(cfg.conf("read_timeout"))
+        want_host = cfg.is_host
+        if want_host is None:
+            want_host = cfg.standalone or is_local_address(self.host)
+        if want_host:
+            try:
+                self.server = TCPStore(self.host if not cfg.standalone else "127.0.0.1", self.port,
+                                       is_master=True, wait_for_workers=False, timeout=timeout)
+                self.port = self.server.port
+                self.is_host = True
+            except (DistNetworkError, RuntimeError) as exc:
+                if not _is_addr_in_use(exc):
+                    raise RendezvousError(f"cannot host the rendezvous store on port {self.port}: "
+                                          f"{str(exc).splitlines()[0]}") from None
+                if cfg.is_host:
+                    raise RendezvousError(
+                        f"port {self.port} is already in use: cannot host the rendezvous store there "
+                        f"(pick another --rdzv-endpoint port)") from None
+        self.client = self.server if self.is_host else self._connect(timeout)
+
+    def _connect(self, timeout: datetime.timedelta) -> TCPStore:
+        deadline = time.monotonic() + self.cfg.conf("join_timeout")
+        told = False
+        while True:  # wait until something listens at the endpoint
+            try:
+                with socket.create_connection((self.host, self.port), timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RendezvousError(
+                        f"no rendezvous store answered at {self.host}:{self.port} within "
+                        f"join_timeout={self.cfg.conf('join_timeout'):g}s") from None
+                if not told and time.monotonic() > deadline - self.cfg.conf("join_timeout") + 3:
+                    self.say(f"waiting for the rendezvous host {self.host}:{self.port} to start")
+                    told = True
+                time.sleep(0.05)
+        return self.new_client(timeout)
+
+    def new_client(self, timeout: Optional[datetime.timedelta] = None) -> TCPStore:
+        """A separate connection (each thread uses its own)."""
+        timeout = timeout or _td(self.cfg.conf("read_timeout"))
+        box: list = []
+
+        def connect():
+            try:
+                box.append(TCPStore(self.host, self.port, is_master=False, timeout=timeout))
+            except Exception as exc:  # noqa: BLE001 - reported below as one line
+                box.append(exc)
+
+        thread = threading.Thread(target=connect, daemon=True)
+        thread.start()
+        thread.join(self.HANDSHAKE_LIMIT)
+        if not box:
+            raise RendezvousError(
+                f"port {self.port} on {self.host} is in use by another program that is not a "
+                f"rendezvous store (pick another --rdzv-endpoint port)")
+        if isinstance(box[0], Exception):
+            raise RendezvousError(f"cannot reach the rendezvous store at {self.host}:{self.port}: "
+                                  f"{str(box[0]).splitlines()[0]}")
+        return box[0]
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+
+class RoundProtocol:
+    """One agent's side of the round protocol (see the module docstring)."""
+
+    def __init__(self, store: JobStore, cfg: LaunchConfig, me: NodeInfo):
+        self.store = store
+        self.s = store.client
+        self.cfg = cfg
+        self.me = me
+        self._last_call = cfg.conf("last_call_timeout")
+
+    def k(self, name: str) -> str:
+        return self.store.key(name)
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except DistNetworkError as exc:
+            raise StoreLost(f"lost the rendezvous store at {self.store.host}:{self.store.port} "
+                            f"({str(exc).splitlines()[0]})") from None
+
+    def current_round(self) -> int:
+        value = self._call(self.s.compare_set, self.k("round"), "", "0")
+        return int(value)
+
+    def join(self, number: int, expected: Optional[int] = None) -> Round:
+        """Join round `number`; returns once it is closed. `expected`: nodes the previous round
+        knows to be alive, so a restart round closes as soon as they are all back."""
+        me = dataclasses.replace(self.me)
+        me.seq = self._call(self.s.add, self.k(f"r{number}/joined"), 1)
+        self._call(self.s.set, self.k(f"r{number}/node/{me.seq}"), json.dumps(dataclasses.asdict(me)))
+        closed_key = self.k(f"r{number}/closed")
+        start = time.monotonic()
+        min_since = None
+        join_timeout = self.cfg.conf("join_timeout")
+        while not self._call(self.s.check, [closed_key]):
+            joined = self._call(self.s.add, self.k(f"r{number}/joined"), 0)
+            now = time.monotonic()
+            if joined >= self.cfg.min_nodes and min_since is None:
+                min_since = now
+            full = joined >= self.cfg.max_nodes
+            everyone_back = expected is not None and joined >= max(expected, self.cfg.min_nodes)
+            last_call_over = min_since is not None and now - min_since >= self._last_call
+            if full or everyone_back or last_call_over:
+                self._call(self.s.compare_set, closed_key, "", str(joined))
+                break
+            if now - start > join_timeout:
+                nodes = self._nodes(number, joined)
+                raise RendezvousError(
+                    f"rendezvous round {number} timed out after {join_timeout:g}s: "
+                    f"{joined} of {self.cfg.min_nodes} needed nodes joined "
+                    f"({', '.join(n.label() for n in nodes)}); "
+                    f"{self.cfg.min_nodes - joined} missing")
+            try:
+                self.s.wait([closed_key], _td(0.05))
+            except DistStoreError:
+                pass
+            except DistNetworkError:
+                self._call(self.s.check, [closed_key])  # raises StoreLost
+        admitted = int(self._call(self.s.get, closed_key))
+        nodes = self._nodes(number, admitted)
+        nodes.sort(key=lambda n: (n.order_key is None, n.order_key or 0, n.host, n.seq))
+        if me.seq > admitted:  # joined after the round closed: wait for the next one
+            return Round(number, me, nodes[: self.cfg.min_nodes], nodes[self.cfg.min_nodes:] + [me])
+        return Round(number, me, nodes[: self.cfg.min_nodes], nodes[self.cfg.min_nodes:])
+
+    def _nodes(self, number: int, count: int) -> List[NodeInfo]:
+        if count <= 0:
+            return []
+        raw = self._call(self.s.multi_get, [self.k(f"r{number}/node/{i}") for i in range(1, count + 1)])
+        return [NodeInfo(**json.loads(value)) for value in raw]
+
+    # -- the workers' store address --------------------------------------------------------
+    def publish_worker_store(self, number: int, addr: str, port: int) -> None:
+        self._call(self.s.set, self.k(f"r{number}/worker_store"), f"{addr}:{port}")
+
+    def worker_store(self, number: int) -> tuple:
+        key = self.k(f"r{number}/worker_store")
+        try:
+            self.s.wait([key], _td(self.cfg.conf("read_timeout")))
+        except DistStoreError:
+            raise RendezvousError(f"round {number}: node 0 never published the workers' store") from None
+        except DistNetworkError:
+            self._call(self.s.check, [key])
+        host, _, port = self._call(self.s.get, key).decode().rpartition(":")
+        return host, int(port)
+
+    # -- ending a round ----------------------------------------------------------------------
+    def interrupt(self, number: int, reason: dict) -> dict:
+        """Report a failure or shutdown. The first reporter decides the verdict; returns it."""
+        text = json.dumps(reason, sort_keys=True)
+        winner = self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text)
+        if winner.decode() == text:
+            verdict = dict(reason)
+            if reason.get("kind") == "failure":
+                used = self._call(self.s.add, self.k("restarts_used"), 1)
+                verdict.update(restart=used <= self.cfg.max_restarts, restarts_used=used)
+            else:
+                verdict.update(restart=False)
+            verdict["next_round"] = number + 1
+            self._call(self.s.set, self.k(f"r{number}/verdict"), json.dumps(verdict))
+            if verdict["restart"]:
+                self._call(self.s.set, self.k("round"), str(number + 1))
+        return self.verdict(number)
+
+    def verdict(self, number: int, timeout: float = 60.0) -> dict:
+        key = self.k(f"r{number}/verdict")
+        try:
+            self.s.wait([key], _td(timeout))
+        except DistStoreError:
+            raise RendezvousError(f"round {number} was interrupted but no verdict came") from None
+        except DistNetworkError:
+            self._call(self.s.check, [key])
+        return json.loads(self._call(self.s.get, key))
+
+    def interrupted(self, number: int) -> bool:
+        return bool(self._call(self.s.check, [self.k(f"r{number}/interrupt")]))
+
+    def restarts_used(self) -> int:
+        return int(self._call(self.s.add, self.k("restarts_used"), 0))
+
+    def mark_done(self, number: int) -> int:
+        return self._call(self.s.add, self.k(f"r{number}/done"), 1)
+
+    def done_count(self, number: int) -> int:
+        return self._call(self.s.add, self.k(f"r{number}/done"), 0)
+
+    def mark_left(self, number: int) -> int:
+        return self._call(self.s.add, self.k(f"r{number}/left"), 1)
+
+    def left_count(self, number: int) -> int:
+        return self._call(self.s.add, self.k(f"r{number}/left"), 0)
+
+
+class RoundWatcher(threading.Thread):
+    """Background thread with its own store connection: wakes the agent the moment the round
+    is interrupted, keeps this node's keep-alive counter ticking, and reports peers whose
+    counters stop (a node that died without a word)."""
+
+    def __init__(self, store: JobStore, cfg: LaunchConfig, me: NodeInfo, wake: Callable[[], None]):
+        super().__init__(name="ft-round-watcher", daemon=True)
+        self.s = store.new_client()
+        self.store = store
+        self.me = me
+        self.wake = wake
+        self.interval = cfg.conf("keep_alive_interval")
+        self.max_silent = cfg.conf("keep_alive_max_attempt") * self.interval
+        self._lock = threading.Lock()
+        self._round: Optional[Round] = None
+        self._stop = threading.Event()
+        self.interrupted_round: Optional[int] = None
+        self.dead_peers: List[NodeInfo] = []
+        self.store_lost: Optional[str] = None
+
+    def watch(self, rnd: Optional[Round]) -> None:
+        with self._lock:
+            self._round = rnd
+            self.dead_peers = []
+        self._seen = {}
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        alive_key = self.store.key(f"alive/{self.me.node_id}")
+        self._seen = {}
+        next_beat = 0.0
+        while not self._stop.is_set():
+            try:
+                now = time.monotonic()
+                if now >= next_beat:
+                    self.s.add(alive_key, 1)
+                    next_beat = now + self.interval
+                    self._check_peers(now)
+                with self._lock:
+                    rnd = self._round
+                if rnd is None:
+                    self._stop.wait(min(self.interval, 0.1))
+                    continue
+                key = self.store.key(f"r{rnd.number}/interrupt")
+                try:
+                    self.s.wait([key], _td(max(0.01, next_beat - time.monotonic())))
+                    with self._lock:
+                        if self._round is rnd and self.interrupted_round != rnd.number:
+                            self.interrupted_round = rnd.number
+                            self.wake()
+                except DistStoreError:
+                    pass
+            except DistNetworkError as exc:
+                if self._stop.is_set():
+                    return
+                self.store_lost = (f"lost the rendezvous store at {self.store.host}:{self.store.port} "
+                                   f"({str(exc).splitlines()[0]})")
+                self.wake()
+                return
+
+    def _check_peers(self, now: float) -> None:
+        with self._lock:
+            rnd = self._round
+        if rnd is None:
+            return
+        peers = [n for n in rnd.active + rnd.spares if n.node_id != self.me.node_id]
+        if not peers:
+            return
+        counts = self.s.multi_get([self.store.key(f"alive/{n.node_id}") for n in peers])
+        dead = []
+        for node, count in zip(peers, counts):
+            last_count, since = self._seen.get(node.node_id, (None, now))
+            if count != last_count:
+                self._seen[node.node_id] = (count, now)
+            elif now - since > self.max_silent:
+                dead.append(node)
+        if dead:
+            with self._lock:
+                if self._round is rnd and not self.dead_peers:
+                    self.dead_peers = dead
+                    self.wake()

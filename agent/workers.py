@@ -1,0 +1,154 @@
+"""The ranks of one node: their environment, spawning, exit tracking and stopping.
+
+Each rank runs in its own session (pgid == pid), so a signal to its group reaches the children
+it started; it gets PR_SET_PDEATHSIG=SIGKILL (through util-linux `setpriv`, which sets it and
+execs, or a preexec hook where setpriv is missing), and its group is registered with the
+orphan watchdog. Exits are observed through pidfds, which the agent's event loop selects on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import time
+from typing import Dict, List, Optional
+
+from .launch_config import LaunchConfig
+from .orphan_watchdog import OrphanWatchdog
+from .rank_output import RankOutput
+
+_SETPRIV = shutil.which("setpriv")
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec (fallback only)
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+
+
+@dataclasses.dataclass
+class Rank:
+    local_rank: int
+    rank: int
+    proc: subprocess.Popen
+    pidfd: int
+    start_ns: int
+    output: object
+    exitcode: Optional[int] = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class WorkerGroup:
+    """The ranks of this node for one cycle."""
+
+    def __init__(self, cfg: LaunchConfig, watchdog: OrphanWatchdog, output: RankOutput):
+        self.cfg = cfg
+        self.watchdog = watchdog
+        self.output = output
+        self.ranks: List[Rank] = []
+
+    def rank_env(self, local_rank: int, rank: int, cycle: int, group_rank: int, world_size: int,
+                 group_world_size: int, master: tuple, extra: Dict[str, str]) -> Dict[str, str]:
+        env = dict(os.environ)
+        if env.pop("FT_LAUNCHER_QUIET_CPP_LOG", None):  # the agent's own setting, not the user's
+            env.pop("TORCH_CPP_LOG_LEVEL", None)
+        env.update({
+            "LOCAL_RANK": str(local_rank), "RANK": str(rank), "GROUP_RANK": str(group_rank),
+            "ROLE_RANK": str(rank), "ROLE_NAME": self.cfg.role,
+            "LOCAL_WORLD_SIZE": str(self.cfg.nproc_per_node), "WORLD_SIZE": str(world_size),
+            "GROUP_WORLD_SIZE": str(group_world_size), "ROLE_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+            "TORCHELASTIC_RESTART_COUNT": str(cycle),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.cfg.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.cfg.rdzv_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
+        })
+        if self.cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so ranks do not oversubscribe
+        env.update(extra)
+        return env
+
+    def spawn(self, local_rank: int, rank: int, env: Dict[str, str], cycle: int) -> Rank:
+        cfg = self.cfg
+        log_file = None
+        if cfg.log_dir:
+            cycle_dir = os.path.join(cfg.log_dir, f"cycle_{cycle}")
+            os.makedirs(cycle_dir, exist_ok=True)
+            log_file = os.path.join(cycle_dir, f"rank_{rank}.log")
+        show = cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter
+        stdout, stderr, handle = self.output.plan(
+            rank, cfg.capture.get(local_rank, 0), cfg.tee.get(local_rank, 0), show, log_file)
+        cmd = list(cfg.entrypoint)
+        kwargs = {}
+        if _SETPRIV:
+            cmd = [_SETPRIV, "--pdeathsig", "KILL", "--"] + cmd
+        else:
+            kwargs["preexec_fn"] = _set_pdeathsig
+        start_ns = time.monotonic_ns()
+        try:
+            proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, close_fds=True, **kwargs)
+        finally:
+            for fd in (stdout, stderr):
+                if isinstance(fd, int) and fd >= 0:
+                    os.close(fd)
+        self.watchdog.watch(proc.pid)
+        self.output.attach(handle)
+        rank_obj = Rank(local_rank, rank, proc, os.pidfd_open(proc.pid), start_ns, handle)
+        self.ranks.append(rank_obj)
+        return rank_obj
+
+    def reap(self, rank: Rank) -> Optional[int]:
+        """Collect an exited rank; kill what is left of its process group."""
+        if rank.exitcode is not None:
+            return rank.exitcode
+        code = rank.proc.poll()
+        if code is None:
+            return None
+        rank.exitcode = code
+        _killpg(rank.pid, signal.SIGKILL)
+        self.watchdog.forget(rank.pid)
+        os.close(rank.pidfd)
+        self.output.finish(rank.output)
+        return code
+
+    def running(self) -> List[Rank]:
+        return [r for r in self.ranks if r.exitcode is None and self.reap(r) is None]
+
+    def stop(self, sig: int, grace: float) -> None:
+        """Send `sig` to every running rank's group; SIGKILL those still there after `grace`."""
+        running = self.running()
+        for r in running:
+            _killpg(r.pid, signal.SIGCONT)
+            _killpg(r.pid, sig)
+        deadline = time.monotonic() + grace
+        for r in running:
+            try:
+                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _killpg(r.pid, signal.SIGKILL)
+                r.proc.wait()
+            self.reap(r)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

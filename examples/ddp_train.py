@@ -1,0 +1,110 @@
+"""A small DDP training job on gloo that checkpoints and resumes: the example for the README,
+and the job the tests and benchmarks run.
+
+    ft_launcher --standalone --nproc-per-node 2 examples/ddp_train.py --steps 300
+
+Deterministic: the model is seeded and the batch of step s on rank r is a function of (seed,
+s, r), and a restart resumes from the last checkpoint, so a run with failures ends with exactly
+the model of a run without them. Rank 0 prints `FINAL step=<n> checksum=<c>` and writes
+`final.json` into --ckpt-dir. The same file runs under torchrun or plain python (one rank).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import ft_launcher as ft
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--ckpt-dir", default="ckpt")
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (tests)")
+    p.add_argument("--progress-dir", default=None, help="each rank appends 'cycle step time' lines here")
+    p.add_argument("--fail-at-step", type=int, default=None, help="exit 1 at this step (tests)")
+    p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--fail-cycles", type=int, default=1, help="fail only in cycles below this (-1: always)")
+    return p.parse_args()
+
+
+def batch(seed, step, rank):
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    x = torch.randn(32, 16, generator=g)
+    return x, x.sum(dim=1, keepdim=True) * 0.5 + 0.1
+
+
+def checksum(model):
+    return float(sum(p.double().sum() for p in model.parameters()))
+
+
+def main():
+    args = parse_args()
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cycle = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    progress = None
+    if args.progress_dir:
+        os.makedirs(args.progress_dir, exist_ok=True)
+        progress = open(os.path.join(args.progress_dir, f"rank_{rank}.txt"), "a", buffering=1)
+
+    with ft.section("setup"):
+        dist.init_process_group("gloo")
+        torch.manual_seed(args.seed)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        os.makedirs(args.ckpt_dir, exist_ok=True)
+        path = os.path.join(args.ckpt_dir, "ckpt.pt")
+        start = 0
+        if os.path.exists(path):
+            state = torch.load(path, weights_only=True)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            start = state["step"]
+            if rank == 0:
+                print(f"resumed from step {start} (cycle {cycle})", flush=True)
+
+    loss = torch.tensor(0.0)
+    for step in range(start + 1, args.steps + 1):
+        with ft.section("step"):
+            if (args.fail_at_step == step and rank == args.fail_rank
+                    and (args.fail_cycles < 0 or cycle < args.fail_cycles)):
+                print(f"rank {rank}: failing on purpose at step {step}", flush=True)
+                sys.exit(1)
+            x, y = batch(args.seed, step, rank)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            opt.step()
+            if args.step_time:
+                time.sleep(args.step_time)
+        if progress:
+            progress.write(f"{cycle} {step} {time.time():.6f}\n")
+        if step % args.ckpt_every == 0 or step == args.steps:
+            with ft.section("checkpointing"):
+                if rank == 0:
+                    tmp = path + ".tmp"
+                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+                    os.replace(tmp, path)
+                dist.barrier()
+        if rank == 0 and step % 100 == 0:
+            print(f"step {step} loss {loss.item():.5f}", flush=True)
+
+    if rank == 0:
+        result = {"step": args.steps, "checksum": checksum(model), "world_size": world, "cycle": cycle}
+        with open(os.path.join(args.ckpt_dir, "final.json"), "w") as fh:
+            json.dump(result, fh)
+        print(f"FINAL step={args.steps} loss={loss.item():.6f} checksum={result['checksum']:.10f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""The `ft_launcher` command line: torchrun's flags (both spellings), NVRx's `--ft-*` flags and
+YAML, SLURM defaults; builds a LaunchConfig and runs the node agent.
+
+Every input problem ends in one line `ft_launcher: error: ...` and exit code 2, never a
+traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from typing import Dict, List, Optional, Sequence
+
+from rank_monitor.config import FIELD_NAMES, ConfigError
+
+PROG = "ft_launcher"
+DEFAULT_C10D_PORT = 29400
+DEFAULT_MASTER_PORT = 29500
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, with a hint for a mistyped flag
+        if message.startswith("unrecognized arguments:"):
+            flag = message.split(":", 1)[1].split()[0]
+            options = [o for a in self._actions for o in a.option_strings]
+            hint = difflib.get_close_matches(flag.split("=")[0], options, n=1)
+            if hint:
+                message += f" (did you mean {hint[0]}?)"
+        raise UsageError(message)
+
+
+def _flag(parser, name: str, *extra: str, **kwargs):
+    """Add `--a-b` with its underscore twin `--a_b`."""
+    spellings = [f"--{name}"]
+    if "-" in name:
+        spellings.append(f"--{name.replace('-', '_')}")
+    parser.add_argument(*extra, *spellings, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, allow_abbrev=False,
+                description="Fault-tolerant launcher for PyTorch training (a torchrun replacement).")
+    _flag(p, "nnodes", default=None, help="N or MIN:MAX; nodes past MIN wait as hot spares (default 1, SLURM_NNODES under SLURM)")
+    _flag(p, "nproc-per-node", default="1", help="ranks per node: an int, cpu, gpu or auto")
+    _flag(p, "rdzv-backend", default=None, choices=["c10d", "static"], help="rendezvous backend (default static, c10d with --rdzv-endpoint or SLURM)")
+    _flag(p, "rdzv-endpoint", default="", help="HOST[:PORT] of the rendezvous store (default port 29400)")
+    _flag(p, "rdzv-id", default=None, help="job id shared by all nodes (default SLURM_JOB_ID or 'none')")
+    _flag(p, "rdzv-conf", default="", help="k=v,... : join_timeout, last_call_timeout, close_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_max_attempt")
+    _flag(p, "standalone", action="store_true", help="single node, local store on a free port")
+    _flag(p, "max-restarts", type=int, default=0, help="job-wide restart budget (default 0)")
+    _flag(p, "monitor-interval", type=float, default=0.1, help="fallback polling period of the agent in seconds")
+    _flag(p, "start-method", default="spawn", choices=["spawn", "fork", "forkserver"], help="accepted for torchrun compatibility; ranks are always fresh processes")
+    _flag(p, "role", default="default")
+    _flag(p, "module", "-m", action="store_true", help="run the script as a module (python -m)")
+    _flag(p, "no-python", action="store_true", help="run the script directly, not through python")
+    _flag(p, "run-path", action="store_true", help="run the script through runpy.run_path")
+    _flag(p, "log-dir", default=None, help="per-rank, per-cycle logs and events.jsonl go here")
+    _flag(p, "redirects", "-r", default="0", help="streams to send only to the log files: 0-3 or local_rank:mask,...")
+    _flag(p, "tee", "-t", default="0", help="streams to copy to the log files and the console: 0-3 or local_rank:mask,...")
+    _flag(p, "local-ranks-filter", default="", help="show only these local ranks on the console, e.g. 0,1")
+    _flag(p, "node-rank", type=int, default=None, help="this node's rank (static backend)")
+    _flag(p, "master-addr", default="127.0.0.1", help="store host (static backend)")
+    _flag(p, "master-port", type=int, default=DEFAULT_MASTER_PORT, help="store port (static backend)")
+    _flag(p, "local-addr", default=None, help="address the other nodes reach this node at")
+    _flag(p, "term-timeout", type=float, default=30.0, help="seconds ranks get after SIGTERM/SIGINT before SIGKILL")
+    _flag(p, "workers-stop-timeout", type=float, default=15.0, help="seconds ranks get to stop at a restart before SIGKILL")
+    _flag(p, "ft-cfg-path", default=None, help="YAML with a fault_tolerance: section")
+    ft = p.add_argument_group("fault tolerance (also --ft-param-<key>)")
+    for key in FIELD_NAMES:
+        dashed = key.replace("_", "-")
+        spellings = dict.fromkeys([f"--ft-{dashed}", f"--ft-{key}", f"--ft-param-{key}", f"--ft-param-{dashed}"])
+        ft.add_argument(*spellings, dest=f"ft__{key}", default=None, metavar="V")
+    p.add_argument("training_script", help="the script (or module, or program) every rank runs")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+# ---- value parsing -------------------------------------------------------------------------
+def parse_nnodes(text: str) -> tuple:
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            low = high = int(parts[0])
+        elif len(parts) == 2:
+            low, high = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--nnodes: expected N or MIN:MAX, got {text!r}") from None
+    if low < 1 or high < low:
+        raise UsageError(f"--nnodes: need 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def parse_rdzv_conf(text: str) -> Dict[str, object]:
+    from agent.launch_config import RDZV_CONF_DEFAULTS
+
+    conf: Dict[str, object] = dict(RDZV_CONF_DEFAULTS)
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"--rdzv-conf: expected key=value, got {item!r}")
+        if key == "is_host":
+            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise UsageError(f"--rdzv-conf: is_host must be true or false, got {value!r}")
+            conf[key] = value.lower() in ("1", "true", "yes")
+        elif key in RDZV_CONF_DEFAULTS or key == "timeout":
+            try:
+                number = float(value)
+            except ValueError:
+                raise UsageError(f"--rdzv-conf: {key} must be a number, got {value!r}") from None
+            if number < 0:
+                raise UsageError(f"--rdzv-conf: {key} must not be negative, got {value!r}")
+            conf["join_timeout" if key == "timeout" else key] = number
+        else:
+            hint = difflib.get_close_matches(key, list(RDZV_CONF_DEFAULTS) + ["is_host"], n=1)
+            print(f"{PROG}: warning: --rdzv-conf: unknown key {key!r} ignored"
+                  + (f" (did you mean {hint[0]!r}?)" if hint else ""), file=sys.stderr)
+    return conf
+
+
+def parse_stream_map(flag: str, text: str, nproc: int) -> Dict[int, int]:
+    text = text.strip()
+    try:
+        if ":" not in text:
+            mask = int(text)
+            if not 0 <= mask <= 3:
+                raise ValueError
+            return {i: mask for i in range(nproc)} if mask else {}
+        out = {}
+        for item in text.split(","):
+            rank, _, mask = item.partition(":")
+            value = int(mask)
+            if not 0 <= value <= 3:
+                raise ValueError
+            out[int(rank)] = value
+        return out
+    except ValueError:
+        raise UsageError(f"{flag}: expected 0-3 or local_rank:mask,... (1 stdout, 2 stderr, 3 both), got {text!r}") from None
+
+
+def parse_nproc(text: str) -> int:
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    if text in ("gpu", "auto"):
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if text == "gpu":
+            if not gpus:
+                raise UsageError("--nproc-per-node gpu: no GPU found on this node")
+            return gpus
+        return gpus or (os.cpu_count() or 1)
+    if text == "cpu":
+        return os.cpu_count() or 1
+    raise UsageError(f"--nproc-per-node: expected a positive int, cpu, gpu or auto, got {text!r}")
+
+
+def parse_endpoint(text: str, default_port: int) -> tuple:
+    host, sep, port = text.rpartition(":") if text.count(":") == 1 or text.startswith("[") else (text, "", "")
+    if not sep:
+        return text or "127.0.0.1", default_port
+    host = host.strip("[]")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise UsageError(f"--rdzv-endpoint: bad port in {text!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def entrypoint(args) -> List[str]:
+    script, rest = args.training_script, list(args.training_script_args)
+    if args.no_python:
+        if args.module:
+            raise UsageError("--no-python and --module cannot be combined")
+        if not (os.path.isfile(script) or shutil.which(script)):
+            raise UsageError(f"program not found: {script}")
+        return [script] + rest
+    if args.module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(script.split(".")[0]) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"module not found: {script}")
+        return [sys.executable, "-u", "-m", script] + rest
+    if not os.path.isfile(script):
+        raise UsageError(f"training script not found: {script}")
+    if args.run_path:
+        runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        return [sys.executable, "-u", "-c", runner, script] + rest
+    return [sys.executable, "-u", script] + rest
+
+
+def _slurm():
+    try:
+        from agent.slurm_env import slurm_info
+    except ImportError:
+        return None
+    try:
+        return slurm_info()
+    except ValueError as exc:
+        raise UsageError(f"SLURM environment: {exc}") from None
+
+
+def launch_config(argv: Sequence[str]):
+    from agent.launch_config import LaunchConfig
+    from ft_launcher.ft_config_loading import build_ft_config
+
+    args = build_parser().parse_args(argv)
+    slurm = _slurm()
+    nproc = parse_nproc(args.nproc_per_node)
+    backend = args.rdzv_backend
+    order_key: Optional[int] = None
+    if args.standalone:
+        backend, low, high = "c10d", 1, 1
+        host, port, run_id = "127.0.0.1", 0, args.rdzv_id or uuid.uuid4().hex[:12]
+    else:
+        low, high = parse_nnodes(args.nnodes) if args.nnodes else (
+            (slurm.nnodes, slurm.nnodes) if slurm else (1, 1))
+        if args.rdzv_endpoint:
+            backend = backend or "c10d"
+            host, port = parse_endpoint(args.rdzv_endpoint, DEFAULT_C10D_PORT)
+        elif slurm and backend != "static":
+            backend, host, port = "c10d", slurm.first_host, DEFAULT_MASTER_PORT
+        else:
+            backend = backend or "static"
+            host, port = args.master_addr, args.master_port
+        run_id = args.rdzv_id or (slurm.job_id if slurm else "none")
+        if slurm:
+            order_key = slurm.node_rank
+        if args.node_rank is not None:
+            order_key = args.node_rank
+        elif order_key is None and os.environ.get("GROUP_RANK", "").isdigit():
+            order_key = int(os.environ["GROUP_RANK"])
+        if backend == "static":
+            if low != high:
+                raise UsageError("--rdzv-backend static needs a fixed --nnodes N (use c10d for MIN:MAX)")
+            order_key = order_key or 0
+    rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
+    is_host = rdzv_conf.pop("is_host", None)
+    if backend == "static" and is_host is None:
+        is_host = order_key == 0
+    for flag in ("max_restarts",):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} must not be negative")
+    ft_cli = {k[4:]: v for k, v in vars(args).items() if k.startswith("ft__") and v is not None}
+    try:
+        ft = build_ft_config(args.ft_cfg_path, ft_cli, warn=lambda m: print(f"{PROG}: warning: {m}", file=sys.stderr))
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    capture = parse_stream_map("--redirects", args.redirects, nproc)
+    tee = parse_stream_map("--tee", args.tee, nproc)
+    log_dir = args.log_dir
+    if log_dir:
+        log_dir = os.path.abspath(log_dir)
+        if not capture and not tee:
+            tee = {i: 3 for i in range(nproc)}  # a log dir means files for every rank, console too
+    elif capture:
+        log_dir = tempfile.mkdtemp(prefix="ft_launcher_logs_")
+        print(f"{PROG}: --redirects without --log-dir: logs go to {log_dir}", file=sys.stderr)
+    ranks_filter = None
+    if args.local_ranks_filter:
+        try:
+            ranks_filter = {int(x) for x in args.local_ranks_filter.split(",") if x.strip()}
+        except ValueError:
+            raise UsageError(f"--local-ranks-filter: expected e.g. 0,1, got {args.local_ranks_filter!r}") from None
+    return LaunchConfig(
+        min_nodes=low, max_nodes=high, nproc_per_node=nproc, entrypoint=entrypoint(args),
+        rdzv_backend=backend, rdzv_host=host, rdzv_port=port, rdzv_id=run_id, rdzv_conf=rdzv_conf,
+        is_host=is_host, order_key=order_key, standalone=args.standalone, max_restarts=args.max_restarts,
+        monitor_interval=args.monitor_interval, role=args.role, log_dir=log_dir, capture=capture, tee=tee,
+        local_ranks_filter=ranks_filter, local_addr=args.local_addr, term_timeout=args.term_timeout,
+        workers_stop_timeout=args.workers_stop_timeout, ft=ft)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "TORCH_CPP_LOG_LEVEL" not in os.environ:  # quiet torch's C++ store warnings in the agent only
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        os.environ["FT_LAUNCHER_QUIET_CPP_LOG"] = "1"
+    try:
+        cfg = launch_config(argv)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    from agent.agent import NodeAgent
+    from agent.events import EventLog
+
+    events = EventLog(os.path.join(cfg.log_dir, "events.jsonl") if cfg.log_dir else None)
+    try:
+        return NodeAgent(cfg, events).run()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        events.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
