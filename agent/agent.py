@@ -49,6 +49,7 @@ class NodeAgent:
         os.set_blocking(self._wake_w, False)
         self._signal: Optional[int] = None
         self.monitors: list = []
+        events.node = socket.gethostname()  # until the rendezvous gives this node its rank
         self._pending_reports: Dict[int, List[dict]] = {}
 
     # ---- plumbing -----------------------------------------------------------------------

@@ -39,7 +39,7 @@ class EventLog:
             except (OSError, ValueError):
                 pass
 
-    def event(self, kind: str, message: Optional[str] = None, rank: Optional[int] = None,
+    def event(self, kind: str, message: Optional[str] = None, /, rank: Optional[int] = None,
               **detail: Any) -> None:
         """Record one event; `message`, when given, is also logged as the operator's line."""
         if message:

@@ -14,7 +14,7 @@ live under `ft/<run_id>/`. A *round* is one training cycle:
     alive/<node_id>        keep-alive counters
 
 Ranks are assigned in infrastructure order (SLURM_PROCID / node rank / GROUP_RANK when known,
-then host name, then join order), never purely by who joined first. With `--nnodes MIN:MAX`,
+then the order agents first reached the store, kept for the job's life), never purely by who joined first. With `--nnodes MIN:MAX`,
 the first MIN nodes in that order train and the others wait as hot spares for the next round.
 Waits block in the store (`TCPStore.wait`), so a closed round is seen at once, not on a 1 s poll.
 """
@@ -51,6 +51,7 @@ class NodeInfo:
     host: str          # address the other nodes reach this node at
     order_key: Optional[int]
     nproc: int
+    stable: int = 0    # drawn once per agent from the store: placement survives restarts
     seq: int = 0
 
     def label(self) -> str:
@@ -131,7 +132,7 @@ class JobStore:
                 if cfg.is_host:
                     raise RendezvousError(
                         f"port {self.port} is already in use: cannot host the rendezvous store there "
-                        f"(pick another --rdzv-endpoint port)") from None
+                        f"(pick another {self._port_flag()} port)") from None
         self.client = self.server if self.is_host else self._connect(timeout)
 
     def _connect(self, timeout: datetime.timedelta) -> TCPStore:
@@ -169,7 +170,7 @@ class JobStore:
         if not box:
             raise RendezvousError(
                 f"port {self.port} on {self.host} is in use by another program that is not a "
-                f"rendezvous store (pick another --rdzv-endpoint port)")
+                f"rendezvous store (pick another {self._port_flag()} port)")
         if isinstance(box[0], Exception):
             raise RendezvousError(f"cannot reach the rendezvous store at {self.host}:{self.port}: "
                                   f"{str(box[0]).splitlines()[0]}")
@@ -177,6 +178,9 @@ class JobStore:
 
     def key(self, name: str) -> str:
         return self.prefix + name
+
+    def _port_flag(self) -> str:
+        return "--master-port" if self.cfg.rdzv_backend == "static" else "--rdzv-endpoint"
 
 
 class RoundProtocol:
@@ -188,6 +192,8 @@ class RoundProtocol:
         self.cfg = cfg
         self.me = me
         self._last_call = cfg.conf("last_call_timeout")
+        if not me.stable:
+            me.stable = self._call(self.s.add, self.k("agents"), 1)
 
     def k(self, name: str) -> str:
         return self.store.key(name)
@@ -239,7 +245,7 @@ class RoundProtocol:
                 self._call(self.s.check, [closed_key])  # raises StoreLost
         admitted = int(self._call(self.s.get, closed_key))
         nodes = self._nodes(number, admitted)
-        nodes.sort(key=lambda n: (n.order_key is None, n.order_key or 0, n.host, n.seq))
+        nodes.sort(key=lambda n: (n.order_key is None, n.order_key or 0, n.stable))
         if me.seq > admitted:  # joined after the round closed: wait for the next one
             return Round(number, me, nodes[: self.cfg.min_nodes], nodes[self.cfg.min_nodes:] + [me])
         return Round(number, me, nodes[: self.cfg.min_nodes], nodes[self.cfg.min_nodes:])

@@ -28,6 +28,8 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, with a hint for a mistyped flag
+        if "required: training_script" in message:
+            message = "no training script given (usage: ft_launcher [flags] train.py [script args])"
         if message.startswith("unrecognized arguments:"):
             flag = message.split(":", 1)[1].split()[0]
             options = [o for a in self._actions for o in a.option_strings]
