@@ -1,0 +1,100 @@
+"""Shared test machinery: launch real ft_launcher processes, tag everything they start, and
+prove with psutil that nothing they started outlives the test.
+
+Every process a test launches carries FT_TEST_TOKEN=<unique> in its environment; ranks,
+monitors, watchdogs and grandchildren inherit it, so even an orphan reparented to init is
+found. Zombies count as gone (this machine's PID 1 reaps late).
+"""
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "ddp_train.py")
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+LAUNCHER = [sys.executable, "-m", "ft_launcher"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tagged(token):
+    """Live (non-zombie) processes whose environment carries `token`."""
+    found = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get("FT_TEST_TOKEN") == token:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_until_gone(token, timeout):
+    deadline = time.monotonic() + timeout
+    while True:
+        left = tagged(token)
+        if not left or time.monotonic() > deadline:
+            return left
+        psutil.wait_procs(left, timeout=min(0.2, max(0.01, deadline - time.monotonic())))
+
+
+class Launcher:
+    """Starts ft_launcher processes for one test, all tagged with the test's token."""
+
+    def __init__(self, token, tmp_path):
+        self.token = token
+        self.tmp = tmp_path
+        self.procs = []
+
+    def env(self, extra=None):
+        env = dict(os.environ)
+        env["FT_TEST_TOKEN"] = self.token
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        env.update(extra or {})
+        return env
+
+    def start(self, args, extra_env=None, **kwargs):
+        proc = subprocess.Popen(LAUNCHER + [str(a) for a in args], env=self.env(extra_env), cwd=self.tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, args, timeout=120, extra_env=None):
+        proc = self.start(args, extra_env)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            pytest.fail(f"ft_launcher did not finish in {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def cleanup(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    token = uuid.uuid4().hex
+    helper = Launcher(token, tmp_path)
+    yield helper
+    helper.cleanup()
+    left = wait_until_gone(token, timeout=5)
+    for proc in left:
+        proc.kill()
+    assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"

@@ -1,0 +1,204 @@
+"""The launcher end to end: real agents, a real rendezvous, real ranks, real signals."""
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import EXAMPLE, SCRIPTS, free_port, tagged
+
+ENV_DUMP = os.path.join(SCRIPTS, "env_dump.py")
+FAIL_RANK = os.path.join(SCRIPTS, "fail_rank.py")
+SLEEPER = os.path.join(SCRIPTS, "sleeper.py")
+
+
+def read_json(path):
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def events(log_dir):
+    with open(os.path.join(log_dir, "events.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def wait_for_files(paths, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(p) for p in paths):
+        assert time.monotonic() < deadline, f"never appeared: {paths}"
+        time.sleep(0.05)
+
+
+def test_example_ddp_job_completes_one_agent_two_ranks(launcher, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", EXAMPLE, "--steps", "60", "--ckpt-dir", ckpt])
+    assert res.returncode == 0, res.stderr
+    assert "FINAL step=60" in res.stdout
+    final = read_json(ckpt / "final.json")
+    assert final["world_size"] == 2 and final["cycle"] == 0
+
+
+def test_two_agents_form_one_job_in_infrastructure_order(launcher, tmp_path):
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "two", ENV_DUMP, tmp_path]
+    # The agent started first claims GROUP_RANK 1 from its environment: order must follow it.
+    first = launcher.start(common, extra_env={"GROUP_RANK": "1"})
+    second = launcher.start(common, extra_env={"GROUP_RANK": "0"})
+    for proc in (first, second):
+        proc.communicate(timeout=90)
+        assert proc.returncode == 0
+    records = [read_json(tmp_path / f"rank_{r}.json") for r in range(4)]
+    assert {r["WORLD_SIZE"] for r in records} == {"4"}
+    assert [r["GROUP_RANK"] for r in records] == ["0", "0", "1", "1"]
+    assert [r["LOCAL_RANK"] for r in records] == ["0", "1", "0", "1"]
+    assert {r["GROUP_WORLD_SIZE"] for r in records} == {"2"}
+    assert {r["TORCHELASTIC_RUN_ID"] for r in records} == {"two"}
+    assert all(r["allreduce"] == 4.0 for r in records)
+    pids = {p.pid for p in (first, second)}
+    assert len(pids) == 2
+
+
+def test_rank_failure_restarts_and_resumes_exactly_from_checkpoint(launcher, tmp_path):
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    base = ["--standalone", "--nproc-per-node", "2", "--log-dir", tmp_path / "logs"]
+    job = [EXAMPLE, "--steps", "40", "--ckpt-every", "10"]
+    ok = launcher.run(["--standalone", "--nproc-per-node", "2"] + job + ["--ckpt-dir", clean])
+    assert ok.returncode == 0, ok.stderr
+    res = launcher.run(base + ["--max-restarts", "2"] + job + ["--ckpt-dir", faulty, "--fail-at-step", "25",
+                                                                 "--fail-rank", "1"])
+    assert res.returncode == 0, res.stderr
+    assert "resumed from step 20 (cycle 1)" in res.stdout
+    assert "rank 1 on node 0" in res.stderr and "exited with code 1" in res.stderr
+    final, reference = read_json(faulty / "final.json"), read_json(clean / "final.json")
+    assert final["cycle"] == 1  # TORCHELASTIC_RESTART_COUNT went 0 -> 1
+    assert final["checksum"] == reference["checksum"]
+    kinds = [e["kind"] for e in events(tmp_path / "logs")]
+    assert kinds.count("cycle_start") == 2 and "failure" in kinds and "restart" in kinds
+    assert kinds[-1] == "job_complete"
+    # one log file per rank per cycle
+    for cycle in (0, 1):
+        for rank in (0, 1):
+            assert (tmp_path / "logs" / f"cycle_{cycle}" / f"rank_{rank}.log").exists()
+    assert "[rank 0] resumed from step 20" in res.stdout  # teed lines carry the rank
+
+
+def test_spent_budget_exits_1_naming_rank_code_and_cycle(launcher, tmp_path):
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", FAIL_RANK, "1", "-1"])
+    assert res.returncode == 1
+    last = res.stderr.strip().splitlines()[-1]
+    assert "rank 1" in last and "exited with code 1" in last and "cycle 1" in last
+    assert "restart budget spent (1/1" in last
+
+
+def test_failure_on_agent_b_restarts_ranks_on_agent_a(launcher, tmp_path):
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", "ab", "--max-restarts", "1", FAIL_RANK, "3", "1"]
+    a = launcher.start(common, extra_env={"GROUP_RANK": "0"})
+    b = launcher.start(common, extra_env={"GROUP_RANK": "1"})
+    out_a, err_a = a.communicate(timeout=90)
+    out_b, err_b = b.communicate(timeout=90)
+    assert a.returncode == 0 and b.returncode == 0, err_a + err_b
+    assert "on another node" in err_a and "cycle 1: node 0 of 2" in err_a
+    assert "rank 0 done in cycle 1" in out_a and "rank 1 done in cycle 1" in out_a
+    assert "rank 3 failing in cycle 0" in out_b
+
+
+def _start_sleepers(launcher, tmp_path, extra=()):
+    proc = launcher.start(["--standalone", "--nproc-per-node", "2", *extra, SLEEPER, tmp_path])
+    wait_for_files([tmp_path / "pids_0", tmp_path / "pids_1"])
+    pids = []
+    for rank in (0, 1):
+        pids += [int(x) for x in (tmp_path / f"pids_{rank}").read_text().split()]
+    return proc, pids
+
+
+def test_sigterm_is_forwarded_to_ranks(launcher, tmp_path):
+    proc, pids = _start_sleepers(launcher, tmp_path, ["--term-timeout", "10"])
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "rank 0 got SIGTERM" in out and "rank 1 got SIGTERM" in out
+    assert time.monotonic() - start < 10
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_rank_ignoring_sigterm_is_killed_after_term_timeout(launcher, tmp_path):
+    proc = launcher.start(["--standalone", "--nproc-per-node", "1", "--term-timeout", "1", SLEEPER, tmp_path,
+                           "--ignore-term"])
+    wait_for_files([tmp_path / "pids_0"])
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    elapsed = time.monotonic() - start
+    assert "rank 0 got SIGTERM" in out
+    assert proc.returncode == 143 and 1.0 <= elapsed < 8
+
+
+def test_sigkilled_agent_leaves_no_rank_or_grandchild(launcher, tmp_path):
+    proc, pids = _start_sleepers(launcher, tmp_path)
+    proc.kill()
+    proc.communicate(timeout=10)
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=2)
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left after the agent was SIGKILLed: {alive}"
+    assert not tagged(launcher.token) or all(
+        p.status() == psutil.STATUS_ZOMBIE for p in tagged(launcher.token))
+
+
+BAD_INPUTS = [
+    (["--bogus-flag", "x.py"], "unrecognized arguments: --bogus-flag"),
+    (["--nnode", "2", "x.py"], "did you mean --nnodes?"),
+    (["--nnodes", "2:x", "x.py"], "--nnodes: expected N or MIN:MAX"),
+    (["--nnodes", "3:1", "x.py"], "--nnodes: need 1 <= MIN <= MAX"),
+    (["--rdzv-conf", "join_timeout", "x.py"], "--rdzv-conf: expected key=value"),
+    (["--rdzv_conf", "join_timeout=soon", "x.py"], "--rdzv-conf: join_timeout must be a number"),
+    (["--standalone", "missing_script.py"], "training script not found: missing_script.py"),
+    (["--nproc-per-node", "gpu", ENV_DUMP], "no GPU found"),
+    (["--nproc_per_node", "two", ENV_DUMP], "--nproc-per-node: expected a positive int"),
+    (["-m", "no_such_module_xyz"], "module not found: no_such_module_xyz"),
+    ([], "no training script given"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS, ids=[" ".join(a) or "empty" for a, _ in BAD_INPUTS])
+def test_bad_input_gives_one_line_error(launcher, args, message):
+    res = launcher.run(args, timeout=60)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ft_launcher: error:"), res.stderr
+    assert message in lines[0]
+
+
+def test_busy_port_and_rendezvous_timeout_are_one_line_errors(launcher, tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = launcher.run(["--master-port", port, ENV_DUMP, tmp_path], timeout=60)
+        assert res.returncode == 1
+        assert f"port {port} is already in use" in res.stderr and "--master-port" in res.stderr
+        assert "Traceback" not in res.stderr
+    res = launcher.run(["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                        "--rdzv-conf", "join_timeout=1", ENV_DUMP, tmp_path], timeout=60)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "timed out after 1s: 1 of 2 needed nodes joined" in res.stderr and "1 missing" in res.stderr
+
+
+def test_redirects_keep_console_clean_and_filter_selects_ranks(launcher, tmp_path):
+    logs = tmp_path / "logs"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--log-dir", logs, "--redirects", "3",
+                        ENV_DUMP, tmp_path])
+    assert res.returncode == 0
+    assert "hello from rank" not in res.stdout
+    assert "hello from rank 1" in (logs / "cycle_0" / "rank_1.log").read_text()
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--tee", "3", "--local-ranks-filter", "1",
+                        ENV_DUMP, tmp_path])
+    assert res.returncode == 0
+    assert "[rank 1] hello from rank 1" in res.stdout and "hello from rank 0" not in res.stdout
