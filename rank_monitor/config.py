@@ -12,7 +12,7 @@ import difflib
 import json
 import math
 import signal
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 # Section names every user knows; any other name is accepted too.
 COMMON_SECTIONS = ("setup", "step", "checkpointing")
@@ -40,18 +40,43 @@ class FaultToleranceConfig:
     # min(this, 0.05) s, so a hang is seen within its timeout + 50 ms whatever is set here.
     workload_check_interval: float = 5.0
     safety_factor: float = 5.0
+    # Computed timeouts (see rank_monitor/timeout_calc.py for the rule).
     calc_ft_timeouts: bool = False
+    calc_min_observations: int = 10
+    calc_timeout_floor: float = 5.0
+    ft_state_path: Optional[str] = None
+    # Timeout keys ("section:step", "out_of_section", "heartbeat:initial", ...) that computed
+    # timeouts must not replace: those given on the command line, and explicit nulls.
+    pinned_timeouts: List[str] = dataclasses.field(default_factory=list)
     log_level: str = "INFO"
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_sources(cls, *layers: "tuple[str, Mapping[str, Any]]", warn=None) -> "FaultToleranceConfig":
-        """Build from (source_name, mapping) layers, later layers overriding earlier ones."""
+    def from_sources(cls, *layers: "tuple[str, Mapping[str, Any]]", warn=None,
+                     pin_sources=("command line",)) -> "FaultToleranceConfig":
+        """Build from (source_name, mapping) layers, later layers overriding earlier ones.
+        Timeouts from a layer named in `pin_sources`, and explicit nulls, become pinned."""
         cfg = cls()
+        pinned = set()
         for source, mapping in layers:
+            before = cfg.timeout_keys()
             cfg.update(mapping, source, warn=warn)
+            after = cfg.timeout_keys()
+            for key, value in after.items():
+                changed = key not in before or before[key] != value or _mentions(mapping, key)
+                if changed and (source in pin_sources or value is None) and _mentions(mapping, key):
+                    pinned.add(key)
+        cfg.pinned_timeouts = sorted(set(cfg.pinned_timeouts) | pinned)
         cfg.validate()
         return cfg
+
+    def timeout_keys(self) -> Dict[str, Optional[float]]:
+        """Timeouts under the uniform keys of rank_monitor.timeout_calc."""
+        out = {f"section:{k}": v for k, v in self.rank_section_timeouts.items()}
+        out["out_of_section"] = self.rank_out_of_section_timeout
+        out["heartbeat:initial"] = self.initial_rank_heartbeat_timeout
+        out["heartbeat:subsequent"] = self.rank_heartbeat_timeout
+        return out
 
     def update(self, mapping: Mapping[str, Any], source: str, warn=None) -> None:
         for raw_key, value in mapping.items():
@@ -93,6 +118,23 @@ class FaultToleranceConfig:
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(FaultToleranceConfig))
+_TIMEOUT_FIELDS = {"out_of_section": "rank_out_of_section_timeout",
+                   "heartbeat:initial": "initial_rank_heartbeat_timeout",
+                   "heartbeat:subsequent": "rank_heartbeat_timeout"}
+
+
+def _mentions(mapping: Mapping[str, Any], key: str) -> bool:
+    """Does this source mapping set the timeout behind uniform `key`?"""
+    names = {normalize_key(str(k)): v for k, v in mapping.items()}
+    if key.startswith("section:"):
+        sections = names.get("rank_section_timeouts")
+        if sections is None:
+            return False
+        try:
+            return key[len("section:"):] in parse_section_timeouts(sections, "")
+        except ConfigError:
+            return False
+    return _TIMEOUT_FIELDS[key] in names
 
 
 def normalize_key(key: str) -> str:
@@ -204,6 +246,10 @@ _PARSERS = {
     "workload_check_interval": _number,
     "safety_factor": _number,
     "calc_ft_timeouts": _bool,
+    "calc_min_observations": lambda k, v, s: int(_number(k, v, s)),
+    "calc_timeout_floor": _number,
+    "ft_state_path": lambda k, v, s: None if v is None or str(v).strip() == "" else str(v),
+    "pinned_timeouts": lambda k, v, s: [str(x) for x in (v.split(",") if isinstance(v, str) else v or [])],
     "log_level": lambda k, v, s: _log_level(v, s),
 }
 
