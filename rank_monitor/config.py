@@ -89,7 +89,10 @@ class FaultToleranceConfig:
                     raise ConfigError(msg)
                 warn(msg + "; ignored")
                 continue
-            setattr(self, key, parse_value(key, value, source))
+            parsed = parse_value(key, value, source)
+            if key == "rank_section_timeouts":  # per-section precedence: later sources win per name
+                parsed = {**self.rank_section_timeouts, **parsed}
+            setattr(self, key, parsed)
 
     def validate(self) -> None:
         for name, value in self.timeouts().items():
