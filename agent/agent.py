@@ -24,6 +24,7 @@ from typing import Dict, List, Optional
 from torch.distributed import TCPStore
 
 from .events import EventLog
+from .fault_injection import FaultInjector
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .rank_output import RankOutput
@@ -83,6 +84,8 @@ class NodeAgent:
                 self.store = JobStore(self.cfg, self.say)
                 self.me = self._node_info()
                 self.proto = RoundProtocol(self.store, self.cfg, self.me)
+                self.injector = FaultInjector(self.cfg.ft, self.proto.claim_fault)
+                self._warn_if_hangs_undetectable()
                 self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake)
                 self.watcher.s.add(self.store.key(f"alive/{self.me.node_id}"), 1)
                 self.watcher.start()
@@ -186,6 +189,14 @@ class NodeAgent:
             rank = self.group.spawn(local_rank, rnd.rank_offset + local_rank, env, rnd.number)
             if monitor:
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
+        plan = None
+        if cfg.ft.simulate_fault and (cfg.ft.simulated_fault_count < 0
+                                      or self.proto.faults_fired() < cfg.ft.simulated_fault_count):
+            plan = self.injector.arm(rnd.number, rnd.world_size, rnd.rank_offset, cfg.nproc_per_node,
+                                     self.group.ranks[0].start_ns)
+        if plan and plan.chosen:
+            self.say(f"simulated fault planned: {plan.kind} in rank {plan.rank} (drawn from seed "
+                     f"{cfg.ft.simulated_fault_seed}) {plan.delay:.2f}s after start")
         try:
             return self._supervise(rnd)
         finally:
@@ -205,7 +216,11 @@ class NodeAgent:
         succeeded = False
         try:
             while True:
-                ready = sel.select(timeout=self.cfg.monitor_interval)
+                due = self.injector.seconds_until_due(time.monotonic_ns())
+                ready = sel.select(timeout=self.cfg.monitor_interval if due is None
+                                   else min(due, self.cfg.monitor_interval))
+                if due is not None and self.injector.seconds_until_due(time.monotonic_ns()) == 0:
+                    self._inject_fault()
                 for key, _ in ready:
                     if key.data == "wake":
                         try:
@@ -240,6 +255,25 @@ class NodeAgent:
                         self.say("all local ranks finished; waiting for the other nodes")
         finally:
             sel.close()
+
+    def _inject_fault(self) -> None:
+        target = self.injector.pending.rank
+        rank = next((r for r in self.group.ranks if r.rank == target and r.exitcode is None), None)
+        if rank is None:
+            self.injector.fire(-1)
+            return
+        plan = self.injector.fire(rank.pid)
+        if plan:
+            self.events.event("fault_injected", f"simulated fault: {plan.kind} injected into rank {plan.rank} "
+                              f"(pid {rank.pid}) {plan.delay:.2f}s after its start", rank=plan.rank,
+                              fault=plan.kind, delay=round(plan.delay, 3), pid=rank.pid, chosen=plan.chosen)
+
+    def _warn_if_hangs_undetectable(self) -> None:
+        ft = self.cfg.ft
+        if ft.simulate_fault and ft.simulated_fault_type != "rank_killed" and not any(
+                v for v in ft.timeout_keys().values()):
+            self.say("warning: simulated rank_hung faults need a section or heartbeat timeout to be "
+                     "detected; none is configured, so a hung rank will stay hung")
 
     def _rank_failure(self, rank: Rank, code: int, rnd: Round) -> dict:
         reports = [r for r in self._pending_reports.pop(rank.local_rank, []) if r.get("kind") == "hang"]

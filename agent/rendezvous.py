@@ -302,6 +302,13 @@ class RoundProtocol:
     def interrupted(self, number: int) -> bool:
         return bool(self._call(self.s.check, [self.k(f"r{number}/interrupt")]))
 
+    def claim_fault(self) -> int:
+        """Count one more simulated fault for the job; returns the new total."""
+        return int(self._call(self.s.add, self.k("faults_fired"), 1))
+
+    def faults_fired(self) -> int:
+        return int(self._call(self.s.add, self.k("faults_fired"), 0))
+
     def restarts_used(self) -> int:
         return int(self._call(self.s.add, self.k("restarts_used"), 0))
 

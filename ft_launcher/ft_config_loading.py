@@ -1,5 +1,5 @@
-"""Turns a YAML file and `--ft-*` flags into a FaultToleranceConfig (precedence: CLI > file >
-defaults).
+"""Turns a YAML file and `--ft-*` flags into a FaultToleranceConfig (precedence: CLI >
+FT_SIM_FAULT_DESC > file > defaults).
 
 The keys sit under a `fault_tolerance:` section that may be nested at any depth (Megatron and
 NeMo configs nest it). Bad files give one-line errors; unknown keys in a file give a warning
@@ -11,7 +11,9 @@ from typing import Any, Callable, Dict, Optional
 
 import yaml
 
-from rank_monitor.config import ConfigError, FaultToleranceConfig
+import os
+
+from rank_monitor.config import ConfigError, FaultToleranceConfig, parse_sim_fault_desc
 
 SECTION = "fault_tolerance"
 
@@ -56,5 +58,7 @@ def build_ft_config(cfg_path: Optional[str], cli_values: Dict[str, Any],
     layers = []
     if cfg_path:
         layers.append((cfg_path, load_yaml_section(cfg_path)))
+    if os.environ.get("FT_SIM_FAULT_DESC"):
+        layers.append(("FT_SIM_FAULT_DESC", parse_sim_fault_desc(os.environ["FT_SIM_FAULT_DESC"])))
     layers.append(("command line", cli_values))
     return FaultToleranceConfig.from_sources(*layers, warn=warn)

@@ -49,6 +49,13 @@ class FaultToleranceConfig:
     # timeouts must not replace: those given on the command line, and explicit nulls.
     pinned_timeouts: List[str] = dataclasses.field(default_factory=list)
     log_level: str = "INFO"
+    # Simulated faults (Megatron-Bridge's names), injected by the agent into any script.
+    simulate_fault: bool = False
+    simulated_fault_type: str = "random"          # rank_hung | rank_killed | random
+    simulated_fault_rank: Optional[int] = None    # global rank; None: chosen from the seed
+    simulated_fault_base_delay: float = 10.0      # seconds after the rank starts, plus <=20% jitter
+    simulated_fault_seed: int = 0
+    simulated_fault_count: int = 1                # faults per job, one per cycle at most; -1: every cycle
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -193,6 +200,41 @@ def _bool(key: str, value: Any, source: str) -> bool:
     raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
 
 
+FAULT_TYPES = ("rank_hung", "rank_killed", "random")
+
+
+def _choice(key: str, value: Any, source: str, choices) -> str:
+    text = str(value).strip()
+    if text not in choices:
+        raise ConfigError(f"{source}: {key} must be one of {', '.join(choices)}, got {value!r}")
+    return text
+
+
+def _int(key: str, value: Any, source: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {key} must be an integer, got {value!r}") from None
+    if number != int(number) or number < 0:
+        raise ConfigError(f"{source}: {key} must be a non-negative integer, got {value!r}")
+    return int(number)
+
+
+def parse_sim_fault_desc(text: str) -> Dict[str, Any]:
+    """Megatron's FT_SIM_FAULT_DESC="rank_hung;3;60" (type;rank;base delay; rank may be empty)."""
+    parts = [p.strip() for p in text.split(";")]
+    if len(parts) != 3:
+        raise ConfigError(f"FT_SIM_FAULT_DESC: expected type;rank;delay (e.g. rank_hung;3;60), got {text!r}")
+    kind, rank, delay = parts
+    out: Dict[str, Any] = {"simulate_fault": True, "simulated_fault_type": kind,
+                           "simulated_fault_base_delay": delay}
+    if rank:
+        out["simulated_fault_rank"] = rank
+    return out
+
+
 def parse_signal(value: Any, source: str = "config", key: str = "rank_termination_signal") -> int:
     if isinstance(value, signal.Signals):
         return int(value)
@@ -252,6 +294,12 @@ _PARSERS = {
     "calc_min_observations": lambda k, v, s: int(_number(k, v, s)),
     "calc_timeout_floor": _number,
     "ft_state_path": lambda k, v, s: None if v is None or str(v).strip() == "" else str(v),
+    "simulate_fault": _bool,
+    "simulated_fault_type": lambda k, v, s: _choice(k, v, s, FAULT_TYPES),
+    "simulated_fault_rank": lambda k, v, s: None if v is None or str(v).strip().lower() in NULL_WORDS else _int(k, v, s),
+    "simulated_fault_base_delay": _number,
+    "simulated_fault_seed": lambda k, v, s: _int(k, v, s),
+    "simulated_fault_count": lambda k, v, s: -1 if str(v).strip().lower() in ("every", "every_cycle", "-1") else _int(k, v, s),
     "pinned_timeouts": lambda k, v, s: [str(x) for x in (v.split(",") if isinstance(v, str) else v or [])],
     "log_level": lambda k, v, s: _log_level(v, s),
 }
