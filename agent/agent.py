@@ -25,6 +25,7 @@ from torch.distributed import TCPStore
 
 from .events import EventLog
 from .fault_injection import FaultInjector
+from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .rank_output import RankOutput
@@ -85,6 +86,8 @@ class NodeAgent:
                 self.me = self._node_info()
                 self.proto = RoundProtocol(self.store, self.cfg, self.me)
                 self.injector = FaultInjector(self.cfg.ft, self.proto.claim_fault)
+                self.learner = TimeoutLearner(self.cfg.ft, default_state_path(self.cfg.ft, self.cfg.log_dir),
+                                              self.events)
                 self._warn_if_hangs_undetectable()
                 self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake)
                 self.watcher.s.add(self.store.key(f"alive/{self.me.node_id}"), 1)
@@ -181,6 +184,7 @@ class NodeAgent:
             spares=[n.label() for n in rnd.spares], master=f"{master[0]}:{master[1]}")
         self.group = WorkerGroup(cfg, self.watchdog, self.output)
         self.watcher.watch(rnd)
+        self._apply_timeouts(self.learner.load())
         for local_rank in range(cfg.nproc_per_node):
             monitor = self.monitors[local_rank] if self.monitors else None
             env = self.group.rank_env(local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
@@ -200,6 +204,9 @@ class NodeAgent:
         try:
             return self._supervise(rnd)
         finally:
+            if self.learner.enabled:
+                self._learn(rnd)
+                self.learner.end_of_cycle(self.monitors)
             for monitor in self.monitors:
                 monitor.rank_stopped()
             self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout)
@@ -234,6 +241,8 @@ class NodeAgent:
                     raise StoreLost(self.watcher.store_lost)
                 if self.watcher.interrupted_round == rnd.number:
                     return self._interrupted(rnd)
+                if self.learner.due():
+                    self._learn(rnd)
                 if self.watcher.dead_peers:
                     dead = self.watcher.dead_peers
                     what = ", ".join(f"node {n.label()}" for n in dead) + " stopped answering"
@@ -249,12 +258,29 @@ class NodeAgent:
                                       rank=rank.rank, exitcode=0)
                 if not succeeded and not self.group.running():
                     succeeded = True
+                    if self.learner.enabled:
+                        self.learner.publish(self.proto, self.monitors)
                     if self.proto.mark_done(rnd.number) >= len(rnd.active):
                         self.proto.interrupt(rnd.number, {"kind": "complete"})
                     else:
                         self.say("all local ranks finished; waiting for the other nodes")
         finally:
             sel.close()
+
+    def _learn(self, rnd: Round) -> None:
+        """Computed timeouts: publish ours; node 0 computes for the job; everyone applies."""
+        self.learner.publish(self.proto, self.monitors)
+        if rnd.group_rank == 0:
+            self.learner.compute_as_writer(self.proto, [n.node_id for n in rnd.active], rnd.world_size)
+        new = self.learner.poll(self.proto)
+        if new is not None:
+            self._apply_timeouts(new)
+
+    def _apply_timeouts(self, ft) -> None:
+        if ft is not self.cfg.ft:
+            self.cfg.ft = ft
+            for monitor in self.monitors:
+                monitor.update_config(ft)
 
     def _inject_fault(self) -> None:
         target = self.injector.pending.rank
@@ -317,6 +343,8 @@ class NodeAgent:
         return verdict
 
     def _finish_job(self, rnd: Round) -> None:
+        if self.learner.enabled and rnd.group_rank == 0:  # every node published before it was done
+            self.learner.compute_as_writer(self.proto, [n.node_id for n in rnd.active], rnd.world_size)
         left = self.proto.mark_left(rnd.number)
         self.events.event("job_complete", "all ranks on all nodes finished: job complete")
         if self.store.is_host:  # keep the store up until every node has read the verdict

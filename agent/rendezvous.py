@@ -205,6 +205,22 @@ class RoundProtocol:
             raise StoreLost(f"lost the rendezvous store at {self.store.host}:{self.store.port} "
                             f"({str(exc).splitlines()[0]})") from None
 
+    # -- plain job-wide values (under the run's prefix) --------------------------------------
+    def put(self, name: str, value: str) -> None:
+        self._call(self.s.set, self.k(name), value)
+
+    def get(self, name: str) -> str:
+        return self._call(self.s.get, self.k(name)).decode()
+
+    def get_many(self, names: List[str]) -> List[str]:
+        return [v.decode() for v in self._call(self.s.multi_get, [self.k(n) for n in names])] if names else []
+
+    def exists(self, name: str) -> bool:
+        return bool(self._call(self.s.check, [self.k(name)]))
+
+    def count(self, name: str, increment: int = 0) -> int:
+        return int(self._call(self.s.add, self.k(name), increment))
+
     def current_round(self) -> int:
         value = self._call(self.s.compare_set, self.k("round"), "", "0")
         return int(value)
@@ -304,25 +320,22 @@ class RoundProtocol:
 
     def claim_fault(self) -> int:
         """Count one more simulated fault for the job; returns the new total."""
-        return int(self._call(self.s.add, self.k("faults_fired"), 1))
+        return self.count("faults_fired", 1)
 
     def faults_fired(self) -> int:
-        return int(self._call(self.s.add, self.k("faults_fired"), 0))
+        return self.count("faults_fired")
 
     def restarts_used(self) -> int:
-        return int(self._call(self.s.add, self.k("restarts_used"), 0))
+        return self.count("restarts_used")
 
     def mark_done(self, number: int) -> int:
-        return self._call(self.s.add, self.k(f"r{number}/done"), 1)
-
-    def done_count(self, number: int) -> int:
-        return self._call(self.s.add, self.k(f"r{number}/done"), 0)
+        return self.count(f"r{number}/done", 1)
 
     def mark_left(self, number: int) -> int:
-        return self._call(self.s.add, self.k(f"r{number}/left"), 1)
+        return self.count(f"r{number}/left", 1)
 
     def left_count(self, number: int) -> int:
-        return self._call(self.s.add, self.k(f"r{number}/left"), 0)
+        return self.count(f"r{number}/left")
 
 
 class RoundWatcher(threading.Thread):

@@ -1,0 +1,121 @@
+"""Computed timeouts across the job: observations in, timeouts out, ft_state.json on disk.
+
+Every agent publishes its ranks' observations (read from its monitors' shared memory) into the
+store; the agent of node 0 is the one writer per job: it combines the job-wide view (counts add
+up, maxima take the maximum), applies the rule of rank_monitor.timeout_calc, logs each change,
+writes ft_state.json atomically and publishes the timeouts with a version number. Every agent
+applies a new version to its monitors at once, so the running job is protected by the learned
+values, and the next cycle and the next job start from the file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Dict, List, Optional
+
+from rank_monitor import ft_state_file
+from rank_monitor.config import FaultToleranceConfig
+from rank_monitor.timeout_calc import (HB_INITIAL, HB_SUBSEQUENT, OUT_OF_SECTION, Observation, apply, combine_all,
+                                       compute, section_key)
+
+from .events import EventLog
+
+PUBLISH_EVERY = 2.0  # seconds between publications of observations while ranks run
+
+
+def observations_from_stats(stats: dict) -> Dict[str, Observation]:
+    """One monitor's section_stats() under the uniform keys of timeout_calc."""
+    out: Dict[str, Observation] = {}
+    now = time.time()
+
+    def take(key, entry):
+        if isinstance(entry, dict) and entry.get("count"):
+            out[key] = Observation(int(entry["count"]), float(entry.get("max", 0.0)), now)
+
+    for name, entry in (stats.get("sections") or {}).items():
+        take(section_key(name), entry)
+    take(OUT_OF_SECTION, stats.get("out_of_section"))
+    heartbeat = stats.get("heartbeat") or {}
+    take(HB_INITIAL, heartbeat.get("initial"))
+    take(HB_SUBSEQUENT, heartbeat.get("subsequent"))
+    return out
+
+
+class TimeoutLearner:
+    def __init__(self, ft: FaultToleranceConfig, state_path: str, events: EventLog):
+        self.ft = ft
+        self.path = state_path
+        self.events = events
+        self.enabled = ft.calc_ft_timeouts
+        self.previous: Dict[str, float] = {}         # computed values from the file (merge input)
+        self.past: Dict[str, Observation] = {}      # this node, cycles already over
+        self.version_seen = 0
+        self._next_publish = 0.0
+
+    # ---- start and restart ----------------------------------------------------------------
+    def load(self) -> FaultToleranceConfig:
+        """The configuration to start a cycle with: file values over configured ones (pins kept)."""
+        state = ft_state_file.load(self.path, warn=lambda m: self.events.event("ft_state_unreadable", f"warning: {m}"))
+        if state is None:
+            return self.ft
+        self.previous = {k: v for k, v in state.timeouts.items() if v is not None}
+        usable = {k: v for k, v in state.timeouts.items() if k not in self.ft.pinned_timeouts}
+        if usable:
+            shown = ", ".join(f"{k.split(':', 1)[-1]} {v:g} s" for k, v in sorted(usable.items()) if v)
+            self.events.event("timeouts_loaded", f"timeouts from {self.path}: {shown}", timeouts=usable)
+        self.ft = apply(self.ft, usable)
+        return self.ft
+
+    # ---- during a cycle -------------------------------------------------------------------
+    def due(self) -> bool:
+        return self.enabled and time.monotonic() >= self._next_publish
+
+    def local_observations(self, monitors: list) -> Dict[str, Observation]:
+        current = combine_all(observations_from_stats(m.section_stats()) for m in monitors)
+        return combine_all([self.past, current])
+
+    def publish(self, proto, monitors: list) -> None:
+        self._next_publish = time.monotonic() + PUBLISH_EVERY
+        obs = self.local_observations(monitors)
+        proto.put(f"obs/{proto.me.node_id}", json.dumps({k: [o.count, o.max, o.when] for k, o in obs.items()}))
+
+    def end_of_cycle(self, monitors: list) -> None:
+        """Fold this cycle's observations in before the monitors serve new incarnations."""
+        if self.enabled:
+            self.past = self.local_observations(monitors)
+
+    def compute_as_writer(self, proto, node_ids: List[str], ranks: int) -> None:
+        raw = proto.get_many([f"obs/{n}" for n in node_ids if proto.exists(f"obs/{n}")])
+        parts = [{k: Observation(*v) for k, v in json.loads(r).items()} for r in raw]
+        observations = combine_all(parts)
+        current = self.ft.timeout_keys()
+        timeouts, changes = compute(observations, current, self.previous, self.ft)
+        if not changes:
+            return
+        for change in changes:
+            self.events.event("timeout_computed", change.describe(self.ft.safety_factor, ranks), key=change.key,
+                              old=change.old, new=change.new, count=change.observation.count,
+                              max=change.observation.max)
+        self.ft = apply(self.ft, timeouts)
+        state = ft_state_file.FtState(
+            {k: v for k, v in timeouts.items()}, observations,
+            {"safety_factor": self.ft.safety_factor, "calc_min_observations": self.ft.calc_min_observations,
+             "calc_timeout_floor": self.ft.calc_timeout_floor}, time.time())
+        ft_state_file.save(self.path, state)
+        proto.put("timeouts", json.dumps(timeouts))
+        proto.count("timeouts_version", 1)
+
+    def poll(self, proto) -> Optional[FaultToleranceConfig]:
+        """A newer job-wide set of timeouts, if the writer published one since we last looked."""
+        version = proto.count("timeouts_version")
+        if version <= self.version_seen:
+            return None
+        self.version_seen = version
+        timeouts = json.loads(proto.get("timeouts"))
+        self.ft = apply(self.ft, timeouts)
+        return self.ft
+
+
+def default_state_path(ft: FaultToleranceConfig, log_dir: Optional[str]) -> str:
+    return ft.ft_state_path or os.path.join(log_dir or os.getcwd(), "ft_state.json")
