@@ -131,6 +131,8 @@ class NodeAgent:
             else:
                 self.events.node = rnd.group_rank
                 verdict = self._run_round(rnd)
+            if not verdict.get("restart"):
+                self._leave(rnd)
             if verdict.get("kind") == "complete":
                 return EXIT_OK
             if verdict.get("kind") == "shutdown":
@@ -143,7 +145,7 @@ class NodeAgent:
                     f"restarts used) -> exiting 1", **verdict)
                 return EXIT_FAILED
             dead = {n["node_id"] for n in verdict.get("dead_nodes", [])}
-            expected = len([n for n in rnd.active + rnd.spares if n.node_id not in dead])
+            expected = [n for n in rnd.active + rnd.spares if n.node_id not in dead]
             number = verdict["next_round"]
 
     def _check_signal(self, rnd: Optional[Round]) -> None:
@@ -160,6 +162,8 @@ class NodeAgent:
         group = getattr(self, "group", None)
         if group is not None:
             group.stop(sig, self.cfg.term_timeout)
+        if rnd is not None:
+            self._leave(rnd)
         raise Shutdown(128 + sig)
 
     # ---- one round ----------------------------------------------------------------------
@@ -325,8 +329,8 @@ class NodeAgent:
         if verdict.get("kind") == "shutdown":
             self._signal = self._signal or int(verdict.get("signal", signal.SIGTERM))
             self.say(f"another node is shutting down the job ({signal.Signals(self._signal).name})")
-            group = self.group
-            group.stop(self._signal, self.cfg.term_timeout)
+            self.group.stop(self._signal, self.cfg.term_timeout)
+            self._leave(rnd)
             raise Shutdown(128 + self._signal)
         if verdict.get("kind") == "complete":
             self._finish_job(rnd)
@@ -345,13 +349,19 @@ class NodeAgent:
     def _finish_job(self, rnd: Round) -> None:
         if self.learner.enabled and rnd.group_rank == 0:  # every node published before it was done
             self.learner.compute_as_writer(self.proto, [n.node_id for n in rnd.active], rnd.world_size)
-        left = self.proto.mark_left(rnd.number)
         self.events.event("job_complete", "all ranks on all nodes finished: job complete")
-        if self.store.is_host:  # keep the store up until every node has read the verdict
+
+    def _leave(self, rnd: Round) -> None:
+        """The job is over: say so, and if this agent hosts the store, keep it up (bounded)
+        until every node has read the verdict, so none mistakes the end for a lost store."""
+        try:
+            left = self.proto.mark_left(rnd.number)
             deadline = time.monotonic() + 10
-            while left < len(rnd.active) + len(rnd.spares) and time.monotonic() < deadline:
+            while self.store.is_host and left < len(rnd.active) + len(rnd.spares) and time.monotonic() < deadline:
                 time.sleep(0.02)
                 left = self.proto.left_count(rnd.number)
+        except RendezvousError:
+            pass
 
     def _wait_as_spare(self, rnd: Round) -> dict:
         self.say(f"hot spare: {len(rnd.active)} node(s) are training; waiting to be needed")
@@ -370,10 +380,7 @@ class NodeAgent:
                 if self.watcher.store_lost:
                     raise StoreLost(self.watcher.store_lost)
                 if self.watcher.interrupted_round == rnd.number:
-                    verdict = self.proto.verdict(rnd.number)
-                    if verdict.get("kind") == "complete":
-                        self.proto.mark_left(rnd.number)
-                    return verdict
+                    return self.proto.verdict(rnd.number)
         finally:
             sel.close()
             self.watcher.watch(None)

@@ -225,9 +225,10 @@ class RoundProtocol:
         value = self._call(self.s.compare_set, self.k("round"), "", "0")
         return int(value)
 
-    def join(self, number: int, expected: Optional[int] = None) -> Round:
-        """Join round `number`; returns once it is closed. `expected`: nodes the previous round
-        knows to be alive, so a restart round closes as soon as they are all back."""
+    def join(self, number: int, expected: Optional[List[NodeInfo]] = None) -> Round:
+        """Join round `number`; returns once it is closed. `expected`: the nodes of the previous
+        round, so a restart round closes as soon as every one of them that is still alive
+        (its keep-alive still ticking) is back, instead of waiting out last_call_timeout."""
         me = dataclasses.replace(self.me)
         me.seq = self._call(self.s.add, self.k(f"r{number}/joined"), 1)
         self._call(self.s.set, self.k(f"r{number}/node/{me.seq}"), json.dumps(dataclasses.asdict(me)))
@@ -235,13 +236,15 @@ class RoundProtocol:
         start = time.monotonic()
         min_since = None
         join_timeout = self.cfg.conf("join_timeout")
+        liveness = _Liveness(self, expected or [])
         while not self._call(self.s.check, [closed_key]):
             joined = self._call(self.s.add, self.k(f"r{number}/joined"), 0)
             now = time.monotonic()
             if joined >= self.cfg.min_nodes and min_since is None:
                 min_since = now
             full = joined >= self.cfg.max_nodes
-            everyone_back = expected is not None and joined >= max(expected, self.cfg.min_nodes)
+            everyone_back = expected is not None and joined >= max(
+                liveness.alive_count(number, joined, now), self.cfg.min_nodes)
             last_call_over = min_since is not None and now - min_since >= self._last_call
             if full or everyone_back or last_call_over:
                 self._call(self.s.compare_set, closed_key, "", str(joined))
@@ -336,6 +339,35 @@ class RoundProtocol:
 
     def left_count(self, number: int) -> int:
         return self.count(f"r{number}/left")
+
+
+class _Liveness:
+    """Which of the previous round's nodes still tick their keep-alive counters."""
+
+    def __init__(self, proto: "RoundProtocol", expected: List[NodeInfo]):
+        self.proto = proto
+        self.expected = {n.node_id: n for n in expected}
+        self.silent_limit = proto.cfg.conf("keep_alive_interval") * proto.cfg.conf("keep_alive_max_attempt")
+        self.seen: dict = {}
+        self.next_check = 0.0
+        self.count = len(expected)
+
+    def alive_count(self, number: int, joined: int, now: float) -> int:
+        if not self.expected or now < self.next_check:
+            return self.count
+        self.next_check = now + 0.25
+        joined_ids = {n.node_id for n in self.proto._nodes(number, joined)}
+        missing = [i for i in self.expected if i not in joined_ids]
+        counts = self.proto.get_many([f"alive/{i}" for i in missing])
+        dead = 0
+        for node_id, count in zip(missing, counts):
+            last, since = self.seen.get(node_id, (None, now))
+            if count != last:
+                self.seen[node_id] = (count, now)
+            elif now - since > self.silent_limit:
+                dead += 1
+        self.count = len(self.expected) - dead
+        return self.count
 
 
 class RoundWatcher(threading.Thread):
