@@ -31,7 +31,41 @@ def parse_args():
     p.add_argument("--fail-at-step", type=int, default=None, help="exit 1 at this step (tests)")
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--fail-cycles", type=int, default=1, help="fail only in cycles below this (-1: always)")
+    # Fault-matrix hooks (cycle 0 only): make a phase last long enough for a fault to land in it,
+    # or fail inside it. PHASE is setup, step, checkpointing or oos (out of section, after a step).
+    p.add_argument("--hold", default=None, metavar="PHASE:SECONDS", help="all ranks spend this long in PHASE once")
+    p.add_argument("--hold-step", type=int, default=6, help="the step at which step/checkpointing/oos holds happen")
+    p.add_argument("--raise-in", default=None, metavar="PHASE", help="--fail-rank raises an exception in PHASE")
+    p.add_argument("--exit0-in", default=None, metavar="PHASE", help="--fail-rank exits 0 early in PHASE")
     return p.parse_args()
+
+
+class Hooks:
+    """The test hooks of one rank: where to hold, raise or exit early (cycle 0 only)."""
+
+    def __init__(self, args, rank, cycle):
+        self.phase, self.seconds = None, 0.0
+        if args.hold and cycle == 0:
+            phase, _, seconds = args.hold.partition(":")
+            self.phase, self.seconds = phase, float(seconds)
+        me = rank == args.fail_rank and cycle == 0
+        self.raise_in = args.raise_in if me else None
+        self.exit0_in = args.exit0_in if me else None
+        self.step = args.hold_step
+
+    def at(self, phase, step=None):
+        if step is not None and step != self.step:
+            return
+        if self.raise_in == phase:
+            raise RuntimeError(f"simulated exception in {phase}")
+        if self.exit0_in == phase:
+            print(f"exiting 0 early in {phase}", flush=True)
+            os._exit(0)
+        if self.phase == phase:
+            end = time.monotonic() + self.seconds
+            while time.monotonic() < end:  # a slow phase, not a hang: keep heartbeating
+                ft.heartbeat()
+                time.sleep(0.1)
 
 
 def batch(seed, step, rank):
@@ -54,7 +88,10 @@ def main():
         os.makedirs(args.progress_dir, exist_ok=True)
         progress = open(os.path.join(args.progress_dir, f"rank_{rank}.txt"), "a", buffering=1)
 
+    hooks = Hooks(args, rank, cycle)
+    ft.heartbeat()
     with ft.section("setup"):
+        hooks.at("setup")
         dist.init_process_group("gloo")
         torch.manual_seed(args.seed)
         model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
@@ -85,10 +122,14 @@ def main():
             opt.step()
             if args.step_time:
                 time.sleep(args.step_time)
+            hooks.at("step", step)
+        ft.heartbeat()
+        hooks.at("oos", step)
         if progress:
             progress.write(f"{cycle} {step} {time.time():.6f}\n")
         if step % args.ckpt_every == 0 or step == args.steps:
             with ft.section("checkpointing"):
+                hooks.at("checkpointing", step)
                 if rank == 0:
                     tmp = path + ".tmp"
                     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)

@@ -211,13 +211,8 @@ def _choice(key: str, value: Any, source: str, choices) -> str:
 
 
 def _int(key: str, value: Any, source: str) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {key} must be an integer, got {value!r}") from None
-    if number != int(number) or number < 0:
+    number = _number(key, value, source)
+    if number != int(number):
         raise ConfigError(f"{source}: {key} must be a non-negative integer, got {value!r}")
     return int(number)
 
