@@ -1,0 +1,211 @@
+"""The agent's handle on one rank monitor process: spawn, control channel, reports, statistics.
+
+This is the only part of rank_monitor the agent uses. It spawns `python -m rank_monitor.server`
+with subprocess (never fork: the agent has threads) in its own session, talks to it over a
+socketpair (JSON lines), and maps the shared-memory record read-only for section statistics.
+Note: the monitor dies with the *thread* that started it (PR_SET_PDEATHSIG semantics), so call
+`start` from a long-lived thread (the agent's main thread).
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from typing import Dict, List, Optional
+
+from rank_monitor import shm_layout as L
+from rank_monitor.config import FaultToleranceConfig
+
+_PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class MonitorStartError(RuntimeError):
+    """The monitor process did not come up."""
+
+
+def _rank_config(cfg: FaultToleranceConfig) -> str:
+    return json.dumps({
+        "sections": dict(cfg.rank_section_timeouts),
+        "out_of_section": cfg.rank_out_of_section_timeout,
+        "hb_initial": cfg.initial_rank_heartbeat_timeout,
+        "hb_subsequent": cfg.rank_heartbeat_timeout,
+        "safety_factor": cfg.safety_factor,
+    })
+
+
+class MonitorHandle:
+    def __init__(self, local_rank: int, cfg: FaultToleranceConfig, run_dir: str,
+                 proc: subprocess.Popen, sock: socket.socket, shm_path: str, stack_template: str) -> None:
+        self.local_rank = local_rank
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.proc = proc
+        self.pid = proc.pid
+        self._sock = sock
+        self.shm_path = shm_path
+        self.stack_template = stack_template
+        self._buf = b""
+        self._pending: List[dict] = []
+        self._eof = False
+        self._died_reported = False
+        self._stopped = False
+        self._mm = None
+        self._words = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    @classmethod
+    def start(cls, local_rank: int, cfg: FaultToleranceConfig, run_dir: str,
+              ready_timeout: float = 20.0) -> "MonitorHandle":
+        os.makedirs(run_dir, exist_ok=True)
+        shm_path = os.path.join(L.default_shm_dir(),
+                                f"ft_launcher_{os.getpid()}_{uuid.uuid4().hex[:8]}_local{local_rank}")
+        stack_template = os.path.join(os.path.abspath(run_dir), f"stack_local{local_rank}_{{pid}}.txt")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cmd = [sys.executable, "-m", "rank_monitor.server", "--fd", str(theirs.fileno()),
+               "--local-rank", str(local_rank), "--shm", shm_path, "--stack-template", stack_template,
+               "--config", cfg.to_json(), "--parent-pid", str(os.getpid())]
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], start_new_session=True,
+                                    stdin=subprocess.DEVNULL, env=env, close_fds=True)
+        finally:
+            theirs.close()
+        handle = cls(local_rank, cfg, run_dir, proc, ours, shm_path, stack_template)
+        try:
+            handle._await_ready(ready_timeout)
+            handle._mm, handle._words = L.attach(shm_path, writable=False)
+        except BaseException:
+            handle.stop()
+            raise
+        return handle
+
+    def _await_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self._sock.setblocking(False)
+        while True:
+            for msg in self._drain():
+                if msg.get("kind") == "ready":
+                    return
+                self._pending.append(msg)
+            if self._eof:
+                raise MonitorStartError(f"rank monitor for local_rank {self.local_rank} exited during start "
+                                        f"(exit status {self.proc.poll()})")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise MonitorStartError(f"rank monitor for local_rank {self.local_rank} not ready after {timeout}s")
+            select.select([self._sock], [], [], left)
+
+    def stop(self) -> None:
+        """End the server and remove the shared-memory file. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self._send({"op": "stop"})
+        except OSError:
+            pass
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=3)
+        if self._words is not None:
+            self._words.release()
+            self._mm.close()
+            self._words = self._mm = None
+        try:
+            os.unlink(self.shm_path)
+        except OSError:
+            pass
+
+    def alive(self) -> bool:
+        return not self._stopped and not self._eof and self.proc.poll() is None
+
+    # ---- towards the monitor -------------------------------------------------------------------
+    def _send(self, msg: dict) -> None:
+        data = (json.dumps(msg) + "\n").encode()
+        self._sock.setblocking(True)
+        try:
+            self._sock.sendall(data)
+        finally:
+            self._sock.setblocking(False)
+
+    def _tell(self, msg: dict) -> None:
+        if self._stopped or self._eof:
+            return
+        try:
+            self._send(msg)
+        except OSError:
+            self._eof = True
+
+    def rank_env(self) -> Dict[str, str]:
+        return {
+            L.ENV_SHM: self.shm_path,
+            L.ENV_STACK_FILE: self.stack_template,
+            L.ENV_CONFIG: _rank_config(self.cfg),
+            L.ENV_LOCAL_RANK: str(self.local_rank),
+        }
+
+    def rank_started(self, pid: int, rank: int, cycle: int, start_ns: int) -> None:
+        self._tell({"op": "rank_started", "pid": int(pid), "rank": int(rank), "cycle": int(cycle),
+                    "start_ns": int(start_ns)})
+
+    def rank_stopped(self) -> None:
+        self._tell({"op": "rank_stopped"})
+
+    def update_config(self, cfg: FaultToleranceConfig) -> None:
+        self.cfg = cfg
+        self._tell({"op": "config", "cfg": cfg.to_json()})
+
+    # ---- from the monitor ----------------------------------------------------------------------
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def _drain(self) -> List[dict]:
+        out: List[dict] = []
+        while not self._eof:
+            try:
+                chunk = self._sock.recv(65536)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._eof = True
+                break
+            self._buf += chunk
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+        return out
+
+    def read_reports(self) -> List[dict]:
+        """Non-blocking. Reports in arrival order; {"kind": "monitor_died"} once on channel EOF."""
+        if self._stopped:
+            return []
+        out, self._pending = self._pending, []
+        out.extend(m for m in self._drain() if m.get("kind") != "ready")
+        if self._eof and not self._died_reported:
+            self._died_reported = True
+            out.append({"kind": "monitor_died", "local_rank": self.local_rank, "pid": self.pid,
+                        "exit_status": self.proc.poll()})
+        return out
+
+    def section_stats(self) -> dict:
+        if self._words is None:
+            return {}
+        return L.read_stats(self._mm, self._words)

@@ -1,0 +1,179 @@
+"""The shared-memory record a rank and its monitor both map: word offsets, sizes, env var names.
+
+One fixed-size file (under /dev/shm) per local rank slot, created by the monitor. Viewed as an
+array of signed 64-bit words (`memoryview(mmap).cast('q')`) followed by a name table. The rank's
+client is the only writer of the "client" words (sections, heartbeats, timeout overrides); the
+monitor writes only H_START_NS and clears the record between incarnations. Word writes are single
+aligned 8-byte stores; readers tolerate torn multi-word views by re-reading before acting.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Dict, Optional, Tuple
+
+# ---- environment passed to the rank -------------------------------------------------------------
+ENV_SHM = "FT_RANK_MONITOR_SHM"                # path of the shared-memory file
+ENV_STACK_FILE = "FT_RANK_MONITOR_STACK_FILE"  # stack-dump file template, "{pid}" replaced
+ENV_CONFIG = "FT_RANK_MONITOR_CONFIG"          # JSON: timeouts the rank was started with
+ENV_LOCAL_RANK = "FT_RANK_MONITOR_LOCAL_RANK"
+
+MAGIC = 0x46544C4D4F4E3031  # "FTLMON01"
+VERSION = 1
+
+# ---- header words -------------------------------------------------------------------------------
+H_MAGIC = 0
+H_VERSION = 1
+H_CLIENT_PID = 2        # pid of the attached client (0: none)
+H_CLIENT_STATE = 3      # 0 none, 1 attached, 2 shut down (monitoring off for this incarnation)
+H_HANDLER_PID = 4       # pid whose stack-dump handler is installed (0: none)
+H_HANDLER_SIG = 5       # the signal that handler is registered on
+H_START_NS = 6          # rank start (monotonic ns) as told by the agent; written by the monitor
+H_NSLOTS = 7            # section slots in use (published after the slot is filled)
+H_OPEN = 8              # number of open sections
+H_LAST_CLOSE_NS = 9     # when the open count last dropped to 0 (0: no section closed yet)
+H_OOS_COUNT = 10        # out-of-section intervals observed (between sections)
+H_OOS_MAX_NS = 11
+H_OOS_LAST_NS = 12
+H_HB_COUNT = 13
+H_HB_FIRST_NS = 14
+H_HB_LAST_NS = 15
+H_HB_MAX_NS = 16        # max interval between heartbeats
+H_HB_LAST_IV_NS = 17
+H_TO_OOS = 18           # timeout overrides set by the client: 0 = use config, -1 = none, >0 ns
+H_TO_HB_INIT = 19
+H_TO_HB_SUB = 20
+H_ATTACH_NS = 21
+H_GEN = 22              # bumped on every (re)attach / clear: invalidates cached slot names
+HEADER_WORDS = 32
+
+# ---- per-section slot words ---------------------------------------------------------------------
+S_OPEN = 0
+S_ENTER_NS = 1
+S_ENTERS = 2            # enter count (also a sequence number for torn-read checks)
+S_CLOSES = 3
+S_MAX_NS = 4
+S_LAST_NS = 5
+S_TOTAL_NS = 6
+S_TIMEOUT = 7           # override, same encoding as H_TO_*
+S_NAMELEN = 8
+SLOT_WORDS = 16
+MAX_SLOTS = 64
+NAME_BYTES = 128        # per slot, in the name table after the words
+
+TIMEOUT_UNSET = 0
+TIMEOUT_NONE = -1
+
+WORDS = HEADER_WORDS + MAX_SLOTS * SLOT_WORDS
+NAMES_OFFSET = WORDS * 8
+SIZE = NAMES_OFFSET + MAX_SLOTS * NAME_BYTES
+
+
+def slot_base(index: int) -> int:
+    return HEADER_WORDS + index * SLOT_WORDS
+
+
+def encode_timeout(seconds: Optional[float]) -> int:
+    if seconds is None:
+        return TIMEOUT_NONE
+    return max(1, int(seconds * 1e9))
+
+
+def decode_timeout(word: int, default: Optional[float]) -> Optional[float]:
+    """Override word -> seconds (or None); TIMEOUT_UNSET gives the default."""
+    if word == TIMEOUT_UNSET:
+        return default
+    if word < 0:
+        return None
+    return word / 1e9
+
+
+def default_shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else "/tmp"
+
+
+def create(path: str) -> Tuple[mmap.mmap, memoryview]:
+    """Create (or truncate) the file at `path`, map it, write the header. Monitor side."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, SIZE)
+        mm = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    words = memoryview(mm).cast("q")
+    words[H_VERSION] = VERSION
+    words[H_MAGIC] = MAGIC
+    return mm, words
+
+
+def attach(path: str, writable: bool = True) -> Tuple[mmap.mmap, memoryview]:
+    """Map an existing record; raises ValueError when it is not ours."""
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size < SIZE:
+            raise ValueError(f"{path}: too small for a rank monitor record")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        mm = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, prot)
+    finally:
+        os.close(fd)
+    words = memoryview(mm).cast("q")
+    if words[H_MAGIC] != MAGIC or words[H_VERSION] != VERSION:
+        words.release()
+        mm.close()
+        raise ValueError(f"{path}: not a rank monitor record (version {VERSION} expected)")
+    return mm, words
+
+
+def clear_client_state(words: memoryview) -> None:
+    """Zero every client-written word (a new incarnation starts from nothing)."""
+    words[H_CLIENT_STATE] = 0
+    words[H_CLIENT_PID] = 0
+    words[H_NSLOTS] = 0
+    for i in range(H_HANDLER_PID, WORDS):
+        if i in (H_START_NS, H_GEN, H_NSLOTS):
+            continue
+        words[i] = 0
+    words[H_GEN] = words[H_GEN] + 1
+
+
+def read_name(mm: mmap.mmap, words: memoryview, index: int) -> str:
+    n = words[slot_base(index) + S_NAMELEN]
+    n = max(0, min(n, NAME_BYTES))
+    off = NAMES_OFFSET + index * NAME_BYTES
+    return bytes(mm[off:off + n]).decode("utf-8", "replace")
+
+
+def write_name(mm: mmap.mmap, words: memoryview, index: int, data: bytes) -> None:
+    off = NAMES_OFFSET + index * NAME_BYTES
+    mm[off:off + len(data)] = data
+    words[slot_base(index) + S_NAMELEN] = len(data)
+
+
+def read_stats(mm: mmap.mmap, words: memoryview) -> Dict[str, dict]:
+    """Per-section, heartbeat and out-of-section statistics (seconds), as the handle reports them."""
+    out: Dict[str, dict] = {}
+    for i in range(max(0, min(words[H_NSLOTS], MAX_SLOTS))):
+        b = slot_base(i)
+        out[read_name(mm, words, i)] = {
+            "count": words[b + S_CLOSES],
+            "max": words[b + S_MAX_NS] / 1e9,
+            "last": words[b + S_LAST_NS] / 1e9,
+            "total": words[b + S_TOTAL_NS] / 1e9,
+            "open": bool(words[b + S_OPEN]),
+            "timeout_override": decode_timeout(words[b + S_TIMEOUT], "unset"),
+        }
+    start = words[H_START_NS]
+    first = words[H_HB_FIRST_NS]
+    out["heartbeat"] = {
+        "count": words[H_HB_COUNT],
+        "max": words[H_HB_MAX_NS] / 1e9,
+        "last": words[H_HB_LAST_IV_NS] / 1e9,
+        "initial": (first - start) / 1e9 if first and start else None,
+    }
+    out["out_of_section"] = {
+        "count": words[H_OOS_COUNT],
+        "max": words[H_OOS_MAX_NS] / 1e9,
+        "last": words[H_OOS_LAST_NS] / 1e9,
+    }
+    return out
+
