@@ -23,6 +23,8 @@ from typing import Dict, List, Optional
 
 from torch.distributed import TCPStore
 
+from rank_monitor.monitor_handle import MonitorHandle, MonitorStartError
+
 from .events import EventLog
 from .fault_injection import FaultInjector
 from .timeout_learning import TimeoutLearner, default_state_path
@@ -99,6 +101,10 @@ class NodeAgent:
                 return EXIT_FAILED
             except RendezvousError as exc:
                 self.events.event("rendezvous_failed", f"error: {exc}", error=str(exc))
+                return EXIT_FAILED
+            except MonitorStartError as exc:
+                self.events.event("monitor_failed", f"error: {exc}: ranks are not started unprotected",
+                                  error=str(exc))
                 return EXIT_FAILED
             except Shutdown as exc:
                 return exc.code
@@ -386,19 +392,15 @@ class NodeAgent:
             self.watcher.watch(None)
 
     # ---- monitors -----------------------------------------------------------------------
-    def _start_monitors(self, pool) -> list:
-        try:
-            from rank_monitor.monitor_handle import MonitorHandle
-        except ImportError:
-            return []
+    def _start_monitor(self, local_rank: int) -> MonitorHandle:
+        """One monitor; its stack dumps go to the log dir (else a per-agent dir under /tmp)."""
         run_dir = self.cfg.log_dir or os.path.join("/tmp", f"ft_launcher-{os.getpid()}")
+        handle = MonitorHandle.start(local_rank, self.cfg.ft, run_dir)
+        self.watchdog.watch(handle.pid)
+        return handle
 
-        def start(local_rank):
-            handle = MonitorHandle.start(local_rank, self.cfg.ft, run_dir)
-            self.watchdog.watch(handle.pid)
-            return handle
-
-        return [pool.submit(start, i) for i in range(self.cfg.nproc_per_node)]
+    def _start_monitors(self, pool) -> list:
+        return [pool.submit(self._start_monitor, i) for i in range(self.cfg.nproc_per_node)]
 
     def _collect_reports(self, local_rank: int, sel) -> None:
         monitor = self.monitors[local_rank]
@@ -424,9 +426,7 @@ class NodeAgent:
             else:
                 self.events.event(kind or "monitor_report", None, rank=report.get("rank"), **report)
 
-    def _replace_monitor(self, local_rank: int) -> None:
-        from rank_monitor.monitor_handle import MonitorHandle
-
+    def _replace_monitor(self, local_rank: int) -> MonitorHandle:
         old = self.monitors[local_rank]
         self.watchdog.forget(old.pid)
         old.stop()
@@ -434,9 +434,7 @@ class NodeAgent:
         self.events.event("monitor_died", f"rank monitor for local rank {local_rank} (pid {old.pid}) died: "
                           f"rank {rank.rank if rank else '?'} is unprotected -> starting a new monitor and "
                           f"restarting the ranks", rank=rank.rank if rank else None, local_rank=local_rank)
-        handle = MonitorHandle.start(local_rank, self.cfg.ft,
-                                     self.cfg.log_dir or os.path.join("/tmp", f"ft_launcher-{os.getpid()}"))
-        self.watchdog.watch(handle.pid)
+        handle = self._start_monitor(local_rank)
         self.monitors[local_rank] = handle
         if rank is not None and rank.exitcode is None:
             # Its failure, reported as such, restarts the group under the new monitor.

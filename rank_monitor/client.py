@@ -211,6 +211,11 @@ class _Attachment:
     def safety_factor(self) -> float:
         return float(self.config.get("safety_factor") or 5.0)
 
+    def computed(self, observed_ns: int) -> float:
+        """Observed max -> timeout: x safety_factor, never below the configured floor (a 4 ms
+        sample must not become a 20 ms timeout)."""
+        return max(observed_ns / 1e9 * self.safety_factor(), float(self.config.get("floor") or 0.0))
+
     def set_section_timeout(self, name: str, seconds: Optional[float]) -> None:
         self.calc_sections[name] = seconds
         if self.mode == "attached":
@@ -436,9 +441,10 @@ def section(name: str) -> _Section:
 class RankMonitorClient:
     """NVRx's RankMonitorClient over the shared-memory record. All instances share one attachment.
 
-    Computed timeouts are the observed maximum x safety_factor; a new computation never lowers a
-    timeout computed (or loaded) earlier in this process. They take effect at once (the monitor
-    reads them from shared memory) and travel across restarts through state_dict/load_state_dict.
+    Computed timeouts are the observed maximum x safety_factor, at least calc_timeout_floor; a new
+    computation never lowers a timeout computed (or loaded) earlier in this process. They take
+    effect at once (the monitor reads them from shared memory) and travel across restarts through
+    state_dict/load_state_dict.
     """
 
     def __init__(self) -> None:
@@ -480,7 +486,7 @@ class RankMonitorClient:
         att = self._att
         if not att.ensure():
             return False
-        w, sf, done = att.words, att.safety_factor(), True
+        w, done = att.words, True
         names = list(att.slots) if selected_sections is None else list(selected_sections)
         for name in names:
             idx = att.slots.get(name)
@@ -489,7 +495,7 @@ class RankMonitorClient:
                                         "its timeout is not computed")
                 done = False
                 continue
-            new = w[L.slot_base(idx) + L.S_MAX_NS] / 1e9 * sf
+            new = att.computed(w[L.slot_base(idx) + L.S_MAX_NS])
             prev = att.calc_sections.get(name)
             att.set_section_timeout(name, max(new, prev) if prev else new)
         if calc_out_of_section:
@@ -498,7 +504,7 @@ class RankMonitorClient:
                                        "the out-of-section timeout is not computed")
                 done = False
             else:
-                new = w[L.H_OOS_MAX_NS] / 1e9 * sf
+                new = att.computed(w[L.H_OOS_MAX_NS])
                 prev = att.calc_oos
                 att.set_oos_timeout(max(new, prev) if prev else new)
         return done
@@ -507,13 +513,13 @@ class RankMonitorClient:
         att = self._att
         if not att.ensure():
             return False
-        w, sf = att.words, att.safety_factor()
+        w = att.words
         if w[L.H_HB_COUNT] < 2:
             _warn(("nocalc-hb",), "ft_launcher: fewer than 2 heartbeats observed; heartbeat timeouts not computed")
             return False
         start = w[L.H_START_NS] or w[L.H_ATTACH_NS]
-        initial = max(0, w[L.H_HB_FIRST_NS] - start) / 1e9 * sf
-        subsequent = w[L.H_HB_MAX_NS] / 1e9 * sf
+        initial = att.computed(max(0, w[L.H_HB_FIRST_NS] - start))
+        subsequent = att.computed(w[L.H_HB_MAX_NS])
         prev = att.calc_hb or {}
         if prev.get("initial"):
             initial = max(initial, prev["initial"])

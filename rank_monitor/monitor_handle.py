@@ -35,6 +35,7 @@ def _rank_config(cfg: FaultToleranceConfig) -> str:
         "hb_initial": cfg.initial_rank_heartbeat_timeout,
         "hb_subsequent": cfg.rank_heartbeat_timeout,
         "safety_factor": cfg.safety_factor,
+        "floor": cfg.calc_timeout_floor,
     })
 
 
