@@ -7,11 +7,10 @@ naming the closest known key.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Dict, Optional
 
 import yaml
-
-import os
 
 from rank_monitor.config import ConfigError, FaultToleranceConfig, parse_sim_fault_desc
 
@@ -19,15 +18,19 @@ SECTION = "fault_tolerance"
 
 
 def find_section(node: Any) -> Optional[dict]:
-    """Breadth-first search for the first `fault_tolerance:` mapping."""
+    """Breadth-first search for the first `fault_tolerance:` key; its value must be a mapping."""
     queue = [node]
     while queue:
         item = queue.pop(0)
         if isinstance(item, dict):
-            if isinstance(item.get(SECTION), dict):
-                return item[SECTION]
-            if SECTION in item and item[SECTION] is None:
-                return {}
+            if SECTION in item:
+                value = item[SECTION]
+                if value is None:
+                    return {}
+                if not isinstance(value, dict):
+                    raise ConfigError(f"'{SECTION}:' must be a mapping of keys to values, "
+                                      f"got {type(value).__name__}")
+                return value
             queue.extend(item.values())
         elif isinstance(item, list):
             queue.extend(item)
@@ -47,7 +50,10 @@ def load_yaml_section(path: str) -> Dict[str, Any]:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
-    section = find_section(data)
+    try:
+        section = find_section(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     if section is None:
         raise ConfigError(f"{path}: no 'fault_tolerance:' section found")
     return section
