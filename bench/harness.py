@@ -1,0 +1,132 @@
+"""What the benchmarks share: start a job under ft_launcher or the installed torchrun, find its
+ranks, read the example's progress files, end the job cleanly, and summarise timings.
+
+Both launchers run the same script with the same flags, so a ratio compares launchers only.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Dict, List, Optional
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "ddp_train.py")
+
+
+def launcher_cmd(kind: str, nproc: int, extra: List[str]) -> List[str]:
+    if kind == "ft_launcher":
+        return [sys.executable, "-m", "ft_launcher", "--standalone", "--nproc-per-node", str(nproc), *extra]
+    torchrun = shutil.which("torchrun")
+    if not torchrun:
+        raise SystemExit("torchrun is not installed: pip install torch==2.13.0")
+    return [torchrun, "--standalone", "--nproc-per-node", str(nproc), *extra]
+
+
+class Job:
+    """One run of a script under a launcher, in a scratch directory, with its output in a log."""
+
+    def __init__(self, kind: str, nproc: int, launcher_args: List[str], script_args: List[str],
+                 script: str = EXAMPLE):
+        self.kind = kind
+        self.dir = tempfile.mkdtemp(prefix=f"ftbench_{kind}_")
+        self.progress_dir = os.path.join(self.dir, "progress")
+        self.log = open(os.path.join(self.dir, "launcher.log"), "w")
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   FT_BENCH_TOKEN=uuid.uuid4().hex)
+        self.token = env["FT_BENCH_TOKEN"]
+        cmd = launcher_cmd(kind, nproc, launcher_args) + [script, *script_args]
+        self.started = time.time()
+        self.proc = subprocess.Popen(cmd, cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def progress(self) -> Dict[int, List[tuple]]:
+        """{rank: [(cycle, step, unix time), ...]} from the example's --progress-dir."""
+        out: Dict[int, List[tuple]] = {}
+        if not os.path.isdir(self.progress_dir):
+            return out
+        for name in os.listdir(self.progress_dir):
+            rows = []
+            with open(os.path.join(self.progress_dir, name)) as fh:
+                for line in fh:
+                    parts = line.split()
+                    if len(parts) == 3:
+                        rows.append((int(parts[0]), int(parts[1]), float(parts[2])))
+            out[int(name.split("_")[1].split(".")[0])] = rows
+        return out
+
+    def all_stepping(self, nranks: int, cycle: int, after: float = 0.0) -> Optional[float]:
+        """When the last rank made its first step in `cycle` (after `after`), or None yet."""
+        firsts = []
+        for rows in self.progress().values():
+            times = [t for c, _, t in rows if c == cycle and t >= after]
+            if not times:
+                return None
+            firsts.append(min(times))
+        return max(firsts) if len(firsts) == nranks else None
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value is not None and value is not False:
+                return value
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.kind} exited ({self.proc.returncode}) while waiting for {what}; "
+                                   f"see {self.log.name}")
+            time.sleep(0.01)
+        raise RuntimeError(f"{self.kind}: timed out after {timeout}s waiting for {what}; see {self.log.name}")
+
+    def rank_pid(self, rank: int) -> int:
+        """The pid of global rank `rank` (a process of this job whose RANK is that)."""
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                env = p.environ()
+                if env.get("RANK") == str(rank) and "LOCAL_RANK" in env and EXAMPLE in " ".join(p.cmdline()):
+                    return p.pid
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        raise RuntimeError(f"rank {rank} not found")
+
+    def stop(self, keep_dir: bool = False) -> None:
+        """SIGTERM the launcher (it forwards to the ranks); SIGKILL whatever is left after 20 s.
+        The scratch directory (with launcher.log) is removed unless `keep_dir`."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        left = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("FT_BENCH_TOKEN") == self.token:
+                    left.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        for p in left:
+            p.kill()
+        self.log.close()
+        if not keep_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def summary(values: List[float]) -> str:
+    if not values:
+        return "n/a"
+    return f"median {statistics.median(values):6.2f} s  (min {min(values):.2f}, max {max(values):.2f}, n={len(values)})"
+
+
+def ratio(ours: List[float], theirs: List[float]) -> str:
+    if not ours or not theirs:
+        return "n/a"
+    return f"{statistics.median(ours) / statistics.median(theirs):.2f}x"
