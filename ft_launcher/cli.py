@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft = p.add_argument_group("fault tolerance (also --ft-param-<key>)")
     for key in FIELD_NAMES:
         dashed = key.replace("_", "-")
-        spellings = dict.fromkeys([f"--ft-{dashed}", f"--ft-{key}", f"--ft-param-{key}", f"--ft-param-{dashed}"])
+        spellings = dict.fromkeys([f"--ft-{dashed}", f"--ft-{key}", f"--ft-param-{key}", f"--ft-param-{dashed}"]
+                                  + ([f"--{dashed}", f"--{key}"] if key.startswith("ft_") else []))  # --ft-state-path
         ft.add_argument(*spellings, dest=f"ft__{key}", default=None, metavar="V")
     p.add_argument("training_script", help="the script (or module, or program) every rank runs")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)

@@ -46,7 +46,8 @@ class FaultToleranceConfig:
     calc_timeout_floor: float = 5.0
     ft_state_path: Optional[str] = None
     # Timeout keys ("section:step", "out_of_section", "heartbeat:initial", ...) that computed
-    # timeouts must not replace: those given on the command line, and explicit nulls.
+    # timeouts must not replace: those the user pins (bare section names are accepted, and
+    # "heartbeat" means both heartbeat timeouts), and explicit nulls.
     pinned_timeouts: List[str] = dataclasses.field(default_factory=list)
     log_level: str = "INFO"
     # Simulated faults (Megatron-Bridge's names), injected by the agent into any script.
@@ -59,21 +60,15 @@ class FaultToleranceConfig:
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_sources(cls, *layers: "tuple[str, Mapping[str, Any]]", warn=None,
-                     pin_sources=("command line",)) -> "FaultToleranceConfig":
+    def from_sources(cls, *layers: "tuple[str, Mapping[str, Any]]", warn=None) -> "FaultToleranceConfig":
         """Build from (source_name, mapping) layers, later layers overriding earlier ones.
-        Timeouts from a layer named in `pin_sources`, and explicit nulls, become pinned."""
+        An explicit null timeout, from any source, is pinned: computed timeouts never replace it."""
         cfg = cls()
-        pinned = set()
+        nulls = set()
         for source, mapping in layers:
-            before = cfg.timeout_keys()
             cfg.update(mapping, source, warn=warn)
-            after = cfg.timeout_keys()
-            for key, value in after.items():
-                changed = key not in before or before[key] != value or _mentions(mapping, key)
-                if changed and (source in pin_sources or value is None) and _mentions(mapping, key):
-                    pinned.add(key)
-        cfg.pinned_timeouts = sorted(set(cfg.pinned_timeouts) | pinned)
+            nulls |= {key for key, value in cfg.timeout_keys().items() if value is None and _mentions(mapping, key)}
+        cfg.pinned_timeouts = sorted(set(cfg.pinned_timeouts) | nulls)
         cfg.validate()
         return cfg
 
@@ -150,6 +145,8 @@ def _mentions(mapping: Mapping[str, Any], key: str) -> bool:
 def normalize_key(key: str) -> str:
     """`--ft-rank-section-timeouts`, `ft-param-rank_section_timeouts`, ... -> field name."""
     key = key.lstrip("-")
+    if key.replace("-", "_") in FIELD_NAMES:   # ft_state_path is a field, not ft_ + state_path
+        return key.replace("-", "_")
     for prefix in ("ft-param-", "ft_param_", "ft-", "ft_"):
         if key.startswith(prefix):
             key = key[len(prefix):]
@@ -295,9 +292,32 @@ _PARSERS = {
     "simulated_fault_base_delay": _number,
     "simulated_fault_seed": lambda k, v, s: _int(k, v, s),
     "simulated_fault_count": lambda k, v, s: -1 if str(v).strip().lower() in ("every", "every_cycle", "-1") else _int(k, v, s),
-    "pinned_timeouts": lambda k, v, s: [str(x) for x in (v.split(",") if isinstance(v, str) else v or [])],
+    "pinned_timeouts": lambda k, v, s: _pins(v, s),
     "log_level": lambda k, v, s: _log_level(v, s),
 }
+
+
+def _pins(value: Any, source: str) -> List[str]:
+    """`step,out_of_section,heartbeat` -> uniform timeout keys."""
+    if value is None:
+        return []
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)):
+        raise ConfigError(f"{source}: pinned_timeouts must be a list of timeout names, got {value!r}")
+    out = []
+    for name in (str(n).strip() for n in names):
+        if not name:
+            continue
+        if name == "heartbeat":
+            out += ["heartbeat:initial", "heartbeat:subsequent"]
+        elif name in ("out_of_section", "heartbeat:initial", "heartbeat:subsequent") or name.startswith("section:"):
+            out.append(name)
+        elif ":" in name:
+            raise ConfigError(f"{source}: pinned_timeouts: unknown timeout {name!r} (use a section name, "
+                              "out_of_section, heartbeat, heartbeat:initial or heartbeat:subsequent)")
+        else:
+            out.append(f"section:{name}")
+    return out
 
 
 def _log_level(value: Any, source: str) -> str:

@@ -39,8 +39,12 @@ model:
     assert ft.rank_section_timeouts == {"setup": 600.0, "step": 20.0, "checkpointing": None}
     assert ft.rank_out_of_section_timeout == 300.0      # file over default
     assert ft.rank_termination_signal == 15 and ft.safety_factor == 7.0
-    assert "section:step" in ft.pinned_timeouts and "section:checkpointing" in ft.pinned_timeouts
-    assert "section:setup" not in ft.pinned_timeouts
+    assert ft.pinned_timeouts == ["section:checkpointing"]   # an explicit null is pinned
+
+
+def test_pins_by_name_from_the_command_line():
+    ft = ft_of("--standalone", "--ft-pinned-timeouts", "step,out_of_section,heartbeat")
+    assert ft.pinned_timeouts == ["heartbeat:initial", "heartbeat:subsequent", "out_of_section", "section:step"]
 
 
 @pytest.mark.parametrize("flag", ["--ft-rank-section-timeouts", "--ft-rank_section_timeouts",
@@ -76,6 +80,7 @@ BAD = [
     (["--ft-simulated-fault-type", "rank_exploded"], "simulated_fault_type must be one of"),
     (["--ft-rank-out-of-section-timout", "5"], "did you mean --ft-rank-out-of-section-timeout?"),
     (["--ft-cfg-path", "nope.yaml"], "--ft-cfg-path: no such file: nope.yaml"),
+    (["--ft-pinned-timeouts", "heartbeat:final"], "pinned_timeouts: unknown timeout 'heartbeat:final'"),
 ]
 
 
