@@ -25,7 +25,8 @@ PUBLISH_EVERY = 2.0  # seconds between publications of observations while ranks 
 
 
 def observations_from_stats(stats: dict) -> Dict[str, Observation]:
-    """One monitor's section_stats() under the uniform keys of timeout_calc."""
+    """One monitor's section_stats() (rank_monitor.shm_layout.read_stats) under the uniform keys
+    of timeout_calc."""
     out: Dict[str, Observation] = {}
     now = time.time()
 
@@ -49,20 +50,30 @@ class TimeoutLearner:
         self.events = events
         self.enabled = ft.calc_ft_timeouts
         self.previous: Dict[str, float] = {}         # computed values from the file (merge input)
+        self.computed: Dict[str, float] = {}         # what the file holds: computed values only
+        self.evidence: Dict[str, Observation] = {}   # the observations behind them
         self.past: Dict[str, Observation] = {}      # this node, cycles already over
         self.version_seen = 0
         self._next_publish = 0.0
 
     # ---- start and restart ----------------------------------------------------------------
     def load(self) -> FaultToleranceConfig:
-        """The configuration to start a cycle with: file values over configured ones (pins kept)."""
+        """The configuration to start a cycle with: file values over configured ones (pins kept).
+        The file is read only when timeouts are computed or its path was given: a stale
+        ft_state.json in the working directory must not change a job that asked for neither."""
+        if not (self.enabled or self.ft.ft_state_path):
+            return self.ft
         state = ft_state_file.load(self.path, warn=lambda m: self.events.event("ft_state_unreadable", f"warning: {m}"))
         if state is None:
             return self.ft
+        # Only numbers are applied: a null in a file (Megatron writes them for timeouts it did
+        # not calculate) must not switch off a timeout the configuration sets.
         self.previous = {k: v for k, v in state.timeouts.items() if v is not None}
-        usable = {k: v for k, v in state.timeouts.items() if k not in self.ft.pinned_timeouts}
+        self.computed = dict(self.previous)
+        self.evidence = dict(state.observations)
+        usable = {k: v for k, v in self.previous.items() if k not in self.ft.pinned_timeouts}
         if usable:
-            shown = ", ".join(f"{k.split(':', 1)[-1]} {v:g} s" for k, v in sorted(usable.items()) if v)
+            shown = ", ".join(f"{k.split(':', 1)[-1]} {v:g} s" for k, v in sorted(usable.items()))
             self.events.event("timeouts_loaded", f"timeouts from {self.path}: {shown}", timeouts=usable)
         self.ft = apply(self.ft, usable)
         return self.ft
@@ -98,8 +109,11 @@ class TimeoutLearner:
                               old=change.old, new=change.new, count=change.observation.count,
                               max=change.observation.max)
         self.ft = apply(self.ft, timeouts)
+        for change in changes:
+            self.computed[change.key] = change.new
+            self.evidence[change.key] = change.observation
         state = ft_state_file.FtState(
-            {k: v for k, v in timeouts.items()}, observations,
+            dict(self.computed), dict(self.evidence),
             {"safety_factor": self.ft.safety_factor, "calc_min_observations": self.ft.calc_min_observations,
              "calc_timeout_floor": self.ft.calc_timeout_floor}, time.time())
         ft_state_file.save(self.path, state)

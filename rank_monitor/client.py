@@ -325,7 +325,7 @@ class _Section:
         w[b] = 1                   # S_OPEN
         n = w[8]                   # H_OPEN
         if n <= 0:
-            last = w[9]            # H_LAST_CLOSE_NS
+            last = w[9] or w[6]    # H_LAST_CLOSE_NS, else H_START_NS: start-up counts as out of section
             if last:
                 d = now - last
                 w[12] = d          # H_OOS_LAST_NS

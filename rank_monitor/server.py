@@ -260,6 +260,7 @@ class Server:
                       self.inc.rank, self.inc.pid, self.inc.cycle)
         elif op == "rank_stopped":
             self._drop_inc()
+            self.words[L.H_START_NS] = 0   # no incarnation: its statistics are no longer current
         elif op == "config":
             cfg = msg["cfg"]
             self.cfg = FaultToleranceConfig.from_json(cfg if isinstance(cfg, str) else json.dumps(cfg))

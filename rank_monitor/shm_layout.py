@@ -2,9 +2,10 @@
 
 One fixed-size file (under /dev/shm) per local rank slot, created by the monitor. Viewed as an
 array of signed 64-bit words (`memoryview(mmap).cast('q')`) followed by a name table. The rank's
-client is the only writer of the "client" words (sections, heartbeats, timeout overrides); the
-monitor writes only H_START_NS and clears the record between incarnations. Word writes are single
-aligned 8-byte stores; readers tolerate torn multi-word views by re-reading before acting.
+client is the only writer of the "client" words (sections, heartbeats, timeout overrides) and
+clears them when a new incarnation attaches; the monitor writes only H_START_NS (0 while no rank
+runs). Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
+re-reading before acting.
 """
 from __future__ import annotations
 
@@ -150,30 +151,31 @@ def write_name(mm: mmap.mmap, words: memoryview, index: int, data: bytes) -> Non
 
 
 def read_stats(mm: mmap.mmap, words: memoryview) -> Dict[str, dict]:
-    """Per-section, heartbeat and out-of-section statistics (seconds), as the handle reports them."""
-    out: Dict[str, dict] = {}
+    """This incarnation's observations (seconds): {"sections": {name: {count, max, ...}},
+    "out_of_section": {count, max}, "heartbeat": {"initial": {count, max}, "subsequent": {...}}}.
+
+    Empty while the record holds no current data: no rank is running (the monitor zeroes
+    H_START_NS when the rank stops), or the new incarnation's client has not attached yet (the
+    words still hold the previous incarnation's numbers, which were already collected)."""
+    start = words[H_START_NS]
+    if not start or words[H_ATTACH_NS] < start:
+        return {}
+    sections: Dict[str, dict] = {}
     for i in range(max(0, min(words[H_NSLOTS], MAX_SLOTS))):
         b = slot_base(i)
-        out[read_name(mm, words, i)] = {
+        sections[read_name(mm, words, i)] = {
             "count": words[b + S_CLOSES],
             "max": words[b + S_MAX_NS] / 1e9,
             "last": words[b + S_LAST_NS] / 1e9,
             "total": words[b + S_TOTAL_NS] / 1e9,
             "open": bool(words[b + S_OPEN]),
-            "timeout_override": decode_timeout(words[b + S_TIMEOUT], "unset"),
         }
-    start = words[H_START_NS]
-    first = words[H_HB_FIRST_NS]
-    out["heartbeat"] = {
-        "count": words[H_HB_COUNT],
-        "max": words[H_HB_MAX_NS] / 1e9,
-        "last": words[H_HB_LAST_IV_NS] / 1e9,
-        "initial": (first - start) / 1e9 if first and start else None,
+    first, beats = words[H_HB_FIRST_NS], words[H_HB_COUNT]
+    return {
+        "sections": sections,
+        "out_of_section": {"count": words[H_OOS_COUNT], "max": words[H_OOS_MAX_NS] / 1e9},
+        "heartbeat": {
+            "initial": {"count": 1 if first else 0, "max": max(0, first - start) / 1e9 if first else 0.0},
+            "subsequent": {"count": max(0, beats - 1), "max": words[H_HB_MAX_NS] / 1e9},
+        },
     }
-    out["out_of_section"] = {
-        "count": words[H_OOS_COUNT],
-        "max": words[H_OOS_MAX_NS] / 1e9,
-        "last": words[H_OOS_LAST_NS] / 1e9,
-    }
-    return out
-

@@ -43,15 +43,17 @@ def test_merge_grows_at_once_and_shrinks_halfway():
 
 def test_pinned_and_explicit_null_are_never_replaced():
     c = FaultToleranceConfig.from_sources(
-        ("f.yaml", {"rank_section_timeouts": {"step": 180, "checkpointing": None}}),
-        ("command line", {"ft-rank-section-timeouts": "setup:600"}))
+        ("f.yaml", {"rank_section_timeouts": {"step": 180, "checkpointing": None}, "pinned_timeouts": ["setup"]}),
+        ("command line", {"ft-rank-section-timeouts": "setup:600,eval:300"}))
     c.calc_min_observations, c.calc_timeout_floor = 1, 0.1
-    obs = {k: Observation(100, 1.0, 0) for k in ("section:setup", "section:step", "section:checkpointing")}
+    obs = {f"section:{k}": Observation(100, 1.0, 0) for k in ("setup", "step", "checkpointing", "eval")}
     result, _ = compute(obs, c.timeout_keys(), {}, c)
-    assert result["section:setup"] == 600.0          # pinned on the command line
+    assert result["section:setup"] == 600.0          # pinned
     assert result["section:checkpointing"] is None   # explicit null
     assert result["section:step"] == 5.0             # computed
-    assert apply(c, result).rank_section_timeouts == {"setup": 600.0, "step": 5.0, "checkpointing": None}
+    assert result["section:eval"] == 5.0             # a command-line value is a starting point, not a pin
+    assert apply(c, result).rank_section_timeouts == {"setup": 600.0, "step": 5.0, "checkpointing": None,
+                                                      "eval": 5.0}
 
 
 def test_job_wide_view_sums_counts_and_takes_maxima():
@@ -112,3 +114,95 @@ def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
         assert w.exitcode == 0
     assert ft_state_file.load(path, warn=lambda m: (_ for _ in ()).throw(AssertionError(m))) is not None
     assert reads > 0
+
+
+# ---- end to end: real jobs learn, persist and enforce -------------------------------------------
+import pytest  # noqa: E402
+
+from conftest import SCRIPTS  # noqa: E402
+
+RANK = os.path.join(SCRIPTS, "monitored_rank.py")
+LOOSE_YAML = """
+fault_tolerance:
+  rank_section_timeouts: {setup: 60, step: 60, fwd: 60, checkpointing: 60}
+  pinned_timeouts: [heartbeat]     # heartbeats are not learned here: a hang must show as 'step'
+  calc_ft_timeouts: true
+  safety_factor: 20
+  calc_timeout_floor: 1.0
+"""
+
+
+def _events(log_dir, kind):
+    with open(os.path.join(log_dir, "events.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if r["kind"] == kind]
+
+
+def _job(launcher, tmp_path, name, state, *extra, steps=40, restarts=0):
+    cfg = tmp_path / "ft.yaml"
+    cfg.write_text(LOOSE_YAML)
+    out = tmp_path / f"out_{name}"
+    out.mkdir()
+    return launcher.start(["--standalone", "--nproc-per-node", "2", "--max-restarts", restarts,
+                           "--log-dir", tmp_path / name, "--ft-cfg-path", cfg, "--ft-state-path", state,
+                           RANK, out, "--steps", steps, *extra])
+
+
+def _finish(proc, timeout=90):
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err
+    return out, err
+
+
+def test_a_job_learns_timeouts_and_the_next_run_catches_a_hang_with_them(launcher, tmp_path):
+    state = tmp_path / "ft_state.json"
+    _, err = _finish(_job(launcher, tmp_path, "first", state))
+    saved = json.loads(state.read_text())
+    step = saved["current_timeouts"]["section"]["step"]
+    assert 1.0 <= step < 10 and saved["observations"]["section:step"]["count"] >= 80  # 2 ranks x 40 steps
+    assert "setup" not in saved["current_timeouts"]["section"]  # 2 observations: too little evidence
+    assert "heartbeat" not in saved["current_timeouts"]          # pinned
+    assert saved["format_version"] == 1 and saved["config"]["safety_factor"] == 20
+    assert any(line.endswith("factor 20)") and "step timeout 60.0 s -> " in line for line in err.splitlines())
+    # The second run starts with the learned 'step' timeout: a rank stuck in 'step' is caught
+    # after about `step` seconds, not the configured 60.
+    _, err = _finish(_job(launcher, tmp_path, "second", state, "--fault", "step", restarts=1))
+    assert _events(tmp_path / "second", "timeouts_loaded")
+    hang = _events(tmp_path / "second", "hang")
+    assert len(hang) == 1 and hang[0]["rank"] == 1 and hang[0]["detail"]["section"] == "step"
+    assert hang[0]["detail"]["timeout"] == pytest.approx(step) and hang[0]["detail"]["elapsed"] < 10
+
+
+def test_two_jobs_computing_into_one_file_leave_one_valid_file(launcher, tmp_path):
+    state = tmp_path / "shared" / "ft_state.json"
+    jobs = [_job(launcher, tmp_path, name, state, steps=60) for name in ("a", "b")]
+    for proc in jobs:
+        _finish(proc)
+    loaded = ft_state_file.load(str(state), warn=lambda m: pytest.fail(m))
+    assert loaded is not None and loaded.timeouts["section:step"] < 60
+    assert not [p for p in os.listdir(state.parent) if p.startswith(".ft_state.")]  # no temp file left
+
+
+def test_a_corrupt_state_file_is_set_aside_and_the_job_runs_on_configured_timeouts(launcher, tmp_path):
+    state = tmp_path / "ft_state.json"
+    state.write_text('{"current_timeouts": {"section": {"step": 0.0')
+    _, err = _finish(_job(launcher, tmp_path, "run", state))
+    warnings = [l for l in err.splitlines() if "unreadable" in l]
+    assert len(warnings) == 1 and "kept aside as" in warnings[0] and "configured timeouts" in warnings[0]
+    aside = [p for p in os.listdir(tmp_path) if p.startswith("ft_state.json.corrupt-")]
+    assert len(aside) == 1 and (tmp_path / aside[0]).read_text().startswith('{"current_timeouts"')
+    assert ft_state_file.load(str(state), warn=lambda m: pytest.fail(m)) is not None  # a fresh, valid file
+
+
+def test_a_megatron_state_file_is_loaded_and_enforced(launcher, tmp_path):
+    state = tmp_path / "megatron_ft_state.json"
+    state.write_text(json.dumps({"current_timeouts": {
+        "section": {"section": {"setup": 60.0, "step": 1.5, "fwd": 60.0, "checkpointing": 60.0},
+                    "out_of_section": 60.0, "calculated_sections": ["step"], "is_out_of_section_calculated": False},
+        "heartbeat": {"initial": None, "subsequent": None, "were_calculated": False}}}))
+    out = tmp_path / "out"
+    out.mkdir()
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", tmp_path / "logs",
+                        "--ft-state-path", state, RANK, out, "--fault", "step"])
+    assert res.returncode == 0, res.stderr
+    hang = _events(tmp_path / "logs", "hang")
+    assert len(hang) == 1 and hang[0]["detail"]["section"] == "step" and hang[0]["detail"]["timeout"] == 1.5
