@@ -35,6 +35,7 @@ from .rendezvous import JobStore, NodeInfo, RendezvousError, Round, RoundProtoco
 from .workers import Rank, WorkerGroup, describe_exit
 
 EXIT_OK, EXIT_FAILED = 0, 1
+MONITOR_STALL_LIMIT = 5.0  # seconds without a monitor tick (it ticks at least once a second)
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -55,6 +56,7 @@ class NodeAgent:
         self.monitors: list = []
         events.node = socket.gethostname()  # until the rendezvous gives this node its rank
         self._pending_reports: Dict[int, List[dict]] = {}
+        self._stalled_monitors: set = set()
 
     # ---- plumbing -----------------------------------------------------------------------
     def wake(self) -> None:
@@ -247,6 +249,7 @@ class NodeAgent:
                     elif isinstance(key.data, tuple):
                         self._collect_reports(key.data[1], sel)
                 self._check_signal(rnd)
+                self._check_monitors_tick()
                 if self.watcher.store_lost:
                     raise StoreLost(self.watcher.store_lost)
                 if self.watcher.interrupted_round == rnd.number:
@@ -425,6 +428,21 @@ class NodeAgent:
                 return
             else:
                 self.events.event(kind or "monitor_report", None, rank=report.get("rank"), **report)
+
+    def _check_monitors_tick(self) -> None:
+        """A monitor that stopped ticking (SIGSTOPped, wedged) protects nothing: end it, so the
+        death path replaces it and restarts its rank."""
+        for local_rank, monitor in enumerate(self.monitors):
+            stalled = monitor.stalled_for()
+            if stalled > MONITOR_STALL_LIMIT and monitor.pid not in self._stalled_monitors:
+                self._stalled_monitors.add(monitor.pid)
+                self.events.event("monitor_stalled", f"rank monitor for local rank {local_rank} (pid {monitor.pid}) "
+                                  f"has not ticked for {stalled:.1f}s -> killing it", local_rank=local_rank,
+                                  pid=monitor.pid, stalled=round(stalled, 3))
+                try:
+                    os.kill(monitor.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def _replace_monitor(self, local_rank: int) -> MonitorHandle:
         old = self.monitors[local_rank]

@@ -206,6 +206,13 @@ class MonitorHandle:
                         "exit_status": self.proc.poll()})
         return out
 
+    def stalled_for(self) -> float:
+        """Seconds since the monitor's loop last ticked (it ticks at least once a second)."""
+        if self._words is None:
+            return 0.0
+        tick = self._words[L.H_MONITOR_NS]
+        return max(0.0, (time.monotonic_ns() - tick) / 1e9) if tick else 0.0
+
     def section_stats(self) -> dict:
         if self._words is None:
             return {}

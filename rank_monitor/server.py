@@ -401,6 +401,7 @@ class Server:
         self.sock.setblocking(False)
         self.send({"kind": "ready", "pid": os.getpid(), "shm": self.shm_path})
         while self.running:
+            self.words[L.H_MONITOR_NS] = _mono()   # liveness: the agent replaces a monitor that stops ticking
             nearest = self.check()
             for incident in list(self.incidents):
                 incident.step()

@@ -4,7 +4,7 @@ One fixed-size file (under /dev/shm) per local rank slot, created by the monitor
 array of signed 64-bit words (`memoryview(mmap).cast('q')`) followed by a name table. The rank's
 client is the only writer of the "client" words (sections, heartbeats, timeout overrides) and
 clears them when a new incarnation attaches; the monitor writes only H_START_NS (0 while no rank
-runs). Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
+runs) and H_MONITOR_NS (its liveness tick, which the agent watches). Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
 re-reading before acting.
 """
 from __future__ import annotations
@@ -46,6 +46,7 @@ H_TO_HB_INIT = 19
 H_TO_HB_SUB = 20
 H_ATTACH_NS = 21
 H_GEN = 22              # bumped on every (re)attach / clear: invalidates cached slot names
+H_MONITOR_NS = 23       # the monitor's loop writes the time here at least once a second
 HEADER_WORDS = 32
 
 # ---- per-section slot words ---------------------------------------------------------------------
@@ -131,7 +132,7 @@ def clear_client_state(words: memoryview) -> None:
     words[H_CLIENT_PID] = 0
     words[H_NSLOTS] = 0
     for i in range(H_HANDLER_PID, WORDS):
-        if i in (H_START_NS, H_GEN, H_NSLOTS):
+        if i in (H_START_NS, H_GEN, H_NSLOTS, H_MONITOR_NS):
             continue
         words[i] = 0
     words[H_GEN] = words[H_GEN] + 1

@@ -200,3 +200,25 @@ def test_without_the_launcher_every_call_is_a_no_op_after_one_warning(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("not running under ft_launcher") == 1
     assert len(progress(tmp_path, 0)) == 20
+
+
+def test_a_stalled_monitor_is_replaced_and_its_rank_restarted(launcher, tmp_path):
+    """A SIGSTOPped monitor is alive but protects nothing: the agent must notice it stopped
+    ticking, replace it and restart the rank it was guarding."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    out.mkdir()
+    proc = launcher.start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
+                           "--ft-rank-section-timeouts", LOOSE, RANK, out, "--steps", "350"])
+    deadline = time.monotonic() + 60
+    while len(progress(out, 0)) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, "rank 0 never started stepping"
+        time.sleep(0.05)
+    monitor = _monitor_of(proc.pid, 0)
+    monitor.suspend()
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
+    stalled = events(logs, "monitor_stalled")
+    assert len(stalled) == 1 and stalled[0]["detail"]["local_rank"] == 0 and stalled[0]["detail"]["pid"] == monitor.pid
+    assert events(logs, "monitor_died")[0]["detail"]["local_rank"] == 0
+    assert len(events(logs, "cycle_start")) == 2 and events(logs)[-1]["kind"] == "job_complete"
+    assert not psutil.pid_exists(monitor.pid) or monitor.status() == psutil.STATUS_ZOMBIE
