@@ -274,7 +274,19 @@ class Server:
         if inc is not None:
             inc.enforcing = False
             if not any(i.inc is inc for i in self.incidents):
+                self._remove_unused_stack_file(inc)
                 inc.close()
+
+    def _remove_unused_stack_file(self, inc: Incarnation) -> None:
+        """Every rank opens a stack-dump file in case it hangs; one left empty is clutter."""
+        pid = self.words[L.H_HANDLER_PID] if self._client_matches(inc) else 0
+        if pid and self.stack_template:
+            path = self.stack_template.replace("{pid}", str(pid))
+            try:
+                if os.path.getsize(path) == 0:
+                    os.unlink(path)
+            except OSError:
+                pass
 
     # ---- deadlines --------------------------------------------------------------------------
     def _client_matches(self, inc: Incarnation) -> bool:

@@ -86,6 +86,8 @@ def test_stack_dump_of_a_hung_rank_names_where_it_hangs(launcher, tmp_path):
     assert dump["rank"] == 1
     assert "hang_forever" in dump["detail"]["stack"] and "monitored_rank.py" in dump["detail"]["stack"]
     assert "hang_forever" in (events(logs, "hang")[0]["detail"]["stack"] or dump["detail"]["stack"])
+    # every rank opened a dump file in case it hung; only the one that was used is kept
+    assert [p.name for p in logs.glob("stack_*")] == [os.path.basename(dump["detail"]["stack_file"])]
 
 
 def test_sigstopped_rank_is_detected_killed_and_restarted_with_its_stack(launcher, tmp_path):
