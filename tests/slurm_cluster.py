@@ -10,7 +10,8 @@ file; their names are mapped to 127.0.0.1 in /etc/hosts so that programs (the la
 rendezvous endpoint = first host of the node list) can resolve them.
 
 Where the cluster cannot be had (not root, apt-get fails, a daemon does not start, nodes never
-become idle) the fixture calls ``pytest.skip`` with the reason: never a silent pass.
+become idle) the fixture calls ``pytest.skip`` with the reason: never a silent pass. With
+FT_REQUIRE_SLURM=1 in the environment it fails instead (for CI, where SLURM must be tested).
 
 Tests that use the fixture are marked ``slurm`` automatically (``-m "not slurm"`` leaves them out);
 tests/conftest.py imports the fixture and that hook (pytest 9 refuses ``pytest_plugins`` outside
@@ -102,7 +103,10 @@ def ensure_hosts(names: Iterable[str], hosts_file: str = "/etc/hosts") -> None:
     add = [n for n in names if n not in known]
     if add:
         sep = "" if text.endswith("\n") or not text else "\n"
-        path.write_text(text + sep + "127.0.0.1 " + " ".join(add) + "  # ft_launcher tests: emulated SLURM nodes\n")
+        try:
+            path.write_text(text + sep + "127.0.0.1 " + " ".join(add) + "  # ft_launcher tests: emulated SLURM nodes\n")
+        except OSError as e:
+            raise ClusterUnavailable(f"cannot map {', '.join(add)} to 127.0.0.1 in {hosts_file}: {e}") from None
     for n in names:
         try:
             socket.gethostbyname(n)
@@ -367,6 +371,8 @@ def slurm_cluster():
     try:
         cluster = start_cluster()
     except ClusterUnavailable as e:
+        if os.environ.get("FT_REQUIRE_SLURM"):  # where SLURM must be tested (CI): fail, not skip
+            pytest.fail(f"no local SLURM cluster (FT_REQUIRE_SLURM is set): {e}", pytrace=False)
         pytest.skip(f"no local SLURM cluster: {e}")
     try:
         yield cluster

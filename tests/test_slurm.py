@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import EXAMPLE, ROOT, SCRIPTS, tagged
+from conftest import EXAMPLE, ROOT, SCRIPTS, tagged, wait_until_gone
 
 ENV_DUMP = os.path.join(SCRIPTS, "env_dump.py")
 PREEMPTIBLE = os.path.join(SCRIPTS, "preemptible.py")
@@ -79,7 +79,10 @@ class Job:
         self.procs = []
         self.env = dict(FT_TEST_TOKEN=self.token,
                         PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                        PYTHONUNBUFFERED="1")
+                        PYTHONUNBUFFERED="1",
+                        # monitors and watchdogs set their titles with setproctitle, which by
+                        # default overwrites /proc/PID/environ (and so the token): keep it
+                        SPT_NOENV="1")
 
     def start(self, nodes, launcher_args, srun_args=()):
         cmd = ["srun", f"--job-name={self.name}", "-N", str(nodes), "--ntasks-per-node=1",
@@ -171,13 +174,8 @@ class Job:
             except (subprocess.TimeoutExpired, ValueError):
                 pass
         self.cluster.run(["scancel", "-n", self.name], timeout=15, check=False)
-        deadline = time.monotonic() + 15
-        left = tagged(self.token)
-        while left and time.monotonic() < deadline:
-            psutil.wait_procs(left, timeout=0.3)
-            left = tagged(self.token)
         described = []
-        for p in left:
+        for p in wait_until_gone(self.token, timeout=15):
             try:
                 described.append((p.pid, p.cmdline()))
                 p.kill()
