@@ -63,6 +63,14 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def _die_with_parent() -> None:
+    """In a daemon about to exec: get SIGTERM when the process that started it dies, so a test
+    run killed before its teardown (a CI timeout's SIGTERM skips it) leaves no cluster behind."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _tail(path: Path, lines: int = 15) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -218,7 +226,7 @@ class SlurmCluster:
         with open(out, "wb") as f:
             self.procs[name] = subprocess.Popen(
                 cmd, env=self.env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                start_new_session=True, preexec_fn=_die_with_parent)
 
     def node_states(self) -> dict[str, str]:
         res = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=15, check=False)
