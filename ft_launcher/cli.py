@@ -224,6 +224,7 @@ def launch_config(argv: Sequence[str]):
     nproc = parse_nproc(args.nproc_per_node)
     backend = args.rdzv_backend
     order_key: Optional[int] = None
+    store_here: Optional[bool] = None  # whether this node hosts the store, when SLURM says so
     if args.standalone:
         backend, low, high = "c10d", 1, 1
         host, port, run_id = "127.0.0.1", 0, args.rdzv_id or uuid.uuid4().hex[:12]
@@ -235,6 +236,8 @@ def launch_config(argv: Sequence[str]):
             host, port = parse_endpoint(args.rdzv_endpoint, DEFAULT_C10D_PORT)
         elif slurm and backend != "static":
             backend, host, port = "c10d", slurm.first_host, DEFAULT_MASTER_PORT
+            if os.environ.get("SLURMD_NODENAME"):  # the store lives on the first node, and only there
+                store_here = slurm.nodename == slurm.first_host
         else:
             backend = backend or "static"
             host, port = args.master_addr, args.master_port
@@ -250,7 +253,7 @@ def launch_config(argv: Sequence[str]):
                 raise UsageError("--rdzv-backend static needs a fixed --nnodes N (use c10d for MIN:MAX)")
             order_key = order_key or 0
     rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
-    is_host = rdzv_conf.pop("is_host", None)
+    is_host = rdzv_conf.pop("is_host", store_here)
     if backend == "static" and is_host is None:
         is_host = order_key == 0
     for flag in ("max_restarts",):

@@ -15,6 +15,9 @@ import uuid
 import psutil
 import pytest
 
+# The local SLURM cluster (session fixture) and the hook that marks its tests `slurm`.
+from slurm_cluster import pytest_collection_modifyitems, slurm_cluster  # noqa: F401
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "ddp_train.py")
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")

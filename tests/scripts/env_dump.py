@@ -1,4 +1,7 @@
-"""Rank script: join the process group, all-reduce once, write this rank's environment as JSON."""
+"""Rank script: join the process group, all-reduce once, write this rank's environment as JSON
+(the launcher's keys, any SLURM_* variables inherited, and where `agent` is imported from: the
+rank inherits the launcher's environment, so that names the tree under test)."""
+import importlib.util
 import json
 import os
 import sys
@@ -15,6 +18,8 @@ dist.all_reduce(t)
 record = {k: os.environ.get(k) for k in KEYS}
 record["allreduce"] = t.item()
 record["argv"] = sys.argv[1:]
+record.update({k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "SLURMD_"))})
+record["agent_origin"] = importlib.util.find_spec("agent").origin
 out = os.path.join(sys.argv[1], f"rank_{os.environ['RANK']}.json")
 with open(out, "w") as fh:
     json.dump(record, fh)
