@@ -30,6 +30,7 @@ from typing import List, Optional
 
 from rank_monitor import shm_layout as L
 from rank_monitor.config import FaultToleranceConfig
+from rank_monitor.proc_title import set_title
 
 _mono = time.monotonic_ns
 log = logging.getLogger("rank_monitor")
@@ -444,11 +445,7 @@ def main(argv=None) -> int:
     _set_pdeathsig()
     if args.parent_pid and os.getppid() != args.parent_pid:
         return 1   # the agent died before we could arrange to die with it
-    try:
-        import setproctitle
-        setproctitle.setproctitle(f"ft_launcher: rank_monitor local_rank={args.local_rank}")
-    except ImportError:
-        pass
+    set_title(f"ft_launcher: rank_monitor local_rank={args.local_rank}")
     cfg = FaultToleranceConfig.from_json(args.config)
     logging.basicConfig(stream=sys.stderr, format="[ft_launcher rank_monitor %(levelname)s] %(message)s",
                         level=getattr(logging, cfg.log_level, logging.INFO))
