@@ -306,14 +306,21 @@ class NodeAgent:
                      "detected; none is configured, so a hung rank will stay hung")
 
     def _rank_failure(self, rank: Rank, code: int, rnd: Round) -> dict:
-        reports = [r for r in self._pending_reports.pop(rank.local_rank, []) if r.get("kind") == "hang"]
+        """Why `rank` ended: what its monitor reported about it, else its exit status."""
+        reports = self._pending_reports.pop(rank.local_rank, [])
         node = f"node {rnd.group_rank} ({self.me.host})"
-        if reports:
-            hang = reports[-1]
+        hangs = [r for r in reports if r.get("kind") == "hang"]
+        lost = [r for r in reports if r.get("kind") == "monitor_died"]
+        if hangs:
+            hang = hangs[-1]
             section = f"section '{hang['section']}'" if hang.get("section") else hang.get("reason", "?").replace("_", " ")
             what = (f"rank {rank.rank} on {node} hung in {section} for {hang.get('elapsed', 0):.2f}s "
                     f"(timeout {hang.get('timeout', 0):g}s) and was stopped by its monitor")
             return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code, "hang": hang}
+        if lost:
+            what = (f"rank {rank.rank} on {node} was stopped because its monitor (pid {lost[-1]['pid']}) died: "
+                    f"it restarts under the new monitor")
+            return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code, "monitor_died": lost[-1]}
         what = f"rank {rank.rank} on {node} {describe_exit(code)}"
         return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code}
 
@@ -440,8 +447,7 @@ class NodeAgent:
         self.monitors[local_rank] = handle
         if rank is not None and rank.exitcode is None:
             # Its failure, reported as such, restarts the group under the new monitor.
-            self._pending_reports.setdefault(local_rank, []).append(
-                {"kind": "hang", "reason": "monitor_died", "section": None, "elapsed": 0, "timeout": 0})
+            self._pending_reports.setdefault(local_rank, []).append({"kind": "monitor_died", "pid": old.pid})
             os.killpg(rank.pid, signal.SIGKILL)
         return handle
 
