@@ -326,6 +326,11 @@ class NodeAgent:
 
     def _fail(self, rnd: Round, reason: dict) -> dict:
         reason.setdefault("node_id", self.me.node_id)
+        early = self._early_exits()
+        if early:  # a rank that left early is the likely cause: its peers waited for it
+            reason["what"] += (f", after rank{'s' if len(early) > 1 else ''} {', '.join(map(str, early))} "
+                               f"exited 0 early and left its peers waiting")
+            reason["early_exits"] = early
         self.events.event("failure", f"{reason['what']} -> stopping all ranks",
                           rank=reason.get("rank"), **{k: v for k, v in reason.items() if k not in ("rank",)})
         verdict = self.proto.interrupt(rnd.number, reason)
@@ -346,7 +351,15 @@ class NodeAgent:
             self.say(f"{verdict.get('what')} (on another node) -> stopping this node's ranks")
         return self._announce(rnd, verdict)
 
+    def _early_exits(self) -> List[int]:
+        """Ranks of this node that exited 0 in this cycle while it has not completed."""
+        return [r.rank for r in self.group.ranks if r.exitcode == 0]
+
     def _announce(self, rnd: Round, verdict: dict) -> dict:
+        if verdict.get("kind") == "failure":
+            for rank in self._early_exits():
+                self.events.event("early_exit", f"rank {rank} had exited 0 early in this cycle while its "
+                                  f"peers still ran: it left them waiting", rank=rank)
         if verdict.get("restart"):
             self.events.event("restart", f"restarting all ranks: cycle {verdict['next_round']} "
                               f"(restart {verdict['restarts_used']}/{self.cfg.max_restarts})",
