@@ -313,8 +313,7 @@ class NodeAgent:
         lost = [r for r in reports if r.get("kind") == "monitor_died"]
         if hangs:
             hang = hangs[-1]
-            section = f"section '{hang['section']}'" if hang.get("section") else hang.get("reason", "?").replace("_", " ")
-            what = (f"rank {rank.rank} on {node} hung in {section} for {hang.get('elapsed', 0):.2f}s "
+            what = (f"rank {rank.rank} on {node} hung in {_hang_place(hang)} for {hang.get('elapsed', 0):.2f}s "
                     f"(timeout {hang.get('timeout', 0):g}s) and was stopped by its monitor")
             return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code, "hang": hang}
         if lost:
@@ -426,9 +425,8 @@ class NodeAgent:
             kind = report.get("kind")
             if kind == "hang":
                 self._pending_reports.setdefault(local_rank, []).append(report)
-                section = report.get("section") or report.get("reason")
                 self.events.event(
-                    "hang", f"rank {report.get('rank')} hang detected: {section} "
+                    "hang", f"rank {report.get('rank')} hang detected: {_hang_place(report)} "
                     f"elapsed {report.get('elapsed', 0):.2f}s > timeout {report.get('timeout', 0):g}s "
                     f"-> monitor is stopping it; stack dump: {report.get('stack_file')}",
                     rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"},
@@ -463,6 +461,16 @@ class NodeAgent:
             self._pending_reports.setdefault(local_rank, []).append({"kind": "monitor_died", "pid": old.pid})
             os.killpg(rank.pid, signal.SIGKILL)
         return handle
+
+
+def _hang_place(report: dict) -> str:
+    """"section 'step'", or the expired timeout and the innermost open section:
+    "heartbeat (in section 'setup')"."""
+    if report.get("section"):
+        return f"section '{report['section']}'"
+    place = str(report.get("reason", "?")).replace("_", " ")
+    opened = report.get("open_sections") or []
+    return place + (f" (in section '{opened[-1]}')" if opened else "")
 
 
 def _read_text(path: Optional[str], limit: int = 20000) -> Optional[str]:

@@ -12,7 +12,9 @@ incarnation. It exits when the agent's control channel closes, and dies with the
 
 Control channel: JSON lines over a socketpair. Agent -> monitor: {"op": "rank_started", pid,
 rank, cycle, start_ns} | {"op": "rank_stopped"} | {"op": "config", "cfg": json} | {"op": "stop"}.
-Monitor -> agent: {"kind": "ready"}, {"kind": "hang", ...}, {"kind": "stack_dump", ...}.
+Monitor -> agent: {"kind": "ready"}, {"kind": "hang", ...}, {"kind": "stack_dump", ...}. A hang
+report names the expired timeout (reason, section) and the sections open at that moment, so a
+heartbeat or out-of-section hang still says where the rank was.
 """
 from __future__ import annotations
 
@@ -367,6 +369,15 @@ class Server:
         self.fire(inc, again)
         return None
 
+    def _open_sections(self, inc: Incarnation) -> List[str]:
+        """Names of the sections the rank has open, outermost first."""
+        if not self._client_matches(inc):
+            return []
+        w = self.words
+        opened = [(w[L.slot_base(i) + L.S_ENTER_NS], name) for i, name in enumerate(self._slot_names())
+                  if w[L.slot_base(i) + L.S_OPEN]]
+        return [name for _, name in sorted(opened)]
+
     def fire(self, inc: Incarnation, exp: dict) -> None:
         inc.enforcing = False
         w = self.words
@@ -381,6 +392,7 @@ class Server:
             "kind": "hang", "reason": exp["reason"], "section": exp["section"], "rank": inc.rank,
             "local_rank": self.local_rank, "pid": inc.pid, "cycle": inc.cycle,
             "elapsed": round(exp["elapsed"], 6), "timeout": exp["timeout"], "stack_file": stack_path,
+            "open_sections": self._open_sections(inc),
             "time": time.time(),
         }
         log.warning("local_rank=%s: rank %s (pid %s, cycle %s) hung: %s%s after %.3fs (timeout %ss)",

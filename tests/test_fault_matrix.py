@@ -304,7 +304,8 @@ def _check_events(evs, fault, phase, rank, job):
         else:
             assert detail["reason"] == "heartbeat" and phase in detail.get("open_sections", []), detail
         assert first["rank"] == rank and "hung" in first["detail"]["what"]
-        assert detail.get("stack"), "no stack dump in the hang event"
+        dumps = [e for e in evs if e["kind"] == "stack_dump" and e["rank"] == rank]
+        assert dumps and "ddp_train.py" in (dumps[0]["detail"].get("stack") or ""), "no stack dump of the hung rank"
     elif fault == "raise":
         assert first["rank"] == rank and "exited with code 1" in first["detail"]["what"]
     elif fault == "exit0":
