@@ -126,6 +126,8 @@ def run_torchrun(args, work, duration):
                     rank, started = int(wenv.get("RANK", -1)), worker.create_time()
                 except (psutil.NoSuchProcess, ValueError):
                     continue
+                if world <= 0:   # torchrun itself (its command line names the script too)
+                    continue
                 rng = random.Random(args.seed * 1_000_003 + cycle)   # as the launcher draws its plans
                 target = rng.randrange(world)
                 delay = args.delay * (1.0 + 0.2 * rng.random())
