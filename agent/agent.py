@@ -315,19 +315,30 @@ class NodeAgent:
                      "detected; none is configured, so a hung rank will stay hung")
 
     def _rank_failure(self, rank: Rank, code: int, rnd: Round) -> dict:
-        reports = [r for r in self._pending_reports.pop(rank.local_rank, []) if r.get("kind") == "hang"]
+        """Why `rank` ended: what its monitor reported about it, else its exit status."""
+        reports = self._pending_reports.pop(rank.local_rank, [])
         node = f"node {rnd.group_rank} ({self.me.host})"
-        if reports:
-            hang = reports[-1]
-            section = f"section '{hang['section']}'" if hang.get("section") else hang.get("reason", "?").replace("_", " ")
-            what = (f"rank {rank.rank} on {node} hung in {section} for {hang.get('elapsed', 0):.2f}s "
+        hangs = [r for r in reports if r.get("kind") == "hang"]
+        lost = [r for r in reports if r.get("kind") == "monitor_died"]
+        if hangs:
+            hang = hangs[-1]
+            what = (f"rank {rank.rank} on {node} hung in {_hang_place(hang)} for {hang.get('elapsed', 0):.2f}s "
                     f"(timeout {hang.get('timeout', 0):g}s) and was stopped by its monitor")
             return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code, "hang": hang}
+        if lost:
+            what = (f"rank {rank.rank} on {node} was stopped because its monitor (pid {lost[-1]['pid']}) died: "
+                    f"it restarts under the new monitor")
+            return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code, "monitor_died": lost[-1]}
         what = f"rank {rank.rank} on {node} {describe_exit(code)}"
         return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code}
 
     def _fail(self, rnd: Round, reason: dict) -> dict:
         reason.setdefault("node_id", self.me.node_id)
+        early = self._early_exits()
+        if early:  # a rank that left early is the likely cause: its peers waited for it
+            reason["what"] += (f", after rank{'s' if len(early) > 1 else ''} {', '.join(map(str, early))} "
+                               f"exited 0 early and left its peers waiting")
+            reason["early_exits"] = early
         self.events.event("failure", f"{reason['what']} -> stopping all ranks",
                           rank=reason.get("rank"), **{k: v for k, v in reason.items() if k not in ("rank",)})
         verdict = self.proto.interrupt(rnd.number, reason)
@@ -348,7 +359,15 @@ class NodeAgent:
             self.say(f"{verdict.get('what')} (on another node) -> stopping this node's ranks")
         return self._announce(rnd, verdict)
 
+    def _early_exits(self) -> List[int]:
+        """Ranks of this node that exited 0 in this cycle while it has not completed."""
+        return [r.rank for r in self.group.ranks if r.exitcode == 0]
+
     def _announce(self, rnd: Round, verdict: dict) -> dict:
+        if verdict.get("kind") == "failure":
+            for rank in self._early_exits():
+                self.events.event("early_exit", f"rank {rank} had exited 0 early in this cycle while its "
+                                  f"peers still ran: it left them waiting", rank=rank)
         if verdict.get("restart"):
             self.events.event("restart", f"restarting all ranks: cycle {verdict['next_round']} "
                               f"(restart {verdict['restarts_used']}/{self.cfg.max_restarts})",
@@ -411,9 +430,8 @@ class NodeAgent:
             kind = report.get("kind")
             if kind == "hang":
                 self._pending_reports.setdefault(local_rank, []).append(report)
-                section = report.get("section") or report.get("reason")
                 self.events.event(
-                    "hang", f"rank {report.get('rank')} hang detected: {section} "
+                    "hang", f"rank {report.get('rank')} hang detected: {_hang_place(report)} "
                     f"elapsed {report.get('elapsed', 0):.2f}s > timeout {report.get('timeout', 0):g}s "
                     f"-> monitor is stopping it; stack dump: {report.get('stack_file')}",
                     rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"},
@@ -456,10 +474,19 @@ class NodeAgent:
         self.monitors[local_rank] = handle
         if rank is not None and rank.exitcode is None:
             # Its failure, reported as such, restarts the group under the new monitor.
-            self._pending_reports.setdefault(local_rank, []).append(
-                {"kind": "hang", "reason": "monitor_died", "section": None, "elapsed": 0, "timeout": 0})
+            self._pending_reports.setdefault(local_rank, []).append({"kind": "monitor_died", "pid": old.pid})
             os.killpg(rank.pid, signal.SIGKILL)
         return handle
+
+
+def _hang_place(report: dict) -> str:
+    """"section 'step'", or the expired timeout and the innermost open section:
+    "heartbeat (in section 'setup')"."""
+    if report.get("section"):
+        return f"section '{report['section']}'"
+    place = str(report.get("reason", "?")).replace("_", " ")
+    opened = report.get("open_sections") or []
+    return place + (f" (in section '{opened[-1]}')" if opened else "")
 
 
 def _read_text(path: Optional[str], limit: int = 20000) -> Optional[str]:

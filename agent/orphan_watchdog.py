@@ -19,12 +19,9 @@ import sys
 def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    try:
-        from setproctitle import setproctitle
+    from rank_monitor.proc_title import set_title
 
-        setproctitle(f"ft_launcher: orphan_watchdog agent_pid={os.getppid()}")
-    except ImportError:
-        pass
+    set_title(f"ft_launcher: orphan_watchdog agent_pid={os.getppid()}")
     groups = set()
     for line in sys.stdin.buffer:
         text = line.strip().decode(errors="replace")

@@ -12,7 +12,9 @@ incarnation. It exits when the agent's control channel closes, and dies with the
 
 Control channel: JSON lines over a socketpair. Agent -> monitor: {"op": "rank_started", pid,
 rank, cycle, start_ns} | {"op": "rank_stopped"} | {"op": "config", "cfg": json} | {"op": "stop"}.
-Monitor -> agent: {"kind": "ready"}, {"kind": "hang", ...}, {"kind": "stack_dump", ...}.
+Monitor -> agent: {"kind": "ready"}, {"kind": "hang", ...}, {"kind": "stack_dump", ...}. A hang
+report names the expired timeout (reason, section) and the sections open at that moment, so a
+heartbeat or out-of-section hang still says where the rank was.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import List, Optional
 
 from rank_monitor import shm_layout as L
 from rank_monitor.config import FaultToleranceConfig
+from rank_monitor.proc_title import set_title
 
 _mono = time.monotonic_ns
 log = logging.getLogger("rank_monitor")
@@ -379,6 +382,15 @@ class Server:
         self.fire(inc, again)
         return None
 
+    def _open_sections(self, inc: Incarnation) -> List[str]:
+        """Names of the sections the rank has open, outermost first."""
+        if not self._client_matches(inc):
+            return []
+        w = self.words
+        opened = [(w[L.slot_base(i) + L.S_ENTER_NS], name) for i, name in enumerate(self._slot_names())
+                  if w[L.slot_base(i) + L.S_OPEN]]
+        return [name for _, name in sorted(opened)]
+
     def fire(self, inc: Incarnation, exp: dict) -> None:
         inc.enforcing = False
         w = self.words
@@ -393,6 +405,7 @@ class Server:
             "kind": "hang", "reason": exp["reason"], "section": exp["section"], "rank": inc.rank,
             "local_rank": self.local_rank, "pid": inc.pid, "cycle": inc.cycle,
             "elapsed": round(exp["elapsed"], 6), "timeout": exp["timeout"], "stack_file": stack_path,
+            "open_sections": self._open_sections(inc),
             "time": time.time(),
         }
         log.warning("local_rank=%s: rank %s (pid %s, cycle %s) hung: %s%s after %.3fs (timeout %ss)",
@@ -458,11 +471,7 @@ def main(argv=None) -> int:
     _set_pdeathsig()
     if args.parent_pid and os.getppid() != args.parent_pid:
         return 1   # the agent died before we could arrange to die with it
-    try:
-        import setproctitle
-        setproctitle.setproctitle(f"ft_launcher: rank_monitor local_rank={args.local_rank}")
-    except ImportError:
-        pass
+    set_title(f"ft_launcher: rank_monitor local_rank={args.local_rank}")
     cfg = FaultToleranceConfig.from_json(args.config)
     logging.basicConfig(stream=sys.stderr, format="[ft_launcher rank_monitor %(levelname)s] %(message)s",
                         level=getattr(logging, cfg.log_level, logging.INFO))

@@ -1,0 +1,386 @@
+"""The fault-injection matrix: every recovery path end to end, with real agents, monitors and ranks.
+
+Each case runs examples/ddp_train.py under ft_launcher (1 agent x 2 ranks, or 2 agents x 2 ranks
+sharing one rendezvous, log dir and checkpoint dir), puts one fault into one phase of cycle 0 and
+checks the outcome: the job ends within a bound; it reaches the target step with exactly the model
+of a fault-free run with the same seed (computed once per module and topology); the restarts and
+the events (events.jsonl) are the expected ones; no process is left (the launcher fixture).
+
+How a fault lands in a phase:
+- rank_killed / rank_hung: the launcher's simulated faults (`--ft-simulate-fault`), due DELAY s
+  after the rank starts, while every rank spends HOLD s in the phase (ddp_train `--hold`, at step
+  HOLD_STEP for step, oos and checkpointing). The progress files and the hang report confirm it.
+  DELAY is large because a loaded 2-core machine can take ~8 s from spawn to the first step.
+- raise / exit0: ddp_train `--raise-in` / `--exit0-in` PHASE (deterministic).
+- monitor_killed / agent_killed: the test SIGKILLs the process once rank progress shows the rank
+  inside the held step (where does not matter to a monitor or an agent, so only 'step' is run).
+
+Detection per phase for rank_hung: the section timeout of that phase, or the out-of-section
+timeout. In step and out of section the hung rank's timer expires first (its peers enter the next
+section later), so the hang must name it. In setup and checkpointing every rank waits in the same
+section from about the same moment, so whichever timer expires first is blamed: the test asserts
+the section, not the rank. (A heartbeat timeout could tell them apart, but this job's setup and
+final teardown run seconds without a heartbeat on a loaded machine, so it is not used here.)
+
+A rank that exits 0 early is not an error by itself (rank 0 may legitimately finish last), but it
+leaves its peers waiting: gloo fails them at their next collective, or a section timeout catches
+them (setup: before init_process_group completes nobody notices otherwise). Either way the job
+restarts once and the failure names the rank that left early.
+
+The default run keeps a representative subset; the rest is marked slow:
+    python -m pytest -q -m "slow or not slow" tests/test_fault_matrix.py   # the full matrix
+"""
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import EXAMPLE, Launcher, free_port, tagged, wait_until_gone
+
+STEPS, CKPT_EVERY, HOLD_STEP, SEED = 20, 3, 3, 7
+HOLD, DELAY = 12.0, 8.0      # phase held HOLD s; a simulated fault is due DELAY..DELAY*1.2 s after start
+JOB = [EXAMPLE, "--steps", STEPS, "--ckpt-every", CKPT_EVERY, "--hold-step", HOLD_STEP, "--seed", SEED,
+       "--step-time", "0.02"]
+LONG = 30  # a timeout that should not fire
+# Per phase: timeouts that catch a hang there (see the module docstring).
+HANG_TIMEOUTS = {
+    "setup": ["--ft-rank-section-timeouts", f"setup:{HOLD + 2},step:{LONG},checkpointing:{LONG}"],
+    "checkpointing": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{LONG},checkpointing:{HOLD + 2}"],
+    "step": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{HOLD + 1},checkpointing:{LONG}"],
+    "oos": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{LONG},checkpointing:{LONG}",
+            "--ft-rank-out-of-section-timeout", str(HOLD + 1)],
+}
+# Faults that need no hold: short timeouts, so a peer left waiting in setup is found quickly.
+QUICK_TIMEOUTS = ["--ft-rank-section-timeouts", "setup:10,step:10,checkpointing:10"]
+TOPOLOGIES = {"1x2": (1, 2), "2x2": (2, 2)}
+BOUND = {"1x2": 90, "2x2": 120}   # seconds from launch to the end of a faulty job
+
+
+def events(log_dir):
+    path = os.path.join(log_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def read_json(path):
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def progress(progress_dir, rank):
+    """[(cycle, step, time)] written by one rank."""
+    path = os.path.join(progress_dir, f"rank_{rank}.txt")
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        rows = [line.split() for line in fh if line.strip()]
+    return [(int(c), int(s), float(t)) for c, s, t in rows if c.isdigit()]
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.05)
+
+
+class Job:
+    """One ft_launcher job: one or two agents on this machine, sharing log, checkpoint and progress dirs."""
+
+    def __init__(self, launcher, root, topology, ft_args=(), job_args=(), max_restarts=1, rdzv_conf=None):
+        self.launcher = launcher
+        self.nodes, self.nproc = TOPOLOGIES[topology]
+        self.topology = topology
+        self.world = self.nodes * self.nproc
+        self.logs, self.ckpt, self.prog = root / "logs", root / "ckpt", root / "progress"
+        port = free_port()
+        self.port = port
+        base = ["--nproc-per-node", self.nproc, "--max-restarts", max_restarts, "--log-dir", self.logs]
+        if self.nodes == 1:
+            base = ["--standalone"] + base
+        else:
+            conf = "join_timeout=30,last_call_timeout=1" + (f",{rdzv_conf}" if rdzv_conf else "")
+            base += ["--nnodes", self.nodes, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mtx{port}",
+                     "--rdzv-conf", conf]
+        self.args = base + list(ft_args) + JOB + list(job_args) + [
+            "--ckpt-dir", self.ckpt, "--progress-dir", self.prog]
+        self.agents = []
+        self.start = None
+
+    def launch(self):
+        self.start = time.monotonic()
+        for node in range(self.nodes):
+            self.launch_agent(node)
+        return self
+
+    def launch_agent(self, node):
+        # the first agent hosts the store (it binds the endpoint first); wait until it does
+        if node > 0:
+            wait_for(lambda: _listening(self.port), 30, "the store host to listen")
+        proc = self.launcher.start(self.args, extra_env={"GROUP_RANK": str(node)})
+        self.agents.append(proc)
+        return proc
+
+    def wait(self, bound=None):
+        """Wait for every agent; returns [(returncode, stdout, stderr)] and the elapsed seconds."""
+        bound = bound or BOUND[self.topology]
+        results = []
+        for proc in self.agents:
+            left = max(1.0, self.start + bound + 15 - time.monotonic())
+            try:
+                out, err = proc.communicate(timeout=left)
+            except Exception:
+                for p in self.agents:
+                    p.kill()
+                outs = [p.communicate() for p in self.agents]
+                pytest.fail(f"job did not end within {bound + 15}s\n" + "\n".join(o[1][-3000:] for o in outs))
+            results.append((proc.returncode, out, err))
+        return results, time.monotonic() - self.start
+
+    def events(self):
+        return events(self.logs)
+
+    def final(self):
+        return read_json(self.ckpt / "final.json")
+
+
+def _listening(port):
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# ---- the reference: a fault-free run per topology, once per module --------------------------
+class References:
+    def __init__(self, tmp_path_factory):
+        self.factory = tmp_path_factory
+        self.cache = {}
+
+    def checksum(self, topology):
+        if topology not in self.cache:
+            import uuid
+
+            token = uuid.uuid4().hex
+            root = self.factory.mktemp(f"reference_{topology}")
+            helper = Launcher(token, root)
+            try:
+                job = Job(helper, root, topology).launch()
+                results, _ = job.wait(bound=120)
+                assert all(code == 0 for code, _, _ in results), results[0][2][-3000:]
+                final = job.final()
+                assert final["step"] == STEPS and final["world_size"] == job.world and final["cycle"] == 0
+                self.cache[topology] = final["checksum"]
+            finally:
+                helper.cleanup()
+                left = wait_until_gone(token, timeout=5)
+                for proc in left:
+                    proc.kill()
+            assert not left, f"reference run left processes: {left}"
+        return self.cache[topology]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return References(tmp_path_factory)
+
+
+# ---- the matrix ------------------------------------------------------------------------------
+FAULTS = ("rank_killed", "rank_hung", "raise", "exit0", "monitor_killed", "agent_killed")
+PHASES = ("setup", "step", "checkpointing", "oos")
+DEFAULT = {
+    ("rank_killed", "step", "1x2"), ("rank_hung", "step", "1x2"), ("rank_hung", "setup", "1x2"),
+    ("rank_hung", "oos", "1x2"), ("raise", "checkpointing", "1x2"), ("exit0", "setup", "1x2"),
+    ("exit0", "step", "1x2"), ("monitor_killed", "step", "1x2"), ("rank_hung", "setup", "2x2"),
+    ("agent_killed", "step", "2x2"),
+}
+
+
+def _cases():
+    for fault in FAULTS:
+        for phase in PHASES:
+            if fault in ("monitor_killed", "agent_killed") and phase != "step":
+                continue
+            for topology in TOPOLOGIES:
+                if fault == "agent_killed" and topology == "1x2":
+                    continue
+                marks = () if (fault, phase, topology) in DEFAULT else (pytest.mark.slow,)
+                if topology == "2x2" and phase != "setup" and fault != "agent_killed":
+                    marks += (NOT_EXACT_AT_4,)
+                yield pytest.param(fault, phase, topology, marks=marks, id=f"{fault}-{phase}-{topology}")
+
+
+# Found by this matrix, reproduced without any fault (a crash at step 5, ckpt every 3, 4 ranks):
+# the example's resume from a mid-run checkpoint is not bit-exact at world size 4 (likely DDP
+# rebuilding its buckets at the first step after the resume, which changes the order of the 4-way
+# reduction). Every 2x2 case past setup may resume from the step-3 checkpoint (the peers of a
+# hung rank write it while they wait), so those are xfail (non-strict) until the example is fixed.
+NOT_EXACT_AT_4 = pytest.mark.xfail(reason="examples/ddp_train.py resume is not bit-exact at 4 ranks", strict=False)
+
+
+def fault_rank(topology):
+    return 1 if topology == "1x2" else 3   # on the last node: not the store host
+
+
+@pytest.mark.parametrize("fault,phase,topology", list(_cases()))
+def test_fault_matrix(launcher, tmp_path, reference, fault, phase, topology):
+    expected_checksum = reference.checksum(topology)
+    rank = fault_rank(topology)
+    if fault in ("rank_killed", "rank_hung"):
+        ft = HANG_TIMEOUTS[phase] + ["--ft-simulate-fault", "true", "--ft-simulated-fault-type", fault,
+                                     "--ft-simulated-fault-rank", rank,
+                                     "--ft-simulated-fault-base-delay", DELAY]
+        job = Job(launcher, tmp_path, topology, ft, ["--hold", f"{phase}:{HOLD}"]).launch()
+    elif fault in ("raise", "exit0"):
+        flag = "--raise-in" if fault == "raise" else "--exit0-in"
+        job = Job(launcher, tmp_path, topology, QUICK_TIMEOUTS, [flag, phase, "--fail-rank", rank]).launch()
+    else:
+        job = Job(launcher, tmp_path, topology, HANG_TIMEOUTS["step"], ["--hold", f"step:{HOLD}"]).launch()
+        in_held_step = lambda: any(s == HOLD_STEP - 1 for c, s, _ in progress(job.prog, rank))  # noqa: E731
+        wait_for(in_held_step, 40, f"rank {rank} to reach the held step")
+        if fault == "monitor_killed":
+            victim = _monitor_of(launcher.token, job, rank)
+        else:
+            victim = job.agents[rank // job.nproc]
+        os.kill(victim.pid, signal.SIGKILL)
+        if fault == "agent_killed":
+            # a scheduler would start the node again: do so once the survivor has seen the failure
+            wait_for(lambda: any(e["kind"] == "failure" for e in job.events()), 30, "the survivor to see the failure")
+            job.launch_agent(rank // job.nproc)
+
+    results, elapsed = job.wait()
+    errors = "\n".join(r[2][-4000:] for r in results)
+    live = [r for i, r in enumerate(results) if not (fault == "agent_killed" and i == rank // job.nproc)]
+    assert all(code == 0 for code, _, _ in live), errors
+    assert elapsed < BOUND[topology], f"took {elapsed:.1f}s\n{errors}"
+    final = job.final()
+    assert final["step"] == STEPS and final["world_size"] == job.world
+    assert final["checksum"] == expected_checksum, "resumed run differs from the fault-free run"
+    evs = job.events()
+    _check_restarts(evs, job)
+    _check_events(evs, fault, phase, rank, job)
+
+
+def _monitor_of(token, job, rank):
+    """The monitor process of `rank` (named by setproctitle, a child of its node's agent)."""
+    title = f"rank_monitor local_rank={rank % job.nproc}"
+    agent = job.agents[rank // job.nproc].pid
+    for proc in psutil.Process(agent).children():
+        try:
+            if title in " ".join(proc.cmdline()):
+                return proc
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no monitor found for rank {rank}")
+
+
+def _check_restarts(evs, job):
+    """Exactly one restart, job-wide: every node restarted once, into cycle 1, and completed."""
+    restarts = [e for e in evs if e["kind"] == "restart"]
+    assert restarts and {e["detail"]["restarts_used"] for e in restarts} == {1}, restarts
+    assert {e["detail"]["next_cycle"] for e in restarts} == {1}
+    assert len(restarts) == len({e["node"] for e in restarts}), "a node restarted twice"
+    assert not [e for e in evs if e["kind"] == "cycle_start" and e["cycle"] > 1]
+    assert [e for e in evs if e["kind"] == "job_complete"]
+    assert job.final()["cycle"] == 1
+
+
+def _check_events(evs, fault, phase, rank, job):
+    injected = [e for e in evs if e["kind"] == "fault_injected"]
+    failures = [e for e in evs if e["kind"] == "failure" and e["cycle"] == 0]
+    assert failures, "no failure recorded"
+    if fault in ("rank_killed", "rank_hung"):
+        assert len(injected) == 1, injected
+        assert injected[0]["rank"] == rank and injected[0]["detail"]["fault"] == fault
+        _check_landing(injected[0], phase, rank, job)
+    else:
+        assert not injected
+    first = failures[0]
+    if fault == "rank_killed":
+        assert first["rank"] == rank and "killed by SIGKILL" in first["detail"]["what"]
+    elif fault == "rank_hung":
+        hangs = [e for e in evs if e["kind"] == "hang" and e["cycle"] == 0]
+        assert hangs, "no hang detected"
+        detail = hangs[0]["detail"]
+        if phase == "oos":
+            assert detail["reason"] == "out_of_section" and not detail["open_sections"]
+        else:
+            assert detail["reason"] == "section" and detail["section"] == phase, detail
+        assert "hung" in first["detail"]["what"]
+        if phase in ("step", "oos"):   # in setup and checkpointing the peers wait in the same section
+            assert hangs[0]["rank"] == rank and first["rank"] == rank, hangs
+        else:
+            assert all(h["detail"]["section"] == phase for h in hangs), hangs
+        dumps = [e for e in evs if e["kind"] == "stack_dump" and e["rank"] == hangs[0]["rank"]]
+        assert dumps and "ddp_train.py" in (dumps[0]["detail"].get("stack") or ""), "no stack dump of the hung rank"
+    elif fault == "raise":
+        assert first["rank"] == rank and "exited with code 1" in first["detail"]["what"]
+    elif fault == "exit0":
+        early = [e for e in evs if e["kind"] == "rank_exit" and e["cycle"] == 0]
+        assert [e["rank"] for e in early] == [rank], early
+        assert [e["rank"] for e in evs if e["kind"] == "early_exit"] == [rank]
+        if job.nodes == 1:
+            assert f"rank {rank} exited 0 early" in first["detail"]["what"], first
+    elif fault == "monitor_killed":
+        died = [e for e in evs if e["kind"] == "monitor_died"]
+        assert len(died) == 1 and died[0]["rank"] == rank, died
+        assert first["rank"] == rank and "monitor" in first["detail"]["what"]
+        assert "hung" not in first["detail"]["what"], first
+    elif fault == "agent_killed":
+        assert any(f["node"] != rank // job.nproc for f in failures)
+
+
+def _check_landing(injected, phase, rank, job):
+    """The simulated fault hit the phase it was meant for (cycle 0 progress of the faulty rank)."""
+    steps = [s for c, s, t in progress(job.prog, rank) if c == 0 and t < injected["time"]]
+    last = max(steps, default=0)
+    want = {"setup": 0, "step": HOLD_STEP - 1, "oos": HOLD_STEP - 1, "checkpointing": HOLD_STEP}[phase]
+    assert last == want, f"the fault landed after step {last}, not in {phase} (machine too loaded?)"
+
+
+# ---- agent loss without a replacement ----------------------------------------------------------
+@pytest.mark.parametrize("victim", ["worker_node", "store_host"])
+def test_survivor_of_a_killed_agent_exits_1_in_bounded_time(launcher, tmp_path, victim):
+    """2 agents; one is SIGKILLed and never comes back. With no restart left (or no store), the
+    survivor must not hang: it stops its ranks and exits 1 within a bound."""
+    restarts = 0 if victim == "worker_node" else 1
+    job = Job(launcher, tmp_path, "2x2", HANG_TIMEOUTS["step"], ["--hold", f"step:{HOLD}"],
+              max_restarts=restarts).launch()
+    wait_for(lambda: any(s == HOLD_STEP - 1 for c, s, _ in progress(job.prog, 0)), 40, "training")
+    dead = 1 if victim == "worker_node" else 0
+    killed_at = time.monotonic()
+    job.agents[dead].kill()
+    survivor = job.agents[1 - dead]
+    try:
+        _, err = survivor.communicate(timeout=30)
+    except Exception:
+        survivor.kill()
+        pytest.fail(f"the survivor of a killed {victim} agent hung")
+    took = time.monotonic() - killed_at
+    job.agents[dead].communicate()
+    assert survivor.returncode == 1, err[-3000:]
+    assert took < 15, f"survivor needed {took:.1f}s"
+    agent_lines = [line for line in err.splitlines() if not line.startswith("[rank")]
+    assert not [line for line in agent_lines if "Traceback" in line], err[-3000:]
+    kinds = [e["kind"] for e in job.events()]
+    assert ("job_failed" if victim == "worker_node" else "store_lost") in kinds, kinds
+
+
+def test_orphan_check_sees_the_monitors_and_the_watchdog(launcher, tmp_path):
+    """The fixture finds leftovers by FT_TEST_TOKEN in /proc/<pid>/environ, so the processes that
+    rename themselves (monitors, orphan watchdog) must keep their environment readable."""
+    job = Job(launcher, tmp_path, "1x2", job_args=["--hold", f"step:{HOLD}"]).launch()
+    wait_for(lambda: progress(job.prog, 0), 40, "training")
+    helpers = [p for p in psutil.Process(job.agents[0].pid).children()
+               if "ft_launcher: " in " ".join(p.cmdline())]
+    assert len(helpers) == 3, helpers  # two rank monitors and the orphan watchdog
+    seen = {p.pid for p in tagged(launcher.token)}
+    assert [p.pid for p in helpers if p.pid not in seen] == []
+    job.agents[0].send_signal(signal.SIGTERM)
+    job.agents[0].communicate(timeout=60)
