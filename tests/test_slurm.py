@@ -79,10 +79,7 @@ class Job:
         self.procs = []
         self.env = dict(FT_TEST_TOKEN=self.token,
                         PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                        PYTHONUNBUFFERED="1",
-                        # monitors and watchdogs set their titles with setproctitle, which by
-                        # default overwrites /proc/PID/environ (and so the token): keep it
-                        SPT_NOENV="1")
+                        PYTHONUNBUFFERED="1")  # monitors keep their environ readable (proc_title)
 
     def start(self, nodes, launcher_args, srun_args=()):
         cmd = ["srun", f"--job-name={self.name}", "-N", str(nodes), "--ntasks-per-node=1",
