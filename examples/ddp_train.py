@@ -74,6 +74,17 @@ def batch(seed, step, rank):
     return x, x.sum(dim=1, keepdim=True) * 0.5 + 0.1
 
 
+def settle_gradient_buckets(ddp):
+    """One backward pass that changes nothing, so DDP rebuilds its gradient buckets now.
+
+    DDP reorders its buckets after the first backward; with more than 2 ranks the order decides
+    how the all-reduce adds up each gradient, so a run resumed at step k (first backward after a
+    restart) would sum step k+1 differently from an uninterrupted run and drift in the last bits.
+    Settling the buckets before the first real step makes a resumed run exactly equal."""
+    ddp(torch.zeros(1, 16)).sum().backward()
+    ddp.zero_grad(set_to_none=True)
+
+
 def checksum(model):
     return float(sum(p.double().sum() for p in model.parameters()))
 
@@ -96,6 +107,7 @@ def main():
         torch.manual_seed(args.seed)
         model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
         ddp = nn.parallel.DistributedDataParallel(model)
+        settle_gradient_buckets(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         os.makedirs(args.ckpt_dir, exist_ok=True)
         path = os.path.join(args.ckpt_dir, "ckpt.pt")

@@ -211,17 +211,7 @@ def _cases():
                 if fault == "agent_killed" and topology == "1x2":
                     continue
                 marks = () if (fault, phase, topology) in DEFAULT else (pytest.mark.slow,)
-                if topology == "2x2" and phase != "setup" and fault != "agent_killed":
-                    marks += (NOT_EXACT_AT_4,)
                 yield pytest.param(fault, phase, topology, marks=marks, id=f"{fault}-{phase}-{topology}")
-
-
-# Found by this matrix, reproduced without any fault (a crash at step 5, ckpt every 3, 4 ranks):
-# the example's resume from a mid-run checkpoint is not bit-exact at world size 4 (likely DDP
-# rebuilding its buckets at the first step after the resume, which changes the order of the 4-way
-# reduction). Every 2x2 case past setup may resume from the step-3 checkpoint (the peers of a
-# hung rank write it while they wait), so those are xfail (non-strict) until the example is fixed.
-NOT_EXACT_AT_4 = pytest.mark.xfail(reason="examples/ddp_train.py resume is not bit-exact at 4 ranks", strict=False)
 
 
 def fault_rank(topology):
