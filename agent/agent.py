@@ -316,7 +316,8 @@ class NodeAgent:
 
     def _rank_failure(self, rank: Rank, code: int, rnd: Round) -> dict:
         """Why `rank` ended: what its monitor reported about it, else its exit status."""
-        reports = self._pending_reports.pop(rank.local_rank, [])
+        # Only this cycle's: a monitor can fire while a previous cycle is being torn down.
+        reports = [r for r in self._pending_reports.pop(rank.local_rank, []) if r.get("cycle") == rnd.number]
         node = f"node {rnd.group_rank} ({self.me.host})"
         hangs = [r for r in reports if r.get("kind") == "hang"]
         lost = [r for r in reports if r.get("kind") == "monitor_died"]
@@ -434,11 +435,10 @@ class NodeAgent:
                     "hang", f"rank {report.get('rank')} hang detected: {_hang_place(report)} "
                     f"elapsed {report.get('elapsed', 0):.2f}s > timeout {report.get('timeout', 0):g}s "
                     f"-> monitor is stopping it; stack dump: {report.get('stack_file')}",
-                    rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"},
-                    stack=_read_text(report.get("stack_file")))
-            elif kind == "stack_dump":
-                self.events.event("stack_dump", None, rank=report.get("rank"),
-                                  stack_file=report.get("stack_file"), stack=_read_text(report.get("stack_file")))
+                    rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"})
+            elif kind == "stack_dump":  # follows its hang report once the rank has written it
+                self.events.event("stack_dump", None, rank=report.get("rank"), hang_cycle=report.get("cycle"),
+                                  stack_file=report.get("stack_file"), stack=report.get("stack"))
             elif kind == "monitor_died":
                 sel.unregister(monitor.fileno())
                 new = self._replace_monitor(local_rank)
@@ -474,7 +474,8 @@ class NodeAgent:
         self.monitors[local_rank] = handle
         if rank is not None and rank.exitcode is None:
             # Its failure, reported as such, restarts the group under the new monitor.
-            self._pending_reports.setdefault(local_rank, []).append({"kind": "monitor_died", "pid": old.pid})
+            self._pending_reports.setdefault(local_rank, []).append(
+                {"kind": "monitor_died", "pid": old.pid, "cycle": self.events.cycle})
             os.killpg(rank.pid, signal.SIGKILL)
         return handle
 
@@ -487,13 +488,3 @@ def _hang_place(report: dict) -> str:
     place = str(report.get("reason", "?")).replace("_", " ")
     opened = report.get("open_sections") or []
     return place + (f" (in section '{opened[-1]}')" if opened else "")
-
-
-def _read_text(path: Optional[str], limit: int = 20000) -> Optional[str]:
-    if not path:
-        return None
-    try:
-        with open(path, errors="replace") as fh:
-            return fh.read(limit)
-    except OSError:
-        return None

@@ -166,7 +166,7 @@ class Incident:
         sig = int(cfg.rank_termination_signal)
         self._signal_group(signal.SIGCONT)
         self._signal_group(sig)
-        log.info("local_rank=%s: sent signal %s to rank pid %s", self.server.local_rank, sig, self.inc.pid)
+        log.debug("local_rank=%s: sent signal %s to rank pid %s", self.server.local_rank, sig, self.inc.pid)
         if sig in CATCHABLE_NEVER:
             self.phase = "done"
         else:
@@ -408,7 +408,8 @@ class Server:
             "open_sections": self._open_sections(inc),
             "time": time.time(),
         }
-        log.warning("local_rank=%s: rank %s (pid %s, cycle %s) hung: %s%s after %.3fs (timeout %ss)",
+        # The agent logs the operator's line for this report; here only for debugging.
+        log.debug("local_rank=%s: rank %s (pid %s, cycle %s) hung: %s%s after %.3fs (timeout %ss)",
                     self.local_rank, inc.rank, inc.pid, inc.cycle, exp["reason"],
                     f" '{exp['section']}'" if exp["section"] else "", exp["elapsed"], exp["timeout"])
         self.send(report)

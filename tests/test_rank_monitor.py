@@ -76,7 +76,7 @@ def test_each_detection_path_fires_for_the_hung_rank_only(launcher, tmp_path, fa
         assert [s for c, s in progress(out, rank) if c == 1] == list(range(steps))
     # the operator's line names rank, section or reason, elapsed, timeout and action
     line = next(l for l in res.stderr.splitlines() if "hang detected" in l)
-    assert "rank 1" in line and (section or reason) in line and "timeout" in line and "stopping" in line
+    assert "rank 1" in line and (section or reason.replace("_", " ")) in line and "timeout" in line and "stopping" in line
 
 
 def test_stack_dump_of_a_hung_rank_names_where_it_hangs(launcher, tmp_path):
@@ -85,7 +85,6 @@ def test_stack_dump_of_a_hung_rank_names_where_it_hangs(launcher, tmp_path):
     dump = events(logs, "stack_dump")[0]
     assert dump["rank"] == 1
     assert "hang_forever" in dump["detail"]["stack"] and "monitored_rank.py" in dump["detail"]["stack"]
-    assert "hang_forever" in (events(logs, "hang")[0]["detail"]["stack"] or dump["detail"]["stack"])
     # every rank opened a dump file in case it hung; only the one that was used is kept
     assert [p.name for p in logs.glob("stack_*")] == [os.path.basename(dump["detail"]["stack_file"])]
 
