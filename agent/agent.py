@@ -21,8 +21,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
-from torch.distributed import TCPStore
-
 from rank_monitor.monitor_handle import MonitorHandle, MonitorStartError
 
 from .events import EventLog
@@ -31,7 +29,7 @@ from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .rank_output import RankOutput
-from .rendezvous import JobStore, NodeInfo, RendezvousError, Round, RoundProtocol, RoundWatcher, StoreLost
+from .round_types import NodeInfo, RendezvousError, Round, StoreLost
 from .workers import Rank, WorkerGroup, describe_exit
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -84,6 +82,8 @@ class NodeAgent:
         self.output = RankOutput()
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         monitor_starts = self._start_monitors(pool)
+        # torch loads here, while the monitors start: their start-up costs the launch nothing
+        from .rendezvous import JobStore, RoundProtocol, RoundWatcher
         try:
             try:
                 self.store = JobStore(self.cfg, self.say)
@@ -179,6 +179,8 @@ class NodeAgent:
         cfg = self.cfg
         worker_store = None
         if rnd.group_rank == 0:
+            from torch.distributed import TCPStore
+
             worker_store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=cfg.conf("read_timeout")))
             master = (self.me.host, worker_store.port)

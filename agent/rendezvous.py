@@ -31,55 +31,11 @@ from typing import Callable, List, Optional
 from torch.distributed import DistNetworkError, DistStoreError, TCPStore
 
 from .launch_config import LaunchConfig
-
-
-class RendezvousError(RuntimeError):
-    """A rendezvous that cannot go on; the message is one line for the operator."""
-
-
-class StoreLost(RendezvousError):
-    """The store host is gone: nothing can be coordinated any more."""
+from .round_types import NodeInfo, RendezvousError, Round, StoreLost
 
 
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
-
-
-@dataclasses.dataclass
-class NodeInfo:
-    node_id: str
-    host: str          # address the other nodes reach this node at
-    order_key: Optional[int]
-    nproc: int
-    stable: int = 0    # drawn once per agent from the store: placement survives restarts
-    seq: int = 0
-
-    def label(self) -> str:
-        order = "" if self.order_key is None else f" order={self.order_key}"
-        return f"{self.host}{order}"
-
-
-@dataclasses.dataclass
-class Round:
-    number: int
-    me: NodeInfo
-    active: List[NodeInfo]
-    spares: List[NodeInfo]
-
-    @property
-    def group_rank(self) -> Optional[int]:
-        for i, node in enumerate(self.active):
-            if node.node_id == self.me.node_id:
-                return i
-        return None
-
-    @property
-    def world_size(self) -> int:
-        return sum(node.nproc for node in self.active)
-
-    @property
-    def rank_offset(self) -> int:
-        return sum(node.nproc for node in self.active[: self.group_rank])
 
 
 def is_local_address(host: str) -> bool:

@@ -1,0 +1,53 @@
+"""What a round is and how a rendezvous fails: the node records, the round's membership and
+rank layout, and the errors. Free of torch, so the agent can start its helper processes (orphan
+watchdog, rank monitors) while torch is still being imported for the store.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+
+class RendezvousError(RuntimeError):
+    """A rendezvous that cannot go on; the message is one line for the operator."""
+
+
+class StoreLost(RendezvousError):
+    """The store host is gone: nothing can be coordinated any more."""
+
+
+@dataclasses.dataclass
+class NodeInfo:
+    node_id: str
+    host: str          # address the other nodes reach this node at
+    order_key: Optional[int]
+    nproc: int
+    stable: int = 0    # drawn once per agent from the store: placement survives restarts
+    seq: int = 0
+
+    def label(self) -> str:
+        order = "" if self.order_key is None else f" order={self.order_key}"
+        return f"{self.host}{order}"
+
+
+@dataclasses.dataclass
+class Round:
+    number: int
+    me: NodeInfo
+    active: List[NodeInfo]
+    spares: List[NodeInfo]
+
+    @property
+    def group_rank(self) -> Optional[int]:
+        for i, node in enumerate(self.active):
+            if node.node_id == self.me.node_id:
+                return i
+        return None
+
+    @property
+    def world_size(self) -> int:
+        return sum(node.nproc for node in self.active)
+
+    @property
+    def rank_offset(self) -> int:
+        return sum(node.nproc for node in self.active[: self.group_rank])
