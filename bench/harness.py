@@ -40,8 +40,7 @@ class Job:
         self.dir = tempfile.mkdtemp(prefix=f"ftbench_{kind}_")
         self.progress_dir = os.path.join(self.dir, "progress")
         self.log = open(os.path.join(self.dir, "launcher.log"), "w")
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   FT_BENCH_TOKEN=uuid.uuid4().hex)
+        env = bench_env(FT_BENCH_TOKEN=uuid.uuid4().hex)
         self.token = env["FT_BENCH_TOKEN"]
         cmd = launcher_cmd(kind, nproc, launcher_args) + [script, *script_args]
         self.started = time.time()
@@ -49,19 +48,7 @@ class Job:
                                      start_new_session=True)
 
     def progress(self) -> Dict[int, List[tuple]]:
-        """{rank: [(cycle, step, unix time), ...]} from the example's --progress-dir."""
-        out: Dict[int, List[tuple]] = {}
-        if not os.path.isdir(self.progress_dir):
-            return out
-        for name in os.listdir(self.progress_dir):
-            rows = []
-            with open(os.path.join(self.progress_dir, name)) as fh:
-                for line in fh:
-                    parts = line.split()
-                    if len(parts) == 3:
-                        rows.append((int(parts[0]), int(parts[1]), float(parts[2])))
-            out[int(name.split("_")[1].split(".")[0])] = rows
-        return out
+        return read_progress(self.progress_dir)
 
     def all_stepping(self, nranks: int, cycle: int, after: float = 0.0) -> Optional[float]:
         """When the last rank made its first step in `cycle` (after `after`), or None yet."""
@@ -118,6 +105,27 @@ class Job:
         self.log.close()
         if not keep_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def read_progress(progress_dir: str) -> Dict[int, List[tuple]]:
+    """{rank: [(cycle, step, unix time), ...]} from the example's --progress-dir."""
+    out: Dict[int, List[tuple]] = {}
+    if not os.path.isdir(progress_dir):
+        return out
+    for name in os.listdir(progress_dir):
+        rows = []
+        with open(os.path.join(progress_dir, name)) as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) == 3:
+                    rows.append((int(parts[0]), int(parts[1]), float(parts[2])))
+        out[int(name.split("_")[1].split(".")[0])] = rows
+    return out
+
+
+def bench_env(**extra: str) -> dict:
+    """The environment of a benchmarked launcher: this checkout first on PYTHONPATH."""
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
 
 
 def summary(values: List[float]) -> str:

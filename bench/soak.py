@@ -29,8 +29,8 @@ import time
 
 import psutil
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "ddp_train.py")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import EXAMPLE, bench_env, read_progress  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -56,12 +56,6 @@ def job_args(args, work):
             "--progress-dir", os.path.join(work, "progress")]
 
 
-def env():
-    e = dict(os.environ)
-    e["PYTHONPATH"] = ROOT + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    return e
-
-
 def stop(proc, grace=20.0):
     """SIGTERM the launcher (it forwards to its ranks), then SIGKILL its whole session."""
     if proc.poll() is None:
@@ -83,10 +77,13 @@ def run_ft(args, work, kind, duration):
     logs = os.path.join(work, "logs")
     cmd = [sys.executable, "-m", "ft_launcher", "--standalone", "--nproc-per-node", args.nproc,
            "--max-restarts", "100000", "--log-dir", logs, "--redirects", "3", "--workers-stop-timeout", "2",
-           "--term-timeout", "5", "--ft-rank-section-timeouts", f"setup:60,step:{args.step_timeout},checkpointing:60",
+           "--term-timeout", "5", "--ft-rank-section-timeouts", f"setup:60,step:{args.step_timeout},checkpointing:10",
+           # a rank stopped between sections leaves its peers waiting in 'checkpointing' or the
+           # next 'step'; this catches it itself (start-up counts as out of section: keep room)
+           "--ft-rank-out-of-section-timeout", "10",
            "--ft-simulate-fault", "true", "--ft-simulated-fault-type", kind, "--ft-simulated-fault-count", "-1",
            "--ft-simulated-fault-base-delay", args.delay, "--ft-simulated-fault-seed", args.seed]
-    proc = subprocess.Popen([str(c) for c in cmd + job_args(args, work)], cwd=work, env=env(),
+    proc = subprocess.Popen([str(c) for c in cmd + job_args(args, work)], cwd=work, env=bench_env(),
                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "agent.log"), "w"),
                             start_new_session=True)
     try:
@@ -108,7 +105,7 @@ def run_torchrun(args, work, duration):
     """torchrun with the benchmark SIGKILLing one rank per cycle, `delay` s after it started."""
     torchrun = shutil.which("torchrun")
     cmd = [torchrun, "--standalone", "--nproc-per-node", args.nproc, "--max-restarts", "100000"]
-    proc = subprocess.Popen([str(c) for c in cmd + job_args(args, work)], cwd=work, env=env(),
+    proc = subprocess.Popen([str(c) for c in cmd + job_args(args, work)], cwd=work, env=bench_env(),
                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(work, "torchrun.log"), "w"),
                             start_new_session=True)
     faults, done, seen, cycle = [], set(), {}, 0
@@ -160,22 +157,6 @@ def _workers(agent_pid):
 
 
 # ---- measures -------------------------------------------------------------------------------
-def read_progress(work, nproc):
-    """{rank: [(cycle, step, time)]}"""
-    out = {}
-    for rank in range(nproc):
-        path = os.path.join(work, "progress", f"rank_{rank}.txt")
-        rows = []
-        if os.path.exists(path):
-            with open(path) as fh:
-                for line in fh:
-                    parts = line.split()
-                    if len(parts) == 3:
-                        rows.append((int(parts[0]), int(parts[1]), float(parts[2])))
-        out[rank] = rows
-    return out
-
-
 def measure(faults, progress, nproc):
     """-> dict(injected, recovered, times, lost)."""
     times, lost = [], 0
@@ -205,7 +186,8 @@ def row(name, m):
 def one(args, kind, duration, launcher="ft_launcher"):
     work = tempfile.mkdtemp(prefix=f"soak_{launcher}_{kind}_")
     faults = run_ft(args, work, kind, duration) if launcher == "ft_launcher" else run_torchrun(args, work, duration)
-    result = measure(faults, read_progress(work, args.nproc), args.nproc)
+    progress = read_progress(os.path.join(work, "progress"))
+    result = measure(faults, {r: progress.get(r, []) for r in range(args.nproc)}, args.nproc)
     result["work"] = work
     return result
 
