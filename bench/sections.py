@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import tempfile
-import time
 
 import psutil
 

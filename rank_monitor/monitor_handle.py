@@ -16,9 +16,10 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from rank_monitor import shm_layout as L
+from rank_monitor.json_channel import JsonLineChannel
 from rank_monitor.config import FaultToleranceConfig
 
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,12 +48,10 @@ class MonitorHandle:
         self.run_dir = run_dir
         self.proc = proc
         self.pid = proc.pid
-        self._sock = sock
+        self._chan = JsonLineChannel(sock)
         self.shm_path = shm_path
         self.stack_template = stack_template
-        self._buf = b""
         self._pending: List[dict] = []
-        self._eof = False
         self._died_reported = False
         self._stopped = False
         self._mm = None
@@ -88,19 +87,18 @@ class MonitorHandle:
 
     def _await_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        self._sock.setblocking(False)
         while True:
-            for msg in self._drain():
+            for msg in self._chan.receive():
                 if msg.get("kind") == "ready":
                     return
                 self._pending.append(msg)
-            if self._eof:
+            if self._chan.eof:
                 raise MonitorStartError(f"rank monitor for local_rank {self.local_rank} exited during start "
                                         f"(exit status {self.proc.poll()})")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise MonitorStartError(f"rank monitor for local_rank {self.local_rank} not ready after {timeout}s")
-            select.select([self._sock], [], [], left)
+            select.select([self._chan], [], [], left)
 
     def stop(self) -> None:
         """End the server and remove the shared-memory file. Idempotent."""
@@ -108,13 +106,10 @@ class MonitorHandle:
             return
         self._stopped = True
         try:
-            self._send({"op": "stop"})
+            self._chan.send({"op": "stop"})
         except OSError:
             pass
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        self._chan.close()
         try:
             self.proc.wait(timeout=3)
         except subprocess.TimeoutExpired:
@@ -130,24 +125,16 @@ class MonitorHandle:
             pass
 
     def alive(self) -> bool:
-        return not self._stopped and not self._eof and self.proc.poll() is None
+        return not self._stopped and not self._chan.eof and self.proc.poll() is None
 
     # ---- towards the monitor -------------------------------------------------------------------
-    def _send(self, msg: dict) -> None:
-        data = (json.dumps(msg) + "\n").encode()
-        self._sock.setblocking(True)
-        try:
-            self._sock.sendall(data)
-        finally:
-            self._sock.setblocking(False)
-
     def _tell(self, msg: dict) -> None:
-        if self._stopped or self._eof:
+        if self._stopped or self._chan.eof:
             return
         try:
-            self._send(msg)
+            self._chan.send(msg)
         except OSError:
-            self._eof = True
+            self._chan.eof = True   # reported as the monitor's death by read_reports
 
     def rank_env(self) -> Dict[str, str]:
         return {
@@ -170,37 +157,15 @@ class MonitorHandle:
 
     # ---- from the monitor ----------------------------------------------------------------------
     def fileno(self) -> int:
-        return self._sock.fileno()
-
-    def _drain(self) -> List[dict]:
-        out: List[dict] = []
-        while not self._eof:
-            try:
-                chunk = self._sock.recv(65536)
-            except BlockingIOError:
-                break
-            except OSError:
-                chunk = b""
-            if not chunk:
-                self._eof = True
-                break
-            self._buf += chunk
-        while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-        return out
+        return self._chan.fileno()
 
     def read_reports(self) -> List[dict]:
         """Non-blocking. Reports in arrival order; {"kind": "monitor_died"} once on channel EOF."""
         if self._stopped:
             return []
         out, self._pending = self._pending, []
-        out.extend(m for m in self._drain() if m.get("kind") != "ready")
-        if self._eof and not self._died_reported:
+        out.extend(m for m in self._chan.receive() if m.get("kind") != "ready")
+        if self._chan.eof and not self._died_reported:
             self._died_reported = True
             out.append({"kind": "monitor_died", "local_rank": self.local_rank, "pid": self.pid,
                         "exit_status": self.proc.poll()})

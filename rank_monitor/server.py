@@ -31,6 +31,7 @@ import time
 from typing import List, Optional
 
 from rank_monitor import shm_layout as L
+from rank_monitor.json_channel import JsonLineChannel
 from rank_monitor.config import FaultToleranceConfig
 from rank_monitor.proc_title import set_title
 
@@ -207,50 +208,34 @@ class Incident:
 class Server:
     def __init__(self, sock: socket.socket, local_rank: int, shm_path: str, stack_template: Optional[str],
                  cfg: FaultToleranceConfig) -> None:
-        self.sock, self.local_rank, self.shm_path = sock, local_rank, shm_path
+        self.chan, self.local_rank, self.shm_path = JsonLineChannel(sock), local_rank, shm_path
         self.stack_template = stack_template
         self.cfg = cfg
         self.mm, self.words = L.create(shm_path)
         self.inc: Optional[Incarnation] = None
         self.incidents: List[Incident] = []
-        self.inbuf = b""
         self.names: List[str] = []
         self.names_gen = -1
         self.running = True
 
     # ---- channel ----------------------------------------------------------------------------
     def send(self, msg: dict) -> None:
-        data = (json.dumps(msg) + "\n").encode()
         try:
-            self.sock.setblocking(True)
-            self.sock.sendall(data)
+            self.chan.send(msg)
         except OSError:
             self.running = False
-        finally:
-            try:
-                self.sock.setblocking(False)
-            except OSError:
-                pass
 
     def read_channel(self) -> None:
-        while True:
+        def bad(line, exc):  # a bad message must not end monitoring
+            log.warning("local_rank=%s: bad control message %r: %s", self.local_rank, line[:200], exc)
+
+        for msg in self.chan.receive(on_bad_line=bad):
             try:
-                chunk = self.sock.recv(65536)
-            except BlockingIOError:
-                return
-            except OSError:
-                chunk = b""
-            if not chunk:
-                self.running = False
-                return
-            self.inbuf += chunk
-            while b"\n" in self.inbuf:
-                line, self.inbuf = self.inbuf.split(b"\n", 1)
-                if line.strip():
-                    try:
-                        self.handle(json.loads(line))
-                    except Exception as exc:  # a bad message must not end monitoring
-                        log.warning("local_rank=%s: bad control message %r: %s", self.local_rank, line[:200], exc)
+                self.handle(msg)
+            except Exception as exc:  # noqa: BLE001 - same: log it and keep monitoring
+                bad(json.dumps(msg).encode(), exc)
+        if self.chan.eof:
+            self.running = False
 
     def handle(self, msg: dict) -> None:
         op = msg.get("op")
@@ -424,7 +409,6 @@ class Server:
         return int(max(secs, 0.002) * 1e9)
 
     def run(self) -> None:
-        self.sock.setblocking(False)
         self.send({"kind": "ready", "pid": os.getpid(), "shm": self.shm_path})
         while self.running:
             self.words[L.H_MONITOR_NS] = _mono()   # liveness: the agent replaces a monitor that stops ticking
@@ -441,7 +425,7 @@ class Server:
                 wake = min(wake, nearest)
             for incident in self.incidents:
                 wake = min(wake, incident.wake_at())
-            fds = [self.sock]
+            fds = [self.chan]
             if self.inc is not None and self.inc.enforcing and self.inc.pidfd is not None:
                 fds.append(self.inc.pidfd)
             timeout = max(wake - _mono(), 1_000_000) / 1e9
@@ -449,7 +433,7 @@ class Server:
                 readable, _, _ = select.select(fds, [], [], timeout)
             except InterruptedError:
                 continue
-            if self.sock in readable:
+            if self.chan in readable:
                 self.read_channel()
 
     def close(self) -> None:
