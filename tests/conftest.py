@@ -5,6 +5,7 @@ Every process a test launches carries FT_TEST_TOKEN=<unique> in its environment;
 monitors, watchdogs and grandchildren inherit it, so even an orphan reparented to init is
 found. Zombies count as gone (this machine's PID 1 reaps late).
 """
+import json
 import os
 import socket
 import subprocess
@@ -22,6 +23,39 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "ddp_train.py")
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 LAUNCHER = [sys.executable, "-m", "ft_launcher"]
+
+
+def read_events(log_dir, kind=None):
+    """The agent's events.jsonl in `log_dir` (all, or those of one kind); [] before any is written."""
+    path = os.path.join(log_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    return [r for r in records if kind is None or r["kind"] == kind]
+
+
+def wait_for(predicate, timeout, what, interval=0.05):
+    """Poll `predicate` until it returns something truthy (which is returned); fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def monitor_of(agent_pid, local_rank):
+    """The rank monitor of `local_rank` under an agent, found by the name it shows in `ps`."""
+    title = f"ft_launcher: rank_monitor local_rank={local_rank}"
+    for child in psutil.Process(agent_pid).children():
+        try:
+            if child.cmdline()[:1] == [title]:
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    return None
 
 
 def free_port() -> int:

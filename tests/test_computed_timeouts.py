@@ -4,6 +4,9 @@ import json
 import multiprocessing
 import os
 
+import pytest
+
+from conftest import SCRIPTS, read_events
 from rank_monitor import ft_state_file
 from rank_monitor.config import FaultToleranceConfig
 from rank_monitor.timeout_calc import Observation, apply, combine_all, compute
@@ -117,9 +120,6 @@ def test_concurrent_writers_never_leave_a_torn_file(tmp_path):
 
 
 # ---- end to end: real jobs learn, persist and enforce -------------------------------------------
-import pytest  # noqa: E402
-
-from conftest import SCRIPTS  # noqa: E402
 
 RANK = os.path.join(SCRIPTS, "monitored_rank.py")
 LOOSE_YAML = """
@@ -130,11 +130,6 @@ fault_tolerance:
   safety_factor: 20
   calc_timeout_floor: 1.0
 """
-
-
-def _events(log_dir, kind):
-    with open(os.path.join(log_dir, "events.jsonl")) as fh:
-        return [r for r in map(json.loads, fh) if r["kind"] == kind]
 
 
 def _job(launcher, tmp_path, name, state, *extra, steps=40, restarts=0):
@@ -166,8 +161,8 @@ def test_a_job_learns_timeouts_and_the_next_run_catches_a_hang_with_them(launche
     # The second run starts with the learned 'step' timeout: a rank stuck in 'step' is caught
     # after about `step` seconds, not the configured 60.
     _, err = _finish(_job(launcher, tmp_path, "second", state, "--fault", "step", restarts=1))
-    assert _events(tmp_path / "second", "timeouts_loaded")
-    hang = _events(tmp_path / "second", "hang")
+    assert read_events(tmp_path / "second", "timeouts_loaded")
+    hang = read_events(tmp_path / "second", "hang")
     assert len(hang) == 1 and hang[0]["rank"] == 1 and hang[0]["detail"]["section"] == "step"
     assert hang[0]["detail"]["timeout"] == pytest.approx(step) and hang[0]["detail"]["elapsed"] < 10
 
@@ -204,5 +199,5 @@ def test_a_megatron_state_file_is_loaded_and_enforced(launcher, tmp_path):
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", tmp_path / "logs",
                         "--ft-state-path", state, RANK, out, "--fault", "step"])
     assert res.returncode == 0, res.stderr
-    hang = _events(tmp_path / "logs", "hang")
+    hang = read_events(tmp_path / "logs", "hang")
     assert len(hang) == 1 and hang[0]["detail"]["section"] == "step" and hang[0]["detail"]["timeout"] == 1.5

@@ -38,7 +38,7 @@ import time
 import psutil
 import pytest
 
-from conftest import EXAMPLE, Launcher, free_port, tagged, wait_until_gone
+from conftest import EXAMPLE, Launcher, free_port, monitor_of, read_events, tagged, wait_for, wait_until_gone
 
 STEPS, CKPT_EVERY, HOLD_STEP, SEED = 20, 3, 3, 7
 HOLD, DELAY = 12.0, 8.0      # phase held HOLD s; a simulated fault is due DELAY..DELAY*1.2 s after start
@@ -59,14 +59,6 @@ TOPOLOGIES = {"1x2": (1, 2), "2x2": (2, 2)}
 BOUND = {"1x2": 90, "2x2": 120}   # seconds from launch to the end of a faulty job
 
 
-def events(log_dir):
-    path = os.path.join(log_dir, "events.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
 def read_json(path):
     with open(path) as fh:
         return json.load(fh)
@@ -80,13 +72,6 @@ def progress(progress_dir, rank):
     with open(path) as fh:
         rows = [line.split() for line in fh if line.strip()]
     return [(int(c), int(s), float(t)) for c, s, t in rows if c.isdigit()]
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.05)
 
 
 class Job:
@@ -143,7 +128,7 @@ class Job:
         return results, time.monotonic() - self.start
 
     def events(self):
-        return events(self.logs)
+        return read_events(self.logs)
 
     def final(self):
         return read_json(self.ckpt / "final.json")
@@ -235,7 +220,8 @@ def test_fault_matrix(launcher, tmp_path, reference, fault, phase, topology):
         in_held_step = lambda: any(s == HOLD_STEP - 1 for c, s, _ in progress(job.prog, rank))  # noqa: E731
         wait_for(in_held_step, 40, f"rank {rank} to reach the held step")
         if fault == "monitor_killed":
-            victim = _monitor_of(launcher.token, job, rank)
+            victim = monitor_of(job.agents[rank // job.nproc].pid, rank % job.nproc)
+            assert victim is not None, f"no monitor found for rank {rank}"
         else:
             victim = job.agents[rank // job.nproc]
         os.kill(victim.pid, signal.SIGKILL)
@@ -255,19 +241,6 @@ def test_fault_matrix(launcher, tmp_path, reference, fault, phase, topology):
     evs = job.events()
     _check_restarts(evs, job)
     _check_events(evs, fault, phase, rank, job)
-
-
-def _monitor_of(token, job, rank):
-    """The monitor process of `rank` (named by setproctitle, a child of its node's agent)."""
-    title = f"rank_monitor local_rank={rank % job.nproc}"
-    agent = job.agents[rank // job.nproc].pid
-    for proc in psutil.Process(agent).children():
-        try:
-            if title in " ".join(proc.cmdline()):
-                return proc
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no monitor found for rank {rank}")
 
 
 def _check_restarts(evs, job):

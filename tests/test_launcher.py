@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from conftest import EXAMPLE, SCRIPTS, free_port, tagged
+from conftest import EXAMPLE, SCRIPTS, free_port, read_events, tagged, wait_for
 
 ENV_DUMP = os.path.join(SCRIPTS, "env_dump.py")
 FAIL_RANK = os.path.join(SCRIPTS, "fail_rank.py")
@@ -19,16 +19,8 @@ def read_json(path):
         return json.load(fh)
 
 
-def events(log_dir):
-    with open(os.path.join(log_dir, "events.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
-
-
 def wait_for_files(paths, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not all(os.path.exists(p) for p in paths):
-        assert time.monotonic() < deadline, f"never appeared: {paths}"
-        time.sleep(0.05)
+    wait_for(lambda: all(os.path.exists(p) for p in paths), timeout, f"{paths} to appear")
 
 
 def test_example_ddp_job_completes_one_agent_two_ranks(launcher, tmp_path):
@@ -75,7 +67,7 @@ def test_rank_failure_restarts_and_resumes_exactly_from_checkpoint(launcher, tmp
     final, reference = read_json(faulty / "final.json"), read_json(clean / "final.json")
     assert final["cycle"] == 1  # TORCHELASTIC_RESTART_COUNT went 0 -> 1
     assert final["checksum"] == reference["checksum"]
-    kinds = [e["kind"] for e in events(tmp_path / "logs")]
+    kinds = [e["kind"] for e in read_events(tmp_path / "logs")]
     assert kinds.count("cycle_start") == 2 and "failure" in kinds and "restart" in kinds
     assert kinds[-1] == "job_complete"
     # one log file per rank per cycle

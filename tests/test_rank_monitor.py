@@ -5,23 +5,17 @@ import json
 import os
 import signal
 import sys
-import time
 
 import psutil
 import pytest
 
-from conftest import SCRIPTS, ROOT
+from conftest import ROOT, SCRIPTS, monitor_of, wait_for
+from conftest import read_events as events
 
 RANK = os.path.join(SCRIPTS, "monitored_rank.py")
 NVRX = os.path.join(SCRIPTS, "nvrx_pattern.py")
 MISUSE = os.path.join(SCRIPTS, "misuse_rank.py")
 LOOSE = "setup:20,step:20,fwd:20,checkpointing:20"
-
-
-def events(log_dir, kind=None):
-    with open(os.path.join(log_dir, "events.jsonl")) as fh:
-        records = [json.loads(line) for line in fh]
-    return [r for r in records if kind is None or r["kind"] == kind]
 
 
 def progress(out, rank):
@@ -121,17 +115,6 @@ def test_catchable_termination_signal_then_sigkill_after_grace(launcher, tmp_pat
     assert failure["rank"] == 1 and failure["detail"]["exitcode"] == -signal.SIGKILL  # ... then SIGKILL
 
 
-def _monitor_of(agent_pid, local_rank):
-    """The monitor process, found by the name it shows in `ps` (setproctitle)."""
-    for child in psutil.Process(agent_pid).children():
-        try:
-            if child.cmdline()[0] == f"ft_launcher: rank_monitor local_rank={local_rank}":
-                return child
-        except psutil.NoSuchProcess:
-            continue
-    return None
-
-
 def test_killed_monitor_is_noticed_replaced_and_protects_the_rank_again(launcher, tmp_path):
     logs, out = tmp_path / "logs", tmp_path / "out"
     out.mkdir()
@@ -140,11 +123,8 @@ def test_killed_monitor_is_noticed_replaced_and_protects_the_rank_again(launcher
     proc = launcher.start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", logs,
                            "--ft-rank-section-timeouts", LOOSE + ",step:1", RANK, out, "--steps", "400",
                            "--fault", "step", "--cycle", "1"])
-    deadline = time.monotonic() + 60
-    while len(progress(out, 1)) < 2:
-        assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never started stepping"
-        time.sleep(0.05)
-    monitor = _monitor_of(proc.pid, 1)
+    wait_for(lambda: len(progress(out, 1)) >= 2 or proc.poll() is not None, 60, "rank 1 to step")
+    monitor = monitor_of(proc.pid, 1)
     assert monitor is not None, "no process named 'ft_launcher: rank_monitor local_rank=1'"
     monitor.kill()
     _, err = proc.communicate(timeout=90)
@@ -210,11 +190,9 @@ def test_a_stalled_monitor_is_replaced_and_its_rank_restarted(launcher, tmp_path
     out.mkdir()
     proc = launcher.start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
                            "--ft-rank-section-timeouts", LOOSE, RANK, out, "--steps", "350"])
-    deadline = time.monotonic() + 60
-    while len(progress(out, 0)) < 2:
-        assert time.monotonic() < deadline and proc.poll() is None, "rank 0 never started stepping"
-        time.sleep(0.05)
-    monitor = _monitor_of(proc.pid, 0)
+    wait_for(lambda: len(progress(out, 0)) >= 2 or proc.poll() is not None, 60, "rank 0 to step")
+    monitor = monitor_of(proc.pid, 0)
+    assert monitor is not None, "no process named 'ft_launcher: rank_monitor local_rank=0'"
     monitor.suspend()
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err

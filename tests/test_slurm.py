@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import EXAMPLE, ROOT, SCRIPTS, tagged, wait_until_gone
+from conftest import EXAMPLE, ROOT, SCRIPTS, tagged, wait_for, wait_until_gone
 
 ENV_DUMP = os.path.join(SCRIPTS, "env_dump.py")
 PREEMPTIBLE = os.path.join(SCRIPTS, "preemptible.py")
@@ -32,16 +32,6 @@ STEPS = 60          # the DDP example's length in the restart tests (checkpoints
 def same_model(final, reference):
     """A resumed run ends with exactly the clean run's model (the example settles DDP's buckets)."""
     return final["checksum"] == reference["checksum"]
-
-
-def wait_for(predicate, timeout, what, interval=0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
 def task_errors(output):
@@ -106,7 +96,7 @@ class Job:
         def find():
             res = self.cluster.run(["squeue", "-h", "-n", self.name, "-o", "%i"], timeout=15, check=False)
             return res.stdout.split()[0] if res.stdout.split() else None
-        return wait_for(find, 30, f"job {self.name} in squeue")
+        return wait_for(find, 30, f"job {self.name} in squeue", interval=0.2)
 
     def node_procs(self, procid):
         """Everything of node `procid` (its srun task): the launcher, its monitors and ranks."""
