@@ -86,13 +86,7 @@ class Job:
     def stop(self, keep_dir: bool = False) -> None:
         """SIGTERM the launcher (it forwards to the ranks); SIGKILL whatever is left after 20 s.
         The scratch directory (with launcher.log) is removed unless `keep_dir`."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_launcher(self.proc)
         left = []
         for p in psutil.process_iter():
             try:
@@ -105,6 +99,22 @@ class Job:
         self.log.close()
         if not keep_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def stop_launcher(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM a launcher started in its own session (it forwards to its ranks); after `grace`
+    seconds SIGKILL whatever of that session is left."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def read_progress(progress_dir: str) -> Dict[int, List[tuple]]:

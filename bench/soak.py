@@ -30,7 +30,7 @@ import time
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import EXAMPLE, bench_env, read_progress  # noqa: E402
+from harness import EXAMPLE, bench_env, read_progress, stop_launcher  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -56,21 +56,6 @@ def job_args(args, work):
             "--progress-dir", os.path.join(work, "progress")]
 
 
-def stop(proc, grace=20.0):
-    """SIGTERM the launcher (it forwards to its ranks), then SIGKILL its whole session."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)   # the launcher runs in its own session (ours)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
 # ---- runs -----------------------------------------------------------------------------------
 def run_ft(args, work, kind, duration):
     """ft_launcher with a simulated `kind` fault every cycle; returns [fault times]."""
@@ -91,7 +76,7 @@ def run_ft(args, work, kind, duration):
         while time.monotonic() < end and proc.poll() is None:
             time.sleep(0.5)
     finally:
-        stop(proc)
+        stop_launcher(proc)
     faults = []
     with open(os.path.join(logs, "events.jsonl")) as fh:
         for line in fh:
@@ -139,7 +124,7 @@ def run_torchrun(args, work, duration):
                         pass
                     done.add(worker.pid)
     finally:
-        stop(proc)
+        stop_launcher(proc)
         for worker in seen.values():   # torchrun's own workers, should it have left any
             try:
                 worker.kill()
