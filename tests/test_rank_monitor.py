@@ -115,17 +115,23 @@ def test_catchable_termination_signal_then_sigkill_after_grace(launcher, tmp_pat
     assert failure["rank"] == 1 and failure["detail"]["exitcode"] == -signal.SIGKILL  # ... then SIGKILL
 
 
+def start_and_find_monitor(launcher, logs, out, local_rank, max_restarts, section_timeouts, script_args):
+    """Start a 2-rank job; once `local_rank` is stepping, return (agent process, that rank's monitor)."""
+    proc = launcher.start(["--standalone", "--nproc-per-node", "2", "--max-restarts", max_restarts, "--log-dir", logs,
+                           "--ft-rank-section-timeouts", section_timeouts, RANK, out, *script_args])
+    wait_for(lambda: len(progress(out, local_rank)) >= 2 or proc.poll() is not None, 60, f"rank {local_rank} to step")
+    monitor = monitor_of(proc.pid, local_rank)
+    assert monitor is not None, f"no process named 'ft_launcher: rank_monitor local_rank={local_rank}'"
+    return proc, monitor
+
+
 def test_killed_monitor_is_noticed_replaced_and_protects_the_rank_again(launcher, tmp_path):
     logs, out = tmp_path / "logs", tmp_path / "out"
     out.mkdir()
     # Cycle 0 runs long; we kill local rank 1's monitor in it. Cycle 1: rank 1 hangs in 'step'
     # and the *new* monitor must catch it. Cycle 2 completes.
-    proc = launcher.start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", logs,
-                           "--ft-rank-section-timeouts", LOOSE + ",step:1", RANK, out, "--steps", "400",
-                           "--fault", "step", "--cycle", "1"])
-    wait_for(lambda: len(progress(out, 1)) >= 2 or proc.poll() is not None, 60, "rank 1 to step")
-    monitor = monitor_of(proc.pid, 1)
-    assert monitor is not None, "no process named 'ft_launcher: rank_monitor local_rank=1'"
+    proc, monitor = start_and_find_monitor(launcher, logs, out, 1, 2, LOOSE + ",step:1",
+                                           ["--steps", "400", "--fault", "step", "--cycle", "1"])
     monitor.kill()
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err
@@ -188,11 +194,7 @@ def test_a_stalled_monitor_is_replaced_and_its_rank_restarted(launcher, tmp_path
     ticking, replace it and restart the rank it was guarding."""
     logs, out = tmp_path / "logs", tmp_path / "out"
     out.mkdir()
-    proc = launcher.start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
-                           "--ft-rank-section-timeouts", LOOSE, RANK, out, "--steps", "350"])
-    wait_for(lambda: len(progress(out, 0)) >= 2 or proc.poll() is not None, 60, "rank 0 to step")
-    monitor = monitor_of(proc.pid, 0)
-    assert monitor is not None, "no process named 'ft_launcher: rank_monitor local_rank=0'"
+    proc, monitor = start_and_find_monitor(launcher, logs, out, 0, 1, LOOSE, ["--steps", "350"])
     monitor.suspend()
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 0, err
