@@ -29,8 +29,9 @@ from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .rank_output import RankOutput
+from .reserve_pool import ReservePool
 from .round_types import NodeInfo, RendezvousError, Round, StoreLost
-from .workers import Rank, WorkerGroup, describe_exit
+from .workers import Rank, WorkerGroup, describe_exit, rank_env
 
 EXIT_OK, EXIT_FAILED = 0, 1
 MONITOR_STALL_LIMIT = 5.0  # seconds without a monitor tick (it ticks at least once a second)
@@ -82,6 +83,8 @@ class NodeAgent:
         self.output = RankOutput()
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         monitor_starts = self._start_monitors(pool)
+        self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
+        self.reserves.fill()  # warming while torch loads and the rendezvous runs
         # torch loads here, while the monitors start: their start-up costs the launch nothing
         from .rendezvous import JobStore, RoundProtocol, RoundWatcher
         try:
@@ -117,6 +120,9 @@ class NodeAgent:
         group = getattr(self, "group", None)
         if group is not None:
             group.stop(signal.SIGKILL, 1.0)
+        reserves = getattr(self, "reserves", None)
+        if reserves is not None:
+            reserves.close()
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
             watcher.stop()
@@ -197,16 +203,20 @@ class NodeAgent:
             world_size=rnd.world_size, nodes=[n.label() for n in rnd.active],
             spares=[n.label() for n in rnd.spares], master=f"{master[0]}:{master[1]}")
         self.group = WorkerGroup(cfg, self.watchdog, self.output)
+        self.group.cycle = rnd.number
         self.watcher.watch(rnd)
         self._apply_timeouts(self.learner.load())
         for local_rank in range(cfg.nproc_per_node):
             monitor = self.monitors[local_rank] if self.monitors else None
-            env = self.group.rank_env(local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
-                                      rnd.world_size, len(rnd.active), master,
-                                      monitor.rank_env() if monitor else {})
-            rank = self.group.spawn(local_rank, rnd.rank_offset + local_rank, env, rnd.number)
+            env = rank_env(cfg, local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
+                           rnd.world_size, len(rnd.active), master,
+                           {**(monitor.rank_env() if monitor else {}), **self.reserves.rank_env(local_rank)})
+            rank = self.group.start(local_rank, rnd.rank_offset + local_rank, env, rnd.number,
+                                    self.reserves.take(local_rank))
             if monitor:
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
+        self._ranks_started()
+        self.reserves.fill()
         plan = None
         if cfg.ft.simulate_fault and (cfg.ft.simulated_fault_count < 0
                                       or self.proto.faults_fired() < cfg.ft.simulated_fault_count):
@@ -252,6 +262,7 @@ class NodeAgent:
                         self._collect_reports(key.data[1], sel)
                 self._check_signal(rnd)
                 self._check_monitors_tick()
+                self.reserves.maintain()
                 if self.watcher.store_lost:
                     raise StoreLost(self.watcher.store_lost)
                 if self.watcher.interrupted_round == rnd.number:
@@ -281,6 +292,15 @@ class NodeAgent:
                         self.say("all local ranks finished; waiting for the other nodes")
         finally:
             sel.close()
+
+    def _ranks_started(self) -> None:
+        ranks = self.group.ranks
+        warm = [r for r in ranks if r.warm]
+        if warm:
+            self.say("ranks started: " + ", ".join(
+                f"{r.rank} ({'warm reserve' if r.warm else 'cold'}, pid {r.pid})" for r in ranks))
+        self.events.event("ranks_started", None, ranks=[
+            {"rank": r.rank, "local_rank": r.local_rank, "pid": r.pid, "warm": r.warm} for r in ranks])
 
     def _learn(self, rnd: Round) -> None:
         """Computed timeouts: publish ours; node 0 computes for the job; everyone applies."""
@@ -364,7 +384,10 @@ class NodeAgent:
 
     def _early_exits(self) -> List[int]:
         """Ranks of this node that exited 0 in this cycle while it has not completed."""
-        return [r.rank for r in self.group.ranks if r.exitcode == 0]
+        group = getattr(self, "group", None)
+        if group is None or self.events.cycle != getattr(group, "cycle", None):
+            return []
+        return [r.rank for r in group.ranks if r.exitcode == 0]
 
     def _announce(self, rnd: Round, verdict: dict) -> dict:
         if verdict.get("kind") == "failure":
@@ -408,10 +431,18 @@ class NodeAgent:
                 except BlockingIOError:
                     pass
                 self._check_signal(None)
+                self.reserves.maintain()
                 if self.watcher.store_lost:
                     raise StoreLost(self.watcher.store_lost)
                 if self.watcher.interrupted_round == rnd.number:
                     return self.proto.verdict(rnd.number)
+                if self.watcher.dead_peers:  # a training node died: with no other trainer left, only we notice
+                    what = ", ".join(f"node {n.label()}" for n in self.watcher.dead_peers) + " stopped answering"
+                    self.events.event("failure", f"{what} -> the hot spare asks for a new round", what=what)
+                    verdict = self.proto.interrupt(rnd.number, {
+                        "kind": "failure", "what": what, "node_id": self.me.node_id,
+                        "dead_nodes": [n.__dict__ for n in self.watcher.dead_peers]})
+                    return self._announce(rnd, verdict)
         finally:
             sel.close()
             self.watcher.watch(None)

@@ -28,7 +28,7 @@ class LaunchConfig:
     min_nodes: int
     max_nodes: int
     nproc_per_node: int
-    entrypoint: List[str]                 # the full command of one rank
+    entrypoint: List[str]                 # the full command of one cold rank
     rdzv_backend: str = "c10d"            # c10d | static
     rdzv_host: str = "127.0.0.1"
     rdzv_port: int = 29400                # 0: pick a free one (standalone)
@@ -48,6 +48,11 @@ class LaunchConfig:
     term_timeout: float = 30.0
     workers_stop_timeout: float = 15.0
     ft: FaultToleranceConfig = dataclasses.field(default_factory=FaultToleranceConfig)
+    # What `entrypoint` runs, for a warm reserve that runs it in-process: script | module |
+    # run_path (through python) or program (--no-python), the script/module/program, its args.
+    entry_kind: str = "script"
+    entry_target: str = ""
+    entry_args: List[str] = dataclasses.field(default_factory=list)
 
     def conf(self, key: str) -> float:
         return float(self.rdzv_conf.get(key, RDZV_CONF_DEFAULTS[key]))

@@ -1,6 +1,8 @@
-"""The ranks of one node: their environment, spawning, exit tracking and stopping.
+"""The ranks of one node: their environment, starting, exit tracking and stopping.
 
-Each rank runs in its own session (pgid == pid), so a signal to its group reaches the children
+A rank is started either by activating a warm reserve (agent.reserve_pool) or by spawning a
+fresh interpreter; to the agent both are the same: a child process, a pidfd, output wired for
+the cycle at start. Each rank runs in its own session (pgid == pid), so a signal to its group reaches the children
 it started; it gets PR_SET_PDEATHSIG=SIGKILL (through util-linux `setpriv`, which sets it and
 execs, or a preexec hook where setpriv is missing), and its group is registered with the
 orphan watchdog. Exits are observed through pidfds, which the agent's event loop selects on.
@@ -36,6 +38,7 @@ class Rank:
     pidfd: int
     start_ns: int
     output: object
+    warm: bool = False                  # an activated warm reserve, not a fresh interpreter
     exitcode: Optional[int] = None
 
     @property
@@ -52,6 +55,54 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def slot_env(cfg: LaunchConfig, local_rank: int) -> Dict[str, str]:
+    """What a rank of slot `local_rank` gets whatever the round: the agent's environment plus the
+    slot's fixed variables. A warm reserve starts with exactly this (what torch and OpenMP read
+    at import time is therefore what the rank would have read)."""
+    env = dict(os.environ)
+    if env.pop("FT_LAUNCHER_QUIET_CPP_LOG", None):  # the agent's own setting, not the user's
+        env.pop("TORCH_CPP_LOG_LEVEL", None)
+    env.update({
+        "LOCAL_RANK": str(local_rank), "ROLE_NAME": cfg.role,
+        "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+        "TORCHELASTIC_RUN_ID": cfg.rdzv_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
+    })
+    if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so ranks do not oversubscribe
+    return env
+
+
+def rank_env(cfg: LaunchConfig, local_rank: int, rank: int, cycle: int, group_rank: int, world_size: int,
+             group_world_size: int, master: tuple, extra: Dict[str, str]) -> Dict[str, str]:
+    """The whole environment of one rank in one round: the slot's, plus the round's placement."""
+    env = slot_env(cfg, local_rank)
+    env.update({
+        "RANK": str(rank), "GROUP_RANK": str(group_rank), "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": str(group_world_size),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+        "TORCHELASTIC_RESTART_COUNT": str(cycle),
+    })
+    env.update(extra)
+    return env
+
+
+def popen_rank_process(cmd: List[str], env: Dict[str, str], stdout, stderr, pass_fds=()) -> subprocess.Popen:
+    """A rank's process (a cold rank or a warm reserve): its own session, SIGKILL when the agent
+    dies, no stdin."""
+    kwargs = {}
+    if _SETPRIV:
+        cmd = [_SETPRIV, "--pdeathsig", "KILL", "--"] + cmd
+    else:
+        kwargs["preexec_fn"] = _set_pdeathsig
+    return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                            start_new_session=True, close_fds=True, pass_fds=pass_fds, **kwargs)
+
+
 class WorkerGroup:
     """The ranks of this node for one cycle."""
 
@@ -61,30 +112,10 @@ class WorkerGroup:
         self.output = output
         self.ranks: List[Rank] = []
 
-    def rank_env(self, local_rank: int, rank: int, cycle: int, group_rank: int, world_size: int,
-                 group_world_size: int, master: tuple, extra: Dict[str, str]) -> Dict[str, str]:
-        env = dict(os.environ)
-        if env.pop("FT_LAUNCHER_QUIET_CPP_LOG", None):  # the agent's own setting, not the user's
-            env.pop("TORCH_CPP_LOG_LEVEL", None)
-        env.update({
-            "LOCAL_RANK": str(local_rank), "RANK": str(rank), "GROUP_RANK": str(group_rank),
-            "ROLE_RANK": str(rank), "ROLE_NAME": self.cfg.role,
-            "LOCAL_WORLD_SIZE": str(self.cfg.nproc_per_node), "WORLD_SIZE": str(world_size),
-            "GROUP_WORLD_SIZE": str(group_world_size), "ROLE_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
-            "TORCHELASTIC_RESTART_COUNT": str(cycle),
-            "TORCHELASTIC_MAX_RESTARTS": str(self.cfg.max_restarts),
-            "TORCHELASTIC_RUN_ID": self.cfg.rdzv_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
-        })
-        if self.cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so ranks do not oversubscribe
-        env.update(extra)
-        return env
-
-    def spawn(self, local_rank: int, rank: int, env: Dict[str, str], cycle: int) -> Rank:
+    def start(self, local_rank: int, rank: int, env: Dict[str, str], cycle: int, reserve=None) -> Rank:
+        """Start global rank `rank` in slot `local_rank`: activate `reserve` (a warm interpreter
+        from agent.reserve_pool) when one is given and takes, else spawn a fresh interpreter.
+        Either way the output is wired now, for this cycle's log file."""
         cfg = self.cfg
         log_file = None
         if cfg.log_dir:
@@ -94,23 +125,19 @@ class WorkerGroup:
         show = cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter
         stdout, stderr, handle = self.output.plan(
             rank, cfg.capture.get(local_rank, 0), cfg.tee.get(local_rank, 0), show, log_file)
-        cmd = list(cfg.entrypoint)
-        kwargs = {}
-        if _SETPRIV:
-            cmd = [_SETPRIV, "--pdeathsig", "KILL", "--"] + cmd
-        else:
-            kwargs["preexec_fn"] = _set_pdeathsig
         start_ns = time.monotonic_ns()
         try:
-            proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, close_fds=True, **kwargs)
+            proc = reserve.activate(env, stdout, stderr, " ".join(cfg.entrypoint)) if reserve else None
+            if proc is None:
+                proc = popen_rank_process(list(cfg.entrypoint), env, stdout, stderr)
+                self.watchdog.watch(proc.pid)
         finally:
             for fd in (stdout, stderr):
                 if isinstance(fd, int) and fd >= 0:
                     os.close(fd)
-        self.watchdog.watch(proc.pid)
         self.output.attach(handle)
-        rank_obj = Rank(local_rank, rank, proc, os.pidfd_open(proc.pid), start_ns, handle)
+        rank_obj = Rank(local_rank, rank, proc, os.pidfd_open(proc.pid), start_ns, handle,
+                        warm=reserve is not None and proc is reserve.proc)
         self.ranks.append(rank_obj)
         return rank_obj
 

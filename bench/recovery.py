@@ -7,11 +7,15 @@ Measures, on the example DDP job (gloo, checkpoint every 5 steps, 50 ms per step
   kill        SIGKILL to rank 1 -> every rank stepping again in the next cycle
   hang        SIGSTOP to rank 1 inside 'step' (timeout 2 s) -> every rank stepping again;
               torchrun has no hang detection, so it has no figure here
-and prints medians and the ft_launcher / torchrun ratio.
+ft_launcher runs with its default warm reserves (the fault is injected once every slot's reserve
+is warm, as in a job that has run for more than a few seconds) and, for comparison, with
+`--ft-warm-reserves 0` (every restart cold). Prints medians, the ft_launcher / torchrun ratio,
+and how long a reserve took to warm and its memory (RSS) per slot.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import statistics
@@ -29,9 +33,25 @@ def script_args(ckpt_every=5):
             "--progress-dir", "progress", "--ckpt-dir", "ckpt"]
 
 
-def launch_and_fault(kind: str, nproc: int, fault: str):
+def reserves_ready(job: Job, nproc: int):
+    """The ready reports of this job's warm reserves, once every slot has one (else None)."""
+    path = os.path.join(job.dir, "logs", "events.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        ready = {}
+        for line in fh:
+            event = json.loads(line)
+            if event["kind"] == "reserve_ready" and not event["detail"].get("refreshed"):
+                ready.setdefault(event["detail"]["local_rank"], dict(event["detail"], time=event["time"]))
+    return ready if len(ready) == nproc else None
+
+
+def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, stats: dict = None):
     """-> (launch seconds, recovery seconds or None)."""
     extra = ["--max-restarts", "3"]
+    if kind == "ft_launcher":
+        extra += ["--log-dir", "logs"] + ([] if reserves else ["--ft-warm-reserves", "0"])
     if fault == "hang":
         extra += ["--ft-rank-section-timeouts", f"setup:60,step:{STEP_TIMEOUT:g},checkpointing:60"]
     job = Job(kind, nproc, extra, script_args())
@@ -44,6 +64,12 @@ def launch_and_fault(kind: str, nproc: int, fault: str):
             return launch, None
         job.wait_for(lambda: all(len(r) >= 12 for r in job.progress().values()) and len(job.progress()) == nproc,
                      60, "12 steps")
+        if kind == "ft_launcher" and reserves:
+            ready = job.wait_for(lambda: reserves_ready(job, nproc), 120, "warm reserves")
+            if stats is not None:
+                for info in ready.values():
+                    stats.setdefault("warm_s", []).append(info["time"] - job.started)
+                    stats.setdefault("rss_mb", []).append(info["rss"] / 2**20)
         pid = job.rank_pid(1)
         t0 = time.time()
         os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
@@ -65,10 +91,12 @@ def main() -> None:
     args = p.parse_args()
     launch_and_fault("ft_launcher", args.nproc, "none")  # warm the page cache (torch import)
     launch_and_fault("torchrun", args.nproc, "none")
-    results = {}
+    results, stats = {}, {}
+    runs = (("torchrun", "kill", True), ("ft_launcher", "kill", True), ("ft_launcher", "hang", True),
+            ("ft_launcher", "kill-cold", False), ("ft_launcher", "hang-cold", False))
     for rep in range(args.reps):
-        for kind, fault in (("torchrun", "kill"), ("ft_launcher", "kill"), ("ft_launcher", "hang")):
-            launch, recovery = launch_and_fault(kind, args.nproc, fault)
+        for kind, fault, reserves in runs:
+            launch, recovery = launch_and_fault(kind, args.nproc, fault.split("-")[0], reserves, stats)
             results.setdefault((kind, "launch"), []).append(launch)
             results.setdefault((kind, fault), [])
             failed = results.setdefault((kind, fault, "failed"), [])
@@ -84,13 +112,19 @@ def main() -> None:
           f"   ratio {ratio(results[('ft_launcher', 'launch')], results[('torchrun', 'launch')])}")
     print(f"kill rank -> stepping     torchrun    {summary(results[('torchrun', 'kill')])}"
           f"   recovered {args.reps - len(results[('torchrun', 'kill', 'failed')])}/{args.reps}")
-    print(f"                          ft_launcher {summary(results[('ft_launcher', 'kill')])}"
-          f"   recovered {args.reps - len(results[('ft_launcher', 'kill', 'failed')])}/{args.reps}"
-          f"   ratio {ratio(results[('ft_launcher', 'kill')], results[('torchrun', 'kill')])}")
-    hang = results[("ft_launcher", "hang")]
+    for fault, label in (("kill", "warm"), ("kill-cold", "cold")):
+        print(f"                          ft_launcher {summary(results[('ft_launcher', fault)])}"
+              f"   recovered {args.reps - len(results[('ft_launcher', fault, 'failed')])}/{args.reps}"
+              f"   ratio {ratio(results[('ft_launcher', fault)], results[('torchrun', 'kill')])}  ({label})")
     print(f"hang in step (T={STEP_TIMEOUT:g} s)     torchrun    never detected")
-    print(f"                          ft_launcher {summary(hang)}"
-          + (f"   = T + {statistics.median(hang) - STEP_TIMEOUT:.2f} s" if hang else ""))
+    for fault, label in (("hang", "warm"), ("hang-cold", "cold")):
+        hang = results[("ft_launcher", fault)]
+        print(f"                          ft_launcher {summary(hang)}"
+              + (f"   = T + {statistics.median(hang) - STEP_TIMEOUT:.2f} s" if hang else "") + f"  ({label})")
+    if stats:
+        print(f"warm reserve: ready {statistics.median(stats['warm_s']):.1f} s after launch (median), "
+              f"RSS {statistics.median(stats['rss_mb']):.0f} MB per slot "
+              f"(min {min(stats['rss_mb']):.0f}, max {max(stats['rss_mb']):.0f})")
 
 
 if __name__ == "__main__":

@@ -204,6 +204,13 @@ def entrypoint(args) -> List[str]:
     return [sys.executable, "-u", script] + rest
 
 
+def entry_kind(args) -> str:
+    """How the cold command runs the target (see LaunchConfig.entry_kind)."""
+    if args.no_python:
+        return "program"
+    return "module" if args.module else "run_path" if args.run_path else "script"
+
+
 def _slurm():
     try:
         from agent.slurm_env import slurm_info
@@ -286,7 +293,8 @@ def launch_config(argv: Sequence[str]):
         is_host=is_host, order_key=order_key, standalone=args.standalone, max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval, role=args.role, log_dir=log_dir, capture=capture, tee=tee,
         local_ranks_filter=ranks_filter, local_addr=args.local_addr, term_timeout=args.term_timeout,
-        workers_stop_timeout=args.workers_stop_timeout, ft=ft)
+        workers_stop_timeout=args.workers_stop_timeout, ft=ft, entry_kind=entry_kind(args),
+        entry_target=args.training_script, entry_args=list(args.training_script_args))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

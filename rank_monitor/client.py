@@ -23,6 +23,7 @@ import time
 import warnings
 from typing import Any, Dict, Iterable, Mapping, Optional
 
+from rank_monitor import import_record
 from rank_monitor import shm_layout as L
 
 _mono = time.monotonic_ns
@@ -168,6 +169,8 @@ class _Attachment:
             sec = _Section(name)
             self.sections[name] = sec
             sec._bind(self)
+            if name == "step":  # once: what this rank imported, for the warm reserve of its slot
+                import_record.record()
         return sec
 
     def slot(self, name: str) -> Optional[int]:

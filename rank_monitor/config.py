@@ -57,6 +57,10 @@ class FaultToleranceConfig:
     simulated_fault_base_delay: float = 10.0      # seconds after the rank starts, plus <=20% jitter
     simulated_fault_seed: int = 0
     simulated_fault_count: int = 1                # faults per job, one per cycle at most; -1: every cycle
+    # Warm reserves (agent.reserve_pool): warm interpreters per local rank slot that restarts use
+    # instead of a cold start; 0 turns them off. A reserve not warm after the timeout is replaced.
+    warm_reserves: int = 1
+    warm_reserve_timeout: float = 120.0
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -102,6 +106,8 @@ class FaultToleranceConfig:
                 raise ConfigError(f"timeout {name} must be a positive number of seconds or null, got {value}")
         if not self.safety_factor > 0:
             raise ConfigError(f"safety_factor must be positive, got {self.safety_factor}")
+        if not self.warm_reserve_timeout > 0:
+            raise ConfigError(f"warm_reserve_timeout must be positive, got {self.warm_reserve_timeout}")
         for key in ("rank_termination_grace", "stack_dump_wait", "workload_check_interval"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must not be negative, got {getattr(self, key)}")
@@ -293,6 +299,8 @@ _PARSERS = {
     "simulated_fault_seed": lambda k, v, s: _int(k, v, s),
     "simulated_fault_count": lambda k, v, s: -1 if str(v).strip().lower() in ("every", "every_cycle", "-1") else _int(k, v, s),
     "pinned_timeouts": lambda k, v, s: _pins(v, s),
+    "warm_reserves": lambda k, v, s: _int(k, v, s),
+    "warm_reserve_timeout": _number,
     "log_level": lambda k, v, s: _log_level(v, s),
 }
 

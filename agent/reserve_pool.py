@@ -1,0 +1,292 @@
+"""Warm reserves of one node: per local rank slot, interpreters that have already imported what
+the slot's rank imports (agent.reserve_process runs inside them), so a restart activates one in
+milliseconds instead of starting a cold interpreter.
+
+The pool starts `warm_reserves` per slot when the agent starts (a hot spare keeps them too),
+replaces each one that is used, and never waits for one: `take` hands out a reserve only if it
+has said it is ready, else the caller spawns cold. A reserve that dies or does not become ready
+within `warm_reserve_timeout` is killed, reported and replaced, and is never activated; after
+three such losses in a row a slot stops trying, with one line saying why.
+
+A reserve is a rank-to-be like any other: its own session, a parent-death signal, registered
+with the orphan watchdog from the moment it is started. What each slot's rank imported is
+learned from the rank itself (rank_monitor.import_record, written at its first `step`); when a
+newer record asks for modules a reserve lacks, a current one is started and the older one is
+dismissed once the new one is ready (a ready reserve is never disturbed, so it can always be
+activated at once).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+from rank_monitor.import_record import ENV_IMPORTS_FILE, modules_to_import, user_code_dir
+
+from .events import EventLog
+from .launch_config import LaunchConfig
+from .orphan_watchdog import OrphanWatchdog
+from .reserve_process import ENV_ROOM
+from .workers import describe_exit, popen_rank_process, slot_env
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_BOOT = ("import sys; sys.path.insert(0, {root!r}); from agent.reserve_process import main; "
+         "main(sys.argv[1:])")
+MAX_LOSSES_IN_A_ROW = 3
+ENV_ROOM_BYTES = 32768  # room for the round's variables in the reserve's /proc environ
+MAINTAIN_EVERY = 0.25  # seconds between checks of the reserves' health and records
+
+
+class Reserve:
+    """The agent's handle on one warm interpreter."""
+
+    def __init__(self, local_rank: int, proc: subprocess.Popen, sock: socket.socket, log_path: str,
+                 record_mtime: Optional[int]):
+        self.local_rank = local_rank
+        self.proc = proc
+        self.pid = proc.pid
+        self.sock = sock
+        self.log_path = log_path            # its stderr while warming (why it died, if it does)
+        self.covered_path = log_path[:-4] + ".modules"
+        self.started = time.monotonic()
+        self.ready: Optional[dict] = None    # its ready message
+        self.covered: frozenset = frozenset()  # module names it has loaded or tried
+        self.record_mtime = record_mtime     # the import record it was started with
+
+    def poll(self) -> Optional[dict]:
+        """Its ready message, the first time it is seen (non-blocking)."""
+        if self.ready is not None:
+            return None
+        try:
+            data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            msg = json.loads(data) if data else {}
+        except (OSError, ValueError):  # nothing yet (BlockingIOError), or closed
+            return None
+        if msg.get("kind") != "ready":
+            return None
+        try:
+            with open(self.covered_path) as fh:
+                self.covered = frozenset(fh.read().split())
+        except OSError:
+            pass
+        _remove(self.covered_path)
+        self.ready = msg
+        return msg
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def activate(self, env: Dict[str, str], stdout, stderr, title: str) -> Optional[subprocess.Popen]:
+        """Hand it the rank's environment and output; returns its process, or None (then the
+        caller spawns cold and this reserve is gone)."""
+        fds, opened = [], []
+        for fd, own in ((stdout, 1), (stderr, 2)):
+            if fd is None:
+                fds.append(own)                       # inherit the agent's console
+            elif fd == subprocess.DEVNULL:
+                opened.append(os.open(os.devnull, os.O_WRONLY))
+                fds.append(opened[-1])
+            else:
+                fds.append(fd)
+        try:
+            if not self.alive():
+                return None
+            payload = json.dumps({"op": "activate", "env": env, "title": title}).encode()
+            socket.send_fds(self.sock, [payload], fds)
+            return self.proc
+        except OSError:
+            return None
+        finally:
+            for fd in opened:
+                os.close(fd)
+            self.sock.close()
+            _remove(self.log_path)
+
+    def last_words(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                lines = [line.strip() for line in fh if line.strip()]
+            return lines[-1][:300] if lines else ""
+        except OSError:
+            return ""
+
+    def dismiss(self) -> None:
+        """Kill it and everything it started; reap it."""
+        self.sock.close()
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        _remove(self.log_path)
+        _remove(self.covered_path)
+
+
+class ReservePool:
+    def __init__(self, cfg: LaunchConfig, watchdog: OrphanWatchdog, events: EventLog):
+        self.cfg = cfg
+        self.watchdog = watchdog
+        self.events = events
+        self.per_slot = max(0, int(cfg.ft.warm_reserves))
+        self.timeout = float(cfg.ft.warm_reserve_timeout)
+        self.slots: Dict[int, List[Reserve]] = {i: [] for i in range(cfg.nproc_per_node)}
+        self.losses: Dict[int, int] = {i: 0 for i in range(cfg.nproc_per_node)}
+        self.disabled: set = set()
+        self._wanted: Dict[int, tuple] = {}  # slot -> (record mtime, module names it asks for)
+        self._next_check = 0.0
+        self._told_priority = False
+        if self.per_slot and cfg.entry_kind == "program":
+            events.say("warm reserves off: --no-python runs a program, not a Python script, so every "
+                       "restart starts it cold")
+            self.per_slot = 0
+        self.dir = tempfile.mkdtemp(prefix="ft_launcher_reserves_") if self.per_slot else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.per_slot > 0
+
+    def record_path(self, local_rank: int) -> str:
+        return os.path.join(self.dir, f"imports_local{local_rank}.json")
+
+    def rank_env(self, local_rank: int) -> Dict[str, str]:
+        """What a rank needs to tell its slot's reserves what it imports."""
+        return {ENV_IMPORTS_FILE: self.record_path(local_rank)} if self.enabled else {}
+
+    def _is_current(self, reserve: Reserve) -> bool:
+        """Started from the slot's newest import record, or holding all it asks for (a reserve
+        still warming counts as current until it can be checked)."""
+        record = self.record_path(reserve.local_rank)
+        mtime = _mtime(record)
+        if mtime == reserve.record_mtime or reserve.ready is None:
+            return True
+        cached = self._wanted.get(reserve.local_rank)
+        if cached is None or cached[0] != mtime:
+            names, _ = modules_to_import(record, user_code_dir(self.cfg.entry_kind, self.cfg.entry_target))
+            cached = self._wanted[reserve.local_rank] = (mtime, frozenset(names))
+        return cached[1] <= reserve.covered
+
+    # ---- keeping the pool full ----------------------------------------------------------------
+    def fill(self) -> None:
+        """Start what is missing: `warm_reserves` current reserves per slot. Call from the
+        agent's main thread (the parent-death signal follows the thread that started it)."""
+        for local_rank, reserves in self.slots.items():
+            if not self.enabled or local_rank in self.disabled:
+                continue
+            for _ in range(self.per_slot - sum(1 for r in reserves if self._is_current(r))):
+                reserves.append(self._start(local_rank))
+
+    def _start(self, local_rank: int) -> Reserve:
+        cfg = self.cfg
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        record = self.record_path(local_rank)
+        fd, log_path = tempfile.mkstemp(prefix=f"reserve_local{local_rank}_", suffix=".log", dir=self.dir)
+        cmd = [sys.executable, "-u", "-c", _BOOT.format(root=_ROOT), str(theirs.fileno()), str(local_rank),
+               record, log_path[:-4] + ".modules", str(self.timeout * 0.8), cfg.entry_kind, cfg.entry_target,
+               *cfg.entry_args]
+        try:
+            env = dict(slot_env(cfg, local_rank), **{ENV_ROOM: "." * ENV_ROOM_BYTES})
+            proc = popen_rank_process(cmd, env, subprocess.DEVNULL, fd, pass_fds=(theirs.fileno(),))
+        finally:
+            theirs.close()
+            os.close(fd)
+        self.watchdog.watch(proc.pid)
+        self.events.event("reserve_started", None, local_rank=local_rank, pid=proc.pid)
+        return Reserve(local_rank, proc, ours, log_path, _mtime(record))
+
+    def maintain(self, force: bool = False) -> None:
+        """Read the reserves' news; replace the dead and the stalled; start reserves for a newer
+        import record, dismissing the older ones once the new ones are ready."""
+        now = time.monotonic()
+        if not self.enabled or (not force and now < self._next_check):
+            return
+        self._next_check = now + MAINTAIN_EVERY
+        for local_rank, reserves in self.slots.items():
+            for reserve in list(reserves):
+                news = reserve.poll()
+                if news is not None:
+                    self._on_ready(reserve, news)
+                if not reserve.alive():
+                    self._lose(reserve, f"died while waiting ({describe_exit(reserve.proc.returncode)})")
+                elif reserve.ready is None and now - reserve.started > self.timeout:
+                    self._lose(reserve, f"was not warm after {self.timeout:g}s (warm_reserve_timeout)")
+            current_ready = [r for r in reserves if r.ready is not None and self._is_current(r)]
+            if len(current_ready) >= self.per_slot:
+                for reserve in [r for r in reserves if not self._is_current(r)]:
+                    reserves.remove(reserve)
+                    self._dismiss(reserve)
+        self.fill()
+
+    def _on_ready(self, reserve: Reserve, info: dict) -> None:
+        self.losses[reserve.local_rank] = 0
+        self.events.event("reserve_ready", None, local_rank=reserve.local_rank, pid=reserve.pid,
+                          **{k: info.get(k) for k in ("seconds", "imported", "failed", "modules", "rss",
+                                                       "low_priority", "cuda_device")})
+        if not info.get("low_priority") and not self._told_priority:
+            self._told_priority = True
+            self.events.say("note: warm reserves warm up at normal priority (this process may not raise a "
+                            "lowered priority back at activation: no CAP_SYS_NICE, RLIMIT_NICE < 20)")
+
+    def _lose(self, reserve: Reserve, why: str) -> None:
+        local_rank = reserve.local_rank
+        self.slots[local_rank].remove(reserve)
+        words = reserve.last_words()
+        self._dismiss(reserve)
+        self.losses[local_rank] += 1
+        gave_up = self.losses[local_rank] >= MAX_LOSSES_IN_A_ROW
+        self.events.event("reserve_lost", f"warm reserve for local rank {local_rank} (pid {reserve.pid}) {why}"
+                          + (f": {words}" if words else "")
+                          + (f" -> no more reserves for this slot after {MAX_LOSSES_IN_A_ROW} losses in a row; "
+                             f"its restarts start cold" if gave_up else " -> replacing it; it is never used"),
+                          local_rank=local_rank, pid=reserve.pid, why=why, last_words=words, gave_up=gave_up)
+        if gave_up:
+            self.disabled.add(local_rank)
+
+    def _dismiss(self, reserve: Reserve) -> None:
+        reserve.dismiss()
+        self.watchdog.forget(reserve.pid)
+
+    # ---- using one ----------------------------------------------------------------------------
+    def take(self, local_rank: int) -> Optional[Reserve]:
+        """A ready reserve of this slot (a current one first), removed from the pool; None if
+        none is ready: the caller starts cold, it never waits."""
+        if not self.enabled:
+            return None
+        self.maintain(force=True)
+        ready = [r for r in self.slots[local_rank] if r.ready is not None and r.alive()]
+        if not ready:
+            return None
+        reserve = max(ready, key=self._is_current)
+        self.slots[local_rank].remove(reserve)
+        return reserve
+
+    def close(self) -> None:
+        for reserves in self.slots.values():
+            for reserve in reserves:
+                self._dismiss(reserve)
+            reserves.clear()
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _mtime(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

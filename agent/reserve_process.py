@@ -1,0 +1,208 @@
+"""Inside a warm reserve: an interpreter that imports what its slot's rank will import, waits,
+and on activation becomes that rank, running the training script as `__main__` exactly as a cold
+`python -u script.py args` (or `-m module`, or `--run-path`) would.
+
+Started by agent.reserve_pool as `python -u -c <bootstrap> CTRL_FD LOCAL_RANK IMPORTS_FILE
+COVERED_FILE BUDGET KIND TARGET [ARGS...]` with the slot's stable environment, in its own session, with a
+parent-death signal. It talks to the agent over CTRL_FD, a SOCK_SEQPACKET socket:
+
+    reserve -> agent   {"kind": "ready", "seconds", "imported", "failed", "rss", "low_priority", ...}
+                       (first writing COVERED_FILE: every module name it has loaded or tried, one a line)
+    agent -> reserve   {"op": "activate", "env": {...}, "title": str} + two descriptors: stdout, stderr
+
+On activation it puts the descriptors on 1 and 2, replaces os.environ with the round's, restores
+its scheduling priority, and runs the script. Until then its output goes nowhere (warm-up
+warnings are not the rank's), and end-of-file on CTRL_FD (the agent dismissed it) ends it quietly.
+
+Warm-up runs at nice +10 when the priority can be restored at activation (CAP_SYS_NICE or a
+permissive RLIMIT_NICE), so replenishing a reserve does not slow the running ranks; otherwise at
+normal priority, and the ready message says so.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import socket
+import sys
+import time
+from typing import List, Optional
+
+from rank_monitor.import_record import modules_to_import, user_code_dir
+
+LOW_PRIORITY = 10
+ENV_ROOM = "FT_LAUNCHER_ENV_ROOM"  # padding in the reserve's start environment, see _show_environ
+CAP_SYS_NICE = 23
+
+
+def main(argv: List[str]) -> None:
+    del sys.path[0]  # the bootstrap's entry: the rank must see a cold rank's sys.path
+    ctrl_fd, local_rank, imports_file, covered_file, budget, kind, target, *args = argv
+    sock = socket.socket(fileno=int(ctrl_fd))
+    sock.setblocking(True)
+    from rank_monitor.proc_title import set_title
+
+    set_title(f"ft_launcher: warm_reserve local_rank={local_rank}")
+    base_priority = _lower_priority()
+    sys.path[0] = _path0(kind, target)  # where the rank resolves imports, already during warm-up
+    start = time.monotonic()
+    stats = _warm_up(imports_file, user_code_dir(kind, target), start + float(budget), covered_file)
+    _send(sock, dict(stats, kind="ready", pid=os.getpid(), seconds=round(time.monotonic() - start, 3),
+                     rss=_rss(), low_priority=base_priority is not None))
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 22, 2)
+        msg = json.loads(data) if data else {}
+    except (OSError, ValueError):
+        msg, fds = {}, []
+    if msg.get("op") != "activate" or len(fds) != 2:  # dismissed, or the agent is gone
+        os._exit(0)
+    out, err = fds
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.close(out)
+    os.close(err)
+    sock.close()
+    _restore_priority(base_priority)
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    _show_environ(msg["env"])
+    set_title(msg.get("title") or target)
+    _run(kind, target, args)
+
+
+def _show_environ(env: dict) -> None:
+    """Make /proc/<pid>/environ show the rank's environment, as a cold rank's does (tools find
+    ranks by RANK there): write it over the block the kernel reports, which the agent started
+    with room to spare (ENV_ROOM). Nothing points into that block any more once os.environ
+    has been replaced. If it does not fit, the block keeps the slot's environment."""
+    try:
+        import ctypes
+
+        with open("/proc/self/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50, 51)
+        block = b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
+        if 0 < len(block) <= end - start:
+            ctypes.memmove(start, block + b"\0" * (end - start - len(block)), end - start)
+    except (OSError, ValueError, IndexError, UnicodeError):
+        pass
+
+
+def _send(sock: socket.socket, msg: dict) -> None:
+    try:
+        sock.send(json.dumps(msg).encode())
+    except OSError:
+        os._exit(0)
+
+
+def _warm_up(imports_file: Optional[str], user_dir: str, deadline: float, covered_file: str) -> dict:
+    """Import the slot's modules (in the order the rank imported them) until `deadline`."""
+    names, cuda_device = modules_to_import(imports_file or None, user_dir)
+    imported, failed = 0, []
+    for name in names:
+        if name in sys.modules:
+            continue
+        if time.monotonic() > deadline:
+            break
+        try:
+            importlib.import_module(name)
+            imported += 1
+        except BaseException:  # noqa: BLE001 - a module that cannot load here is skipped
+            failed.append(name)
+    cuda = None
+    if cuda_device is not None:
+        try:
+            import torch
+
+            torch.cuda.set_device(cuda_device)
+            torch.zeros(1, device=f"cuda:{cuda_device}")  # makes the context on that device
+            cuda = cuda_device
+        except Exception:  # noqa: BLE001 - the rank makes its own context then
+            cuda = None
+    try:
+        with open(covered_file, "w") as fh:
+            fh.write("\n".join([*sys.modules, *failed]))
+    except OSError:
+        pass
+    return {"imported": imported, "failed": len(failed), "modules": len(sys.modules), "cuda_device": cuda}
+
+
+def _path0(kind: str, target: str) -> str:
+    """sys.path[0] as `python` sets it: the script's directory, the cwd for -m, '' for -c."""
+    if kind == "module":
+        return os.getcwd()
+    if kind == "run_path":
+        return ""
+    return os.path.dirname(os.path.realpath(target))
+
+
+def _run(kind: str, target: str, args: List[str]) -> None:
+    sys.argv = [target, *args]
+    try:
+        if kind == "module":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported as python reports an uncaught error
+        sys.excepthook(type(exc), exc, _user_frames(exc.__traceback__))
+        sys.exit(1)
+
+
+def _user_frames(tb):
+    """The traceback from the script's first frame on, as a cold rank would print it."""
+    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+    while tb is not None and tb.tb_next is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
+        tb = tb.tb_next
+    return tb
+
+
+def _can_restore_priority(base: int) -> bool:
+    try:
+        with open("/proc/self/status") as fh:
+            caps = next((line.split()[1] for line in fh if line.startswith("CapEff:")), "0")
+        if int(caps, 16) >> CAP_SYS_NICE & 1:
+            return True
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+        return soft == resource.RLIM_INFINITY or 20 - soft <= base
+    except (OSError, ValueError, ImportError):
+        return False
+
+
+def _lower_priority() -> Optional[int]:
+    """Nice +10 while warming, if it can be undone; returns the priority to restore, or None."""
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        if not _can_restore_priority(base):
+            return None
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, base + LOW_PRIORITY))
+        return base
+    except OSError:
+        return None
+
+
+def _restore_priority(base: Optional[int]) -> None:
+    """Every thread back to the rank's priority (threads made while warming inherited the nice)."""
+    if base is None:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+        except OSError:
+            pass
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

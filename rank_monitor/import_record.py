@@ -1,0 +1,91 @@
+"""What a rank had imported when it reached its first `step`: the list a warm reserve imports
+before it is needed, so that the rank it becomes finds its modules already loaded.
+
+The rank side (`record`, called once by the client when the section `step` is first used)
+writes `{"modules": [[name, file], ...], "cuda_device": int|null, "when": t}` atomically to the
+file the agent names in FT_LAUNCHER_IMPORTS_FILE. The reserve side (`modules_to_import`) reads it
+and keeps the library modules: not `__main__`, not the training script's own code (a module
+whose file lies under the script's directory, outside site-packages), whose import side effects
+must run only once the rank is activated. Torch-free and cheap to import.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import List, Optional, Tuple
+
+ENV_IMPORTS_FILE = "FT_LAUNCHER_IMPORTS_FILE"
+
+# Before any incarnation has run: torch, and what DDP's constructor imports lazily (torch._dynamo
+# alone is 1.4-1.9 s on a 2-core machine).
+DEFAULT_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
+
+_SKIP_PREFIXES = ("__main__", "__mp_main__", "_frozen_importlib", "__editable__")
+
+
+def record(path: Optional[str] = None) -> None:
+    """Write this process's imported modules (rank side). Never raises."""
+    path = path or os.environ.get(ENV_IMPORTS_FILE)
+    if not path:
+        return
+    try:
+        modules = []
+        for name, module in list(sys.modules.items()):
+            if module is None or name.startswith(_SKIP_PREFIXES):
+                continue
+            modules.append([name, getattr(module, "__file__", None)])
+        cuda_device = None
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            try:
+                if torch.cuda.is_initialized():
+                    cuda_device = int(torch.cuda.current_device())
+            except Exception:  # noqa: BLE001 - a broken CUDA install is not our concern here
+                cuda_device = None
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"modules": modules, "cuda_device": cuda_device, "when": time.time()}, fh)
+        os.replace(tmp, path)
+    except Exception:  # noqa: BLE001 - a warm-up hint must never hurt the rank
+        pass
+
+
+def load(path: Optional[str]) -> Tuple[List[List[Optional[str]]], Optional[int]]:
+    """(modules, cuda_device) from a record file; ([], None) when there is none or it is bad."""
+    if not path:
+        return [], None
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+        modules = [m for m in data.get("modules", []) if isinstance(m, list) and len(m) == 2]
+        device = data.get("cuda_device")
+        return modules, device if isinstance(device, int) else None
+    except (OSError, ValueError, AttributeError):
+        return [], None
+
+
+def is_user_code(file: Optional[str], user_dir: Optional[str]) -> bool:
+    """A module of the training script's own tree (not a library installed in it)."""
+    if not file or not user_dir:
+        return False
+    file = os.path.realpath(file)
+    user_dir = os.path.realpath(user_dir)
+    if not file.startswith(user_dir.rstrip(os.sep) + os.sep):
+        return False
+    parts = file[len(user_dir):].split(os.sep)
+    return not any(p in ("site-packages", "dist-packages") for p in parts)
+
+
+def user_code_dir(kind: str, target: str) -> str:
+    """Where the training code of a launch lives: the script's directory, the cwd for -m."""
+    return os.getcwd() if kind == "module" else os.path.dirname(os.path.realpath(target))
+
+
+def modules_to_import(path: Optional[str], user_dir: Optional[str]) -> Tuple[List[str], Optional[int]]:
+    """The names a reserve imports, in the order the rank imported them, and its CUDA device."""
+    recorded, device = load(path)
+    names = [name for name, file in recorded
+             if name and not name.startswith(_SKIP_PREFIXES) and not is_user_code(file, user_dir)]
+    return (names or list(DEFAULT_MODULES)), device

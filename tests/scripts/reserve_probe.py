@@ -1,0 +1,55 @@
+"""Rank script for the warm-reserve tests: records how it was started, so a rank that a warm
+reserve became can be compared with a cold one.
+
+    reserve_probe.py OUT_DIR [--fail-rank R --go FILE] [--hold FILE] [--slow-lib] [extra args]
+
+Writes OUT_DIR/identity_<rank>_<cycle>.json (pid, argv, __name__, __file__, sys.path[0], cwd and
+the launcher's variables) and prints one line to stdout and one to stderr. In cycle 0, rank R
+waits for FILE to exist, then exits 1 (the test's restart, at a moment the test chooses). In
+later cycles every rank waits for the --hold file, if given, then exits 0. --slow-lib imports
+tests/warm_lib/slowwarm (instant in a rank, 600 s in a reserve).
+"""
+import json
+import os
+import sys
+import time
+
+import ft_launcher as ft
+
+out_dir = sys.argv[1]
+rank, cycle = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+
+def arg(name):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
+def wait_file(path, limit=120):
+    deadline = time.monotonic() + limit
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            sys.exit(f"rank {rank}: {path} never appeared")
+        time.sleep(0.02)
+
+
+if "--slow-lib" in sys.argv:
+    import slowwarm  # noqa: F401
+
+names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "FT_TEST_TOKEN")
+identity = {"pid": os.getpid(), "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0],
+            "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in names}}
+with ft.section("step"):  # the import record is written here
+    tmp = os.path.join(out_dir, f".identity_{rank}_{cycle}")
+    with open(tmp, "w") as fh:
+        json.dump(identity, fh)
+    os.replace(tmp, os.path.join(out_dir, f"identity_{rank}_{cycle}.json"))
+print(f"probe stdout rank {rank} cycle {cycle}", flush=True)
+print(f"probe stderr rank {rank} cycle {cycle}", file=sys.stderr, flush=True)
+if cycle == 0 and arg("--fail-rank") is not None:
+    if rank == int(arg("--fail-rank")):
+        wait_file(arg("--go"))
+        sys.exit(1)
+    time.sleep(600)  # stopped by the restart
+if arg("--hold"):
+    wait_file(arg("--hold"))

@@ -1,0 +1,205 @@
+"""Warm reserves: a restart activates an interpreter that has already imported torch (and what
+the slot's rank imported), instead of starting a cold one. Real agents, reserves and ranks.
+
+The probe script (tests/scripts/reserve_probe.py) records how it was started; a rank that a
+reserve became must be indistinguishable from a cold one: argv, __name__, __file__, sys.path[0],
+the launcher's variables (also in /proc/<pid>/environ), its output in this cycle's log file.
+"""
+import json
+import os
+import shutil
+import signal
+
+import psutil
+import pytest
+
+from conftest import EXAMPLE, ROOT, SCRIPTS, read_events, wait_for
+
+PROBE = os.path.join(SCRIPTS, "reserve_probe.py")
+WARM_LIB = os.path.join(ROOT, "tests", "warm_lib")
+READY_WITHIN = 90  # a reserve warms at low priority: slow on a loaded 2-core machine
+
+
+def ready_pids(logs, local_rank, cycle=None):
+    return [e["detail"]["pid"] for e in read_events(logs, "reserve_ready")
+            if e["detail"]["local_rank"] == local_rank and (cycle is None or e["cycle"] == cycle)]
+
+
+def started(logs, cycle):
+    return {r["rank"]: r for e in read_events(logs, "ranks_started") if e["cycle"] == cycle
+            for r in e["detail"]["ranks"]}
+
+
+def identity(out, rank, cycle):
+    with open(os.path.join(out, f"identity_{rank}_{cycle}.json")) as fh:
+        return json.load(fh)
+
+
+def reserve_procs(agent_pid):
+    return [p for p in psutil.Process(agent_pid).children()
+            if " ".join(p.cmdline()).startswith("ft_launcher: warm_reserve")]
+
+
+@pytest.mark.parametrize("mode", ["script", "module", "run_path"])
+def test_restart_activates_a_warm_reserve_that_runs_the_script_as_a_cold_rank_would(launcher, tmp_path, mode):
+    logs, out, go, hold = tmp_path / "logs", tmp_path / "out", tmp_path / "go", tmp_path / "hold"
+    out.mkdir()
+    target = {"script": [PROBE], "run_path": ["--run-path", PROBE], "module": ["-m", "probe_mod"]}[mode]
+    if mode == "module":
+        shutil.copy(PROBE, tmp_path / "probe_mod.py")  # found from the cwd, as python -m finds it
+    proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
+                           *target, out, "--fail-rank", 1, "--go", go, "--hold", hold, "--extra", "x y"])
+    for local_rank in (0, 1):
+        wait_for(lambda: ready_pids(logs, local_rank) or proc.poll() is not None, READY_WITHIN, "a warm reserve")
+    assert proc.poll() is None, proc.communicate()
+    go.touch()
+    wait_for(lambda: len(started(logs, 1)) == 2 or proc.poll() is not None, 60, "cycle 1")
+    cycle1 = started(logs, 1)
+    for rank in (0, 1):
+        assert cycle1[rank]["warm"], cycle1
+        assert cycle1[rank]["pid"] in ready_pids(logs, rank), "activated a reserve that never said it was ready"
+        assert not started(logs, 0)[rank]["warm"]
+    # the reserves used are replaced: new ones warm up while cycle 1 runs
+    for local_rank in (0, 1):
+        wait_for(lambda: ready_pids(logs, local_rank, cycle=1) or proc.poll() is not None, READY_WITHIN,
+                 "a replacement reserve")
+    wait_for(lambda: all((out / f"identity_{r}_1.json").exists() for r in (0, 1)), 30, "cycle 1 identities")
+    for rank in (0, 1):  # what tools see of a running rank: the rank's environment and command line
+        process = psutil.Process(cycle1[rank]["pid"])
+        assert process.environ()["RANK"] == str(rank) and process.environ()["TORCHELASTIC_RESTART_COUNT"] == "1"
+        assert "probe" in " ".join(process.cmdline())
+    hold.touch()
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "ranks started: 0 (warm reserve, pid" in stderr
+    for rank in (0, 1):
+        cold, warm = identity(out, rank, 0), identity(out, rank, 1)
+        assert warm["pid"] == cycle1[rank]["pid"]
+        for key in ("argv", "name", "file", "path0", "cwd"):
+            assert warm[key] == cold[key], (key, warm[key], cold[key])
+        assert warm["name"] == "__main__" and warm["argv"][-2:] == ["--extra", "x y"]
+        assert warm["env"] == dict(cold["env"], TORCHELASTIC_RESTART_COUNT="1", MASTER_PORT=warm["env"]["MASTER_PORT"])
+        # its output went to this cycle's file, with the rank's prefix on the console
+        log1 = (logs / "cycle_1" / f"rank_{rank}.log").read_text()
+        assert f"probe stdout rank {rank} cycle 1" in log1 and f"probe stderr rank {rank} cycle 1" in log1
+        assert "cycle 0" not in log1
+        assert f"probe stdout rank {rank} cycle 0" in (logs / "cycle_0" / f"rank_{rank}.log").read_text()
+        assert f"[rank {rank}] probe stdout rank {rank} cycle 1" in stdout
+    if mode == "module":
+        assert cold["argv"][0] == str(tmp_path / "probe_mod.py") and cold["path0"] == str(tmp_path)
+
+
+def test_example_resumes_exactly_from_warm_reserves(launcher, tmp_path):
+    """The example DDP job, a rank killed once every reserve is warm: the restarted ranks are
+    reserves and the model ends bit-identical to a fault-free run's."""
+    def run(name, kill):
+        logs, ckpt = tmp_path / name / "logs", tmp_path / name / "ckpt"
+        proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
+                               EXAMPLE, "--steps", 60, "--ckpt-every", 5, "--step-time", 0.05, "--seed", 3,
+                               "--ckpt-dir", ckpt])
+        if kill:
+            for local_rank in (0, 1):
+                wait_for(lambda: ready_pids(logs, local_rank) or proc.poll() is not None, READY_WITHIN,
+                         "a warm reserve")
+            wait_for(lambda: (ckpt / "ckpt.pt").exists() or proc.poll() is not None, 60, "a checkpoint")
+            os.kill(started(logs, 0)[1]["pid"], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr[-3000:]
+        with open(ckpt / "final.json") as fh:
+            return json.load(fh), logs
+    clean, _ = run("clean", kill=False)
+    final, logs = run("faulty", kill=True)
+    assert final["cycle"] == 1 and all(r["warm"] for r in started(logs, 1).values())
+    assert final["checksum"] == clean["checksum"]
+
+
+def test_reserve_killed_or_stalled_while_warming_is_never_used(launcher, tmp_path):
+    logs, out, go = tmp_path / "logs", tmp_path / "out", tmp_path / "go"
+    out.mkdir()
+    proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
+                           "--ft-warm-reserve-timeout", 25, PROBE, out, "--fail-rank", 1, "--go", go,
+                           "--slow-lib"], extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT})
+    for local_rank in (0, 1):
+        wait_for(lambda: ready_pids(logs, local_rank) or proc.poll() is not None, READY_WITHIN, "a warm reserve")
+    first_ready = set(ready_pids(logs, 1))
+
+    def upgrade():  # the reserve started for the rank's import record (it imports slowwarm: stuck)
+        return [e["detail"]["pid"] for e in read_events(logs, "reserve_started")
+                if e["detail"]["local_rank"] == 1 and e["cycle"] == 0]
+    victim = wait_for(lambda: upgrade() or proc.poll() is not None, 60, "a reserve for the newer record")[0]
+    os.kill(victim, signal.SIGKILL)
+
+    def lost():
+        return {e["detail"]["pid"]: e["detail"]["why"] for e in read_events(logs, "reserve_lost")}
+    wait_for(lambda: victim in lost() or proc.poll() is not None, 30, "the killed reserve reported")
+    assert "died while waiting (was killed by SIGKILL)" in lost()[victim]
+    stalled = wait_for(lambda: [p for p, why in lost().items() if "not warm after 25s" in why]
+                       or proc.poll() is not None, 60, "a stalled reserve reported")
+    assert proc.poll() is None, proc.communicate()
+    go.touch()
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    used = started(logs, 1)[1]
+    assert used["pid"] not in lost() and used["pid"] not in stalled
+    assert used["warm"] and used["pid"] in first_ready  # the older ready one served
+    assert f"warm reserve for local rank 1 (pid {victim}) died while waiting" in stderr
+
+
+def test_warm_reserves_0_starts_every_rank_cold(launcher, tmp_path):
+    logs, out, go = tmp_path / "logs", tmp_path / "out", tmp_path / "go"
+    out.mkdir()
+    proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
+                           "--ft-warm-reserves", 0, PROBE, out, "--fail-rank", 1, "--go", go])
+    wait_for(lambda: (out / "identity_1_0.json").exists() or proc.poll() is not None, 60, "the ranks")
+    assert reserve_procs(proc.pid) == []
+    go.touch()
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert not any(r["warm"] for r in started(logs, 1).values())
+    assert not [e for e in read_events(logs) if e["kind"].startswith("reserve_")]
+
+
+def test_no_python_has_no_reserves_and_says_so(launcher, tmp_path):
+    program = tmp_path / "prog.sh"
+    program.write_text("#!/bin/sh\necho \"program rank $RANK\"\n")
+    program.chmod(0o755)
+    result = launcher.run(["--standalone", "--nproc-per-node", 2, "--no-python", program], timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "warm reserves off: --no-python runs a program" in result.stderr
+    assert "program rank 1" in result.stdout
+
+
+def test_a_hot_spare_node_keeps_warm_reserves_and_takes_over_with_them(launcher, tmp_path):
+    """--nnodes 1:2: the spare parks with warm reserves; when the training node dies, the spare's
+    ranks start from them."""
+    from test_fault_matrix import _listening
+    from conftest import free_port
+
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    port = free_port()
+    args = ["--nnodes", "1:2", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"spare{port}",
+            "--rdzv-conf", "join_timeout=30,last_call_timeout=20",  # closes once both joined
+            EXAMPLE, "--steps", 400, "--ckpt-every", 5, "--step-time", 0.05, "--ckpt-dir", ckpt]
+    spare = launcher.start(args, extra_env={"GROUP_RANK": "1"})  # hosts the store; second in order
+    wait_for(lambda: _listening(port), 30, "the store host to listen")
+    trainer = launcher.start(args, extra_env={"GROUP_RANK": "0"})
+    wait_for(lambda: read_events(logs, "spare_waiting") or spare.poll() is not None, 60, "the spare parking")
+    assert len(reserve_procs(spare.pid)) == 2 and len(reserve_procs(trainer.pid)) == 2
+    spare_node = read_events(logs, "spare_waiting")[0]["node"]
+    wait_for(lambda: len({e["detail"]["local_rank"] for e in read_events(logs, "reserve_ready")
+                          if e["node"] == spare_node}) == 2 or spare.poll() is not None,
+             READY_WITHIN, "the spare's reserves")
+    wait_for(lambda: (ckpt / "ckpt.pt").exists(), 60, "a checkpoint")
+    for p in [psutil.Process(trainer.pid), *psutil.Process(trainer.pid).children(recursive=True)]:
+        p.kill()  # the training node is lost: agent, monitors, ranks, reserves
+    trainer.communicate()
+    wait_for(lambda: len(started(logs, 1)) == 2 or spare.poll() is not None, 60, "the spare training")
+    assert all(r["warm"] for r in started(logs, 1).values()), started(logs, 1)
+    log = logs / "cycle_1" / "rank_0.log"
+    wait_for(lambda: "resumed from step" in log.read_text() or spare.poll() is not None, 60, "the resume")
+    spare.send_signal(signal.SIGTERM)
+    stdout, stderr = spare.communicate(timeout=60)
+    assert spare.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "stopped answering -> the hot spare asks for a new round" in stderr
+    assert "[rank 0] resumed from step" in stdout
