@@ -1,0 +1,145 @@
+"""torchrun's environment contract (`PET_<FLAG>`), as Kubeflow's PyTorchJob and Trainer use it:
+a job configured by PET_* variables alone forms, trains, survives a killed rank and ends with
+exactly the model of a fault-free run; the command line beats a variable, a variable beats SLURM;
+a malformed variable is a one-line error naming it; the agent's first line says where the node
+count and the endpoint came from."""
+import os
+
+import pytest
+
+from conftest import SCRIPTS
+from ft_launcher.cli import launch_config
+from test_fault_matrix import (DELAY, HANG_TIMEOUTS, HOLD, STEPS, Job, _check_restarts, fault_rank,  # noqa: F401
+                               reference)
+
+ENV_DUMP = os.path.join(SCRIPTS, "env_dump.py")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No PET_* or SLURM variables from the machine running the tests."""
+    for name in list(os.environ):
+        if name.startswith(("PET_", "SLURM_")) or name in ("GROUP_RANK", "FT_SIM_FAULT_DESC"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def first_agent_line(stderr):
+    return next(line for line in stderr.splitlines() if line.startswith("[ft_launcher "))
+
+
+# ---- in process: which value wins ----------------------------------------------------------------
+def test_pet_variables_stand_in_for_every_flag(clean_env, tmp_path):
+    env = {"PET_NNODES": "2:3", "PET_NPROC_PER_NODE": "2", "PET_RDZV_ENDPOINT": "trainer-0:29400",
+           "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ID": "job7", "PET_MAX_RESTARTS": "3",
+           "PET_RDZV_CONF": "join_timeout=5", "PET_TERM_TIMEOUT": "7", "PET_LOG_DIR": str(tmp_path / "logs"),
+           "PET_FT_RANK_SECTION_TIMEOUTS": "step:5", "PET_FT_STATE_PATH": str(tmp_path / "state.json"),
+           "PET_FT_CALC_FT_TIMEOUTS": "true"}
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    cfg = launch_config([ENV_DUMP])
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node) == (2, 3, 2)
+    assert (cfg.rdzv_backend, cfg.rdzv_host, cfg.rdzv_port, cfg.rdzv_id) == ("c10d", "trainer-0", 29400, "job7")
+    assert cfg.max_restarts == 3 and cfg.conf("join_timeout") == 5.0 and cfg.term_timeout == 7.0
+    assert cfg.log_dir == str(tmp_path / "logs")
+    assert cfg.ft.rank_section_timeouts == {"step": 5.0} and cfg.ft.calc_ft_timeouts is True
+    assert cfg.ft.ft_state_path == str(tmp_path / "state.json")
+    assert cfg.origins == {"nnodes": "PET_NNODES", "endpoint": "PET_RDZV_ENDPOINT"}
+    assert "nnodes 2:3 (from PET_NNODES)" in cfg.summary()
+    assert "c10d rendezvous at trainer-0:29400 (from PET_RDZV_ENDPOINT)" in cfg.summary()
+
+
+def test_static_rendezvous_as_kubeflow_trainer_sets_it(clean_env):
+    """Trainer v2 (and PyTorchJob without an elastic policy) set node rank and master address."""
+    for name, value in {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1",
+                        "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29501"}.items():
+        clean_env.setenv(name, value)
+    cfg = launch_config([ENV_DUMP])
+    assert (cfg.rdzv_backend, cfg.rdzv_host, cfg.rdzv_port) == ("static", "job-node-0-0.job", 29501)
+    assert cfg.order_key == 1 and cfg.is_host is False and cfg.min_nodes == 2
+    assert cfg.origins == {"nnodes": "PET_NNODES", "endpoint": "PET_MASTER_ADDR, PET_MASTER_PORT"}
+
+
+SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_NNODES": "3", "SLURM_NODEID": "0"}
+
+
+@pytest.mark.parametrize("argv,env,nnodes,origin", [
+    (["--nnodes", "3"], {"PET_NNODES": "2"}, 3, "--nnodes"),                # command line > PET_*
+    (["--nnodes=3"], {"PET_NNODES": "2", **SLURM}, 3, "--nnodes"),
+    ([], {"PET_NNODES": "2", **SLURM}, 2, "PET_NNODES"),                     # PET_* > SLURM
+    ([], SLURM, 3, "SLURM_NNODES"),                                          # SLURM > default
+    ([], {}, 1, "default"),
+    ([ENV_DUMP, "--nnodes", "5"], {"PET_NNODES": "2"}, 2, "PET_NNODES"),     # a script's own argument
+], ids=["flag-over-pet", "flag-over-pet-and-slurm", "pet-over-slurm", "slurm", "default", "script-arg"])
+def test_precedence_command_line_then_pet_then_slurm_then_default(clean_env, argv, env, nnodes, origin):
+    for name, value in env.items():
+        clean_env.setenv(name, value)
+    cfg = launch_config(argv if argv[:1] == [ENV_DUMP] else argv + [ENV_DUMP])
+    assert cfg.min_nodes == cfg.max_nodes == nnodes
+    assert cfg.origins["nnodes"] == origin
+
+
+@pytest.mark.parametrize("value,standalone", [("1", True), ("", True), ("true", True), ("0", False), ("no", False)])
+def test_switches_from_pet(clean_env, value, standalone):
+    """`PET_STANDALONE=""` is how the training operator says standalone: on."""
+    clean_env.setenv("PET_STANDALONE", value)
+    assert launch_config([ENV_DUMP]).standalone is standalone
+
+
+# ---- real processes ------------------------------------------------------------------------------
+BAD_PET = [
+    ({"PET_NNODES": "two"}, "PET_NNODES (for --nnodes): expected N or MIN:MAX, got 'two'"),
+    ({"PET_NNODES": "3:1"}, "PET_NNODES (for --nnodes): need 1 <= MIN <= MAX"),
+    ({"PET_MAX_RESTARTS": "many"}, "PET_MAX_RESTARTS: expected an integer for --max-restarts, got 'many'"),
+    ({"PET_RDZV_BACKEND": "etcd"}, "PET_RDZV_BACKEND: expected one of c10d, static for --rdzv-backend"),
+    ({"PET_STANDALONE": "maybe"}, "PET_STANDALONE: expected 1 or 0"),
+    ({"PET_FT_SAFETY_FACTOR": "big"}, "PET_FT_SAFETY_FACTOR: safety_factor must be a number, got 'big'"),
+]
+
+
+@pytest.mark.parametrize("env,message", BAD_PET, ids=[next(iter(e)) + "=" + next(iter(e.values())) for e, _ in BAD_PET])
+def test_malformed_pet_variable_is_a_one_line_error_naming_it(launcher, env, message):
+    res = launcher.run([ENV_DUMP], timeout=60, extra_env=env)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ft_launcher: error:"), res.stderr
+    assert message in lines[0]
+
+
+def test_command_line_beats_pet_in_a_real_job_and_a_typo_is_named(launcher, tmp_path):
+    res = launcher.run(["--standalone", "--nproc-per-node", "1", ENV_DUMP, tmp_path], timeout=90,
+                       extra_env={"PET_NPROC_PER_NODE": "3", "PET_NNODE": "2"})
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in tmp_path.glob("rank_*.json")) == ["rank_0.json"]
+    assert "ft_launcher: warning: PET_NNODE is not a launcher flag; ignored (did you mean PET_NNODES?)" in res.stderr
+    assert "1 rank per node, a local store on a free port (from --standalone)" in first_agent_line(res.stderr)
+
+
+def test_job_from_pet_variables_alone_trains_survives_a_killed_rank_and_ends_exactly(launcher, tmp_path, reference):
+    """Two agents started as the training operator starts two pods: no rendezvous flag, no
+    GROUP_RANK, only PET_NNODES=2, PET_NPROC_PER_NODE=2, PET_RDZV_ENDPOINT, PET_RDZV_BACKEND=c10d,
+    PET_RDZV_ID (and PET_MAX_RESTARTS, PET_RDZV_CONF, PET_LOG_DIR). A simulated fault SIGKILLs rank 3
+    in step; the job restarts once and ends with the fault-free run's model."""
+    expected = reference.checksum("2x2")
+    rank = fault_rank("2x2")
+    ft = HANG_TIMEOUTS["step"] + ["--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_killed",
+                                  "--ft-simulated-fault-rank", rank, "--ft-simulated-fault-base-delay", DELAY]
+    job = Job(launcher, tmp_path, "2x2", ft, ["--hold", f"step:{HOLD}"], pet=True)
+    assert {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND", "PET_RDZV_ID"} <= set(job.pet)
+    assert not [a for a in job.args if str(a).startswith(("--nnodes", "--nproc", "--rdzv", "--max-restarts"))]
+    results = job.launch().wait()[0]
+    errors = "\n".join(r[2][-4000:] for r in results)
+    assert [code for code, _, _ in results] == [0, 0], errors
+    for _, _, err in results:
+        line = first_agent_line(err)
+        assert "nnodes 2 (from PET_NNODES), 2 ranks per node" in line, line
+        assert f"c10d rendezvous at 127.0.0.1:{job.port} (from PET_RDZV_ENDPOINT)" in line, line
+    final = job.final()
+    assert final["step"] == STEPS and final["world_size"] == 4
+    assert final["checksum"] == expected, "resumed run differs from the fault-free run"
+    evs = job.events()
+    _check_restarts(evs, job)
+    injected = [e for e in evs if e["kind"] == "fault_injected"]
+    assert [(e["rank"], e["detail"]["fault"]) for e in injected] == [(rank, "rank_killed")]
+    first = next(e for e in evs if e["kind"] == "failure")
+    assert first["rank"] == rank and "killed by SIGKILL" in first["detail"]["what"], first
