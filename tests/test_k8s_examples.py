@@ -1,0 +1,185 @@
+"""The Kubernetes examples (examples/k8s) are valid objects, and their pods run the job the
+README describes.
+
+Validity is checked by libraries made for it, not by hand: every document is deserialized by
+generated API models and must come back unchanged (an unknown or misplaced field is dropped by
+the models and so shows up as a difference; a missing required field or a wrong type fails):
+- core objects, and the pod and job templates embedded in the CRDs: the `kubernetes` client's
+  models (V1PodTemplateSpec, V1JobTemplateSpec, V1PersistentVolumeClaim);
+- PyTorchJob: the training operator's SDK (`kubeflow-training`), whose models embed the same
+  V1PodTemplateSpec;
+- JobSet: the Kubeflow Trainer API models (`kubeflow-trainer-api`, pydantic), which include
+  JobSet v1alpha2 and their own core models.
+Enumerations (restartPolicy values) are not checked by these models.
+"""
+import copy
+import json
+import os
+
+import kubernetes.client
+import pytest
+import yaml
+from kubeflow.training import ApiClient as TrainingApiClient
+from kubeflow_trainer_api.models import JobsetV1alpha2JobSet
+
+from conftest import ROOT
+from ft_launcher.cli import launch_config
+
+K8S = os.path.join(ROOT, "examples", "k8s")
+
+
+def load(name):
+    with open(os.path.join(K8S, name)) as fh:
+        return yaml.safe_load(fh)
+
+
+class _Response:  # what ApiClient.deserialize reads: the body of an API server's answer
+    def __init__(self, obj):
+        self.data = json.dumps(obj)
+
+
+def via_models(client, obj, type_name):
+    """`obj` through the client's models and back to a plain dict."""
+    return client.sanitize_for_serialization(client.deserialize(_Response(obj), type_name))
+
+
+def core(obj, type_name):
+    return via_models(kubernetes.client.ApiClient(), obj, type_name)
+
+
+def pytorchjob(obj):
+    return via_models(TrainingApiClient(), obj, "KubeflowOrgV1PyTorchJob")
+
+
+def jobset(obj):
+    return JobsetV1alpha2JobSet.from_dict(obj).to_dict()
+
+
+def pod_spec(doc):
+    if doc["kind"] == "PyTorchJob":
+        return doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    return doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+
+
+# ---- validity ----------------------------------------------------------------------------------
+def test_shared_volume_claim_is_a_valid_core_object():
+    pvc = load("shared-pvc.yaml")
+    assert (pvc["apiVersion"], pvc["kind"]) == ("v1", "PersistentVolumeClaim")
+    assert core(pvc, "V1PersistentVolumeClaim") == pvc
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # every pod, on any node, mounts it
+
+
+def check_pytorchjob(doc):
+    assert (doc["apiVersion"], doc["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    assert pytorchjob(doc) == doc
+    template = doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    assert core(template, "V1PodTemplateSpec") == template
+
+
+def check_jobset(doc):
+    assert (doc["apiVersion"], doc["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
+    assert jobset(doc) == doc
+    template = doc["spec"]["replicatedJobs"][0]["template"]
+    assert core(template, "V1JobTemplateSpec") == template
+
+
+def test_pytorchjob_is_valid_for_the_training_operator_and_its_pod_template_for_kubernetes():
+    check_pytorchjob(load("pytorchjob.yaml"))
+
+
+def test_jobset_is_valid_for_jobset_and_its_job_template_for_kubernetes():
+    check_jobset(load("jobset.yaml"))
+
+
+def _mutated(doc, change):
+    bad = copy.deepcopy(doc)
+    change(bad)
+    return bad
+
+
+def _misspelt(d):
+    pod_spec(d)["containers"][0]["volumeMount"] = pod_spec(d)["containers"][0].pop("volumeMounts")
+
+
+def _nameless(d):
+    del pod_spec(d)["containers"][0]["name"]
+
+
+def _wordy_replicas(d):
+    if d["kind"] == "PyTorchJob":
+        d["spec"]["elasticPolicy"]["minReplicas"] = "two"
+    else:
+        d["spec"]["replicatedJobs"][0]["replicas"] = "one"
+
+
+@pytest.mark.parametrize("change", [_misspelt, _nameless, _wordy_replicas], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("name,check", [("pytorchjob.yaml", check_pytorchjob), ("jobset.yaml", check_jobset)],
+                         ids=["pytorchjob", "jobset"])
+def test_the_validation_catches_a_misspelt_field_a_missing_one_and_a_wrong_type(name, check, change):
+    with pytest.raises((AssertionError, ValueError)):  # pydantic's ValidationError is a ValueError
+        check(_mutated(load(name), change))
+
+
+# ---- what the pods run -------------------------------------------------------------------------
+def operator_env(doc):
+    """The PET_* variables the training operator puts in each pod for an elasticPolicy
+    (kubeflow/training-operator, pkg/controller.v1/pytorch/elastic.go)."""
+    policy, name = doc["spec"]["elasticPolicy"], doc["metadata"]["name"]
+    container = pod_spec(doc)["containers"][0]
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "pytorchjob-port")
+    assert container["name"] == "pytorch", "the operator looks the port up in the container named pytorch"
+    return {"PET_RDZV_ENDPOINT": f"{name}-worker-0:{port}", "PET_RDZV_BACKEND": policy["rdzvBackend"],
+            "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
+            "PET_MAX_RESTARTS": str(policy["maxRestarts"]), "PET_NPROC_PER_NODE": str(policy["nProcPerNode"]),
+            "PET_RDZV_ID": policy["rdzvId"]}
+
+
+def manifest_env(doc):
+    """The pod's own env; the node rank (from the pod's completion index) as pod 1's."""
+    env = {}
+    for item in pod_spec(doc)["containers"][0].get("env", []):
+        if "valueFrom" in item:
+            assert "job-completion-index" in item["valueFrom"]["fieldRef"]["fieldPath"]
+            env[item["name"]] = "1"
+        else:
+            env[item["name"]] = item["value"]
+    return env
+
+
+@pytest.mark.parametrize("name,env_of,host", [
+    ("pytorchjob.yaml", operator_env, "ft-ddp-worker-0"),
+    ("jobset.yaml", manifest_env, "ft-ddp-workers-0-0.ft-ddp"),
+])
+def test_pods_run_the_fault_tolerant_job_from_pet_variables(monkeypatch, name, env_of, host):
+    doc = load(name)
+    spec = pod_spec(doc)
+    container = spec["containers"][0]
+    for var in [v for v in os.environ if v.startswith(("PET_", "SLURM_"))]:
+        monkeypatch.delenv(var)
+    env = env_of(doc)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert container["command"] == ["ft_launcher"], "the launcher must be the container's process, for SIGTERM"
+    argv = [a.replace("/workspace/", ROOT + "/") for a in container["args"]]
+    assert not [a for a in argv if a.startswith(("--nnodes", "--rdzv", "--nproc", "--max-restarts"))]
+    cfg = launch_config(argv)
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node) == (2, 3, 2)   # a hot spare
+    assert (cfg.rdzv_backend, cfg.rdzv_host, cfg.rdzv_port, cfg.rdzv_id) == ("c10d", host, 29400, "ft-ddp")
+    assert cfg.max_restarts == 10 and cfg.origins == {"nnodes": "PET_NNODES", "endpoint": "PET_RDZV_ENDPOINT"}
+    if "PET_NODE_RANK" in env:
+        assert cfg.order_key == 1
+    # the ranks finish saving before Kubernetes' SIGKILL follows its SIGTERM
+    assert cfg.term_timeout < spec["terminationGracePeriodSeconds"]
+    # checkpoints, computed timeouts and logs on the volume every pod shares
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"]}
+    assert claims == {"shared": load("shared-pvc.yaml")["metadata"]["name"]}
+    shared = mounts["shared"] + "/"
+    assert cfg.ft.ft_state_path.startswith(shared) and cfg.log_dir.startswith(shared)
+    assert argv[argv.index("--ckpt-dir") + 1].startswith(shared)
+    assert cfg.ft.calc_ft_timeouts and cfg.ft.rank_section_timeouts == {
+        "setup": 600.0, "step": 180.0, "checkpointing": 420.0}
+    # the launcher, not Kubernetes, restarts failed ranks; Kubernetes restarts a launcher that gave up
+    policy = (doc["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] if doc["kind"] == "PyTorchJob"
+              else spec["restartPolicy"])
+    assert policy == "OnFailure"
