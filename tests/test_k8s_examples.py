@@ -15,6 +15,7 @@ Enumerations (restartPolicy values) are not checked by these models.
 import copy
 import json
 import os
+import signal
 
 import kubernetes.client
 import pytest
@@ -22,8 +23,9 @@ import yaml
 from kubeflow.training import ApiClient as TrainingApiClient
 from kubeflow_trainer_api.models import JobsetV1alpha2JobSet
 
-from conftest import ROOT
+from conftest import ROOT, read_events, wait_for
 from ft_launcher.cli import launch_config
+from test_fault_matrix import HANG_TIMEOUTS, HOLD, HOLD_STEP, STEPS, Job, progress, reference  # noqa: F401
 
 K8S = os.path.join(ROOT, "examples", "k8s")
 
@@ -183,3 +185,45 @@ def test_pods_run_the_fault_tolerant_job_from_pet_variables(monkeypatch, name, e
     policy = (doc["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] if doc["kind"] == "PyTorchJob"
               else spec["restartPolicy"])
     assert policy == "OnFailure"
+
+
+# ---- what Kubernetes does to the pods, with ft_launcher in them ----------------------------------
+# Two or three agents on this machine stand for the pods, configured by PET_* variables alone as
+# the training operator configures them (the fault matrix's Job with pet=True).
+def _in_held_step(job, rank):
+    return any(s == HOLD_STEP - 1 for _, s, _ in progress(job.prog, rank))
+
+
+def test_pod_deletion_sigterm_stops_every_pod_with_143(launcher, tmp_path):
+    """Deleting a pod (or evicting, or preempting it) sends its launcher SIGTERM: the launcher
+    forwards it to its ranks and stops the job on every node, and every launcher exits 143."""
+    job = Job(launcher, tmp_path, "2x2", HANG_TIMEOUTS["step"], ["--hold", f"step:{HOLD}"], pet=True).launch()
+    wait_for(lambda: _in_held_step(job, 0) and _in_held_step(job, 3), 60, "both pods to train")
+    job.agents[1].send_signal(signal.SIGTERM)
+    results, _ = job.wait()
+    assert [code for code, _, _ in results] == [143, 143], "\n".join(r[2][-3000:] for r in results)
+    assert "received SIGTERM: forwarding to the ranks" in results[1][2]
+    assert "another node is shutting down the job (SIGTERM)" in results[0][2]
+
+
+def test_lost_pod_is_replaced_by_the_spare_and_the_job_ends_exactly(launcher, tmp_path, reference):
+    """PET_NNODES=2:3 and three pods: two train, the third waits. A training pod lost without a
+    signal (its node died: SIGKILL here) is noticed by keep-alives; the survivor and the spare
+    form the next round and the job ends with the fault-free run's model."""
+    expected = reference.checksum("2x2")
+    job = Job(launcher, tmp_path, "2x2", HANG_TIMEOUTS["step"], ["--hold", f"step:{HOLD}"], pet=True)
+    job.pet["PET_NNODES"] = "2:3"
+    job.launch()
+    wait_for(lambda: _in_held_step(job, 0) and _in_held_step(job, 3), 60, "two pods to train")
+    job.launch_agent(2)
+    wait_for(lambda: read_events(job.logs, "spare_waiting"), 30, "the third pod to wait as a spare")
+    job.agents[1].kill()   # not the first pod: that one hosts the store
+    results, _ = job.wait()
+    codes = [code for code, _, _ in results]
+    assert codes[0] == 0 and codes[2] == 0, "\n".join(r[2][-3000:] for r in results)
+    assert "stopped answering" in results[0][2]
+    final = job.final()
+    assert final["step"] == STEPS and final["world_size"] == 4 and final["cycle"] == 1
+    assert final["checksum"] == expected, "resumed run differs from the fault-free run"
+    starts = [e for e in job.events() if e["kind"] == "cycle_start" and e["cycle"] == 1]
+    assert len(starts) == 2, starts   # the survivor and the former spare
