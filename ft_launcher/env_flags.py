@@ -85,6 +85,8 @@ def _convert(action: argparse.Action, var: str, text: str):
     if action.type is not None:
         try:
             value = action.type(text)
+        except argparse.ArgumentTypeError as exc:  # a type check with its own message
+            raise EnvFlagError(f"{var} (for {_flag(action)}): {exc}") from None
         except (TypeError, ValueError):
             kind = {int: "an integer", float: "a number"}.get(action.type, "a valid value")
             raise EnvFlagError(f"{var}: expected {kind} for {_flag(action)}, got {text!r}") from None

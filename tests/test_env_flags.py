@@ -1,16 +1,14 @@
 """torchrun's environment contract (`PET_<FLAG>`), as Kubeflow's PyTorchJob and Trainer use it:
-a job configured by PET_* variables alone forms, trains, survives a killed rank and ends with
-exactly the model of a fault-free run; the command line beats a variable, a variable beats SLURM;
+every flag can come from its variable; the command line beats a variable, a variable beats SLURM;
 a malformed variable is a one-line error naming it; the agent's first line says where the node
-count and the endpoint came from."""
+count and the endpoint came from. (A whole job configured by PET_* variables alone, surviving a
+killed rank and a lost pod: tests/test_k8s_examples.py.)"""
 import os
 
 import pytest
 
 from conftest import SCRIPTS
 from ft_launcher.cli import launch_config
-from test_fault_matrix import (DELAY, HANG_TIMEOUTS, HOLD, STEPS, Job, _check_restarts, fault_rank,  # noqa: F401
-                               reference)
 
 ENV_DUMP = os.path.join(SCRIPTS, "env_dump.py")
 
@@ -113,33 +111,3 @@ def test_command_line_beats_pet_in_a_real_job_and_a_typo_is_named(launcher, tmp_
     assert sorted(p.name for p in tmp_path.glob("rank_*.json")) == ["rank_0.json"]
     assert "ft_launcher: warning: PET_NNODE is not a launcher flag; ignored (did you mean PET_NNODES?)" in res.stderr
     assert "1 rank per node, a local store on a free port (from --standalone)" in first_agent_line(res.stderr)
-
-
-def test_job_from_pet_variables_alone_trains_survives_a_killed_rank_and_ends_exactly(launcher, tmp_path, reference):
-    """Two agents started as the training operator starts two pods: no rendezvous flag, no
-    GROUP_RANK, only PET_NNODES=2, PET_NPROC_PER_NODE=2, PET_RDZV_ENDPOINT, PET_RDZV_BACKEND=c10d,
-    PET_RDZV_ID (and PET_MAX_RESTARTS, PET_RDZV_CONF, PET_LOG_DIR). A simulated fault SIGKILLs rank 3
-    in step; the job restarts once and ends with the fault-free run's model."""
-    expected = reference.checksum("2x2")
-    rank = fault_rank("2x2")
-    ft = HANG_TIMEOUTS["step"] + ["--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_killed",
-                                  "--ft-simulated-fault-rank", rank, "--ft-simulated-fault-base-delay", DELAY]
-    job = Job(launcher, tmp_path, "2x2", ft, ["--hold", f"step:{HOLD}"], pet=True)
-    assert {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND", "PET_RDZV_ID"} <= set(job.pet)
-    assert not [a for a in job.args if str(a).startswith(("--nnodes", "--nproc", "--rdzv", "--max-restarts"))]
-    results = job.launch().wait()[0]
-    errors = "\n".join(r[2][-4000:] for r in results)
-    assert [code for code, _, _ in results] == [0, 0], errors
-    for _, _, err in results:
-        line = first_agent_line(err)
-        assert "nnodes 2 (from PET_NNODES), 2 ranks per node" in line, line
-        assert f"c10d rendezvous at 127.0.0.1:{job.port} (from PET_RDZV_ENDPOINT)" in line, line
-    final = job.final()
-    assert final["step"] == STEPS and final["world_size"] == 4
-    assert final["checksum"] == expected, "resumed run differs from the fault-free run"
-    evs = job.events()
-    _check_restarts(evs, job)
-    injected = [e for e in evs if e["kind"] == "fault_injected"]
-    assert [(e["rank"], e["detail"]["fault"]) for e in injected] == [(rank, "rank_killed")]
-    first = next(e for e in evs if e["kind"] == "failure")
-    assert first["rank"] == rank and "killed by SIGKILL" in first["detail"]["what"], first

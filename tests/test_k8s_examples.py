@@ -1,5 +1,6 @@
-"""The Kubernetes examples (examples/k8s) are valid objects, and their pods run the job the
-README describes.
+"""The Kubernetes examples (examples/k8s) are valid objects, their pods run the job the README
+describes, and that job, configured by PET_* variables alone, survives what Kubernetes does to it:
+a killed rank, a deleted pod (SIGTERM), a lost pod (replaced by the hot spare).
 
 Validity is checked by libraries made for it, not by hand: every document is deserialized by
 generated API models and must come back unchanged (an unknown or misplaced field is dropped by
@@ -25,7 +26,9 @@ from kubeflow_trainer_api.models import JobsetV1alpha2JobSet
 
 from conftest import ROOT, read_events, wait_for
 from ft_launcher.cli import launch_config
-from test_fault_matrix import HANG_TIMEOUTS, HOLD, HOLD_STEP, STEPS, Job, progress, reference  # noqa: F401
+from test_env_flags import first_agent_line
+from test_fault_matrix import (DELAY, HANG_TIMEOUTS, HOLD, HOLD_STEP, STEPS, Job, _check_restarts,  # noqa: F401
+                               fault_rank, progress, reference)
 
 K8S = os.path.join(ROOT, "examples", "k8s")
 
@@ -192,6 +195,36 @@ def test_pods_run_the_fault_tolerant_job_from_pet_variables(monkeypatch, name, e
 # the training operator configures them (the fault matrix's Job with pet=True).
 def _in_held_step(job, rank):
     return any(s == HOLD_STEP - 1 for _, s, _ in progress(job.prog, rank))
+
+
+def test_job_from_pet_variables_alone_trains_survives_a_killed_rank_and_ends_exactly(launcher, tmp_path, reference):
+    """Two agents started as the training operator starts two pods: no rendezvous flag, no
+    GROUP_RANK, only PET_NNODES=2, PET_NPROC_PER_NODE=2, PET_RDZV_ENDPOINT, PET_RDZV_BACKEND=c10d,
+    PET_RDZV_ID (and PET_MAX_RESTARTS, PET_RDZV_CONF, PET_LOG_DIR). A simulated fault SIGKILLs rank 3
+    in step; the job restarts once and ends with the fault-free run's model."""
+    expected = reference.checksum("2x2")
+    rank = fault_rank("2x2")
+    ft = HANG_TIMEOUTS["step"] + ["--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_killed",
+                                  "--ft-simulated-fault-rank", rank, "--ft-simulated-fault-base-delay", DELAY]
+    job = Job(launcher, tmp_path, "2x2", ft, ["--hold", f"step:{HOLD}"], pet=True)
+    assert {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND", "PET_RDZV_ID"} <= set(job.pet)
+    assert not [a for a in job.args if str(a).startswith(("--nnodes", "--nproc", "--rdzv", "--max-restarts"))]
+    results = job.launch().wait()[0]
+    errors = "\n".join(r[2][-4000:] for r in results)
+    assert [code for code, _, _ in results] == [0, 0], errors
+    for _, _, err in results:
+        line = first_agent_line(err)
+        assert "nnodes 2 (from PET_NNODES), 2 ranks per node" in line, line
+        assert f"c10d rendezvous at 127.0.0.1:{job.port} (from PET_RDZV_ENDPOINT)" in line, line
+    final = job.final()
+    assert final["step"] == STEPS and final["world_size"] == 4
+    assert final["checksum"] == expected, "resumed run differs from the fault-free run"
+    evs = job.events()
+    _check_restarts(evs, job)
+    injected = [e for e in evs if e["kind"] == "fault_injected"]
+    assert [(e["rank"], e["detail"]["fault"]) for e in injected] == [(rank, "rank_killed")]
+    first = next(e for e in evs if e["kind"] == "failure")
+    assert first["rank"] == rank and "killed by SIGKILL" in first["detail"]["what"], first
 
 
 def test_pod_deletion_sigterm_stops_every_pod_with_143(launcher, tmp_path):
