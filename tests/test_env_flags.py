@@ -32,10 +32,12 @@ def test_pet_variables_stand_in_for_every_flag(clean_env, tmp_path):
            "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ID": "job7", "PET_MAX_RESTARTS": "3",
            "PET_RDZV_CONF": "join_timeout=5", "PET_TERM_TIMEOUT": "7", "PET_LOG_DIR": str(tmp_path / "logs"),
            "PET_FT_RANK_SECTION_TIMEOUTS": "step:5", "PET_FT_STATE_PATH": str(tmp_path / "state.json"),
-           "PET_FT_CALC_FT_TIMEOUTS": "true"}
+           "PET_FT_CALC_FT_TIMEOUTS": "true", "PET_FT_CFG_PATH": str(tmp_path / "ft.yaml")}
+    (tmp_path / "ft.yaml").write_text("fault_tolerance:\n  safety_factor: 3\n")
     for name, value in env.items():
         clean_env.setenv(name, value)
     cfg = launch_config([ENV_DUMP])
+    assert cfg.ft.safety_factor == 3.0
     assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node) == (2, 3, 2)
     assert (cfg.rdzv_backend, cfg.rdzv_host, cfg.rdzv_port, cfg.rdzv_id) == ("c10d", "trainer-0", 29400, "job7")
     assert cfg.max_restarts == 3 and cfg.conf("join_timeout") == 5.0 and cfg.term_timeout == 7.0
@@ -67,8 +69,9 @@ SLURM = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_NNODES":
     ([], {"PET_NNODES": "2", **SLURM}, 2, "PET_NNODES"),                     # PET_* > SLURM
     ([], SLURM, 3, "SLURM_NNODES"),                                          # SLURM > default
     ([], {}, 1, "default"),
+    ([], {"PET_NNODES": "", **SLURM}, 3, "SLURM_NNODES"),                   # empty: not set
     ([ENV_DUMP, "--nnodes", "5"], {"PET_NNODES": "2"}, 2, "PET_NNODES"),     # a script's own argument
-], ids=["flag-over-pet", "flag-over-pet-and-slurm", "pet-over-slurm", "slurm", "default", "script-arg"])
+], ids=["flag-over-pet", "flag-over-pet-and-slurm", "pet-over-slurm", "slurm", "default", "empty-pet", "script-arg"])
 def test_precedence_command_line_then_pet_then_slurm_then_default(clean_env, argv, env, nnodes, origin):
     for name, value in env.items():
         clean_env.setenv(name, value)
@@ -106,8 +109,9 @@ def test_malformed_pet_variable_is_a_one_line_error_naming_it(launcher, env, mes
 
 def test_command_line_beats_pet_in_a_real_job_and_a_typo_is_named(launcher, tmp_path):
     res = launcher.run(["--standalone", "--nproc-per-node", "1", ENV_DUMP, tmp_path], timeout=90,
-                       extra_env={"PET_NPROC_PER_NODE": "3", "PET_NNODE": "2"})
+                       extra_env={"PET_NPROC_PER_NODE": "3", "PET_NNODE": "2", "PET_SHUTDOWN_TIMEOUT": "5"})
     assert res.returncode == 0, res.stderr
     assert sorted(p.name for p in tmp_path.glob("rank_*.json")) == ["rank_0.json"]
     assert "ft_launcher: warning: PET_NNODE is not a launcher flag; ignored (did you mean PET_NNODES?)" in res.stderr
+    assert "ft_launcher: warning: PET_SHUTDOWN_TIMEOUT: torchrun's flag is not supported by ft_launcher" in res.stderr
     assert "1 rank per node, a local store on a free port (from --standalone)" in first_agent_line(res.stderr)
