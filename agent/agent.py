@@ -76,6 +76,7 @@ class NodeAgent:
 
     # ---- main ---------------------------------------------------------------------------
     def run(self) -> int:
+        self.say(self.cfg.summary())
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)

@@ -1,7 +1,7 @@
 """What one node's agent is asked to run: the parsed, validated launch settings.
 
-`ft_launcher.cli` fills it from torchrun-style flags, SLURM and the fault-tolerance YAML; the
-agent only reads it.
+`ft_launcher.cli` fills it from torchrun-style flags (or their `PET_*` variables), SLURM and the
+fault-tolerance YAML; the agent only reads it.
 """
 from __future__ import annotations
 
@@ -53,6 +53,17 @@ class LaunchConfig:
     entry_kind: str = "script"
     entry_target: str = ""
     entry_args: List[str] = dataclasses.field(default_factory=list)
+    # where the node count and the endpoint came from: a flag, a PET_* variable, SLURM or default
+    origins: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     def conf(self, key: str) -> float:
         return float(self.rdzv_conf.get(key, RDZV_CONF_DEFAULTS[key]))
+
+    def summary(self) -> str:
+        """The agent's first line: what it will run and where the node count and endpoint came from."""
+        nodes = str(self.min_nodes) if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
+        where = ("a local store on a free port" if self.standalone
+                 else f"{self.rdzv_backend} rendezvous at {self.rdzv_host}:{self.rdzv_port}")
+        return (f"starting: nnodes {nodes} (from {self.origins.get('nnodes', 'default')}), "
+                f"{self.nproc_per_node} rank{'s' if self.nproc_per_node != 1 else ''} per node, "
+                f"{where} (from {self.origins.get('endpoint', 'default')}), rdzv id {self.rdzv_id!r}")

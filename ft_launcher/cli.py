@@ -1,5 +1,5 @@
-"""The `ft_launcher` command line: torchrun's flags (both spellings), NVRx's `--ft-*` flags and
-YAML, SLURM defaults; builds a LaunchConfig and runs the node agent.
+"""The `ft_launcher` command line: torchrun's flags (both spellings, or their `PET_*` variables),
+NVRx's `--ft-*` flags and YAML, SLURM defaults; builds a LaunchConfig and runs the node agent.
 
 Every input problem ends in one line `ft_launcher: error: ...` and exit code 2, never a
 traceback.
@@ -223,10 +223,22 @@ def _slurm():
 
 
 def launch_config(argv: Sequence[str]):
+    from ft_launcher import env_flags
+
+    try:  # a flag not on the command line comes from its PET_* variable (torchrun's rule)
+        args, origins = env_flags.parse_args(build_parser(), argv, warn=lambda m: print(f"{PROG}: warning: {m}", file=sys.stderr))
+    except env_flags.EnvFlagError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        return _launch_config(args, origins)
+    except UsageError as exc:
+        raise UsageError(origins.blame(str(exc))) from None
+
+
+def _launch_config(args, origins):
     from agent.launch_config import LaunchConfig
     from ft_launcher.ft_config_loading import build_ft_config
 
-    args = build_parser().parse_args(argv)
     slurm = _slurm()
     nproc = parse_nproc(args.nproc_per_node)
     backend = args.rdzv_backend
@@ -294,7 +306,8 @@ def launch_config(argv: Sequence[str]):
         monitor_interval=args.monitor_interval, role=args.role, log_dir=log_dir, capture=capture, tee=tee,
         local_ranks_filter=ranks_filter, local_addr=args.local_addr, term_timeout=args.term_timeout,
         workers_stop_timeout=args.workers_stop_timeout, ft=ft, entry_kind=entry_kind(args),
-        entry_target=args.training_script, entry_args=list(args.training_script_args))
+        entry_target=args.training_script, entry_args=list(args.training_script_args),
+        origins=origins.describe(args, slurm))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -77,7 +77,8 @@ def progress(progress_dir, rank):
 class Job:
     """One ft_launcher job: one or two agents on this machine, sharing log, checkpoint and progress dirs."""
 
-    def __init__(self, launcher, root, topology, ft_args=(), job_args=(), max_restarts=1, rdzv_conf=None):
+    def __init__(self, launcher, root, topology, ft_args=(), job_args=(), max_restarts=1, rdzv_conf=None,
+                 pet=False):
         self.launcher = launcher
         self.nodes, self.nproc = TOPOLOGIES[topology]
         self.topology = topology
@@ -90,8 +91,14 @@ class Job:
             base = ["--standalone"] + base
         else:
             conf = "join_timeout=30,last_call_timeout=1" + (f",{rdzv_conf}" if rdzv_conf else "")
-            base += ["--nnodes", self.nodes, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mtx{port}",
-                     "--rdzv-conf", conf]
+            base += ["--nnodes", self.nodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                     "--rdzv-id", f"mtx{port}", "--rdzv-conf", conf]
+        # pet: these flags only as PET_* variables, no GROUP_RANK (as Kubeflow's operator starts pods)
+        self.pet = None
+        if pet:
+            assert self.nodes > 1, "a PET_* job is a multi-node one"
+            self.pet = {f"PET_{str(f)[2:].replace('-', '_').upper()}": str(v) for f, v in zip(base[::2], base[1::2])}
+            base = []
         self.args = base + list(ft_args) + JOB + list(job_args) + [
             "--ckpt-dir", self.ckpt, "--progress-dir", self.prog]
         self.agents = []
@@ -107,7 +114,7 @@ class Job:
         # the first agent hosts the store (it binds the endpoint first); wait until it does
         if node > 0:
             wait_for(lambda: _listening(self.port), 30, "the store host to listen")
-        proc = self.launcher.start(self.args, extra_env={"GROUP_RANK": str(node)})
+        proc = self.launcher.start(self.args, extra_env=self.pet or {"GROUP_RANK": str(node)})
         self.agents.append(proc)
         return proc
 
