@@ -117,13 +117,17 @@ class Reserve:
         except OSError:
             return ""
 
-    def dismiss(self) -> None:
-        """Kill it and everything it started; reap it."""
+    def kill(self) -> None:
+        """SIGKILL it and everything it started."""
         self.sock.close()
         try:
             os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def dismiss(self) -> None:
+        """Kill it (if not yet) and reap it."""
+        self.kill()
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -270,9 +274,12 @@ class ReservePool:
         return reserve
 
     def close(self) -> None:
+        everyone = [r for reserves in self.slots.values() for r in reserves]
+        for reserve in everyone:  # all at once: each takes ~0.1 s to release its memory
+            reserve.kill()
+        for reserve in everyone:
+            self._dismiss(reserve)
         for reserves in self.slots.values():
-            for reserve in reserves:
-                self._dismiss(reserve)
             reserves.clear()
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -73,18 +73,28 @@ def main(argv: List[str]) -> None:
 
 def _show_environ(env: dict) -> None:
     """Make /proc/<pid>/environ show the rank's environment, as a cold rank's does (tools find
-    ranks by RANK there): write it over the block the kernel reports, which the agent started
-    with room to spare (ENV_ROOM). Nothing points into that block any more once os.environ
-    has been replaced. If it does not fit, the block keeps the slot's environment."""
+    ranks by RANK there). The kernel reports the block the process started with; the agent put
+    the ENV_ROOM padding last in it. The variables the rank has beyond (or other than) the
+    reserve's own are written over that padding, and nothing else is touched: C code may keep
+    pointers that getenv() returned into the rest of the block. If they do not fit, nothing is
+    written."""
     try:
         import ctypes
 
         with open("/proc/self/stat") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
         start, end = int(fields[47]), int(fields[48])  # env_start, env_end (fields 50, 51)
-        block = b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
-        if 0 < len(block) <= end - start:
-            ctypes.memmove(start, block + b"\0" * (end - start - len(block)), end - start)
+        with open("/proc/self/environ", "rb") as fh:
+            block = fh.read()
+        room = block.find(b"\0" + ENV_ROOM.encode() + b"=") + 1
+        if room <= 0 or len(block) != end - start:
+            return
+        before = dict(item.split(b"=", 1) for item in block[:room].split(b"\0") if b"=" in item)
+        added = b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()
+                         if before.get(k.encode()) != v.encode())
+        size = end - start - room
+        if len(added) <= size:
+            ctypes.memmove(start + room, added + b"\0" * (size - len(added)), size)
     except (OSError, ValueError, IndexError, UnicodeError):
         pass
 
