@@ -85,6 +85,9 @@ class _Attachment:
         """Attach on first use; True when the hot path is live."""
         if self.mode == "unattached":
             self._attach()
+            if self.pending_state is not None:   # loaded before the attach; attached or not
+                state, self.pending_state = self.pending_state, None
+                self.apply_state(state)
         return self.mode == "attached"
 
     def _attach(self) -> None:
@@ -121,9 +124,6 @@ class _Attachment:
         self.mode = "attached"
         for sec in self.sections.values():   # objects made before attaching (none usually)
             sec._bind(self)
-        if self.pending_state is not None:
-            state, self.pending_state = self.pending_state, None
-            self.apply_state(state)
         os.register_at_fork(after_in_child=_after_fork_in_child)
 
     def _install_stack_handler(self, pid: int) -> None:
@@ -609,6 +609,10 @@ class RankMonitorClient:
     def calculate_and_set_section_timeouts(self, selected_sections: Optional[Iterable[str]] = None,
                                            calc_out_of_section: bool = True,
                                            skip_if_not_ready: bool = False) -> bool:
+        """Compute and set the timeouts of `selected_sections` (None: every section that has
+        completed on some rank; NVRx requires every configured one) and of the time out of
+        section. Without an observation for one of them: RankMonitorClientError, or False with
+        skip_if_not_ready."""
         att = self._att
         if not att.ensure():
             return False
@@ -626,6 +630,10 @@ class RankMonitorClient:
         if oos:
             local["out_of_section"] = oos
         observed = _all_ranks_max(local)
+        if selected_sections is None:   # every section seen so far, on any rank
+            names = sorted(k[len("section:"):] for k in observed if k.startswith("section:"))
+            if not names:
+                return self._not_ready(skip_if_not_ready, "no section has completed yet")
         missing = [n for n in names if f"section:{n}" not in observed]
         if calc_out_of_section and "out_of_section" not in observed:
             missing.append("out of section")
