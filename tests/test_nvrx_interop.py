@@ -128,20 +128,79 @@ def test_we_load_what_nvrx_client_state_dict_writes_and_configured_values_stay_c
     probe = ("import json, sys, ft_launcher as ft\n"
              "c = ft.RankMonitorClient()\n"
              "c.load_state_dict(json.load(open(sys.argv[1])))\n"
+             "c.init_workload_monitoring()\n"
              "s, h = c.section_timeouts, c.hb_timeouts\n"
              "print(json.dumps({'section': s.section, 'calc': sorted(s.calculated_sections),\n"
              "                  'oos': s.is_out_of_section_calculated, 'hb': h.were_calculated,\n"
-             "                  'loaded': c.loaded_section_timeouts.section, 'state': c.state_dict()}))\n")
+             "                  'loaded': c.loaded_section_timeouts.section, 'state': c.state_dict(),\n"
+             "                  'noop': [c.is_initialized, c.calculate_and_set_section_timeouts(),\n"
+             "                           c.calculate_and_set_hb_timeouts()]}))\n")
     res = subprocess.run([sys.executable, "-c", probe, produced], env=launcher.env(), capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     shown = json.loads(res.stdout)
+    assert shown["noop"] == [False, False, False]   # no ft_launcher: no-ops, not NVRx's errors
     assert shown["calc"] == ["setup", "step"] and shown["oos"] and shown["hb"]
     assert "checkpointing" not in shown["section"] and shown["loaded"]["checkpointing"] == 420.0
     # round trip: our state_dict() is NVRx's shape, and NVRx's client loads it back
     sections, heartbeat = nvrx_load(shown["state"])
     assert sections.section == {k: section["section"][k] for k in ("setup", "step")}
     assert sections.calculated_sections == {"setup", "step"} and heartbeat.were_calculated
+
+
+# ---- configuration: NVRx's FaultToleranceConfig and YAML, Megatron-Bridge's names ------------------
+
+def test_fault_tolerance_config_reads_and_writes_what_nvrx_does(tmp_path):
+    import argparse
+    import logging
+
+    from ft_launcher import FaultToleranceConfig
+
+    theirs = nvrx_ft.FaultToleranceConfig(rank_section_timeouts={"setup": 600.0, "step": None},
+                                          rank_out_of_section_timeout=300.0, rank_termination_signal="SIGTERM",
+                                          log_level="DEBUG", safety_factor=3.0, enable_nic_monitor=False)
+    theirs.to_yaml_file(str(tmp_path / "nvrx.yaml"))
+    ours = FaultToleranceConfig.from_yaml_file(str(tmp_path / "nvrx.yaml"))
+    shared = [f for f in vars(theirs)]
+    assert {f: getattr(ours, f) for f in shared} == vars(theirs)      # every NVRx field, same values and types
+    assert type(ours.rank_termination_signal) is type(theirs.rank_termination_signal)
+    ours.to_yaml_file(str(tmp_path / "ours.yaml"))
+    assert nvrx_ft.FaultToleranceConfig.from_yaml_file(str(tmp_path / "ours.yaml")) == theirs
+    args = argparse.Namespace(ft_cfg_path=str(tmp_path / "nvrx.yaml"), ft_safety_factor=9.0, ft_log_level=None)
+    from_args = FaultToleranceConfig.from_args(args)
+    assert from_args.safety_factor == 9.0 and from_args.rank_section_timeouts == theirs.rank_section_timeouts
+    assert FaultToleranceConfig.from_kwargs(log_level=logging.WARNING, bogus=1).log_level == logging.WARNING
+    with pytest.raises(ValueError, match="bogus"):
+        FaultToleranceConfig.from_kwargs(ignore_not_recognized=False, bogus=1)
+    with pytest.raises(ValueError, match="No fault tolerance configuration"):
+        FaultToleranceConfig.from_args(argparse.Namespace(ft_cfg_path=None))
+
+
+def test_megatron_bridge_and_nvrx_keys_in_the_yaml_map_onto_ours(tmp_path, capsys):
+    from ft_launcher.cli import launch_config
+
+    cfg = tmp_path / "megatron.yaml"
+    cfg.write_text("""
+ft_config_holder:
+  fault_tolerance:
+    enable_ft_package: true             # Megatron-Bridge: accepted, always on here
+    calc_ft_timeouts: true
+    simulate_fault: true
+    simulated_fault_type: rank_killed
+    simulated_fault_rank: 1
+    simulated_fault_base_delay: 15
+    ft_state_path: /shared/ckpt/ft_state.json
+    node_health_check_interval: 5.0     # NVRx keys with no meaning here: accepted
+    restart_check_interval: 60.0
+    enable_nic_monitor: false
+    pci_topo_file: null
+    link_down_path_template: null
+""")
+    ft = launch_config(["--standalone", "--ft-cfg-path", str(cfg), os.path.join(SCRIPTS, "env_dump.py")]).ft
+    assert "unknown" not in capsys.readouterr().err
+    assert (ft.calc_ft_timeouts, ft.simulate_fault, ft.simulated_fault_type, ft.simulated_fault_rank,
+            ft.simulated_fault_base_delay, ft.ft_state_path) == (True, True, "rank_killed", 1, 15.0,
+                                                                 "/shared/ckpt/ft_state.json")
 
 
 # ---- scripts written against NVRx's API, under ft_launcher, through a hang and a kill -------------
@@ -174,7 +233,7 @@ def epochs_done(out, rank):
 def run_through_hang_and_kill(launcher, tmp_path, script, yaml_text):
     """Cycle 0: rank 1 hangs (SIGSTOP) at epoch HANG_EPOCH and its monitor must catch it with a
     computed timeout. Cycle 1: once rank 1 has restored and trained an epoch, we SIGKILL it.
-    Cycle 2 finishes. Returns (logs, out, the first hang event)."""
+    Cycle 2 finishes. Returns (logs, out, the first hang event, the launcher's stderr)."""
     cfg, out, logs = tmp_path / "ft.yaml", tmp_path / "out", tmp_path / "logs"
     cfg.write_text(yaml_text)
     out.mkdir()
@@ -199,7 +258,7 @@ def run_through_hang_and_kill(launcher, tmp_path, script, yaml_text):
         done = epochs_done(out, rank)
         assert sorted({e for c, e, _ in done}) == list(range(EPOCHS))
         assert [e for c, e, _ in done if c == 2][-1] == EPOCHS - 1 and [e for c, e, _ in done if c == 2][0] > 0
-    return logs, out, hang[0]
+    return logs, out, hang[0], err
 
 
 def report(out, name, rank, cycle):
@@ -207,7 +266,7 @@ def report(out, name, rank, cycle):
 
 
 def test_nvrx_sections_script_keeps_its_computed_timeouts_through_a_hang_and_a_kill(launcher, tmp_path):
-    logs, out, hang = run_through_hang_and_kill(launcher, tmp_path, "nvrx_sections_train.py", SECTIONS_YAML)
+    logs, out, hang, err = run_through_hang_and_kill(launcher, tmp_path, "nvrx_sections_train.py", SECTIONS_YAML)
     # the hang was caught by a timeout computed in cycle 0, not the configured 30 s
     assert hang["detail"]["reason"] in ("section", "out_of_section") and hang["detail"]["timeout"] < 30
     first = report(out, "loaded", 0, 0)
@@ -224,13 +283,18 @@ def test_nvrx_sections_script_keeps_its_computed_timeouts_through_a_hang_and_a_k
             assert loaded["loaded_section_timeouts"] == dict(saved, calculated_sections=saved["calculated_sections"])
     final = report(out, "final", 0, 2)
     assert final["section_timeouts"]["calculated_sections"] == ["checkpointing", "setup", "step"]
+    # the calculation is collective, as NVRx's: both ranks computed from the job-wide maxima
+    # (their own 'setup' and out-of-section times differ by milliseconds at least)
+    assert report(out, "final", 1, 2) == final
     # NVRx's own client loads the state the script saved in its checkpoint
     sections, _ = nvrx_load(final["state"])
     assert sections.section == final["section_timeouts"]["section"] and sections.were_calculated
+    # a WorkloadControlRequest is accepted, not acted upon, and said so once per rank
+    assert err.count("send_workload_control_request(WorkloadControlRequest(action=WorkloadAction.Continue") == 2
 
 
 def test_nvrx_heartbeat_script_keeps_its_computed_timeouts_through_a_hang_and_a_kill(launcher, tmp_path):
-    logs, out, hang = run_through_hang_and_kill(launcher, tmp_path, "nvrx_heartbeat_train.py", HEARTBEAT_YAML)
+    logs, out, hang, err = run_through_hang_and_kill(launcher, tmp_path, "nvrx_heartbeat_train.py", HEARTBEAT_YAML)
     assert hang["detail"]["reason"] == "heartbeat" and hang["detail"]["timeout"] < 30
     first = report(out, "loaded", 1, 0)
     assert (first["initial"], first["subsequent"], first["were_calculated"]) == (60, 30, False)

@@ -17,7 +17,7 @@ dist.init_process_group("gloo")
 
 ft_client = RankMonitorClient()
 ft_client.init_workload_monitoring()
-assert ft_client.is_initialized
+assert ft_client.is_initialized and ft_client.rank_info.global_rank == dist.get_rank()
 try:
     ft_client.init_workload_monitoring()
     raise SystemExit("a second init_workload_monitoring must raise RankMonitorClientError")
@@ -52,7 +52,11 @@ for epoch in range(start_epoch, args.epochs):
         time.sleep(args.step_time)
         ft_client.end_section("step")
     # NVRx: a collective; every rank calls it. Not enough data yet is an error unless skipped.
+    before = ft_client.section_timeouts
     ft_client.calculate_and_set_section_timeouts(skip_if_not_ready=False)
+    after = ft_client.section_timeouts
+    for name in before.calculated_sections:   # a later calculation never lowers a computed timeout
+        assert after.section[name] >= before.section[name], (name, before, after)
     ft_client.start_section("checkpointing")
     common.save_checkpoint(args.out, model, opt, epoch, ft_client.state_dict())
     ft_client.end_section("checkpointing")
