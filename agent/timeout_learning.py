@@ -66,8 +66,9 @@ class TimeoutLearner:
         state = ft_state_file.load(self.path, warn=lambda m: self.events.event("ft_state_unreadable", f"warning: {m}"))
         if state is None:
             return self.ft
-        # Only numbers are applied: a null in a file (Megatron writes them for timeouts it did
-        # not calculate) must not switch off a timeout the configuration sets.
+        # Only computed numbers are applied: a value the file marks as not calculated (NVRx and
+        # Megatron write the configured ones beside the computed ones) or a null must not
+        # replace or switch off a timeout this job's configuration sets.
         self.previous = {k: v for k, v in state.timeouts.items() if v is not None}
         self.computed = dict(self.previous)
         self.evidence = dict(state.observations)
@@ -115,7 +116,8 @@ class TimeoutLearner:
         state = ft_state_file.FtState(
             dict(self.computed), dict(self.evidence),
             {"safety_factor": self.ft.safety_factor, "calc_min_observations": self.ft.calc_min_observations,
-             "calc_timeout_floor": self.ft.calc_timeout_floor}, time.time())
+             "calc_timeout_floor": self.ft.calc_timeout_floor}, time.time(),
+            others={k: v for k, v in self.ft.timeout_keys().items() if k not in self.computed})
         ft_state_file.save(self.path, state)
         proto.put("timeouts", json.dumps(timeouts))
         proto.count("timeouts_version", 1)

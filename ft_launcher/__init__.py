@@ -1,8 +1,27 @@
 """ft_launcher's public API for training scripts: sections, heartbeats and NVRx's client.
 
-Re-exports only; the implementation is rank_monitor.client. The same calls are cheap no-ops
-(after one warning) when the script is not running under ft_launcher.
+Re-exports only; the implementation is rank_monitor.client, with rank_monitor.nvrx_types and
+rank_monitor.config for the names loaded on first use (they cost start-up time). The calls are
+cheap no-ops (after one warning) when the script is not running under ft_launcher. An NVRx script
+changes only its import: `from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient`
+becomes `from ft_launcher import RankMonitorClient`; the names below are those NVRx's
+fault_tolerance package gives a training script, plus HeartbeatTimeouts and SectionTimeouts.
 """
-from rank_monitor.client import FtSectionWarning, RankMonitorClient, heartbeat, section
+from rank_monitor.client import (FtSectionWarning, RankMonitorClient, RankMonitorClientError, WorkloadAction,
+                                 WorkloadControlRequest, heartbeat, section)
 
-__all__ = ["section", "heartbeat", "RankMonitorClient", "FtSectionWarning"]
+_LAZY = {"FaultToleranceConfig": "rank_monitor.config", "HeartbeatTimeouts": "rank_monitor.nvrx_types",
+         "SectionTimeouts": "rank_monitor.nvrx_types"}
+
+__all__ = ["section", "heartbeat", "RankMonitorClient", "RankMonitorClientError", "FaultToleranceConfig",
+           "HeartbeatTimeouts", "SectionTimeouts", "WorkloadAction", "WorkloadControlRequest", "FtSectionWarning"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ft_launcher' has no attribute {name!r}")

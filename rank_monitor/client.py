@@ -8,11 +8,18 @@ path and happens once per name or on explicit calls.
 
 All clients in one process share one attachment. Without the monitor's environment variable
 (plain python, torchrun) every call is a cheap no-op after one warning. Misuse (ending a section
-that is not open, nesting a section in itself, a name with no configured timeout) warns once per
-name and never raises.
+that is not open, nesting a section in itself, a name with no configured timeout, an unusable
+state dict) warns once per name and never raises.
+
+Also owns NVRx's client surface (nvidia_resiliency_ext.fault_tolerance 0.4.1): RankMonitorClient
+with NVRx's attributes, HeartbeatTimeouts and SectionTimeouts with NVRx's fields, and
+RankMonitorClientError, raised only where NVRx raises it (a second init_workload_monitoring, a
+timeout calculation without data unless skip_if_not_ready). WorkloadControlRequest is accepted
+and not acted upon.
 """
 from __future__ import annotations
 
+import enum
 import faulthandler
 import functools
 import json
@@ -71,7 +78,7 @@ class _Attachment:
         self.calc_sections: Dict[str, Optional[float]] = {}
         self.calc_oos: Optional[float] = None
         self.calc_oos_set = False
-        self.calc_hb: Optional[Dict[str, Optional[float]]] = None
+        self.calc_hb: Dict[str, Optional[float]] = {}    # "initial" / "subsequent": computed only
         self.pending_state: Optional[Mapping[str, Any]] = None
 
     # ---- attach / detach ----------------------------------------------------------------
@@ -79,6 +86,9 @@ class _Attachment:
         """Attach on first use; True when the hot path is live."""
         if self.mode == "unattached":
             self._attach()
+            if self.pending_state is not None:   # loaded before the attach; attached or not
+                state, self.pending_state = self.pending_state, None
+                self.apply_state(state)
         return self.mode == "attached"
 
     def _attach(self) -> None:
@@ -115,9 +125,6 @@ class _Attachment:
         self.mode = "attached"
         for sec in self.sections.values():   # objects made before attaching (none usually)
             sec._bind(self)
-        if self.pending_state is not None:
-            state, self.pending_state = self.pending_state, None
-            self.apply_state(state)
         os.register_at_fork(after_in_child=_after_fork_in_child)
 
     def _install_stack_handler(self, pid: int) -> None:
@@ -231,33 +238,70 @@ class _Attachment:
         if self.mode == "attached":
             self.words[L.H_TO_OOS] = L.encode_timeout(seconds)
 
-    def set_hb_timeouts(self, initial: Optional[float], subsequent: Optional[float]) -> None:
-        self.calc_hb = {"initial": initial, "subsequent": subsequent}
+    def set_hb_timeout(self, kind: str, seconds: Optional[float]) -> None:
+        self.calc_hb[kind] = seconds
         if self.mode == "attached":
-            self.words[L.H_TO_HB_INIT] = L.encode_timeout(initial)
-            self.words[L.H_TO_HB_SUB] = L.encode_timeout(subsequent)
+            self.words[L.H_TO_HB_INIT if kind == "initial" else L.H_TO_HB_SUB] = L.encode_timeout(seconds)
+
+    def computed_timeouts(self) -> Dict[str, Optional[float]]:
+        """What this process computed or loaded as computed, under timeout_calc's uniform keys."""
+        out = {f"section:{k}": v for k, v in self.calc_sections.items()}
+        if self.calc_oos_set:
+            out["out_of_section"] = self.calc_oos
+        out.update({f"heartbeat:{k}": v for k, v in self.calc_hb.items()})
+        return out
+
+    def configured_timeouts(self) -> Dict[str, Optional[float]]:
+        cfg = self.config
+        out = {f"section:{k}": v for k, v in (cfg.get("sections") or {}).items()}
+        out.update({"out_of_section": cfg.get("out_of_section"), "heartbeat:initial": cfg.get("hb_initial"),
+                    "heartbeat:subsequent": cfg.get("hb_subsequent")})
+        return out
 
     def apply_state(self, state: Mapping[str, Any]) -> None:
-        if "current_timeouts" in state and isinstance(state["current_timeouts"], Mapping):
-            state = state["current_timeouts"]
-        calculated = state.get("calculated")
-        sections = state.get("section") or {}
-        if isinstance(sections, Mapping) and isinstance(sections.get("section"), Mapping):
-            # NVRx's nested form: {"section": {"section": {...}, "out_of_section": s, ...}}
-            nested = sections
-            sections = nested["section"]
-            if "out_of_section" in nested and "out_of_section" not in state:
-                state = dict(state, out_of_section=nested["out_of_section"])
-        wanted = None if calculated is None else set(calculated.get("section") or ())
-        for name, secs in dict(sections).items():
-            if wanted is None or name in wanted:
-                self.set_section_timeout(str(name), _secs(secs))
-        if "out_of_section" in state and (calculated is None or calculated.get("out_of_section")):
-            self.set_oos_timeout(_secs(state["out_of_section"]))
-        hb = state.get("heartbeat")
-        if isinstance(hb, Mapping) and (calculated is None or calculated.get("heartbeat")):
-            if hb.get("initial") is not None or hb.get("subsequent") is not None:
-                self.set_hb_timeouts(_secs(hb.get("initial")), _secs(hb.get("subsequent")))
+        """Apply the computed timeouts of a state dict: NVRx's `{"current_timeouts": ...}` (from
+        its state_dict() or ours, or an ft_state.json), or ft_launcher 0.1's client form. Only
+        values marked calculated are applied; a malformed state is one warning and changes nothing."""
+        from rank_monitor import ft_state_file as F
+
+        try:
+            if not isinstance(state, Mapping):
+                raise F.StateFormatError(f"not a mapping but {type(state).__name__}")
+            if F.CURRENT_TIMEOUTS in state:
+                if "format_version" in state:   # a whole ft_state.json
+                    computed = F.parse(dict(state)).timeouts
+                else:
+                    computed, _ = F.from_current_timeouts(state[F.CURRENT_TIMEOUTS])
+            elif isinstance(state.get("calculated"), Mapping):
+                computed = _legacy_client_state(state)
+            else:
+                raise F.StateFormatError(f"no {F.CURRENT_TIMEOUTS!r} key (keys: {', '.join(map(str, state)) or 'none'})")
+        except (F.StateFormatError, TypeError, ValueError, AttributeError) as exc:
+            _warn(("badstate", str(exc)), f"ft_launcher: load_state_dict: unusable state ({exc}); "
+                                          "running on the configured timeouts")
+            return
+        for key, value in computed.items():
+            kind, _, name = key.partition(":")
+            if kind == "section":
+                self.set_section_timeout(name, value)
+            elif kind == "out_of_section":
+                self.set_oos_timeout(value)
+            else:
+                self.set_hb_timeout(name, value)
+
+
+def _legacy_client_state(state: Mapping[str, Any]) -> Dict[str, Optional[float]]:
+    """ft_launcher 0.1's state_dict(): {section, out_of_section, heartbeat, calculated}."""
+    calculated = state["calculated"]
+    out: Dict[str, Optional[float]] = {}
+    for name in calculated.get("section") or ():
+        out[f"section:{name}"] = _secs((state.get("section") or {}).get(name))
+    if calculated.get("out_of_section"):
+        out["out_of_section"] = _secs(state.get("out_of_section"))
+    if calculated.get("heartbeat"):
+        hb = state.get("heartbeat") or {}
+        out["heartbeat:initial"], out["heartbeat:subsequent"] = _secs(hb.get("initial")), _secs(hb.get("subsequent"))
+    return out
 
 
 def _secs(value) -> Optional[float]:
@@ -439,30 +483,101 @@ def section(name: str) -> _Section:
 
 
 # ---------------------------------------------------------------------------------------------
-# NVRx-compatible client
+# NVRx's client surface (nvidia_resiliency_ext.fault_tolerance 0.4.1): same names and fields
 # ---------------------------------------------------------------------------------------------
+class RankMonitorClientError(Exception):
+    """Raised where NVRx's client raises: init_workload_monitoring twice, or a timeout calculation
+    without enough data (unless skip_if_not_ready)."""
+
+
+class WorkloadAction(enum.Enum):
+    """NVRx's requests from a rank to its launcher. ft_launcher accepts them and does not act on
+    them (see RankMonitorClient.send_workload_control_request)."""
+
+    Continue = 0
+    ExcludeThisNode = 1
+    ShutdownWorkload = 2
+
+
+class WorkloadControlRequest:
+    def __init__(self, action: WorkloadAction, description: str = "<not set>") -> None:
+        self.action = action
+        self.description = description
+
+    def __str__(self) -> str:
+        return f"WorkloadControlRequest(action={self.action}, description={self.description})"
+
+
+def _all_ranks_max(local: Dict[str, int]) -> Dict[str, int]:
+    """Job-wide maxima when the script has a torch.distributed process group (NVRx's calculations
+    are collective: every rank calls them); otherwise this rank's own."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return local
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    out: Dict[str, int] = {}
+    for part in parts:
+        for key, value in (part or {}).items():
+            out[key] = max(out.get(key, 0), value)
+    return out
+
+
 class RankMonitorClient:
     """NVRx's RankMonitorClient over the shared-memory record. All instances share one attachment.
 
-    Computed timeouts are the observed maximum x safety_factor, at least calc_timeout_floor; a new
-    computation never lowers a timeout computed (or loaded) earlier in this process. They take
-    effect at once (the monitor reads them from shared memory) and travel across restarts through
-    state_dict/load_state_dict.
+    Attributes as in NVRx: `is_initialized`, `cfg` (the job's FaultToleranceConfig), `hb_timeouts`
+    (HeartbeatTimeouts) and `section_timeouts` (SectionTimeouts) in effect (rank_monitor.nvrx_types), `rank_info`,
+    `loaded_hb_timeouts` / `loaded_section_timeouts` (from load_state_dict), `logger`.
+
+    Computed timeouts are the observed maximum (over all ranks when a process group exists) x
+    safety_factor, at least calc_timeout_floor; a new computation never lowers a timeout computed
+    (or loaded) earlier in this process. They take effect at once (the monitor reads them from
+    shared memory) and travel across restarts through state_dict/load_state_dict, in NVRx's
+    `{"current_timeouts": ...}` shape; only values marked calculated are taken on load.
+    Without ft_launcher every call is a no-op (is_initialized stays False, calculations return
+    False) instead of NVRx's error.
     """
 
+    CURRENT_TIMEOUTS_STATE_KEY = "current_timeouts"
+
     def __init__(self) -> None:
+        import logging   # the slow path: kept out of `import ft_launcher` (start-up time)
+
         self._att = _ATT
+        self._initialized = False
+        self.rank_info = None               # nvrx_types.RankInfo once initialized
+        self.loaded_hb_timeouts = None      # nvrx_types.HeartbeatTimeouts from load_state_dict
+        self.loaded_section_timeouts = None
+        self.logger = logging.getLogger("RankMonitorClient")
 
     # ---- lifecycle ----------------------------------------------------------------------
     def init_workload_monitoring(self) -> None:
-        self._att.ensure()
+        if self.is_initialized:
+            raise RankMonitorClientError("RankMonitorClient is already initialized")
+        import socket
+
+        from rank_monitor.nvrx_types import RankInfo
+
+        self._initialized = self._att.ensure()
+        self.rank_info = RankInfo(int(os.environ.get("RANK", -1)), int(os.environ.get("LOCAL_RANK", -1)),
+                                  socket.gethostname(), os.getpid())
 
     def shutdown_workload_monitoring(self) -> None:
         self._att.shutdown()
+        self._initialized = False
 
     @property
     def is_initialized(self) -> bool:
-        return self._att.mode == "attached"
+        return self._initialized and self._att.mode == "attached"
+
+    @property
+    def cfg(self):
+        """The job's configuration (rank_monitor.config.FaultToleranceConfig, NVRx's fields)."""
+        from rank_monitor.config import FaultToleranceConfig
+
+        self._att.ensure()
+        return FaultToleranceConfig(**self._att.config.get("cfg", {}))
 
     # ---- sections and heartbeats ---------------------------------------------------------
     def section(self, name: str) -> _Section:
@@ -483,101 +598,136 @@ class RankMonitorClient:
     def send_heartbeat(self, state: Any = None) -> None:
         heartbeat()
 
-    # ---- computed timeouts ---------------------------------------------------------------
-    def calculate_and_set_section_timeouts(self, selected_sections: Optional[Iterable[str]] = None,
-                                           calc_out_of_section: bool = True) -> bool:
-        att = self._att
-        if not att.ensure():
-            return False
-        w, done = att.words, True
-        names = list(att.slots) if selected_sections is None else list(selected_sections)
-        for name in names:
-            idx = att.slots.get(name)
-            if idx is None or w[L.slot_base(idx) + L.S_CLOSES] == 0:
-                _warn(("nocalc", name), f"ft_launcher: section {name!r} has not completed yet; "
-                                        "its timeout is not computed")
-                done = False
-                continue
-            new = att.computed(w[L.slot_base(idx) + L.S_MAX_NS])
-            prev = att.calc_sections.get(name)
-            att.set_section_timeout(name, max(new, prev) if prev else new)
-        if calc_out_of_section:
-            if w[L.H_OOS_COUNT] == 0:
-                _warn(("nocalc-oos",), "ft_launcher: no time between sections observed yet; "
-                                       "the out-of-section timeout is not computed")
-                done = False
-            else:
-                new = att.computed(w[L.H_OOS_MAX_NS])
-                prev = att.calc_oos
-                att.set_oos_timeout(max(new, prev) if prev else new)
-        return done
+    def send_workload_control_request(self, req: WorkloadControlRequest) -> None:
+        """Accepted and not acted upon: ft_launcher decides restarts itself (one warning)."""
+        _warn(("workload",), f"ft_launcher: send_workload_control_request({req}) is accepted but not "
+                             "acted upon: the launcher decides restarts and exclusions itself")
 
-    def calculate_and_set_hb_timeouts(self, skip_if_not_ready: bool = True) -> bool:
+    # ---- computed timeouts ---------------------------------------------------------------
+    def _not_ready(self, skip: bool, what: str) -> bool:
+        if skip:
+            return False
+        raise RankMonitorClientError(f"Not enough data to compute timeouts ({what}).")
+
+    def calculate_and_set_section_timeouts(self, selected_sections: Optional[Iterable[str]] = None,
+                                           calc_out_of_section: bool = True,
+                                           skip_if_not_ready: bool = False) -> bool:
+        """Compute and set the timeouts of `selected_sections` (None: every section that has
+        completed on some rank; NVRx requires every configured one) and of the time out of
+        section. Without an observation for one of them: RankMonitorClientError, or False with
+        skip_if_not_ready."""
         att = self._att
         if not att.ensure():
             return False
         w = att.words
-        if w[L.H_HB_COUNT] < 2:
-            _warn(("nocalc-hb",), "ft_launcher: fewer than 2 heartbeats observed; heartbeat timeouts not computed")
+        names = sorted(att.slots) if selected_sections is None else list(selected_sections)
+        local: Dict[str, int] = {}
+        for name in names:
+            idx = att.slots.get(name)
+            if idx is not None and w[L.slot_base(idx) + L.S_CLOSES]:
+                local[f"section:{name}"] = w[L.slot_base(idx) + L.S_MAX_NS]
+        oos = w[L.H_OOS_MAX_NS] if w[L.H_OOS_COUNT] else 0
+        last = w[L.H_LAST_CLOSE_NS] or w[L.H_START_NS]
+        if w[L.H_OPEN] <= 0 and last:          # the span since the last section counts too
+            oos = max(oos, _mono() - last)
+        if oos:
+            local["out_of_section"] = oos
+        observed = _all_ranks_max(local)
+        if selected_sections is None:   # every section seen so far, on any rank
+            names = sorted(k[len("section:"):] for k in observed if k.startswith("section:"))
+            if not names:
+                return self._not_ready(skip_if_not_ready, "no section has completed yet")
+        missing = [n for n in names if f"section:{n}" not in observed]
+        if calc_out_of_section and "out_of_section" not in observed:
+            missing.append("out of section")
+        if missing:
+            return self._not_ready(skip_if_not_ready, "nothing observed for " + ", ".join(missing))
+        for name in names:
+            new, prev = att.computed(observed[f"section:{name}"]), att.calc_sections.get(name)
+            att.set_section_timeout(name, max(new, prev) if prev else new)
+        if calc_out_of_section:
+            new, prev = att.computed(observed["out_of_section"]), att.calc_oos
+            att.set_oos_timeout(max(new, prev) if prev else new)
+        return True
+
+    def calculate_and_set_hb_timeouts(self, skip_if_not_ready: bool = False) -> bool:
+        att = self._att
+        if not att.ensure():
             return False
-        start = w[L.H_START_NS] or w[L.H_ATTACH_NS]
-        initial = att.computed(max(0, w[L.H_HB_FIRST_NS] - start))
-        subsequent = att.computed(w[L.H_HB_MAX_NS])
-        prev = att.calc_hb or {}
-        if prev.get("initial"):
-            initial = max(initial, prev["initial"])
-        if prev.get("subsequent"):
-            subsequent = max(subsequent, prev["subsequent"])
-        att.set_hb_timeouts(initial, subsequent)
+        w = att.words
+        local: Dict[str, int] = {}
+        if w[L.H_HB_COUNT] >= 1:
+            local["initial"] = max(1, w[L.H_HB_FIRST_NS] - (w[L.H_START_NS] or w[L.H_ATTACH_NS]))
+        if w[L.H_HB_COUNT] >= 2:
+            local["subsequent"] = max(1, w[L.H_HB_MAX_NS])
+        observed = _all_ranks_max(local)
+        if len(observed) < 2:
+            return self._not_ready(skip_if_not_ready, "fewer than 2 heartbeats observed")
+        for kind in ("initial", "subsequent"):
+            new, prev = att.computed(observed[kind]), att.calc_hb.get(kind)
+            att.set_hb_timeout(kind, max(new, prev) if prev else new)
         return True
 
     calculate_and_set_timeouts = calculate_and_set_hb_timeouts   # NVRx's older name
 
     # ---- views --------------------------------------------------------------------------
     @property
-    def section_timeouts(self) -> Dict[str, Optional[float]]:
-        """Effective section timeouts (seconds, None = not enforced): config, then computed."""
+    def section_timeouts(self):
+        """Section timeouts in effect (seconds, None = not enforced): configured, then computed;
+        an nvrx_types.SectionTimeouts."""
+        from rank_monitor.nvrx_types import SectionTimeouts
+
         att = self._att
-        out = dict(att.config.get("sections", {}))
-        out.update(att.calc_sections)
-        return out
+        att.ensure()
+        sections = dict(att.config.get("sections", {}))
+        sections.update(att.calc_sections)
+        oos = att.calc_oos if att.calc_oos_set else att.config.get("out_of_section")
+        return SectionTimeouts(sections, oos, set(att.calc_sections), att.calc_oos_set)
 
     @property
-    def out_of_section_timeout(self) -> Optional[float]:
-        att = self._att
-        return att.calc_oos if att.calc_oos_set else att.config.get("out_of_section")
+    def hb_timeouts(self):
+        """Heartbeat timeouts in effect: an nvrx_types.HeartbeatTimeouts."""
+        from rank_monitor.nvrx_types import HeartbeatTimeouts
 
-    @property
-    def hb_timeouts(self) -> Dict[str, Optional[float]]:
         att = self._att
-        if att.calc_hb is not None:
-            return dict(att.calc_hb)
-        return {"initial": att.config.get("hb_initial"), "subsequent": att.config.get("hb_subsequent")}
+        att.ensure()
+        calc = att.calc_hb
+        return HeartbeatTimeouts(calc["initial"] if "initial" in calc else att.config.get("hb_initial"),
+                                 calc["subsequent"] if "subsequent" in calc else att.config.get("hb_subsequent"),
+                                 "initial" in calc and "subsequent" in calc)
 
     def state_dict(self) -> Dict[str, Any]:
+        """NVRx's shape: {"current_timeouts": {"section": SectionTimeouts fields, "heartbeat":
+        HeartbeatTimeouts fields}}, each present only when something in it was computed."""
+        from rank_monitor import ft_state_file as F
+
         att = self._att
-        return {
-            "section": self.section_timeouts,
-            "out_of_section": self.out_of_section_timeout,
-            "heartbeat": self.hb_timeouts,
-            "calculated": {
-                "section": sorted(att.calc_sections),
-                "out_of_section": att.calc_oos_set,
-                "heartbeat": att.calc_hb is not None,
-            },
-        }
+        att.ensure()
+        computed = att.computed_timeouts()
+        others = {k: v for k, v in att.configured_timeouts().items() if k not in computed}
+        return {self.CURRENT_TIMEOUTS_STATE_KEY: F.to_current_timeouts(computed, others)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore computed timeouts; before init_workload_monitoring they wait for the attach."""
         att = self._att
         if not state:
             return
-        if att.mode == "attached":
-            att.apply_state(state)
-        elif att.mode == "unattached":
+        current = state.get(self.CURRENT_TIMEOUTS_STATE_KEY) if isinstance(state, Mapping) else None
+        if isinstance(current, Mapping):
+            from rank_monitor.nvrx_types import HeartbeatTimeouts, SectionTimeouts
+
+            try:   # a malformed state is reported (once) by apply_state
+                if isinstance(current.get("heartbeat"), Mapping):
+                    self.loaded_hb_timeouts = HeartbeatTimeouts(**current["heartbeat"])
+                if isinstance(current.get("section"), Mapping):
+                    self.loaded_section_timeouts = SectionTimeouts(**current["section"])
+            except TypeError:
+                pass
+        if att.mode == "unattached":
             att.pending_state = state
-        else:  # no monitor: remember for state_dict
+        else:  # attached, or no monitor: remember for state_dict
             att.apply_state(state)
 
 
-__all__ = ["RankMonitorClient", "section", "heartbeat", "FtSectionWarning"]
+__all__ = ["RankMonitorClient", "RankMonitorClientError", "WorkloadAction", "WorkloadControlRequest", "section",
+           "heartbeat", "FtSectionWarning"]

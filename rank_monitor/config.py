@@ -2,14 +2,22 @@
 
 This is the one definition of what a `fault_tolerance:` YAML section or an `--ft-<key>` flag may
 hold. It lives at the bottom layer because it travels to every rank monitor; `ft_launcher` only
-finds the YAML section and the flags and hands them here. Every problem is raised as
-`ConfigError` with a one-line message naming the key and the source of the bad value.
+finds the flags and hands them here. Every problem is raised as `ConfigError` (a ValueError) with
+a one-line message naming the key and the source of the bad value.
+
+`FaultToleranceConfig` is also NVRx's class of that name for training scripts: the same field
+names and types (`rank_termination_signal` a `signal.Signals`, `log_level` a logging level
+number) and its constructors `from_kwargs`, `from_yaml_file`, `from_args`, plus `to_yaml_file`.
+NVRx's keys that mean nothing here (`node_health_check_interval`, `restart_check_interval`,
+`enable_nic_monitor`, `pci_topo_file`, `link_down_path_template`) and Megatron-Bridge's
+`enable_ft_package` are accepted and have no effect.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import json
+import logging
 import math
 import signal
 from typing import Any, Dict, List, Mapping, Optional
@@ -31,7 +39,7 @@ class FaultToleranceConfig:
     rank_out_of_section_timeout: Optional[float] = None
     initial_rank_heartbeat_timeout: Optional[float] = None
     rank_heartbeat_timeout: Optional[float] = None
-    rank_termination_signal: int = int(signal.SIGKILL)
+    rank_termination_signal: signal.Signals = signal.SIGKILL
     # With a catchable termination signal, SIGKILL follows after this many seconds.
     rank_termination_grace: float = 5.0
     # How long a monitor waits for a hung rank's stack dump before terminating it.
@@ -49,7 +57,7 @@ class FaultToleranceConfig:
     # timeouts must not replace: those the user pins (bare section names are accepted, and
     # "heartbeat" means both heartbeat timeouts), and explicit nulls.
     pinned_timeouts: List[str] = dataclasses.field(default_factory=list)
-    log_level: str = "INFO"
+    log_level: int = logging.INFO
     # Simulated faults (Megatron-Bridge's names), injected by the agent into any script.
     simulate_fault: bool = False
     simulated_fault_type: str = "random"          # rank_hung | rank_killed | random
@@ -61,6 +69,19 @@ class FaultToleranceConfig:
     # instead of a cold start; 0 turns them off. A reserve not warm after the timeout is replaced.
     warm_reserves: int = 1
     warm_reserve_timeout: float = 120.0
+    # Accepted so that NVRx and Megatron-Bridge configurations load; no effect here (the agent
+    # checks node health by itself; ranks are always monitored under ft_launcher).
+    node_health_check_interval: float = 5.0
+    restart_check_interval: float = 60.0
+    enable_nic_monitor: bool = True
+    pci_topo_file: Optional[str] = None
+    link_down_path_template: Optional[str] = None
+    enable_ft_package: bool = False
+
+    def __post_init__(self) -> None:
+        # NVRx's types whatever the caller passed ("SIGTERM", 15, "debug", 10)
+        self.rank_termination_signal = parse_signal(self.rank_termination_signal)
+        self.log_level = _log_level(self.log_level, "config")
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -127,6 +148,48 @@ class FaultToleranceConfig:
     def from_json(cls, text: str) -> "FaultToleranceConfig":
         return cls(**json.loads(text))
 
+    # ---- NVRx's constructors (training scripts call these) -----------------------------------
+    @classmethod
+    def from_kwargs(cls, ignore_not_recognized: bool = True, **kwargs) -> "FaultToleranceConfig":
+        """From keyword arguments named as the fields; others are ignored, or with
+        ignore_not_recognized=False a ConfigError (a ValueError, as in NVRx)."""
+        known = {k: v for k, v in kwargs.items() if k in FIELD_NAMES}
+        extra = sorted(k for k in kwargs if k not in FIELD_NAMES)
+        if extra and not ignore_not_recognized:
+            raise ConfigError(f"not recognized fault_tolerance keys: {', '.join(extra)}")
+        return cls.from_sources(("from_kwargs", known))
+
+    @classmethod
+    def from_yaml_file(cls, cfg_path: str, ignore_not_recognized: bool = True) -> "FaultToleranceConfig":
+        """From the `fault_tolerance:` section of a YAML file, found at any nesting level."""
+        return cls.from_kwargs(ignore_not_recognized=ignore_not_recognized, **load_yaml_section(cfg_path))
+
+    @classmethod
+    def from_args(cls, args) -> "FaultToleranceConfig":
+        """From an argparse namespace with NVRx's attributes: `ft_cfg_path` (a YAML file) and
+        `ft_<field>`; the latter override the file. Neither: a ConfigError."""
+        layers = []
+        path = getattr(args, "ft_cfg_path", None)
+        if path is not None:
+            layers.append((path, load_yaml_section(path)))
+        flags = {name: getattr(args, f"ft_{name}") for name in FIELD_NAMES
+                 if getattr(args, f"ft_{name}", None) is not None}
+        if flags:
+            layers.append(("arguments", flags))
+        if not layers:
+            raise ConfigError("No fault tolerance configuration provided.")
+        return cls.from_sources(*layers)
+
+    def to_yaml_file(self, cfg_path: str) -> None:
+        """Write a `fault_tolerance:` section that from_yaml_file (ours or NVRx's) reads back."""
+        import yaml
+
+        data = dataclasses.asdict(self)
+        data["rank_termination_signal"] = signal.Signals(self.rank_termination_signal).name
+        data["log_level"] = logging.getLevelName(self.log_level)
+        with open(cfg_path, "w") as fh:
+            yaml.safe_dump({"fault_tolerance": data}, fh)
+
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(FaultToleranceConfig))
 _TIMEOUT_FIELDS = {"out_of_section": "rank_out_of_section_timeout",
@@ -163,6 +226,55 @@ def normalize_key(key: str) -> str:
 def closest_key(key: str) -> Optional[str]:
     hits = difflib.get_close_matches(key, FIELD_NAMES, n=1, cutoff=0.6)
     return hits[0] if hits else None
+
+
+# ---- the YAML file ---------------------------------------------------------------------------
+SECTION = "fault_tolerance"
+
+
+def find_section(node: Any) -> Optional[dict]:
+    """Breadth-first search for the first `fault_tolerance:` key; its value must be a mapping."""
+    queue = [node]
+    while queue:
+        item = queue.pop(0)
+        if isinstance(item, dict):
+            if SECTION in item:
+                value = item[SECTION]
+                if value is None:
+                    return {}
+                if not isinstance(value, dict):
+                    raise ConfigError(f"'{SECTION}:' must be a mapping of keys to values, "
+                                      f"got {type(value).__name__}")
+                return value
+            queue.extend(item.values())
+        elif isinstance(item, list):
+            queue.extend(item)
+    return None
+
+
+def load_yaml_section(path: str) -> Dict[str, Any]:
+    """The `fault_tolerance:` mapping of a YAML file, or a one-line ConfigError."""
+    import yaml
+
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--ft-cfg-path: no such file: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"--ft-cfg-path: cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    try:
+        section = find_section(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if section is None:
+        raise ConfigError(f"{path}: no 'fault_tolerance:' section found")
+    return section
 
 
 # ---- value parsing ------------------------------------------------------------------------
@@ -233,21 +345,21 @@ def parse_sim_fault_desc(text: str) -> Dict[str, Any]:
     return out
 
 
-def parse_signal(value: Any, source: str = "config", key: str = "rank_termination_signal") -> int:
+def parse_signal(value: Any, source: str = "config", key: str = "rank_termination_signal") -> signal.Signals:
     if isinstance(value, signal.Signals):
-        return int(value)
+        return value
     text = str(value).strip()
     if text.lstrip("-").isdigit():
         number = int(text)
         valid = {int(s) for s in signal.Signals}
         if number not in valid:
             raise ConfigError(f"{source}: {key}: {number} is not a signal number")
-        return number
+        return signal.Signals(number)
     name = text.upper()
     if not name.startswith("SIG"):
         name = "SIG" + name
     try:
-        return int(signal.Signals[name])
+        return signal.Signals[name]
     except KeyError:
         raise ConfigError(f"{source}: {key}: unknown signal {value!r}") from None
 
@@ -302,6 +414,12 @@ _PARSERS = {
     "warm_reserves": lambda k, v, s: _int(k, v, s),
     "warm_reserve_timeout": _number,
     "log_level": lambda k, v, s: _log_level(v, s),
+    "node_health_check_interval": _number,
+    "restart_check_interval": _number,
+    "enable_nic_monitor": _bool,
+    "pci_topo_file": lambda k, v, s: None if v is None else str(v),
+    "link_down_path_template": lambda k, v, s: None if v is None else str(v),
+    "enable_ft_package": _bool,
 }
 
 
@@ -328,15 +446,20 @@ def _pins(value: Any, source: str) -> List[str]:
     return out
 
 
-def _log_level(value: Any, source: str) -> str:
-    import logging
+_LEVELS = {"DEBUG": logging.DEBUG, "DBG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
+           "WARN": logging.WARNING, "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL}
 
+
+def _log_level(value: Any, source: str) -> int:
+    """A level name or number -> the logging level number (NVRx's type)."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return logging.getLevelName(value)
-    name = str(value).strip().upper()
-    if name not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise ConfigError(f"{source}: log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {value!r}")
-    return name
+        if logging.DEBUG <= value <= logging.CRITICAL:
+            return value
+    else:
+        level = _LEVELS.get(str(value).strip().upper())
+        if level is not None:
+            return level
+    raise ConfigError(f"{source}: log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {value!r}")
 
 
 def parse_value(key: str, value: Any, source: str) -> Any:

@@ -37,6 +37,7 @@ def _rank_config(cfg: FaultToleranceConfig) -> str:
         "hb_subsequent": cfg.rank_heartbeat_timeout,
         "safety_factor": cfg.safety_factor,
         "floor": cfg.calc_timeout_floor,
+        "cfg": json.loads(cfg.to_json()),   # the whole configuration: RankMonitorClient.cfg
     })
 
 

@@ -459,7 +459,7 @@ def main(argv=None) -> int:
     set_title(f"ft_launcher: rank_monitor local_rank={args.local_rank}")
     cfg = FaultToleranceConfig.from_json(args.config)
     logging.basicConfig(stream=sys.stderr, format="[ft_launcher rank_monitor %(levelname)s] %(message)s",
-                        level=getattr(logging, cfg.log_level, logging.INFO))
+                        level=cfg.log_level)
     for sig in (signal.SIGINT, signal.SIGTERM):   # the agent ends us by closing the channel
         signal.signal(sig, lambda *_: sys.exit(0))
     sock = socket.socket(fileno=args.fd)

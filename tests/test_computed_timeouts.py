@@ -64,21 +64,35 @@ def test_job_wide_view_sums_counts_and_takes_maxima():
     assert total["section:step"] == Observation(12, 3.0, 2)
 
 
-def test_state_round_trips_and_megatron_shape_loads(tmp_path):
+def test_state_round_trips_and_megatron_shape_loads_only_what_was_computed(tmp_path):
     path = str(tmp_path / "ft_state.json")
-    state = ft_state_file.FtState({"section:step": 12.4, "out_of_section": 30.0, "heartbeat:initial": 60.0},
-                                  {"section:step": Observation(800, 2.48, 1.0)}, {"safety_factor": 5.0}, 1.0)
+    state = ft_state_file.FtState({"section:step": 12.4, "out_of_section": 30.0, "heartbeat:subsequent": 6.0},
+                                  {"section:step": Observation(800, 2.48, 1.0)}, {"safety_factor": 5.0}, 1.0,
+                                  others={"section:setup": 600.0, "heartbeat:initial": None})
     ft_state_file.save(path, state)
     assert ft_state_file.load(path, warn=print) == state
-    # what NVRx's RankMonitorClient.state_dict() gives Megatron to write
+    with open(path) as fh:
+        written = json.load(fh)
+    # NVRx's SectionTimeouts / HeartbeatTimeouts, field for field
+    assert written["current_timeouts"] == {
+        "section": {"section": {"setup": 600.0, "step": 12.4}, "out_of_section": 30.0,
+                    "calculated_sections": ["step"], "is_out_of_section_calculated": True},
+        "heartbeat": {"initial": None, "subsequent": 6.0, "were_calculated": False}}
+    assert written["computed"] == ["heartbeat:subsequent", "out_of_section", "section:step"]
+    # What NVRx's RankMonitorClient.state_dict() gives Megatron to write: only the calculated
+    # values are taken as computed; 'setup' was configured in that job and stays out.
     with open(path, "w") as fh:
         json.dump({"current_timeouts": {
             "section": {"section": {"setup": 600.0, "step": 9.5}, "out_of_section": 120.0,
                         "calculated_sections": ["step"], "is_out_of_section_calculated": True},
-            "heartbeat": {"initial": 300.0, "subsequent": 45.0, "were_calculated": True}}}, fh)
+            "heartbeat": {"initial": 300.0, "subsequent": 45.0, "were_calculated": False}}}, fh)
     loaded = ft_state_file.load(path, warn=print)
-    assert loaded.timeouts == {"section:setup": 600.0, "section:step": 9.5, "out_of_section": 120.0,
-                               "heartbeat:initial": 300.0, "heartbeat:subsequent": 45.0}
+    assert loaded.timeouts == {"section:step": 9.5, "out_of_section": 120.0}
+    assert loaded.others == {"section:setup": 600.0, "heartbeat:initial": 300.0, "heartbeat:subsequent": 45.0}
+    # ft_launcher 0.1's flat format: every value in it was computed
+    with open(path, "w") as fh:
+        json.dump({"format_version": 1, "current_timeouts": {"section": {"step": 7.0}, "out_of_section": 20.0}}, fh)
+    assert ft_state_file.load(path, warn=print).timeouts == {"section:step": 7.0, "out_of_section": 20.0}
 
 
 def test_corrupt_file_is_set_aside_with_one_warning(tmp_path):
@@ -152,11 +166,14 @@ def test_a_job_learns_timeouts_and_the_next_run_catches_a_hang_with_them(launche
     state = tmp_path / "ft_state.json"
     _, err = _finish(_job(launcher, tmp_path, "first", state))
     saved = json.loads(state.read_text())
-    step = saved["current_timeouts"]["section"]["step"]
+    sections = saved["current_timeouts"]["section"]
+    step = sections["section"]["step"]
     assert 1.0 <= step < 10 and saved["observations"]["section:step"]["count"] >= 80  # 2 ranks x 40 steps
-    assert "setup" not in saved["current_timeouts"]["section"]  # 2 observations: too little evidence
+    # 'setup' closed twice (2 ranks): too little evidence, so it is there as configured, not computed
+    assert sections["section"]["setup"] == 60.0 and "setup" not in sections["calculated_sections"]
+    assert "step" in sections["calculated_sections"] and "section:setup" not in saved["computed"]
     assert "heartbeat" not in saved["current_timeouts"]          # pinned
-    assert saved["format_version"] == 1 and saved["config"]["safety_factor"] == 20
+    assert saved["format_version"] == 2 and saved["config"]["safety_factor"] == 20
     assert any(line.endswith("factor 20)") and "step timeout 60.0 s -> " in line for line in err.splitlines())
     # The second run starts with the learned 'step' timeout: a rank stuck in 'step' is caught
     # after about `step` seconds, not the configured 60.
@@ -189,10 +206,12 @@ def test_a_corrupt_state_file_is_set_aside_and_the_job_runs_on_configured_timeou
 
 
 def test_a_megatron_state_file_is_loaded_and_enforced(launcher, tmp_path):
+    """Only what the file marks calculated is applied: its configured 1 ms timeouts for 'setup',
+    'fwd' and out-of-section would stop every rank at once if they were taken as computed."""
     state = tmp_path / "megatron_ft_state.json"
     state.write_text(json.dumps({"current_timeouts": {
-        "section": {"section": {"setup": 60.0, "step": 1.5, "fwd": 60.0, "checkpointing": 60.0},
-                    "out_of_section": 60.0, "calculated_sections": ["step"], "is_out_of_section_calculated": False},
+        "section": {"section": {"setup": 0.001, "step": 1.5, "fwd": 0.001, "checkpointing": 60.0},
+                    "out_of_section": 0.001, "calculated_sections": ["step"], "is_out_of_section_calculated": False},
         "heartbeat": {"initial": None, "subsequent": None, "were_calculated": False}}}))
     out = tmp_path / "out"
     out.mkdir()

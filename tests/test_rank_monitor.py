@@ -152,16 +152,17 @@ def test_nvrx_sections_pattern_runs_and_computed_timeouts_are_enforced(launcher,
              "setup:30,step:30,checkpointing:30", "--ft-safety-factor", "20", "--ft-calc-timeout-floor", "2"]
     res = launcher.run(flags + ["--log-dir", logs / "first", NVRX, state])
     assert res.returncode == 0, res.stderr
-    saved = json.loads(state.read_text())
-    assert sorted(saved["calculated"]["section"]) == ["checkpointing", "setup", "step"]
-    assert 2 <= saved["section"]["step"] < 10 and 2 <= saved["heartbeat"]["subsequent"] < 10  # floor 2
+    saved = json.loads(state.read_text())["current_timeouts"]   # NVRx's state_dict() shape
+    assert saved["section"]["calculated_sections"] == ["checkpointing", "setup", "step"]
+    assert saved["section"]["is_out_of_section_calculated"] and saved["heartbeat"]["were_calculated"]
+    assert 2 <= saved["section"]["section"]["step"] < 10 and 2 <= saved["heartbeat"]["subsequent"] < 10  # floor 2
     res = launcher.run(flags + ["--max-restarts", "1", "--log-dir", logs / "second", NVRX, state,
                                 "--slow-rank", "1", "--slow-step", "6"])
     assert res.returncode == 0, res.stderr
     assert "loaded step timeout" in res.stdout
     hang = events(logs / "second", "hang")
     assert len(hang) == 1 and hang[0]["rank"] == 1 and hang[0]["detail"]["section"] == "step"
-    assert hang[0]["detail"]["timeout"] == pytest.approx(saved["section"]["step"])
+    assert hang[0]["detail"]["timeout"] == pytest.approx(saved["section"]["section"]["step"])
 
 
 def test_misuse_warns_and_never_breaks_the_rank_or_the_monitor(launcher, tmp_path):

@@ -24,7 +24,9 @@ from conftest import EXAMPLE, ROOT, SCRIPTS, tagged, wait_for, wait_until_gone
 ENV_DUMP = os.path.join(SCRIPTS, "env_dump.py")
 PREEMPTIBLE = os.path.join(SCRIPTS, "preemptible.py")
 SBATCH_SCRIPT = os.path.join(ROOT, "examples", "slurm", "train.sbatch")
-LAUNCHER = os.path.join(os.path.dirname(sys.executable), "ft_launcher")  # the console script
+# The interpreter the tests run with, not whatever `ft_launcher` is on PATH (a venv's python that
+# was not activated, or NVRx's command of the same name, would run something else).
+LAUNCHER = [sys.executable, "-m", "ft_launcher"]
 STORE_PORT = 29500  # where the launcher hosts the job's store under SLURM
 STEPS = 60          # the DDP example's length in the restart tests (checkpoints every 10)
 
@@ -71,7 +73,7 @@ class Job:
 
     def start(self, nodes, launcher_args, srun_args=()):
         cmd = ["srun", f"--job-name={self.name}", "-N", str(nodes), "--ntasks-per-node=1",
-               "--kill-on-bad-exit=0", "--label", *srun_args, LAUNCHER, *map(str, launcher_args)]
+               "--kill-on-bad-exit=0", "--label", *srun_args, *LAUNCHER, *map(str, launcher_args)]
         proc = self.cluster.popen(cmd, env_extra=self.env, cwd=self.tmp)
         self.procs.append(proc)
         return proc
@@ -329,7 +331,8 @@ def test_time_limit_warning_signal_preempts_with_grace_and_exit_143(job, tmp_pat
 
 
 def test_sbatch_example_runs_to_completion(job, tmp_path):
-    job_id = job.sbatch([SBATCH_SCRIPT], env={"STEPS": "30", "FT_EXAMPLE": EXAMPLE})
+    job_id = job.sbatch([SBATCH_SCRIPT], env={"STEPS": "30", "FT_EXAMPLE": EXAMPLE,
+                                              "FT_LAUNCHER": " ".join(LAUNCHER)})
     info = job.cluster.wait_job_done(job_id, timeout=120)
     log = (tmp_path / f"ft-ddp-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log

@@ -29,7 +29,7 @@ if os.path.exists(args.state):
     with open(args.state) as fh:
         client.load_state_dict(json.load(fh))
     if rank == 0:
-        print(f"loaded step timeout {client.section_timeouts['step']:.3f}", flush=True)
+        print(f"loaded step timeout {client.section_timeouts.section['step']:.3f}", flush=True)
 
 client.start_section("setup")
 time.sleep(0.05)
