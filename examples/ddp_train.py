@@ -155,6 +155,10 @@ def main():
         with open(os.path.join(args.ckpt_dir, "final.json"), "w") as fh:
             json.dump(result, fh)
         print(f"FINAL step={args.steps} loss={loss.item():.6f} checksum={result['checksum']:.10f}", flush=True)
+    # Free DDP while the process group is still registered: if DDP's reducer held the last reference,
+    # it would destroy the group with the GIL held, and gloo's destructor joins a worker thread that
+    # may still need the GIL to free the last collective: a deadlock at exit (torch issue 56297).
+    del ddp, loss
     dist.destroy_process_group()
 
 
