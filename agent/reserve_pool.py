@@ -234,7 +234,7 @@ class ReservePool:
         self.losses[reserve.local_rank] = 0
         self.events.event("reserve_ready", None, local_rank=reserve.local_rank, pid=reserve.pid,
                           **{k: info.get(k) for k in ("seconds", "imported", "failed", "modules", "rss",
-                                                       "low_priority", "cuda_device")})
+                                                       "low_priority", "cuda_device", "frozen")})
         if not info.get("low_priority") and not self._told_priority:
             self._told_priority = True
             self.events.say("note: warm reserves warm up at normal priority (this process may not raise a "

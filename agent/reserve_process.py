@@ -20,6 +20,7 @@ normal priority, and the ready message says so.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -48,8 +49,12 @@ def main(argv: List[str]) -> None:
     sys.path[0] = _path0(kind, target)  # where the rank resolves imports, already during warm-up
     start = time.monotonic()
     stats = _warm_up(imports_file, user_code_dir(kind, target), start + float(budget), covered_file)
+    # What warm-up made lives as long as the rank: keep it out of every collection, so the rank's
+    # garbage collections, and its exit, do not walk torch's objects (exit: 0.8 s -> 0.13 s).
+    gc.collect()
+    gc.freeze()
     _send(sock, dict(stats, kind="ready", pid=os.getpid(), seconds=round(time.monotonic() - start, 3),
-                     rss=_rss(), low_priority=base_priority is not None))
+                     rss=_rss(), low_priority=base_priority is not None, frozen=gc.get_freeze_count()))
     try:
         data, fds, _, _ = socket.recv_fds(sock, 1 << 22, 2)
         msg = json.loads(data) if data else {}

@@ -72,6 +72,8 @@ def test_restart_activates_a_warm_reserve_that_runs_the_script_as_a_cold_rank_wo
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-3000:]
     assert "ranks started: 0 (warm reserve, pid" in stderr
+    ready = read_events(logs, "reserve_ready")
+    assert all(e["detail"]["frozen"] > 10000 for e in ready), ready  # torch's objects, out of the GC's way
     for rank in (0, 1):
         cold, warm = identity(out, rank, 0), identity(out, rank, 1)
         assert warm["pid"] == cycle1[rank]["pid"]
