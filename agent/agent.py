@@ -29,7 +29,7 @@ from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .rank_output import RankOutput
-from .round_types import NodeInfo, RendezvousError, Round, StoreLost
+from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost
 from .workers import Rank, WorkerGroup, describe_exit
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -51,6 +51,7 @@ class NodeAgent:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._signal: Optional[int] = None
+        self._signal_handled = False  # once True, waits no longer end on self._signal
         self.monitors: list = []
         events.node = socket.gethostname()  # until the rendezvous gives this node its rank
         self._pending_reports: Dict[int, List[dict]] = {}
@@ -67,6 +68,10 @@ class NodeAgent:
         if self._signal is None:
             self._signal = signum
         self.wake()
+
+    def _unhandled_signal(self) -> Optional[int]:
+        """What the rendezvous waits ask between slices: a signal nobody has acted on yet."""
+        return None if self._signal_handled else self._signal
 
     def _node_info(self) -> NodeInfo:
         host = self.cfg.local_addr or ("127.0.0.1" if self.cfg.standalone else socket.getfqdn())
@@ -86,7 +91,7 @@ class NodeAgent:
         from .rendezvous import JobStore, RoundProtocol, RoundWatcher
         try:
             try:
-                self.store = JobStore(self.cfg, self.say)
+                self.store = JobStore(self.cfg, self.say, self._unhandled_signal)
                 self.me = self._node_info()
                 self.proto = RoundProtocol(self.store, self.cfg, self.me)
                 self.injector = FaultInjector(self.cfg.ft, self.proto.claim_fault)
@@ -97,7 +102,8 @@ class NodeAgent:
                 self.watcher.s.add(self.store.key(f"alive/{self.me.node_id}"), 1)
                 self.watcher.start()
                 self.monitors = [f.result() for f in monitor_starts]
-                return self._cycles()
+                code = self._cycles()
+                return self._job_stopped(code) if code > 128 else code
             except StoreLost as exc:
                 self.events.event("store_lost", f"{exc}; stopping this node's ranks", error=str(exc))
                 return EXIT_FAILED
@@ -108,8 +114,10 @@ class NodeAgent:
                 self.events.event("monitor_failed", f"error: {exc}: ranks are not started unprotected",
                                   error=str(exc))
                 return EXIT_FAILED
+            except Stopped as exc:  # a signal while reaching the store, before any round
+                return self._job_stopped(self._stopped_waiting(exc, "the rendezvous store"))
             except Shutdown as exc:
-                return exc.code
+                return self._job_stopped(exc.code)
         finally:
             self._teardown(pool)
 
@@ -132,13 +140,20 @@ class NodeAgent:
         expected = None
         while True:
             self._check_signal(None)
-            rnd = self.proto.join(number, expected)
+            try:
+                rnd = self.proto.join(number, expected)
+            except Stopped as exc:
+                return self._stopped_waiting(exc, f"the other nodes (rendezvous round {number})")
             self.events.cycle = number
-            if rnd.group_rank is None:
-                verdict = self._wait_as_spare(rnd)
-            else:
-                self.events.node = rnd.group_rank
-                verdict = self._run_round(rnd)
+            try:
+                if rnd.group_rank is None:
+                    verdict = self._wait_as_spare(rnd)
+                else:
+                    self.events.node = rnd.group_rank
+                    verdict = self._run_round(rnd)
+            except Stopped:  # a signal during one of the round's store waits
+                self._check_signal(rnd)  # tells the other nodes, stops the ranks, raises Shutdown
+                raise
             if not verdict.get("restart"):
                 self._leave(rnd)
             if verdict.get("kind") == "complete":
@@ -146,11 +161,12 @@ class NodeAgent:
             if verdict.get("kind") == "shutdown":
                 return 128 + int(verdict.get("signal", signal.SIGTERM))
             if not verdict.get("restart"):
+                used = min(verdict.get("restarts_used", 0), self.cfg.max_restarts)
                 self.events.event(
                     "job_failed",
                     f"error: {verdict.get('what', 'a failure')} in cycle {number}; restart budget spent "
-                    f"({min(verdict.get('restarts_used', 0), self.cfg.max_restarts)}/{self.cfg.max_restarts} "
-                    f"restarts used) -> exiting 1", **verdict)
+                    f"({used}/{self.cfg.max_restarts} restarts used) -> exiting 1",
+                    **dict(verdict, restarts_used=used))
                 return EXIT_FAILED
             dead = {n["node_id"] for n in verdict.get("dead_nodes", [])}
             expected = [n for n in rnd.active + rnd.spares if n.node_id not in dead]
@@ -160,6 +176,7 @@ class NodeAgent:
         if self._signal is None:
             return
         sig = self._signal
+        self._signal_handled = True
         self.events.event("signal", f"received {signal.Signals(sig).name}: forwarding to the ranks "
                           f"(SIGKILL after {self.cfg.term_timeout:g}s) and stopping the job", signal=sig)
         if rnd is not None:
@@ -173,6 +190,25 @@ class NodeAgent:
         if rnd is not None:
             self._leave(rnd)
         raise Shutdown(128 + sig)
+
+    def _stopped_waiting(self, exc: Stopped, what: str) -> int:
+        """A signal (ours or, during a join, another node's) ended a wait: the exit code."""
+        self._signal_handled = True
+        name = signal.Signals(exc.signum).name
+        if exc.by_peer:
+            self._signal = self._signal or exc.signum
+            self.say(f"another node is shutting down the job ({name}) while waiting for {what}")
+        else:
+            self.events.event("signal", f"received {name} while waiting for {what}: stopping",
+                              signal=exc.signum)
+        return 128 + exc.signum
+
+    def _job_stopped(self, code: int) -> int:
+        """The last word of a job a signal ended."""
+        sig = code - 128
+        name = signal.Signals(sig).name if sig in signal.valid_signals() else f"signal {sig}"
+        self.events.event("job_stopped", f"job stopped by {name} -> exiting {code}", signal=sig, exitcode=code)
+        return code
 
     # ---- one round ----------------------------------------------------------------------
     def _run_round(self, rnd: Round) -> dict:
@@ -351,6 +387,7 @@ class NodeAgent:
         verdict = self.proto.verdict(rnd.number)
         if verdict.get("kind") == "shutdown":
             self._signal = self._signal or int(verdict.get("signal", signal.SIGTERM))
+            self._signal_handled = True
             self.say(f"another node is shutting down the job ({signal.Signals(self._signal).name})")
             self.group.stop(self._signal, self.cfg.term_timeout)
             self._leave(rnd)
@@ -389,6 +426,8 @@ class NodeAgent:
             left = self.proto.mark_left(rnd.number)
             deadline = time.monotonic() + 10
             while self.store.is_host and left < len(rnd.active) + len(rnd.spares) and time.monotonic() < deadline:
+                if self._signal is not None:  # a signal ends this wait within a second
+                    deadline = min(deadline, time.monotonic() + 1.0)
                 time.sleep(0.02)
                 left = self.proto.left_count(rnd.number)
         except RendezvousError:
