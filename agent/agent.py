@@ -18,6 +18,7 @@ import selectors
 import signal
 import socket
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
@@ -88,7 +89,9 @@ class NodeAgent:
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         monitor_starts = self._start_monitors(pool)
         # torch loads here, while the monitors start: their start-up costs the launch nothing
-        from .rendezvous import JobStore, RoundProtocol, RoundWatcher
+        with warnings.catch_warnings():  # torch's import-time warnings say nothing about this job
+            warnings.simplefilter("ignore")
+            from .rendezvous import JobStore, RoundProtocol, RoundWatcher
         try:
             try:
                 self.store = JobStore(self.cfg, self.say, self._unhandled_signal)

@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 import uuid
+import warnings
 from typing import Dict, List, Optional, Sequence
 
 from rank_monitor.config import FIELD_NAMES, ConfigError
@@ -155,7 +156,9 @@ def parse_nproc(text: str) -> int:
     if text.isdigit() and int(text) > 0:
         return int(text)
     if text in ("gpu", "auto"):
-        import torch
+        with warnings.catch_warnings():  # torch's import-time warnings are not the user's (no numpy, pynvml)
+            warnings.simplefilter("ignore")
+            import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if text == "gpu":
