@@ -116,7 +116,11 @@ class TimeoutLearner:
             dict(self.computed), dict(self.evidence),
             {"safety_factor": self.ft.safety_factor, "calc_min_observations": self.ft.calc_min_observations,
              "calc_timeout_floor": self.ft.calc_timeout_floor}, time.time())
-        ft_state_file.save(self.path, state)
+        try:
+            ft_state_file.save(self.path, state)
+        except OSError as exc:  # the job's outcome never depends on this file
+            self.events.event("ft_state_unwritable", f"warning: cannot write {self.path}: {exc}; the computed "
+                              f"timeouts apply to this job but are not kept", path=self.path, error=str(exc))
         proto.put("timeouts", json.dumps(timeouts))
         proto.count("timeouts_version", 1)
 

@@ -207,6 +207,32 @@ def entrypoint(args) -> List[str]:
     return [sys.executable, "-u", script] + rest
 
 
+def check_writable_dir(what: str, path: str) -> None:
+    """`path`, a directory the launcher will write into, exists (or is made now) and takes a file."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except FileExistsError:
+        raise UsageError(f"{what}: {path} exists and is not a directory") from None
+    except OSError as exc:
+        raise UsageError(f"{what}: cannot write in {path}: {exc.strerror or exc}") from None
+
+
+def check_output_paths(log_dir: Optional[str], ft) -> None:
+    """Every path the launcher will write, checked before anything starts."""
+    if log_dir:
+        check_writable_dir("--log-dir", log_dir)
+    if ft.calc_ft_timeouts or ft.ft_state_path:
+        from agent.timeout_learning import default_state_path
+
+        path = os.path.abspath(default_state_path(ft, log_dir))
+        what = "--ft-state-path" if ft.ft_state_path else "ft_state.json (calc_ft_timeouts)"
+        if os.path.isdir(path):
+            raise UsageError(f"{what}: {path} is a directory, not a file")
+        check_writable_dir(what, os.path.dirname(path))
+
+
 def _slurm():
     try:
         from agent.slurm_env import slurm_info
@@ -277,6 +303,7 @@ def launch_config(argv: Sequence[str]):
     elif capture:
         log_dir = tempfile.mkdtemp(prefix="ft_launcher_logs_")
         print(f"{PROG}: --redirects without --log-dir: logs go to {log_dir}", file=sys.stderr)
+    check_output_paths(log_dir, ft)
     ranks_filter = None
     if args.local_ranks_filter:
         try:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLE, ROOT, SCRIPTS, read_events
+from conftest import EXAMPLE, ROOT, SCRIPTS, read_events, wait_for
 
 ENV_DUMP = os.path.join(SCRIPTS, "env_dump.py")
 
@@ -32,3 +32,37 @@ def test_numpy_is_a_dependency_so_torch_in_the_ranks_does_not_warn():
     cfg.read(os.path.join(ROOT, "setup.cfg"))
     requires = [line.split(">")[0].strip() for line in cfg["options"]["install_requires"].split("\n") if line.strip()]
     assert "numpy" in requires
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--log-dir", "/proc/x", "--log-dir: cannot write in /proc/x"),
+    ("--log-dir", "{file}", "--log-dir: {file} exists and is not a directory"),
+    ("--ft-state-path", "/proc/x/ft_state.json", "--ft-state-path: cannot write in /proc/x"),
+    ("--ft-state-path", "{dir}", "--ft-state-path: {dir} is a directory, not a file"),
+], ids=["log-dir-in-proc", "log-dir-is-a-file", "state-in-proc", "state-is-a-dir"])
+def test_unwritable_output_path_is_one_line_before_anything_starts(launcher, tmp_path, flag, value, message):
+    a_file, a_dir = tmp_path / "a_file", tmp_path / "a_dir"
+    a_file.write_text("not a directory\n")
+    a_dir.mkdir()
+    value, message = (x.format(file=a_file, dir=a_dir) for x in (value, message))
+    res = launcher.run(["--standalone", flag, value, ENV_DUMP, tmp_path], timeout=60)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ft_launcher: error: {message}"), res.stderr
+    assert not list(tmp_path.glob("rank_*.json"))  # no rank ran
+
+
+def test_a_state_file_that_cannot_be_written_later_is_a_warning_not_a_failure(launcher, tmp_path):
+    logs, state_dir = tmp_path / "logs", tmp_path / "state"
+    proc = launcher.start(["--standalone", "--nproc-per-node", "2", "--log-dir", logs,
+                           "--ft-calc-ft-timeouts", "true", "--ft-calc-min-observations", "1",
+                           "--ft-state-path", state_dir / "ft_state.json",
+                           EXAMPLE, "--steps", "40", "--step-time", "0.05", "--ckpt-dir", tmp_path / "ckpt"])
+    wait_for(lambda: read_events(logs, "cycle_start"), 60, "the cycle to start")
+    state_dir.rmdir()
+    state_dir.write_text("the state directory is gone\n")  # every later write there fails
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "FINAL step=40" in out and "Traceback" not in err
+    unwritable = read_events(logs, "ft_state_unwritable")
+    assert unwritable and f"cannot write {state_dir / 'ft_state.json'}" in err
