@@ -421,6 +421,13 @@ class NodeAgent:
         if self.learner.enabled and rnd.group_rank == 0:  # every node published before it was done
             self.learner.compute_as_writer(self.proto, [n.node_id for n in rnd.active], rnd.world_size)
         self.events.event("job_complete", "all ranks on all nodes finished: job complete")
+        pending = self.injector.pending
+        if pending is not None:  # planned on this node, but the job was faster
+            ran = (time.monotonic_ns() - self.group.ranks[0].start_ns) / 1e9
+            self.events.event("fault_not_injected", f"simulated fault not injected: {pending.kind} in rank "
+                              f"{pending.rank} was planned {pending.delay:.2f}s after the start, but the job "
+                              f"ended first ({ran:.2f}s)", rank=pending.rank, fault=pending.kind,
+                              delay=round(pending.delay, 3))
 
     def _leave(self, rnd: Round) -> None:
         """The job is over: say so, and if this agent hosts the store, keep it up (bounded)

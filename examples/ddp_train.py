@@ -26,7 +26,7 @@ def parse_args():
     p.add_argument("--ckpt-dir", default="ckpt")
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (tests)")
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job, e.g. for a simulated fault to land in)")
     p.add_argument("--progress-dir", default=None, help="each rank appends 'cycle step time' lines here")
     p.add_argument("--fail-at-step", type=int, default=None, help="exit 1 at this step (tests)")
     p.add_argument("--fail-rank", type=int, default=0)

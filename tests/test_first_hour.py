@@ -66,3 +66,34 @@ def test_a_state_file_that_cannot_be_written_later_is_a_warning_not_a_failure(la
     assert "FINAL step=40" in out and "Traceback" not in err
     unwritable = read_events(logs, "ft_state_unwritable")
     assert unwritable and f"cannot write {state_dir / 'ft_state.json'}" in err
+
+
+def _readme_command(marker):
+    """The README's `ft_launcher ...` command that contains `marker`, as argv without the program."""
+    import shlex
+
+    text = open(os.path.join(ROOT, "README.md")).read().replace("\\\n", " ")
+    line = next(l for l in text.splitlines() if l.startswith("ft_launcher ") and marker in l)
+    return shlex.split(line)[1:]
+
+
+def test_readme_rank_hung_example_fires_is_caught_and_resumes(launcher, tmp_path):
+    args = _readme_command("rank_hung")
+    script = args.index("examples/ddp_train.py")
+    args = args[:script] + ["--log-dir", tmp_path / "logs", EXAMPLE] + args[script + 1:]
+    res = launcher.run(args, timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert "FINAL step=300" in res.stdout
+    kinds = [e["kind"] for e in read_events(tmp_path / "logs")]
+    assert kinds.count("fault_injected") == 1 and "hang" in kinds and "restart" in kinds
+    assert kinds[-1] == "job_complete"
+
+
+def test_a_fault_planned_after_the_end_of_the_job_says_so(launcher, tmp_path):
+    res = launcher.run(["--standalone", "--log-dir", tmp_path / "logs", "--ft-simulate-fault", "true",
+                        "--ft-simulated-fault-type", "rank_killed", "--ft-simulated-fault-base-delay", "60",
+                        ENV_DUMP, tmp_path], timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "simulated fault not injected: rank_killed in rank 0 was planned" in res.stderr
+    assert "ended first" in res.stderr
+    assert [e["kind"] for e in read_events(tmp_path / "logs")][-1] == "fault_not_injected"
