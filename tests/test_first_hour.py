@@ -97,3 +97,22 @@ def test_a_fault_planned_after_the_end_of_the_job_says_so(launcher, tmp_path):
     assert "simulated fault not injected: rank_killed in rank 0 was planned" in res.stderr
     assert "ended first" in res.stderr
     assert [e["kind"] for e in read_events(tmp_path / "logs")][-1] == "fault_not_injected"
+
+
+def test_readme_first_command_is_quiet_and_a_rerun_says_the_run_is_finished(launcher, tmp_path):
+    import shlex
+
+    first = open(os.path.join(ROOT, "README.md")).read().split("```bash\n", 1)[1].splitlines()[0]
+    args = shlex.split(first.rsplit("&& ", 1)[1])[1:]  # the ft_launcher command, without the program
+    args[args.index("examples/ddp_train.py")] = EXAMPLE
+    res = launcher.run(args, timeout=180)  # cwd is tmp_path: the example's ./ckpt lands there
+    assert res.returncode == 0, res.stderr
+    # The launcher's lines and the script's output, nothing else: no warnings, no source lines.
+    assert all(line.startswith("[ft_launcher ") for line in res.stderr.splitlines()), res.stderr
+    assert [l.split()[0] for l in res.stdout.splitlines()] == ["step", "step", "step", "FINAL"], res.stdout
+    assert sum("hang detection is off" in l for l in res.stderr.splitlines()) == 1
+    final = res.stdout.splitlines()[-1]
+    again = launcher.run(args, timeout=180)
+    assert again.returncode == 0, again.stderr
+    assert "holds a finished run (step 300 of 300): nothing left to train" in again.stdout
+    assert again.stdout.splitlines()[-1] == final  # the finished run's loss, not 0.000000
