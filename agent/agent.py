@@ -17,6 +17,7 @@ import secrets
 import selectors
 import signal
 import socket
+import tempfile
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +58,9 @@ class NodeAgent:
         events.node = socket.gethostname()  # until the rendezvous gives this node its rank
         self._pending_reports: Dict[int, List[dict]] = {}
         self._stalled_monitors: set = set()
+        # Where stack dumps go: the log dir, else a per-agent dir in the platform's temp dir
+        # (removed at the end unless a dump was written there).
+        self._run_dir = cfg.log_dir or os.path.join(tempfile.gettempdir(), f"ft_launcher-{os.getpid()}")
 
     # ---- plumbing -----------------------------------------------------------------------
     def wake(self) -> None:
@@ -136,6 +140,7 @@ class NodeAgent:
             self.watchdog.forget(handle.pid)
         pool.shutdown(wait=True)
         self.watchdog.close()
+        MonitorHandle.tidy_run_dir(self._run_dir, remove_if_empty=not self.cfg.log_dir)
         signal.set_wakeup_fd(-1)
 
     def _cycles(self) -> int:
@@ -470,9 +475,8 @@ class NodeAgent:
 
     # ---- monitors -----------------------------------------------------------------------
     def _start_monitor(self, local_rank: int) -> MonitorHandle:
-        """One monitor; its stack dumps go to the log dir (else a per-agent dir under /tmp)."""
-        run_dir = self.cfg.log_dir or os.path.join("/tmp", f"ft_launcher-{os.getpid()}")
-        handle = MonitorHandle.start(local_rank, self.cfg.ft, run_dir)
+        """One monitor; its stack dumps go to the log dir (else a per-agent temporary dir)."""
+        handle = MonitorHandle.start(local_rank, self.cfg.ft, self._run_dir)
         self.watchdog.watch(handle.pid)
         return handle
 

@@ -116,3 +116,13 @@ def test_readme_first_command_is_quiet_and_a_rerun_says_the_run_is_finished(laun
     assert again.returncode == 0, again.stderr
     assert "holds a finished run (step 300 of 300): nothing left to train" in again.stdout
     assert again.stdout.splitlines()[-1] == final  # the finished run's loss, not 0.000000
+
+
+def test_a_run_without_log_dir_leaves_no_temporary_directory(launcher, tmp_path):
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    proc = launcher.start(["--standalone", "--nproc-per-node", "2", ENV_DUMP, tmp_path], extra_env={"TMPDIR": str(tmp)})
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert not os.path.exists(f"/tmp/ft_launcher-{proc.pid}")
+    assert not list(tmp.glob("ft_launcher-*"))
