@@ -5,4 +5,6 @@ Re-exports only; the implementation is rank_monitor.client. The same calls are c
 """
 from rank_monitor.client import FtSectionWarning, RankMonitorClient, heartbeat, section
 
+__version__ = "0.1.0"
+
 __all__ = ["section", "heartbeat", "RankMonitorClient", "FtSectionWarning"]

@@ -126,3 +126,40 @@ def test_a_run_without_log_dir_leaves_no_temporary_directory(launcher, tmp_path)
     assert proc.returncode == 0, err
     assert not os.path.exists(f"/tmp/ft_launcher-{proc.pid}")
     assert not list(tmp.glob("ft_launcher-*"))
+
+
+def test_version_and_a_grouped_help_with_one_spelling_a_default_and_a_line_per_flag():
+    import re
+
+    sys.path.insert(0, ROOT)
+    from ft_launcher import __version__
+    from rank_monitor.config import FIELD_NAMES
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    version = subprocess.run([sys.executable, "-m", "ft_launcher", "--version"], env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.strip() == f"ft_launcher {__version__}"
+    res = subprocess.run([sys.executable, "-m", "ft_launcher", "--help"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0
+    text = res.stdout
+    for group in ("nodes and rendezvous:", "restarts and stopping:", "logs and console:", "fault tolerance:"):
+        assert f"\n{group}\n" in text
+    assert not re.search(r"--[a-z-]*_", text), "an underscore twin is shown"
+    assert "--ft-param-rank" not in text and "--ft-ft-state-path" not in text
+    entries = {}  # flag -> its entry (the flag's line and the lines its help wraps onto)
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0]
+            entries[flag] = line
+        elif line.startswith("   ") and entries:
+            entries[flag] += " " + line.strip()
+    flag_lines = {k: v for k, v in entries.items() if k.startswith("--ft-")}
+    for key in FIELD_NAMES:
+        shown = "--" + key.replace("_", "-") if key.startswith("ft_") else "--ft-" + key.replace("_", "-")
+        assert shown in flag_lines, shown
+        assert "default" in flag_lines[shown], flag_lines[shown]  # its line carries its default
+    for hidden in (["--nproc_per_node", "2"], ["--ft-param-rank_heartbeat_timeout", "3"],
+                   ["--ft_state_path", "s.json"]):
+        assert subprocess.run([sys.executable, "-m", "ft_launcher", *hidden, "--version"], env=env,
+                              capture_output=True, timeout=60).returncode == 0  # still accepted
