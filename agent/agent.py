@@ -495,7 +495,7 @@ class NodeAgent:
                     f"-> monitor is stopping it; stack dump: {report.get('stack_file')}",
                     rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"})
             elif kind == "stack_dump":  # follows its hang report once the rank has written it
-                self.events.event("stack_dump", None, rank=report.get("rank"), hang_cycle=report.get("cycle"),
+                self.events.event("stack_dump", None, rank=report.get("rank"), cycle=report.get("cycle"),
                                   stack_file=report.get("stack_file"), stack=report.get("stack"))
             elif kind == "monitor_died":
                 sel.unregister(monitor.fileno())

@@ -272,6 +272,8 @@ def entrypoint(args) -> List[str]:
         if not found:
             raise UsageError(f"module not found: {script}")
         return [sys.executable, "-u", "-m", script] + rest
+    if os.path.isdir(script):
+        raise UsageError(f"training script {script} is a directory, not a file")
     if not os.path.isfile(script):
         raise UsageError(f"training script not found: {script}")
     if args.run_path:
@@ -328,6 +330,8 @@ def launch_config(argv: Sequence[str]):
     order_key: Optional[int] = None
     store_here: Optional[bool] = None  # whether this node hosts the store, when SLURM says so
     if args.standalone:
+        if args.nnodes and args.nnodes.strip() not in ("1", "1:1"):
+            raise UsageError(f"--standalone is one node: it cannot be combined with --nnodes {args.nnodes}")
         backend, low, high = "c10d", 1, 1
         host, port, run_id = "127.0.0.1", 0, args.rdzv_id or uuid.uuid4().hex[:12]
     else:
@@ -358,9 +362,11 @@ def launch_config(argv: Sequence[str]):
     is_host = rdzv_conf.pop("is_host", store_here)
     if backend == "static" and is_host is None:
         is_host = order_key == 0
-    for flag in ("max_restarts",):
+    for flag in ("max_restarts", "term_timeout", "workers_stop_timeout"):
         if getattr(args, flag) < 0:
-            raise UsageError(f"--{flag.replace('_', '-')} must not be negative")
+            raise UsageError(f"--{flag.replace('_', '-')} must not be negative, got {getattr(args, flag):g}")
+    if args.monitor_interval <= 0:
+        raise UsageError(f"--monitor-interval must be positive, got {args.monitor_interval:g}")
     ft_cli = {k[4:]: v for k, v in vars(args).items() if k.startswith("ft__") and v is not None}
     try:
         ft = build_ft_config(args.ft_cfg_path, ft_cli, warn=lambda m: print(f"{PROG}: warning: {m}", file=sys.stderr))

@@ -86,6 +86,8 @@ def test_readme_rank_hung_example_fires_is_caught_and_resumes(launcher, tmp_path
     assert "FINAL step=300" in res.stdout
     kinds = [e["kind"] for e in read_events(tmp_path / "logs")]
     assert kinds.count("fault_injected") == 1 and "hang" in kinds and "restart" in kinds
+    hang, dumps = read_events(tmp_path / "logs", "hang"), read_events(tmp_path / "logs", "stack_dump")
+    assert dumps and {d["cycle"] for d in dumps} == {hang[0]["cycle"]} == {0}  # filed under the hang's cycle
     assert kinds[-1] == "job_complete"
 
 
@@ -163,3 +165,43 @@ def test_version_and_a_grouped_help_with_one_spelling_a_default_and_a_line_per_f
                    ["--ft_state_path", "s.json"]):
         assert subprocess.run([sys.executable, "-m", "ft_launcher", *hidden, "--version"], env=env,
                               capture_output=True, timeout=60).returncode == 0  # still accepted
+
+
+SMALL_BAD_INPUTS = [
+    (["--term-timeout", "-5", ENV_DUMP], "--term-timeout must not be negative, got -5"),
+    (["--workers-stop-timeout", "-1", ENV_DUMP], "--workers-stop-timeout must not be negative, got -1"),
+    (["--monitor-interval", "0", ENV_DUMP], "--monitor-interval must be positive, got 0"),
+    (["--standalone", "--nnodes", "2", ENV_DUMP], "--standalone is one node: it cannot be combined with --nnodes 2"),
+    (["--standalone", SCRIPTS], f"training script {SCRIPTS} is a directory, not a file"),
+]
+
+
+@pytest.mark.parametrize("args,message", SMALL_BAD_INPUTS, ids=[" ".join(a[:2]) for a, _ in SMALL_BAD_INPUTS])
+def test_inconsistent_flags_are_one_line_errors(launcher, args, message):
+    res = launcher.run(args, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [f"ft_launcher: error: {message}"]
+
+
+def test_spent_budget_counts_at_most_the_budget_and_errors_share_one_prefix(launcher, tmp_path):
+    logs = tmp_path / "logs"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
+                        os.path.join(SCRIPTS, "fail_rank.py"), "1", "-1"])
+    assert res.returncode == 1
+    failed = read_events(logs, "job_failed")
+    assert len(failed) == 1 and failed[0]["detail"]["restarts_used"] == 1
+    errors = [l for l in res.stderr.splitlines() if "error:" in l]
+    assert errors and all(l.startswith("ft_launcher: error: ") for l in errors), res.stderr
+    assert errors[-1].endswith("[node=0 cycle=1]")
+
+
+def test_sigterm_during_training_ends_with_a_job_stopped_event(launcher, tmp_path):
+    logs = tmp_path / "logs"
+    proc = launcher.start(["--standalone", "--log-dir", logs, os.path.join(SCRIPTS, "sleeper.py"), tmp_path])
+    wait_for(lambda: (tmp_path / "pids_0").exists(), 60, "the rank to start")
+    proc.send_signal(15)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 143
+    kinds = [e["kind"] for e in read_events(logs)]
+    assert kinds[-2:] == ["signal", "job_stopped"]
+    assert read_events(logs, "job_stopped")[0]["detail"] == {"signal": 15, "exitcode": 143}
