@@ -72,7 +72,10 @@ def _is_addr_in_use(exc: Exception) -> bool:
 class JobStore:
     """The job's store: hosted here or reached as a client; keys are namespaced per run id."""
 
-    HANDSHAKE_LIMIT = 15.0  # a listener that does not answer as a TCPStore within this is foreign
+    # A listener that does not answer as a TCPStore within this is foreign. A real store answers
+    # in milliseconds (its server is a native thread, never held up by the host agent's Python);
+    # the endpoint is only tried once something listens there.
+    HANDSHAKE_LIMIT = 4.0
 
     def __init__(self, cfg: LaunchConfig, say: Callable[[str], None],
                  stop: Optional[Callable[[], Optional[int]]] = None):

@@ -205,3 +205,19 @@ def test_sigterm_during_training_ends_with_a_job_stopped_event(launcher, tmp_pat
     kinds = [e["kind"] for e in read_events(logs)]
     assert kinds[-2:] == ["signal", "job_stopped"]
     assert read_events(logs, "job_stopped")[0]["detail"] == {"signal": 15, "exitcode": 143}
+
+
+def test_a_busy_rendezvous_endpoint_is_reported_within_seconds(launcher, tmp_path):
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        res = launcher.run(["--rdzv-endpoint", f"127.0.0.1:{port}", ENV_DUMP, tmp_path], timeout=60)
+        elapsed = time.monotonic() - start
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert f"port {port} on 127.0.0.1 is in use by another program" in res.stderr
+    assert elapsed < 14  # torch's import plus a 4 s handshake; it was 15 s of handshake alone
