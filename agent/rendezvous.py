@@ -111,7 +111,7 @@ class JobStore:
         told = False
         while True:  # wait until something listens at the endpoint
             try:
-                with socket.create_connection((self.host, self.port), timeout=2):
+                with socket.create_connection((self.host, self.port), timeout=0.5):
                     break
             except OSError:
                 self.check_stop()
