@@ -355,7 +355,8 @@ class NodeAgent:
 
     def _warn_if_hangs_undetectable(self) -> None:
         ft = self.cfg.ft
-        if not ft.simulate_fault and not ft.calc_ft_timeouts and not any(v for v in ft.timeout_keys().values()):
+        if not (ft.simulate_fault or ft.calc_ft_timeouts or ft.ft_state_path
+                or any(v for v in ft.timeout_keys().values())):
             self.say("hang detection is off: no section or heartbeat timeout is configured "
                      "(e.g. --ft-rank-section-timeouts step:180)")
         if ft.simulate_fault and ft.simulated_fault_type != "rank_killed" and not any(
