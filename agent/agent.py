@@ -17,7 +17,9 @@ import secrets
 import selectors
 import signal
 import socket
+import tempfile
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
@@ -30,7 +32,7 @@ from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .rank_output import RankOutput
 from .reserve_pool import ReservePool
-from .round_types import NodeInfo, RendezvousError, Round, StoreLost
+from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost
 from .workers import Rank, WorkerGroup, describe_exit, rank_env
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -52,10 +54,14 @@ class NodeAgent:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._signal: Optional[int] = None
+        self._signal_handled = False  # once True, waits no longer end on self._signal
         self.monitors: list = []
         events.node = socket.gethostname()  # until the rendezvous gives this node its rank
         self._pending_reports: Dict[int, List[dict]] = {}
         self._stalled_monitors: set = set()
+        # Where stack dumps go: the log dir, else a per-agent dir in the platform's temp dir
+        # (removed at the end unless a dump was written there).
+        self._run_dir = cfg.log_dir or os.path.join(tempfile.gettempdir(), f"ft_launcher-{os.getpid()}")
 
     # ---- plumbing -----------------------------------------------------------------------
     def wake(self) -> None:
@@ -68,6 +74,10 @@ class NodeAgent:
         if self._signal is None:
             self._signal = signum
         self.wake()
+
+    def _unhandled_signal(self) -> Optional[int]:
+        """What the rendezvous waits ask between slices: a signal nobody has acted on yet."""
+        return None if self._signal_handled else self._signal
 
     def _node_info(self) -> NodeInfo:
         host = self.cfg.local_addr or ("127.0.0.1" if self.cfg.standalone else socket.getfqdn())
@@ -87,10 +97,12 @@ class NodeAgent:
         self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
         self.reserves.fill()  # warming while torch loads and the rendezvous runs
         # torch loads here, while the monitors start: their start-up costs the launch nothing
-        from .rendezvous import JobStore, RoundProtocol, RoundWatcher
+        with warnings.catch_warnings():  # torch's import-time warnings say nothing about this job
+            warnings.simplefilter("ignore")
+            from .rendezvous import JobStore, RoundProtocol, RoundWatcher
         try:
             try:
-                self.store = JobStore(self.cfg, self.say)
+                self.store = JobStore(self.cfg, self.say, self._unhandled_signal)
                 self.me = self._node_info()
                 self.proto = RoundProtocol(self.store, self.cfg, self.me)
                 self.injector = FaultInjector(self.cfg.ft, self.proto.claim_fault)
@@ -101,7 +113,8 @@ class NodeAgent:
                 self.watcher.s.add(self.store.key(f"alive/{self.me.node_id}"), 1)
                 self.watcher.start()
                 self.monitors = [f.result() for f in monitor_starts]
-                return self._cycles()
+                code = self._cycles()
+                return self._job_stopped(code) if code > 128 else code
             except StoreLost as exc:
                 self.events.event("store_lost", f"{exc}; stopping this node's ranks", error=str(exc))
                 return EXIT_FAILED
@@ -112,8 +125,10 @@ class NodeAgent:
                 self.events.event("monitor_failed", f"error: {exc}: ranks are not started unprotected",
                                   error=str(exc))
                 return EXIT_FAILED
+            except Stopped as exc:  # a signal while reaching the store, before any round
+                return self._job_stopped(self._stopped_waiting(exc, "the rendezvous store"))
             except Shutdown as exc:
-                return exc.code
+                return self._job_stopped(exc.code)
         finally:
             self._teardown(pool)
 
@@ -132,6 +147,7 @@ class NodeAgent:
             self.watchdog.forget(handle.pid)
         pool.shutdown(wait=True)
         self.watchdog.close()
+        MonitorHandle.tidy_run_dir(self._run_dir, remove_if_empty=not self.cfg.log_dir)
         signal.set_wakeup_fd(-1)
 
     def _cycles(self) -> int:
@@ -139,13 +155,20 @@ class NodeAgent:
         expected = None
         while True:
             self._check_signal(None)
-            rnd = self.proto.join(number, expected)
+            try:
+                rnd = self.proto.join(number, expected)
+            except Stopped as exc:
+                return self._stopped_waiting(exc, f"the other nodes (rendezvous round {number})")
             self.events.cycle = number
-            if rnd.group_rank is None:
-                verdict = self._wait_as_spare(rnd)
-            else:
-                self.events.node = rnd.group_rank
-                verdict = self._run_round(rnd)
+            try:
+                if rnd.group_rank is None:
+                    verdict = self._wait_as_spare(rnd)
+                else:
+                    self.events.node = rnd.group_rank
+                    verdict = self._run_round(rnd)
+            except Stopped:  # a signal during one of the round's store waits
+                self._check_signal(rnd)  # tells the other nodes, stops the ranks, raises Shutdown
+                raise
             if not verdict.get("restart"):
                 self._leave(rnd)
             if verdict.get("kind") == "complete":
@@ -153,11 +176,12 @@ class NodeAgent:
             if verdict.get("kind") == "shutdown":
                 return 128 + int(verdict.get("signal", signal.SIGTERM))
             if not verdict.get("restart"):
+                used = min(verdict.get("restarts_used", 0), self.cfg.max_restarts)
                 self.events.event(
                     "job_failed",
                     f"error: {verdict.get('what', 'a failure')} in cycle {number}; restart budget spent "
-                    f"({min(verdict.get('restarts_used', 0), self.cfg.max_restarts)}/{self.cfg.max_restarts} "
-                    f"restarts used) -> exiting 1", **verdict)
+                    f"({used}/{self.cfg.max_restarts} restarts used) -> exiting 1",
+                    **dict(verdict, restarts_used=used))
                 return EXIT_FAILED
             dead = {n["node_id"] for n in verdict.get("dead_nodes", [])}
             expected = [n for n in rnd.active + rnd.spares if n.node_id not in dead]
@@ -167,6 +191,7 @@ class NodeAgent:
         if self._signal is None:
             return
         sig = self._signal
+        self._signal_handled = True
         self.events.event("signal", f"received {signal.Signals(sig).name}: forwarding to the ranks "
                           f"(SIGKILL after {self.cfg.term_timeout:g}s) and stopping the job", signal=sig)
         if rnd is not None:
@@ -180,6 +205,25 @@ class NodeAgent:
         if rnd is not None:
             self._leave(rnd)
         raise Shutdown(128 + sig)
+
+    def _stopped_waiting(self, exc: Stopped, what: str) -> int:
+        """A signal (ours or, during a join, another node's) ended a wait: the exit code."""
+        self._signal_handled = True
+        name = signal.Signals(exc.signum).name
+        if exc.by_peer:
+            self._signal = self._signal or exc.signum
+            self.say(f"another node is shutting down the job ({name}) while waiting for {what}")
+        else:
+            self.events.event("signal", f"received {name} while waiting for {what}: stopping",
+                              signal=exc.signum)
+        return 128 + exc.signum
+
+    def _job_stopped(self, code: int) -> int:
+        """The last word of a job a signal ended."""
+        sig = code - 128
+        name = signal.Signals(sig).name if sig in signal.valid_signals() else f"signal {sig}"
+        self.events.event("job_stopped", f"job stopped by {name} -> exiting {code}", signal=sig, exitcode=code)
+        return code
 
     # ---- one round ----------------------------------------------------------------------
     def _run_round(self, rnd: Round) -> dict:
@@ -332,6 +376,10 @@ class NodeAgent:
 
     def _warn_if_hangs_undetectable(self) -> None:
         ft = self.cfg.ft
+        if not (ft.simulate_fault or ft.calc_ft_timeouts or ft.ft_state_path
+                or any(v for v in ft.timeout_keys().values())):
+            self.say("hang detection is off: no section or heartbeat timeout is configured "
+                     "(e.g. --ft-rank-section-timeouts step:180)")
         if ft.simulate_fault and ft.simulated_fault_type != "rank_killed" and not any(
                 v for v in ft.timeout_keys().values()):
             self.say("warning: simulated rank_hung faults need a section or heartbeat timeout to be "
@@ -372,6 +420,7 @@ class NodeAgent:
         verdict = self.proto.verdict(rnd.number)
         if verdict.get("kind") == "shutdown":
             self._signal = self._signal or int(verdict.get("signal", signal.SIGTERM))
+            self._signal_handled = True
             self.say(f"another node is shutting down the job ({signal.Signals(self._signal).name})")
             self.group.stop(self._signal, self.cfg.term_timeout)
             self._leave(rnd)
@@ -405,6 +454,13 @@ class NodeAgent:
         if self.learner.enabled and rnd.group_rank == 0:  # every node published before it was done
             self.learner.compute_as_writer(self.proto, [n.node_id for n in rnd.active], rnd.world_size)
         self.events.event("job_complete", "all ranks on all nodes finished: job complete")
+        pending = self.injector.pending
+        if pending is not None:  # planned on this node, but the job was faster
+            ran = (time.monotonic_ns() - self.group.ranks[0].start_ns) / 1e9
+            self.events.event("fault_not_injected", f"simulated fault not injected: {pending.kind} in rank "
+                              f"{pending.rank} was planned {pending.delay:.2f}s after the start, but the job "
+                              f"ended first ({ran:.2f}s)", rank=pending.rank, fault=pending.kind,
+                              delay=round(pending.delay, 3))
 
     def _leave(self, rnd: Round) -> None:
         """The job is over: say so, and if this agent hosts the store, keep it up (bounded)
@@ -413,6 +469,8 @@ class NodeAgent:
             left = self.proto.mark_left(rnd.number)
             deadline = time.monotonic() + 10
             while self.store.is_host and left < len(rnd.active) + len(rnd.spares) and time.monotonic() < deadline:
+                if self._signal is not None:  # a signal ends this wait within a second
+                    deadline = min(deadline, time.monotonic() + 1.0)
                 time.sleep(0.02)
                 left = self.proto.left_count(rnd.number)
         except RendezvousError:
@@ -450,9 +508,8 @@ class NodeAgent:
 
     # ---- monitors -----------------------------------------------------------------------
     def _start_monitor(self, local_rank: int) -> MonitorHandle:
-        """One monitor; its stack dumps go to the log dir (else a per-agent dir under /tmp)."""
-        run_dir = self.cfg.log_dir or os.path.join("/tmp", f"ft_launcher-{os.getpid()}")
-        handle = MonitorHandle.start(local_rank, self.cfg.ft, run_dir)
+        """One monitor; its stack dumps go to the log dir (else a per-agent temporary dir)."""
+        handle = MonitorHandle.start(local_rank, self.cfg.ft, self._run_dir)
         self.watchdog.watch(handle.pid)
         return handle
 
@@ -471,7 +528,7 @@ class NodeAgent:
                     f"-> monitor is stopping it; stack dump: {report.get('stack_file')}",
                     rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"})
             elif kind == "stack_dump":  # follows its hang report once the rank has written it
-                self.events.event("stack_dump", None, rank=report.get("rank"), hang_cycle=report.get("cycle"),
+                self.events.event("stack_dump", None, rank=report.get("rank"), cycle=report.get("cycle"),
                                   stack_file=report.get("stack_file"), stack=report.get("stack"))
             elif kind == "monitor_died":
                 sel.unregister(monitor.fileno())

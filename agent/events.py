@@ -3,6 +3,8 @@ object appended to `events.jsonl` in the log directory (time, node, rank, cycle,
 
 Lines look like
     [ft_launcher node=1 cycle=2] rank 3 exited with code 1 -> restarting all ranks (restart 2/3)
+Errors and warnings start like the command line's own, so one pattern finds them all:
+    ft_launcher: error: rank 1 on node 0 ... restart budget spent (1/1 restarts used) [node=0 cycle=1]
 Each JSONL record is written with one `write` on an O_APPEND descriptor, so several agents
 sharing a log directory never interleave within a line.
 """
@@ -31,7 +33,11 @@ class EventLog:
     def say(self, message: str) -> None:
         """An operator line with no structured record (progress, hints)."""
         cycle = "" if self.cycle is None else f" cycle={self.cycle}"
-        line = f"[ft_launcher node={self.node}{cycle}] {message}\n"
+        level = next((w for w in ("error: ", "warning: ") if message.startswith(w)), None)
+        if level:
+            line = f"ft_launcher: {message} [node={self.node}{cycle}]\n"
+        else:
+            line = f"[ft_launcher node={self.node}{cycle}] {message}\n"
         with self._lock:
             try:
                 self._stream.write(line)
@@ -40,14 +46,15 @@ class EventLog:
                 pass
 
     def event(self, kind: str, message: Optional[str] = None, /, rank: Optional[int] = None,
-              **detail: Any) -> None:
-        """Record one event; `message`, when given, is also logged as the operator's line."""
+              cycle: Optional[int] = None, **detail: Any) -> None:
+        """Record one event; `message`, when given, is also logged as the operator's line.
+        `cycle`: the cycle the event belongs to, when not the current one (a late report)."""
         if message:
             self.say(message)
         if self._fd is None:
             return
         record = {"time": round(time.time(), 6), "node": self.node, "rank": rank,
-                  "cycle": self.cycle, "kind": kind, "detail": detail}
+                  "cycle": self.cycle if cycle is None else cycle, "kind": kind, "detail": detail}
         data = (json.dumps(record, default=str) + "\n").encode()
         with self._lock:
             try:

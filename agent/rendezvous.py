@@ -17,6 +17,13 @@ Ranks are assigned in infrastructure order (SLURM_PROCID / node rank / GROUP_RAN
 then the order agents first reached the store, kept for the job's life), never purely by who joined first. With `--nnodes MIN:MAX`,
 the first MIN nodes in that order train and the others wait as hot spares for the next round.
 Waits block in the store (`TCPStore.wait`), so a closed round is seen at once, not on a 1 s poll.
+
+Every wait here is cut into slices of at most WAIT_SLICE seconds and asks the agent's `stop`
+callable between slices, so a signal ends any wait (for the store host, for peers, for the
+workers' store, for a verdict) within a second with `Stopped`. A signal while a round is being
+joined is written to that round as a shutdown: the other joiners stop too, instead of closing a
+round with a node that is gone. While it waits for peers, the agent says after 1 s, then every
+PROGRESS_EVERY seconds, who joined and who is missing.
 """
 from __future__ import annotations
 
@@ -31,7 +38,10 @@ from typing import Callable, List, Optional
 from torch.distributed import DistNetworkError, DistStoreError, TCPStore
 
 from .launch_config import LaunchConfig
-from .round_types import NodeInfo, RendezvousError, Round, StoreLost
+from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost
+
+WAIT_SLICE = 0.25     # seconds: the longest a wait goes without looking for a signal
+PROGRESS_EVERY = 5.0  # seconds between "still waiting for ..." lines
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -62,11 +72,16 @@ def _is_addr_in_use(exc: Exception) -> bool:
 class JobStore:
     """The job's store: hosted here or reached as a client; keys are namespaced per run id."""
 
-    HANDSHAKE_LIMIT = 15.0  # a listener that does not answer as a TCPStore within this is foreign
+    # A listener that does not answer as a TCPStore within this is foreign. A real store answers
+    # in milliseconds (its server is a native thread, never held up by the host agent's Python);
+    # the endpoint is only tried once something listens there.
+    HANDSHAKE_LIMIT = 4.0
 
-    def __init__(self, cfg: LaunchConfig, say: Callable[[str], None]):
+    def __init__(self, cfg: LaunchConfig, say: Callable[[str], None],
+                 stop: Optional[Callable[[], Optional[int]]] = None):
         self.cfg = cfg
         self.say = say
+        self.stop = stop  # returns the number of a signal that should end every wait, else None
         self.prefix = f"ft/{cfg.rdzv_id}/"
         self.is_host = False
         self.server: Optional[TCPStore] = None
@@ -96,9 +111,10 @@ class JobStore:
         told = False
         while True:  # wait until something listens at the endpoint
             try:
-                with socket.create_connection((self.host, self.port), timeout=2):
+                with socket.create_connection((self.host, self.port), timeout=0.5):
                     break
             except OSError:
+                self.check_stop()
                 if time.monotonic() > deadline:
                     raise RendezvousError(
                         f"no rendezvous store answered at {self.host}:{self.port} within "
@@ -122,7 +138,10 @@ class JobStore:
 
         thread = threading.Thread(target=connect, daemon=True)
         thread.start()
-        thread.join(self.HANDSHAKE_LIMIT)
+        deadline = time.monotonic() + self.HANDSHAKE_LIMIT
+        while not box and time.monotonic() < deadline:
+            self.check_stop()
+            thread.join(min(WAIT_SLICE, max(0.0, deadline - time.monotonic())))
         if not box:
             raise RendezvousError(
                 f"port {self.port} on {self.host} is in use by another program that is not a "
@@ -134,6 +153,30 @@ class JobStore:
 
     def key(self, name: str) -> str:
         return self.prefix + name
+
+    def check_stop(self) -> None:
+        """Raise Stopped if a signal asked this agent to stop."""
+        sig = self.stop() if self.stop else None
+        if sig:
+            raise Stopped(sig)
+
+    def wait_key(self, client: TCPStore, key: str, timeout: float) -> bool:
+        """Wait up to `timeout` s for `key` to exist, in slices so that a signal ends the wait
+        (Stopped); False when the time is up, StoreLost when the store goes away."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_stop()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                client.wait([key], _td(min(WAIT_SLICE, left)))
+                return True
+            except DistStoreError:
+                continue
+            except DistNetworkError as exc:
+                raise StoreLost(f"lost the rendezvous store at {self.host}:{self.port} "
+                                f"({str(exc).splitlines()[0]})") from None
 
     def _port_flag(self) -> str:
         return "--master-port" if self.cfg.rdzv_backend == "static" else "--rdzv-endpoint"
@@ -190,12 +233,17 @@ class RoundProtocol:
         self._call(self.s.set, self.k(f"r{number}/node/{me.seq}"), json.dumps(dataclasses.asdict(me)))
         closed_key = self.k(f"r{number}/closed")
         start = time.monotonic()
+        next_progress = start + 1.0  # the first line soon, then every PROGRESS_EVERY s
         min_since = None
         join_timeout = self.cfg.conf("join_timeout")
         liveness = _Liveness(self, expected or [])
         while not self._call(self.s.check, [closed_key]):
+            self._check_join_stop(number)
             joined = self._call(self.s.add, self.k(f"r{number}/joined"), 0)
             now = time.monotonic()
+            if now >= next_progress:
+                next_progress = now + PROGRESS_EVERY
+                self.store.say(self._join_progress(number, joined, expected, now - start))
             if joined >= self.cfg.min_nodes and min_since is None:
                 min_since = now
             full = joined >= self.cfg.max_nodes
@@ -225,6 +273,55 @@ class RoundProtocol:
             return Round(number, me, nodes[: self.cfg.min_nodes], nodes[self.cfg.min_nodes:] + [me])
         return Round(number, me, nodes[: self.cfg.min_nodes], nodes[self.cfg.min_nodes:])
 
+    def _check_join_stop(self, number: int) -> None:
+        """Stopped if this agent got a signal (then the round is told) or another joiner did."""
+        sig = self.store.stop() if self.store.stop else None
+        if sig:
+            self.abandon(number, sig)
+            raise Stopped(sig)
+        if self._call(self.s.check, [self.k(f"r{number}/interrupt")]):
+            verdict = self.verdict(number)
+            if verdict.get("kind") == "shutdown":
+                self.mark_left(number)
+                raise Stopped(int(verdict.get("signal", 15)), by_peer=True)
+
+    def abandon(self, number: int, sig: int) -> None:
+        """Stop joining round `number`: record a shutdown there so that the other joiners stop
+        too; if this agent hosts the store, keep it up (at most 1 s) until they have read it."""
+        reason = {"kind": "shutdown", "signal": sig, "node_id": self.me.node_id}
+        text = json.dumps(reason, sort_keys=True)
+        try:
+            if self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text).decode() == text:
+                verdict = dict(reason, restart=False, next_round=number + 1)
+                self._call(self.s.set, self.k(f"r{number}/verdict"), json.dumps(verdict))
+            left = self.mark_left(number)
+            deadline = time.monotonic() + 1.0
+            while self.store.is_host and left < self.count(f"r{number}/joined") and time.monotonic() < deadline:
+                time.sleep(0.02)
+                left = self.left_count(number)
+        except RendezvousError:
+            pass
+
+    def _join_progress(self, number: int, joined: int, expected: Optional[List[NodeInfo]],
+                       waited: float) -> str:
+        """One line: who joined round `number`, who is missing, how long it has waited."""
+        nodes = self._nodes(number, joined)
+        need = self.cfg.min_nodes
+        missing = ""
+        if expected:
+            ids = {n.node_id for n in nodes}
+            gone = [n.label() for n in expected if n.node_id not in ids]
+            missing = f"; missing: {', '.join(gone)}" if gone else ""
+        elif nodes and all(n.order_key is not None for n in nodes):
+            have = {n.order_key for n in nodes}
+            absent = [str(i) for i in range(need) if i not in have]
+            missing = f"; missing: node rank {', '.join(absent)}" if absent else ""
+        if not missing and joined < need:
+            missing = f"; {need - joined} more needed"
+        return (f"rendezvous round {number}: waiting for nodes: {joined} of {need} joined "
+                f"({', '.join(n.label() for n in nodes)}){missing} "
+                f"[{waited:.0f}s of join_timeout {self.cfg.conf('join_timeout'):g}s]")
+
     def _nodes(self, number: int, count: int) -> List[NodeInfo]:
         if count <= 0:
             return []
@@ -237,12 +334,8 @@ class RoundProtocol:
 
     def worker_store(self, number: int) -> tuple:
         key = self.k(f"r{number}/worker_store")
-        try:
-            self.s.wait([key], _td(self.cfg.conf("read_timeout")))
-        except DistStoreError:
-            raise RendezvousError(f"round {number}: node 0 never published the workers' store") from None
-        except DistNetworkError:
-            self._call(self.s.check, [key])
+        if not self.store.wait_key(self.s, key, self.cfg.conf("read_timeout")):
+            raise RendezvousError(f"round {number}: node 0 never published the workers' store")
         host, _, port = self._call(self.s.get, key).decode().rpartition(":")
         return host, int(port)
 
@@ -266,12 +359,8 @@ class RoundProtocol:
 
     def verdict(self, number: int, timeout: float = 60.0) -> dict:
         key = self.k(f"r{number}/verdict")
-        try:
-            self.s.wait([key], _td(timeout))
-        except DistStoreError:
-            raise RendezvousError(f"round {number} was interrupted but no verdict came") from None
-        except DistNetworkError:
-            self._call(self.s.check, [key])
+        if not self.store.wait_key(self.s, key, timeout):
+            raise RendezvousError(f"round {number} was interrupted but no verdict came")
         return json.loads(self._call(self.s.get, key))
 
     def interrupted(self, number: int) -> bool:

@@ -16,6 +16,16 @@ class StoreLost(RendezvousError):
     """The store host is gone: nothing can be coordinated any more."""
 
 
+class Stopped(Exception):
+    """A wait ended because a signal asked this agent to stop (`by_peer`: another node's
+    signal, seen as a shutdown of the round being joined)."""
+
+    def __init__(self, signum: int, by_peer: bool = False):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+        self.by_peer = by_peer
+
+
 @dataclasses.dataclass
 class NodeInfo:
     node_id: str

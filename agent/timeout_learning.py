@@ -118,7 +118,11 @@ class TimeoutLearner:
             {"safety_factor": self.ft.safety_factor, "calc_min_observations": self.ft.calc_min_observations,
              "calc_timeout_floor": self.ft.calc_timeout_floor}, time.time(),
             others={k: v for k, v in self.ft.timeout_keys().items() if k not in self.computed})
-        ft_state_file.save(self.path, state)
+        try:
+            ft_state_file.save(self.path, state)
+        except OSError as exc:  # the job's outcome never depends on this file
+            self.events.event("ft_state_unwritable", f"warning: cannot write {self.path}: {exc}; the computed "
+                              f"timeouts apply to this job but are not kept", path=self.path, error=str(exc))
         proto.put("timeouts", json.dumps(timeouts))
         proto.count("timeouts_version", 1)
 

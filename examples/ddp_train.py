@@ -26,7 +26,7 @@ def parse_args():
     p.add_argument("--ckpt-dir", default="ckpt")
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (tests)")
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job, e.g. for a simulated fault to land in)")
     p.add_argument("--progress-dir", default=None, help="each rank appends 'cycle step time' lines here")
     p.add_argument("--fail-at-step", type=int, default=None, help="exit 1 at this step (tests)")
     p.add_argument("--fail-rank", type=int, default=0)
@@ -86,7 +86,8 @@ def settle_gradient_buckets(ddp):
 
 
 def checksum(model):
-    return float(sum(p.double().sum() for p in model.parameters()))
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in model.parameters()))
 
 
 def main():
@@ -112,15 +113,19 @@ def main():
         os.makedirs(args.ckpt_dir, exist_ok=True)
         path = os.path.join(args.ckpt_dir, "ckpt.pt")
         start = 0
+        loss = torch.tensor(0.0)
         if os.path.exists(path):
             state = torch.load(path, weights_only=True)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
             start = state["step"]
-            if rank == 0:
+            loss = torch.tensor(state.get("loss", 0.0))
+            if rank == 0 and start >= args.steps:  # a re-run of a finished job
+                print(f"{path} holds a finished run (step {start} of {args.steps}): nothing left to "
+                      f"train; delete {args.ckpt_dir} (or pass another --ckpt-dir) to train again", flush=True)
+            elif rank == 0:
                 print(f"resumed from step {start} (cycle {cycle})", flush=True)
 
-    loss = torch.tensor(0.0)
     for step in range(start + 1, args.steps + 1):
         with ft.section("step"):
             if (args.fail_at_step == step and rank == args.fail_rank
@@ -144,7 +149,8 @@ def main():
                 hooks.at("checkpointing", step)
                 if rank == 0:
                     tmp = path + ".tmp"
-                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                                "loss": loss.item()}, tmp)
                     os.replace(tmp, path)
                 dist.barrier()
         if rank == 0 and step % 100 == 0:

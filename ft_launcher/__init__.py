@@ -10,6 +10,8 @@ fault_tolerance package gives a training script, plus HeartbeatTimeouts and Sect
 from rank_monitor.client import (FtSectionWarning, RankMonitorClient, RankMonitorClientError, WorkloadAction,
                                  WorkloadControlRequest, heartbeat, section)
 
+__version__ = "0.1.0"
+
 _LAZY = {"FaultToleranceConfig": "rank_monitor.config", "HeartbeatTimeouts": "rank_monitor.nvrx_types",
          "SectionTimeouts": "rank_monitor.nvrx_types"}
 

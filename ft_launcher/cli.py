@@ -10,12 +10,15 @@ import argparse
 import difflib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import uuid
+import warnings
 from typing import Dict, List, Optional, Sequence
 
-from rank_monitor.config import FIELD_NAMES, ConfigError
+from ft_launcher import __version__
+from rank_monitor.config import FIELD_NAMES, ConfigError, FaultToleranceConfig
 
 PROG = "ft_launcher"
 DEFAULT_C10D_PORT = 29400
@@ -32,23 +35,82 @@ class _Parser(argparse.ArgumentParser):
             message = "no training script given (usage: ft_launcher [flags] train.py [script args])"
         if message.startswith("unrecognized arguments:"):
             flag = message.split(":", 1)[1].split()[0]
-            options = [o for a in self._actions for o in a.option_strings]
-            hint = difflib.get_close_matches(flag.split("=")[0], options, n=1)
+            options = [o for a in self._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
+            hint = difflib.get_close_matches(flag.split("=")[0].replace("_", "-"), options, n=1)
             if hint:
                 message += f" (did you mean {hint[0]}?)"
         raise UsageError(message)
 
 
+# --help groups the flags; each flag shows one spelling, its default and one line.
+_GROUPS = {
+    "nodes and rendezvous": ("nnodes", "nproc-per-node", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf",
+                             "standalone", "node-rank", "master-addr", "master-port", "local-addr"),
+    "restarts and stopping": ("max-restarts", "term-timeout", "workers-stop-timeout", "monitor-interval"),
+    "what each rank runs": ("module", "no-python", "run-path", "role", "start-method"),
+    "logs and console": ("log-dir", "redirects", "tee", "local-ranks-filter"),
+}
+_GROUP_OF = {name: title for title, names in _GROUPS.items() for name in names}
+
+# One line per fault-tolerance key (the README's table says more).
+FT_HELP = {
+    "rank_section_timeouts": "seconds per section, e.g. setup:600,step:180,checkpointing:null",
+    "rank_out_of_section_timeout": "seconds a rank may spend with no section open",
+    "initial_rank_heartbeat_timeout": "seconds from a rank's start to its first heartbeat",
+    "rank_heartbeat_timeout": "seconds between heartbeats",
+    "rank_termination_signal": "signal a hung rank gets (name or number), after a stack dump",
+    "rank_termination_grace": "seconds before SIGKILL follows a catchable termination signal",
+    "stack_dump_wait": "seconds a monitor waits for a hung rank's stack dump",
+    "workload_check_interval": "accepted for NVRx (monitors are deadline driven)",
+    "safety_factor": "a computed timeout is the observed maximum times this",
+    "calc_ft_timeouts": "compute timeouts from observed times (true/false)",
+    "calc_min_observations": "observations needed before a timeout is computed",
+    "calc_timeout_floor": "seconds no computed timeout goes below",
+    "ft_state_path": "where computed timeouts persist (default <log dir>/ft_state.json, else ./ft_state.json)",
+    "pinned_timeouts": "timeouts computed values never replace, e.g. checkpointing,heartbeat",
+    "log_level": "log level of the rank monitors",
+    "simulate_fault": "inject a simulated fault into a rank (true/false)",
+    "simulated_fault_type": "rank_hung, rank_killed or random",
+    "simulated_fault_rank": "global rank to hit (default: drawn from the seed)",
+    "simulated_fault_base_delay": "seconds after the rank's start (plus up to 20%% jitter)",
+    "simulated_fault_seed": "seed of the fault plan (rank, type, jitter)",
+    "simulated_fault_count": "faults per job (-1 or every: one per cycle)",
+}
+
+
+def _group(parser, title: str):
+    groups = parser.__dict__.setdefault("_ft_groups", {})
+    if title not in groups:
+        groups[title] = parser.add_argument_group(title)
+    return groups[title]
+
+
+def _with_default(help_text: Optional[str], default) -> Optional[str]:
+    if help_text is None or "default" in help_text or default in (None, "", False):
+        return help_text
+    return f"{help_text} (default {default})"
+
+
 def _flag(parser, name: str, *extra: str, **kwargs):
-    """Add `--a-b` with its underscore twin `--a_b`."""
-    spellings = [f"--{name}"]
+    """Add `--a-b` to its --help group, with its default; the underscore twin `--a_b` is
+    accepted too but not shown."""
+    kwargs["help"] = _with_default(kwargs.get("help"), kwargs.get("default"))
+    _group(parser, _GROUP_OF.get(name, "other")).add_argument(*extra, f"--{name}", **kwargs)
     if "-" in name:
-        spellings.append(f"--{name.replace('-', '_')}")
-    parser.add_argument(*extra, *spellings, **kwargs)
+        parser.add_argument(f"--{name.replace('-', '_')}", **dict(kwargs, help=argparse.SUPPRESS))
+
+
+def _ft_default(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value in (None, {}, []):
+        return "none"
+    return str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, allow_abbrev=False,
+    p = _Parser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [flags] training_script [script args ...]",
+                formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=40),
                 description="Fault-tolerant launcher for PyTorch training (a torchrun replacement).")
     _flag(p, "nnodes", default=None, help="N or MIN:MAX; nodes past MIN wait as hot spares (default 1, SLURM_NNODES under SLURM)")
     _flag(p, "nproc-per-node", default="1", help="ranks per node: an int, cpu, gpu or auto")
@@ -60,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "max-restarts", type=int, default=0, help="job-wide restart budget (default 0)")
     _flag(p, "monitor-interval", type=float, default=0.1, help="fallback polling period of the agent in seconds")
     _flag(p, "start-method", default="spawn", choices=["spawn", "fork", "forkserver"], help="accepted for torchrun compatibility; ranks are always fresh processes")
-    _flag(p, "role", default="default")
+    _flag(p, "role", default="default", help="the ranks' ROLE_NAME")
     _flag(p, "module", "-m", action="store_true", help="run the script as a module (python -m)")
     _flag(p, "no-python", action="store_true", help="run the script directly, not through python")
     _flag(p, "run-path", action="store_true", help="run the script through runpy.run_path")
@@ -74,15 +136,27 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "local-addr", default=None, help="address the other nodes reach this node at")
     _flag(p, "term-timeout", type=float, default=30.0, help="seconds ranks get after SIGTERM/SIGINT before SIGKILL")
     _flag(p, "workers-stop-timeout", type=float, default=15.0, help="seconds ranks get to stop at a restart before SIGKILL")
-    _flag(p, "ft-cfg-path", default=None, help="YAML with a fault_tolerance: section")
-    ft = p.add_argument_group("fault tolerance (also --ft-param-<key>)")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}", help="print the version and exit")
+    ft = _group(p, "fault tolerance")
+    ft.description = ("hang detection and simulated faults; also a fault_tolerance: section in --ft-cfg-path "
+                      "(flags win). Each flag is also accepted with underscores and as --ft-param-<key>.")
+    _GROUP_OF["ft-cfg-path"] = "fault tolerance"
+    _flag(p, "ft-cfg-path", default=None, help="YAML with a fault_tolerance: section (at any nesting level)")
+    defaults = FaultToleranceConfig()
     for key in FIELD_NAMES:
         dashed = key.replace("_", "-")
-        spellings = dict.fromkeys([f"--ft-{dashed}", f"--ft-{key}", f"--ft-param-{key}", f"--ft-param-{dashed}"]
-                                  + ([f"--{dashed}", f"--{key}"] if key.startswith("ft_") else []))  # --ft-state-path
-        ft.add_argument(*spellings, dest=f"ft__{key}", default=None, metavar="V")
+        spellings = list(dict.fromkeys([f"--ft-{dashed}", f"--ft-{key}", f"--ft-param-{key}", f"--ft-param-{dashed}"]
+                                       + ([f"--{dashed}", f"--{key}"] if key.startswith("ft_") else [])))
+        shown = f"--{dashed}" if key.startswith("ft_") else spellings[0]  # --ft-state-path
+        default = getattr(defaults, key)
+        if key == "rank_termination_signal":
+            default = signal.Signals(default).name
+        ft.add_argument(shown, dest=f"ft__{key}", default=None, metavar="V",
+                        help=_with_default(FT_HELP[key], _ft_default(default)))
+        p.add_argument(*[s for s in spellings if s != shown], dest=f"ft__{key}", default=None,
+                       help=argparse.SUPPRESS)
     p.add_argument("training_script", help="the script (or module, or program) every rank runs")
-    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="passed to the script")
     return p
 
 
@@ -155,7 +229,9 @@ def parse_nproc(text: str) -> int:
     if text.isdigit() and int(text) > 0:
         return int(text)
     if text in ("gpu", "auto"):
-        import torch
+        with warnings.catch_warnings():  # torch's import-time warnings are not the user's (no numpy, pynvml)
+            warnings.simplefilter("ignore")
+            import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if text == "gpu":
@@ -196,6 +272,8 @@ def entrypoint(args) -> List[str]:
         if not found:
             raise UsageError(f"module not found: {script}")
         return [sys.executable, "-u", "-m", script] + rest
+    if os.path.isdir(script):
+        raise UsageError(f"training script {script} is a directory, not a file")
     if not os.path.isfile(script):
         raise UsageError(f"training script not found: {script}")
     if args.run_path:
@@ -209,6 +287,32 @@ def entry_kind(args) -> str:
     if args.no_python:
         return "program"
     return "module" if args.module else "run_path" if args.run_path else "script"
+
+
+def check_writable_dir(what: str, path: str) -> None:
+    """`path`, a directory the launcher will write into, exists (or is made now) and takes a file."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except FileExistsError:
+        raise UsageError(f"{what}: {path} exists and is not a directory") from None
+    except OSError as exc:
+        raise UsageError(f"{what}: cannot write in {path}: {exc.strerror or exc}") from None
+
+
+def check_output_paths(log_dir: Optional[str], ft) -> None:
+    """Every path the launcher will write, checked before anything starts."""
+    if log_dir:
+        check_writable_dir("--log-dir", log_dir)
+    if ft.calc_ft_timeouts or ft.ft_state_path:
+        from agent.timeout_learning import default_state_path
+
+        path = os.path.abspath(default_state_path(ft, log_dir))
+        what = "--ft-state-path" if ft.ft_state_path else "ft_state.json (calc_ft_timeouts)"
+        if os.path.isdir(path):
+            raise UsageError(f"{what}: {path} is a directory, not a file")
+        check_writable_dir(what, os.path.dirname(path))
 
 
 def _slurm():
@@ -245,6 +349,8 @@ def _launch_config(args, origins):
     order_key: Optional[int] = None
     store_here: Optional[bool] = None  # whether this node hosts the store, when SLURM says so
     if args.standalone:
+        if args.nnodes and args.nnodes.strip() not in ("1", "1:1"):
+            raise UsageError(f"--standalone is one node: it cannot be combined with --nnodes {args.nnodes}")
         backend, low, high = "c10d", 1, 1
         host, port, run_id = "127.0.0.1", 0, args.rdzv_id or uuid.uuid4().hex[:12]
     else:
@@ -275,9 +381,11 @@ def _launch_config(args, origins):
     is_host = rdzv_conf.pop("is_host", store_here)
     if backend == "static" and is_host is None:
         is_host = order_key == 0
-    for flag in ("max_restarts",):
+    for flag in ("max_restarts", "term_timeout", "workers_stop_timeout"):
         if getattr(args, flag) < 0:
-            raise UsageError(f"--{flag.replace('_', '-')} must not be negative")
+            raise UsageError(f"--{flag.replace('_', '-')} must not be negative, got {getattr(args, flag):g}")
+    if args.monitor_interval <= 0:
+        raise UsageError(f"--monitor-interval must be positive, got {args.monitor_interval:g}")
     ft_cli = {k[4:]: v for k, v in vars(args).items() if k.startswith("ft__") and v is not None}
     try:
         ft = build_ft_config(args.ft_cfg_path, ft_cli, warn=lambda m: print(f"{PROG}: warning: {m}", file=sys.stderr))
@@ -293,6 +401,7 @@ def _launch_config(args, origins):
     elif capture:
         log_dir = tempfile.mkdtemp(prefix="ft_launcher_logs_")
         print(f"{PROG}: --redirects without --log-dir: logs go to {log_dir}", file=sys.stderr)
+    check_output_paths(log_dir, ft)
     ranks_filter = None
     if args.local_ranks_filter:
         try:

@@ -46,12 +46,16 @@ _warned: set = set()
 
 
 def _warn(key, message: str) -> None:
-    """One warning per key; falls back to stderr if warnings are turned into errors."""
+    """One warning per key, as one line (`FtSectionWarning: ft_launcher: ...`, no source line);
+    the warnings filters still decide whether it shows, and -W error never crashes the rank."""
     if key in _warned:
         return
     _warned.add(key)
     try:
-        warnings.warn(message, FtSectionWarning, stacklevel=4)
+        with warnings.catch_warnings(record=True) as caught:  # the filters stay the caller's
+            warnings.warn(message, FtSectionWarning, stacklevel=4)
+        for warning in caught:
+            sys.stderr.write(f"{warning.category.__name__}: {warning.message}\n")
     except Exception:  # -W error must not turn a monitoring remark into a crash
         try:
             sys.stderr.write(f"FtSectionWarning: {message}\n")
@@ -204,10 +208,12 @@ class _Attachment:
         w[L.H_NSLOTS] = idx + 1          # publish last
         self.slots[name] = idx
         configured = self.config.get("sections", {})
-        if name not in configured and name not in self.calc_sections:
-            names = ", ".join(sorted(configured)) or "none"
-            _warn(("unconfigured", name), f"ft_launcher: section {name!r} has no configured timeout "
-                                          f"(configured: {names}); it is timed but not enforced")
+        # Only when some sections have timeouts (a likely typo), and once per job (rank 0): with
+        # none configured, the launcher says once that hang detection is off.
+        if (configured and name not in configured and name not in self.calc_sections
+                and os.environ.get("RANK", "0") == "0"):
+            _warn(("unconfigured", name), f"ft_launcher: section {name!r} has no configured timeout (sections with "
+                                          f"one: {', '.join(sorted(configured))}); it is timed but not enforced")
         return idx
 
     def close_all(self) -> None:

@@ -59,6 +59,28 @@ class MonitorHandle:
         self._words = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
+    @staticmethod
+    def tidy_run_dir(run_dir: str, remove_if_empty: bool) -> None:
+        """After the monitors stopped: delete the stack files no dump was written to, and the
+        directory itself when nothing else is left in it and it is ours."""
+        try:
+            names = os.listdir(run_dir)
+        except OSError:
+            return
+        for name in names:
+            path = os.path.join(run_dir, name)
+            if name.startswith("stack_local") and name.endswith(".txt"):
+                try:
+                    if os.path.getsize(path) == 0:
+                        os.unlink(path)
+                except OSError:
+                    pass
+        if remove_if_empty:
+            try:
+                os.rmdir(run_dir)
+            except OSError:  # a stack dump worth keeping (its path was logged), or not ours
+                pass
+
     @classmethod
     def start(cls, local_rank: int, cfg: FaultToleranceConfig, run_dir: str,
               ready_timeout: float = 20.0) -> "MonitorHandle":
