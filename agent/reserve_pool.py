@@ -207,13 +207,18 @@ class ReservePool:
         self.events.event("reserve_started", None, local_rank=local_rank, pid=proc.pid)
         return Reserve(local_rank, proc, ours, log_path, _mtime(record))
 
-    def maintain(self, force: bool = False) -> None:
+    def maintain(self) -> None:
         """Read the reserves' news; replace the dead and the stalled; start reserves for a newer
-        import record, dismissing the older ones once the new ones are ready."""
+        import record, dismissing the older ones once the new ones are ready. Cheap to call
+        often: it looks at most every MAINTAIN_EVERY seconds."""
         now = time.monotonic()
-        if not self.enabled or (not force and now < self._next_check):
+        if not self.enabled or now < self._next_check:
             return
         self._next_check = now + MAINTAIN_EVERY
+        self._check(now)
+        self.fill()
+
+    def _check(self, now: float) -> None:
         for local_rank, reserves in self.slots.items():
             for reserve in list(reserves):
                 news = reserve.poll()
@@ -228,7 +233,6 @@ class ReservePool:
                 for reserve in [r for r in reserves if not self._is_current(r)]:
                     reserves.remove(reserve)
                     self._dismiss(reserve)
-        self.fill()
 
     def _on_ready(self, reserve: Reserve, info: dict) -> None:
         self.losses[reserve.local_rank] = 0
@@ -265,7 +269,7 @@ class ReservePool:
         none is ready: the caller starts cold, it never waits."""
         if not self.enabled:
             return None
-        self.maintain(force=True)
+        self._check(time.monotonic())  # no replacements started here: the caller fills after activating
         ready = [r for r in self.slots[local_rank] if r.ready is not None and r.alive()]
         if not ready:
             return None

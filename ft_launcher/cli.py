@@ -75,6 +75,11 @@ FT_HELP = {
     "simulated_fault_base_delay": "seconds after the rank's start (plus up to 20%% jitter)",
     "simulated_fault_seed": "seed of the fault plan (rank, type, jitter)",
     "simulated_fault_count": "faults per job (-1 or every: one per cycle)",
+    "warm_reserves": "warm interpreters per local rank that restarts use instead of a cold start (0: off)",
+    "warm_reserve_timeout": "seconds a warm reserve may take to warm up before it is replaced",
+    # NVRx's and Megatron-Bridge's keys that mean nothing here: accepted, not shown
+    "node_health_check_interval": None, "restart_check_interval": None, "enable_nic_monitor": None,
+    "pci_topo_file": None, "link_down_path_template": None, "enable_ft_package": None,
 }
 
 
@@ -152,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         if key == "rank_termination_signal":
             default = signal.Signals(default).name
         ft.add_argument(shown, dest=f"ft__{key}", default=None, metavar="V",
-                        help=_with_default(FT_HELP[key], _ft_default(default)))
+                        help=argparse.SUPPRESS if FT_HELP[key] is None else
+                        _with_default(FT_HELP[key], _ft_default(default)))
         p.add_argument(*[s for s in spellings if s != shown], dest=f"ft__{key}", default=None,
                        help=argparse.SUPPRESS)
     p.add_argument("training_script", help="the script (or module, or program) every rank runs")
