@@ -256,8 +256,12 @@ class NodeAgent:
             env = rank_env(cfg, local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
                            rnd.world_size, len(rnd.active), master,
                            {**(monitor.rank_env() if monitor else {}), **self.reserves.rank_env(local_rank)})
-            rank = self.group.start(local_rank, rnd.rank_offset + local_rank, env, rnd.number,
-                                    self.reserves.take(local_rank))
+            # The first cycle starts cold, as torchrun's does, even where a reserve is ready (after a
+            # long rendezvous): with some ranks warm (they exit fast) and some cold (their exit walks
+            # torch's objects for ~1 s), a cold rank's exception could take a warm peer down, and be
+            # blamed on it, before the cold rank itself had exited.
+            reserve = self.reserves.take(local_rank) if rnd.number > 0 else None
+            rank = self.group.start(local_rank, rnd.rank_offset + local_rank, env, rnd.number, reserve)
             if monitor:
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
         self._ranks_started()
