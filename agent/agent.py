@@ -95,7 +95,6 @@ class NodeAgent:
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         monitor_starts = self._start_monitors(pool)
         self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
-        self.reserves.fill()  # warming while torch loads and the rendezvous runs
         # torch loads here, while the monitors start: their start-up costs the launch nothing
         with warnings.catch_warnings():  # torch's import-time warnings say nothing about this job
             warnings.simplefilter("ignore")
@@ -483,6 +482,8 @@ class NodeAgent:
     def _wait_as_spare(self, rnd: Round) -> dict:
         self.say(f"hot spare: {len(rnd.active)} node(s) are training; waiting to be needed")
         self.events.event("spare_waiting", None, active=[n.label() for n in rnd.active])
+        self.reserves.arm()  # so that taking over skips the cold start
+        self.reserves.fill()
         self.watcher.watch(rnd)
         sel = selectors.DefaultSelector()
         sel.register(self._wake_r, selectors.EVENT_READ)

@@ -2,8 +2,10 @@
 the slot's rank imports (agent.reserve_process runs inside them), so a restart activates one in
 milliseconds instead of starting a cold interpreter.
 
-The pool starts `warm_reserves` per slot when the agent starts (a hot spare keeps them too),
-replaces each one that is used, and never waits for one: `take` hands out a reserve only if it
+The pool starts `warm_reserves` per slot once the slot's first rank has reached its first `step`
+(so warming never competes with the job's launch, and the reserve imports what that rank
+imported), or ARM_AFTER seconds after the agent started for a script without a `step` section,
+or at once on a hot spare; it replaces each one that is used, and never waits for one: `take` hands out a reserve only if it
 has said it is ready, else the caller spawns cold. A reserve that dies or does not become ready
 within `warm_reserve_timeout` is killed, reported and replaced, and is never activated; after
 three such losses in a row a slot stops trying, with one line saying why.
@@ -41,7 +43,8 @@ _BOOT = ("import sys; sys.path.insert(0, {root!r}); from agent.reserve_process i
          "main(sys.argv[1:])")
 MAX_LOSSES_IN_A_ROW = 3
 ENV_ROOM_BYTES = 32768  # room for the round's variables in the reserve's /proc environ
-MAINTAIN_EVERY = 0.25  # seconds between checks of the reserves' health and records
+MAINTAIN_EVERY = 0.25
+ARM_AFTER = 60.0  # seconds: start reserves for a slot whose rank never records its imports  # seconds between checks of the reserves' health and records
 
 
 class Reserve:
@@ -148,6 +151,7 @@ class ReservePool:
         self.disabled: set = set()
         self._wanted: Dict[int, tuple] = {}  # slot -> (record mtime, module names it asks for)
         self._next_check = 0.0
+        self._arm_at = time.monotonic() + ARM_AFTER
         self._told_priority = False
         if self.per_slot and cfg.entry_kind == "program":
             events.say("warm reserves off: --no-python runs a program, not a Python script, so every "
@@ -180,11 +184,18 @@ class ReservePool:
         return cached[1] <= reserve.covered
 
     # ---- keeping the pool full ----------------------------------------------------------------
+    def arm(self) -> None:
+        """Start reserves from now on without waiting for a rank's import record (a hot spare)."""
+        self._arm_at = time.monotonic()
+
     def fill(self) -> None:
-        """Start what is missing: `warm_reserves` current reserves per slot. Call from the
+        """Start what is missing: `warm_reserves` current reserves per armed slot. Call from the
         agent's main thread (the parent-death signal follows the thread that started it)."""
+        armed = time.monotonic() >= self._arm_at
         for local_rank, reserves in self.slots.items():
             if not self.enabled or local_rank in self.disabled:
+                continue
+            if not armed and _mtime(self.record_path(local_rank)) is None:
                 continue
             for _ in range(self.per_slot - sum(1 for r in reserves if self._is_current(r))):
                 reserves.append(self._start(local_rank))

@@ -347,12 +347,15 @@ def test_orphan_check_sees_the_monitors_and_the_watchdog(launcher, tmp_path):
     rename themselves (monitors, orphan watchdog, warm reserves) must keep their environment readable."""
     job = Job(launcher, tmp_path, "1x2", job_args=["--hold", f"step:{HOLD}"]).launch()
     wait_for(lambda: progress(job.prog, 0), 40, "training")
-    helpers = [p for p in psutil.Process(job.agents[0].pid).children()
-               if "ft_launcher: " in " ".join(p.cmdline())]
-    kinds = sorted(" ".join(p.cmdline()).split()[1] for p in helpers)
-    assert kinds.count("rank_monitor") == 2 and kinds.count("orphan_watchdog") == 1, kinds
-    assert kinds.count("warm_reserve") >= 2, kinds  # one per slot at least (more while a newer one warms)
+    def helpers():
+        return [p for p in psutil.Process(job.agents[0].pid).children() if "ft_launcher: " in " ".join(p.cmdline())]
+
+    def kinds():
+        return sorted(" ".join(p.cmdline()).split()[1] for p in helpers())
+    # warm reserves start once the ranks step: one per slot at least (more while a newer one warms)
+    wait_for(lambda: kinds().count("warm_reserve") >= 2, 30, "the warm reserves")
+    assert kinds().count("rank_monitor") == 2 and kinds().count("orphan_watchdog") == 1, kinds()
     seen = {p.pid for p in tagged(launcher.token)}
-    assert [p.pid for p in helpers if p.pid not in seen] == []
+    assert [p.pid for p in helpers() if p.pid not in seen] == []
     job.agents[0].send_signal(signal.SIGTERM)
     job.agents[0].communicate(timeout=60)
