@@ -338,4 +338,4 @@ def test_sbatch_example_runs_to_completion(job, tmp_path):
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
     assert "FINAL step=30" in log
     final = json.loads((tmp_path / f"ckpt-{job_id}" / "final.json").read_text())
-    assert final["world_size"] == 4 and final["cycle"] == 0
+    assert final["world_size"] == 4 and final["cycle"] == 0, log
