@@ -4,9 +4,9 @@ One fixed-size file (under /dev/shm) per local rank slot, created by the monitor
 array of signed 64-bit words (`memoryview(mmap).cast('q')`) followed by a name table. The rank's
 client is the only writer of the "client" words (sections, heartbeats, timeout overrides) and
 clears them when a new incarnation attaches; the monitor writes only H_START_NS (0 while no rank
-runs) and H_MONITOR_NS (its liveness tick, which the agent watches); the agent writes only
-H_STOP_REASON / H_STOP_DEADLINE_NS, just before it signals the rank to stop (what
-ft_launcher.preempted() reads). A rank's workload control request (NVRx's
+runs), H_MONITOR_NS (its liveness tick, which the agent watches) and, before it terminates a
+hung rank, the stop words; the agent writes only H_STOP_REASON / H_STOP_DEADLINE_NS, just before
+it signals the rank to stop (what ft_launcher.preempted() reads). A rank's workload control request (NVRx's
 WorkloadControlRequest) is H_REQUEST_* plus its description in the request area after the names. Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
 re-reading before acting.
 """

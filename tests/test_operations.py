@@ -6,11 +6,13 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
-from conftest import SCRIPTS, free_port, read_events, wait_for
+from conftest import ROOT, SCRIPTS, free_port, read_events, wait_for
 
 OPS = os.path.join(SCRIPTS, "ops_rank.py")
 QUIET = ["--ft-warm-reserves", "0"]   # nothing here needs warm interpreters: spare the shared CPU
@@ -194,6 +196,10 @@ def test_too_little_free_disk_fails_the_health_check(launcher, tmp_path):
     assert f"health check failed on this node: log directory {logs} has " in last_line(res.stderr)
     assert "GB free, less than min_free_disk_gb=1e+09 -> exiting 93 (no restart)" in last_line(res.stderr)
     assert [e["kind"] for e in read_events(logs)][-1] == "node_left"
+    off = launcher.run(["--standalone", "--nproc-per-node", 1, *QUIET, "--log-dir", logs, "--ft-health-checks",
+                        "false", "--ft-min-free-disk-gb", "1e9", OPS, tmp_path / "out", "--steps", 3], timeout=60)
+    assert off.returncode == 0, off.stderr   # --ft-health-checks false: no check, no skip line
+    assert "health check" not in off.stderr
 
 
 # ---- preemption reaches the training code ---------------------------------------------------------
@@ -226,3 +232,17 @@ def test_a_restart_sigterm_is_not_a_preemption_and_ends_the_rank_at_once(launche
     assert time.monotonic() - start < 25   # no wait for the 30 s SIGKILL
     assert not list(out.glob("preempted_*"))
     assert len(read_events(logs, "cycle_start")) == 2
+
+
+def test_a_sigterm_not_from_the_launcher_is_a_preemption_of_unknown_grace(tmp_path):
+    code = ("import os, signal, ft_launcher as ft\n"
+            "seen = []\n"
+            "ft.on_preemption(seen.append)\n"
+            "assert ft.preempted() is None\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "p = ft.preempted()\n"
+            "print(p.signal, p.grace_left, seen[0] is p)\n")
+    res = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [str(int(signal.SIGTERM)), "None", "True"]
