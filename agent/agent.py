@@ -168,7 +168,7 @@ class NodeAgent:
             self._check_signal(None)
             unhealthy = self.health.run()
             if unhealthy:
-                self._leave_job(f"health check failed on this node: {unhealthy}", joined=None)
+                self._leave_job(f"health check failed on this node: {unhealthy}")
             try:
                 rnd = self.proto.join(number, expected)
             except Stopped as exc:
@@ -200,7 +200,9 @@ class NodeAgent:
                     **dict(verdict, restarts_used=used))
                 return EXIT_FAILED
             if self._excluded or self.me.node_id in verdict.get("exclude", []):
-                self._leave_job(self._excluded or verdict["what"], joined=rnd)
+                slow = f"slow/{self.me.node_id}"
+                self._leave_job(self._excluded or (f"excluded as a straggler: {self.proto.get(slow)}"
+                                                   if self.proto.exists(slow) else verdict["what"]))
             dead = {n["node_id"] for n in verdict.get("dead_nodes", [])} | set(verdict.get("exclude", []))
             expected = [n for n in rnd.active + rnd.spares if n.node_id not in dead
                         and not is_excluded(self.proto, n.node_id)]
@@ -256,7 +258,7 @@ class NodeAgent:
                               f"exiting {code}", reason=reason, exitcode=code)
         return code
 
-    def _leave_job(self, reason: str, joined: Optional[Round]) -> None:
+    def _leave_job(self, reason: str) -> None:
         """This node leaves the job (ExcludeThisNode, a failed health check): mark it, keep the store
         up if it lives here, then end with the no-restart code."""
         self._excluded = reason
@@ -495,6 +497,11 @@ class NodeAgent:
     def _fail(self, rnd: Round, reason: dict) -> dict:
         reason.setdefault("node_id", self.me.node_id)
         self.progress.poll(self.proto, rnd.number, self.monitors)   # this node's last steps count too
+        if reason.get("kind") == "failure" and self.cfg.ft.straggler_exclude and rnd.spares:
+            slow = [n for n in rnd.active if self.proto.exists(f"slow/{n.node_id}")][: len(rnd.spares)]
+            if slow:   # a spare takes the straggler's place at this restart
+                reason["exclude"] = [n.node_id for n in slow]
+                reason["what"] += "; straggling node " + ", ".join(n.host for n in slow) + " is left out"
         if reason.get("kind") == "failure":
             pointless = self.progress.stop_reason(self.proto, rnd.number)
             if pointless:

@@ -6,7 +6,9 @@ ranks' mean time in `straggler_section` (default `step`) over the window, and pu
 one small key per node (`r<N>/strag/<group rank>`). The agent of node 0 compares every rank's
 mean with the median of the other ranks' means; a rank above `straggler_threshold` x that median
 for `straggler_windows` windows in a row is reported once per cycle: a `straggler` event and one
-line naming the rank, its node and the ratio.
+line naming the rank, its node and the ratio. With `straggler_exclude`, the report is also kept in
+the store (`slow/<node_id>`): the next restart leaves that node out when a hot spare can take its
+place (agent.agent reads it when it decides the verdict; agent.no_restart does the leaving).
 
 A job that synchronises every step (DDP's all-reduce) spends a slow rank's delay waiting in its
 peers' own steps, so every rank's `step` looks alike there: time a section that holds only the
@@ -102,6 +104,10 @@ class StragglerWatch:
                 continue
             self._reported.add(rank)
             group_rank, host = node_of[rank]
+            what = (f"rank {rank} on node {group_rank} ({host}) is {ratio:.2f}x slower than the median of the "
+                    f"other ranks in section '{self.ft.straggler_section}'")
+            if self.ft.straggler_exclude:
+                proto.put(f"slow/{rnd.active[group_rank].node_id}", what)
             self.events.event(
                 "straggler",
                 f"warning: straggler: rank {rank} on node {group_rank} ({host}) is {ratio:.2f}x slower than the "

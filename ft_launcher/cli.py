@@ -81,6 +81,7 @@ FT_HELP = {
     "straggler_window": "seconds per straggler comparison window (0: no straggler detection)",
     "straggler_threshold": "a rank this many times slower than the median is a straggler",
     "straggler_windows": "windows in a row a rank must be slow before it is reported",
+    "straggler_exclude": "at the next restart, leave a straggler's node out when a hot spare can replace it",
     "max_no_progress_cycles": "stop the job after this many cycles in a row without a completed step (0: never)",
     "no_restart_exit_code": "exit code of every agent when the job stops and must not be requeued",
     "health_checks": "check GPUs (NVML), log/checkpoint dirs and free disk before each rendezvous",

@@ -76,6 +76,8 @@ class FaultToleranceConfig:
     straggler_window: float = 60.0
     straggler_threshold: float = 1.5
     straggler_windows: int = 3
+    # Exclude a reported straggler's node at the next restart when a hot spare can take its place.
+    straggler_exclude: bool = False
     # Stopping when restarting is pointless (agent.progress): after this many cycles in a row
     # that ended without one completed `step` section on any rank (once the job has completed
     # one), the job stops; 0: never. Every agent then exits with no_restart_exit_code.
@@ -447,6 +449,7 @@ _PARSERS = {
     "straggler_window": _number,
     "straggler_threshold": _number,
     "straggler_windows": lambda k, v, s: _int(k, v, s),
+    "straggler_exclude": _bool,
     "max_no_progress_cycles": lambda k, v, s: _int(k, v, s),
     "no_restart_exit_code": lambda k, v, s: _int(k, v, s),
     "health_checks": _bool,

@@ -75,6 +75,32 @@ def test_a_slow_rank_is_reported_as_a_straggler_naming_rank_node_and_ratio(launc
     assert found[0]["time"] < min(ranks.values())
 
 
+@pytest.mark.slow
+def test_a_straggling_node_is_left_out_at_the_next_restart_when_a_spare_exists(launcher, tmp_path):
+    """--nnodes 2:3 --ft-straggler-exclude true: rank 1 (node 1) straggles and is reported; then
+    rank 0 fails, and the restart puts the spare in node 1's place. Node 1 exits 93 saying why."""
+    port = free_port()
+    logs = tmp_path / "logs"
+    common = ["--nnodes", "2:3", "--nproc-per-node", 1, "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", f"slow{port}", "--rdzv-conf", "join_timeout=90,last_call_timeout=60",
+              "--max-restarts", 1, "--log-dir", logs, *QUIET, *STRAGGLER, "--ft-straggler-exclude", "true",
+              OPS, tmp_path / "out", "--steps", 80, "--step-time", 0.05, "--slow-rank", 1, "--slow-time", 0.15,
+              "--fail-rank", 0, "--fail-at-step", 60, "--fail-cycles", 1]
+    spare = launcher.start(common, extra_env={"GROUP_RANK": "2"})
+    wait_for(lambda: _listening(port) or spare.poll() is not None, 30, "the store host to listen")
+    node0 = launcher.start(common, extra_env={"GROUP_RANK": "0"})
+    node1 = launcher.start(common, extra_env={"GROUP_RANK": "1"})
+    (rc0, _, err0), (rc1, _, err1), (rcs, _, errs) = finish(node0, node1, spare, timeout=150)
+    assert rc0 == 0 and rcs == 0, err0 + errs
+    assert rc1 == 93, err1
+    assert "error: this node leaves the job: excluded as a straggler: rank 1 on node 1 (" in last_line(err1)
+    assert "straggling node" in err0 and "is left out" in err0
+    straggler = [e for e in read_events(logs, "straggler") if e["cycle"] == 0]
+    assert [e["rank"] for e in straggler] == [1]
+    cycle1 = [e for e in read_events(logs, "cycle_start") if e["cycle"] == 1]
+    assert len(cycle1) == 2 and {e["detail"]["world_size"] for e in cycle1} == {2}
+
+
 def test_a_fault_free_job_reports_no_straggler(launcher, tmp_path):
     logs = tmp_path / "logs"
     res = launcher.run(["--standalone", "--nproc-per-node", 3, "--log-dir", logs, *QUIET, *STRAGGLER,

@@ -25,6 +25,7 @@ p.add_argument("--slow-rank", type=int, default=None)
 p.add_argument("--slow-time", type=float, default=0.0)
 p.add_argument("--fail-rank", type=int, default=None)
 p.add_argument("--fail-at-step", type=int, default=3)
+p.add_argument("--fail-cycles", type=int, default=-1, help="fail only in cycles below this (-1: every cycle)")
 p.add_argument("--request", default=None)
 p.add_argument("--request-rank", type=int, default=0)
 p.add_argument("--request-at", type=int, default=3)
@@ -33,6 +34,8 @@ args = p.parse_args()
 
 rank = int(os.environ.get("RANK", 0))
 cycle = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+if 0 <= args.fail_cycles <= cycle:
+    args.fail_rank = None
 os.makedirs(args.out, exist_ok=True)
 log = open(os.path.join(args.out, f"steps_{rank}"), "a", buffering=1)
 
