@@ -52,6 +52,21 @@ def last_line(stderr):
     return stderr.strip().splitlines()[-1]
 
 
+# ---- bad values are one-line errors --------------------------------------------------------------
+@pytest.mark.parametrize("flag,value,message", [
+    ("--ft-straggler-threshold", "0.9", "straggler_threshold must be above 1 (a ratio to the median), got 0.9"),
+    ("--ft-straggler-windows", "0", "straggler_windows must be at least 1, got 0"),
+    ("--ft-no-restart-exit-code", "300", "no_restart_exit_code must be 1-255, got 300"),
+    ("--ft-max-no-progress-cycles", "x", "max_no_progress_cycles must be a number, got 'x'"),
+    ("--ft-straggler-section", " ", "straggler_section must be a section name, got ' '"),
+])
+def test_bad_operations_settings_are_one_line_errors(launcher, tmp_path, flag, value, message):
+    res = launcher.run([flag, value, OPS, tmp_path], timeout=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("ft_launcher: error: ") and lines[0].endswith(message)
+
+
 # ---- stragglers --------------------------------------------------------------------------------
 STRAGGLER = ["--ft-straggler-window", "0.5", "--ft-straggler-windows", "2"]
 
