@@ -7,6 +7,7 @@ hang report, a peer's failure and a signal are therefore all handled the moment 
 not on the next poll.
 
 Exit codes: 0 all ranks succeeded; 1 the restart budget is spent or the rendezvous failed;
+93 (no_restart_exit_code) the job stopped for good or this node left it (agent.no_restart);
 128+N terminated by signal N (forwarded to the ranks first).
 """
 from __future__ import annotations
@@ -23,10 +24,15 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
+from rank_monitor import shm_layout
 from rank_monitor.monitor_handle import MonitorHandle, MonitorStartError
 
 from .events import EventLog
 from .fault_injection import FaultInjector
+from .health_checks import HealthChecks
+from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host, too_few_left
+from .progress import ProgressTracker
+from .stragglers import StragglerWatch
 from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
@@ -59,6 +65,7 @@ class NodeAgent:
         events.node = socket.gethostname()  # until the rendezvous gives this node its rank
         self._pending_reports: Dict[int, List[dict]] = {}
         self._stalled_monitors: set = set()
+        self._excluded: Optional[str] = None   # why this node left the job (agent.no_restart)
         # Where stack dumps go: the log dir, else a per-agent dir in the platform's temp dir
         # (removed at the end unless a dump was written there).
         self._run_dir = cfg.log_dir or os.path.join(tempfile.gettempdir(), f"ft_launcher-{os.getpid()}")
@@ -108,6 +115,9 @@ class NodeAgent:
                 self.learner = TimeoutLearner(self.cfg.ft, default_state_path(self.cfg.ft, self.cfg.log_dir),
                                               self.events)
                 self._warn_if_hangs_undetectable()
+                self.progress = ProgressTracker(self.cfg.ft.max_no_progress_cycles)
+                self.stragglers = StragglerWatch(self.cfg.ft, self.events)
+                self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
                 self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake)
                 self.watcher.s.add(self.store.key(f"alive/{self.me.node_id}"), 1)
                 self.watcher.start()
@@ -128,6 +138,8 @@ class NodeAgent:
                 return self._job_stopped(self._stopped_waiting(exc, "the rendezvous store"))
             except Shutdown as exc:
                 return self._job_stopped(exc.code)
+            except NoRestart as exc:
+                return self._no_restart(exc.reason, exc.node_only)
         finally:
             self._teardown(pool)
 
@@ -154,6 +166,9 @@ class NodeAgent:
         expected = None
         while True:
             self._check_signal(None)
+            unhealthy = self.health.run()
+            if unhealthy:
+                self._leave_job(f"health check failed on this node: {unhealthy}")
             try:
                 rnd = self.proto.join(number, expected)
             except Stopped as exc:
@@ -174,6 +189,8 @@ class NodeAgent:
                 return EXIT_OK
             if verdict.get("kind") == "shutdown":
                 return 128 + int(verdict.get("signal", signal.SIGTERM))
+            if verdict.get("kind") == "stop":
+                return self._no_restart(verdict.get("what", "the job was stopped"))
             if not verdict.get("restart"):
                 used = min(verdict.get("restarts_used", 0), self.cfg.max_restarts)
                 self.events.event(
@@ -182,8 +199,13 @@ class NodeAgent:
                     f"({used}/{self.cfg.max_restarts} restarts used) -> exiting 1",
                     **dict(verdict, restarts_used=used))
                 return EXIT_FAILED
-            dead = {n["node_id"] for n in verdict.get("dead_nodes", [])}
-            expected = [n for n in rnd.active + rnd.spares if n.node_id not in dead]
+            if self._excluded or self.me.node_id in verdict.get("exclude", []):
+                slow = f"slow/{self.me.node_id}"
+                self._leave_job(self._excluded or (f"excluded as a straggler: {self.proto.get(slow)}"
+                                                   if self.proto.exists(slow) else verdict["what"]))
+            dead = {n["node_id"] for n in verdict.get("dead_nodes", [])} | set(verdict.get("exclude", []))
+            expected = [n for n in rnd.active + rnd.spares if n.node_id not in dead
+                        and not is_excluded(self.proto, n.node_id)]
             number = verdict["next_round"]
 
     def _check_signal(self, rnd: Optional[Round]) -> None:
@@ -200,6 +222,7 @@ class NodeAgent:
                 pass
         group = getattr(self, "group", None)
         if group is not None:
+            self._mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
             group.stop(sig, self.cfg.term_timeout)
         if rnd is not None:
             self._leave(rnd)
@@ -223,6 +246,64 @@ class NodeAgent:
         name = signal.Signals(sig).name if sig in signal.valid_signals() else f"signal {sig}"
         self.events.event("job_stopped", f"job stopped by {name} -> exiting {code}", signal=sig, exitcode=code)
         return code
+
+    # ---- stopping for good, leaving the job (agent.no_restart) -----------------------------
+    def _no_restart(self, reason: str, node_only: bool = False) -> int:
+        code = self.cfg.ft.no_restart_exit_code
+        if node_only:
+            self.events.event("node_left", f"error: this node leaves the job: {reason} -> exiting {code} "
+                              f"(no restart)", reason=reason, exitcode=code)
+        else:
+            self.events.event("job_stopped_no_restart", f"error: {reason} -> the job stops without a restart: "
+                              f"exiting {code}", reason=reason, exitcode=code)
+        return code
+
+    def _leave_job(self, reason: str) -> None:
+        """This node leaves the job (ExcludeThisNode, a failed health check): mark it, keep the store
+        up if it lives here, then end with the no-restart code."""
+        self._excluded = reason
+        mark_excluded(self.proto, self.me.node_id)
+        if self.store.is_host and self.cfg.max_nodes > 1:
+            self.say("this node hosts the rendezvous store: it leaves training but keeps serving the store "
+                     "until the other nodes are done")
+            park_store_host(self.proto, self.store, self.me.node_id,
+                            self.cfg.conf("keep_alive_interval") * self.cfg.conf("keep_alive_max_attempt"),
+                            self._unhandled_signal, self.cfg.conf("join_timeout"))
+        raise NoRestart(reason, node_only=True)
+
+    def _workload_request(self, rnd: Round) -> Optional[dict]:
+        """Act on a rank's WorkloadControlRequest (rank_monitor.client): the verdict, or None."""
+        for local_rank, monitor in enumerate(self.monitors):
+            request = monitor.control_request()
+            if request is None:
+                continue
+            rank = rnd.rank_offset + local_rank
+            action = {0: "Continue", 1: "ExcludeThisNode", 2: "ShutdownWorkload"}.get(request["action"], "?")
+            asked = (f"rank {rank} on node {rnd.group_rank} ({self.me.host}) sent {action} "
+                     f"({request['description'] or 'no description'})")
+            if action == "ShutdownWorkload":
+                reason = {"kind": "stop", "what": f"{asked}: stopping the job"}
+            elif action == "ExcludeThisNode":
+                self._excluded = f"{asked}: excluding its node"
+                short = too_few_left(self.cfg, mark_excluded(self.proto, self.me.node_id))
+                reason = ({"kind": "stop", "what": f"{self._excluded}; {short}"} if short else
+                          {"kind": "failure", "what": self._excluded, "exclude": [self.me.node_id]})
+            else:
+                self.events.event("workload_request", f"{asked}: nothing to do", rank=rank, action=action,
+                                  description=request["description"])
+                continue
+            self.events.event("workload_request", f"{reason['what']} -> stopping all ranks", rank=rank,
+                              action=action, description=request["description"])
+            reason.update(rank=rank, node_id=self.me.node_id)
+            return self._announce(rnd, self.proto.interrupt(rnd.number, reason))
+        return None
+
+    def _mark_stopping(self, reason: int, grace: float) -> None:
+        """Tell the ranks (ft_launcher.preempted()) why they are about to be signalled, and when
+        SIGKILL follows."""
+        deadline = time.monotonic_ns() + int(grace * 1e9)
+        for monitor in self.monitors:
+            monitor.mark_stopping(reason, deadline)
 
     # ---- one round ----------------------------------------------------------------------
     def _run_round(self, rnd: Round) -> dict:
@@ -281,6 +362,7 @@ class NodeAgent:
                 self.learner.end_of_cycle(self.monitors)
             for monitor in self.monitors:
                 monitor.rank_stopped()
+            self._mark_stopping(shm_layout.STOP_RESTART, cfg.workers_stop_timeout)
             self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout)
             self.watcher.watch(None)
             del worker_store
@@ -317,6 +399,11 @@ class NodeAgent:
                     return self._interrupted(rnd)
                 if self.learner.due():
                     self._learn(rnd)
+                self.progress.poll(self.proto, rnd.number, self.monitors)
+                self.stragglers.tick(self.proto, rnd, self.group.ranks, self.monitors)
+                request = self._workload_request(rnd)
+                if request is not None:
+                    return request
                 if self.watcher.dead_peers:
                     dead = self.watcher.dead_peers
                     what = ", ".join(f"node {n.label()}" for n in dead) + " stopped answering"
@@ -409,6 +496,20 @@ class NodeAgent:
 
     def _fail(self, rnd: Round, reason: dict) -> dict:
         reason.setdefault("node_id", self.me.node_id)
+        self.progress.poll(self.proto, rnd.number, self.monitors)   # this node's last steps count too
+        if reason.get("kind") == "failure" and self.cfg.ft.straggler_exclude and rnd.spares:
+            slow = [n for n in rnd.active if self.proto.exists(f"slow/{n.node_id}")][: len(rnd.spares)]
+            if slow:   # a spare takes the straggler's place at this restart
+                reason["exclude"] = [n.node_id for n in slow]
+                reason["what"] += "; straggling node " + ", ".join(n.host for n in slow) + " is left out"
+        if reason.get("kind") == "failure":
+            pointless = self.progress.stop_reason(self.proto, rnd.number)
+            if pointless:
+                self.events.event("failure", f"{reason['what']}", rank=reason.get("rank"),
+                                  **{k: v for k, v in reason.items() if k not in ("rank",)})
+                verdict = self.proto.interrupt(rnd.number, dict(reason, kind="stop", failure=reason["what"],
+                                                                what=pointless))
+                return self._announce(rnd, verdict)
         early = self._early_exits()
         if early:  # a rank that left early is the likely cause: its peers waited for it
             reason["what"] += (f", after rank{'s' if len(early) > 1 else ''} {', '.join(map(str, early))} "
@@ -425,6 +526,7 @@ class NodeAgent:
             self._signal = self._signal or int(verdict.get("signal", signal.SIGTERM))
             self._signal_handled = True
             self.say(f"another node is shutting down the job ({signal.Signals(self._signal).name})")
+            self._mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
             self.group.stop(self._signal, self.cfg.term_timeout)
             self._leave(rnd)
             raise Shutdown(128 + self._signal)

@@ -11,6 +11,10 @@ live under `ft/<run_id>/`. A *round* is one training cycle:
     r<R>/verdict           what the job does next (restart or stop), written by that first writer
     r<R>/done, r<R>/left   barrier counters for a round that succeeds
     restarts_used          the job-wide restart budget spent so far
+    excluded, excluded/<id>  nodes that left the job (agent.no_restart): a join stops the job once
+                           too few can remain
+    r<R>/progress, r<R>/strag/<g>  a step completed in round R (agent.progress); node g's
+                           straggler window (agent.stragglers)
     alive/<node_id>        keep-alive counters
 
 Ranks are assigned in infrastructure order (SLURM_PROCID / node rank / GROUP_RANK when known,
@@ -38,6 +42,7 @@ from typing import Callable, List, Optional
 from torch.distributed import DistNetworkError, DistStoreError, TCPStore
 
 from .launch_config import LaunchConfig
+from .no_restart import NoRestart, too_few_left
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost
 
 WAIT_SLICE = 0.25     # seconds: the longest a wait goes without looking for a signal
@@ -279,6 +284,9 @@ class RoundProtocol:
         if sig:
             self.abandon(number, sig)
             raise Stopped(sig)
+        short = too_few_left(self.cfg, self.count("excluded"))
+        if short:
+            raise NoRestart(f"the job cannot go on: {short}")
         if self._call(self.s.check, [self.k(f"r{number}/interrupt")]):
             verdict = self.verdict(number)
             if verdict.get("kind") == "shutdown":

@@ -6,9 +6,12 @@ cheap no-ops (after one warning) when the script is not running under ft_launche
 changes only its import: `from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient`
 becomes `from ft_launcher import RankMonitorClient`; the names below are those NVRx's
 fault_tolerance package gives a training script, plus HeartbeatTimeouts and SectionTimeouts.
+Preemption: `preempted()` / `on_preemption(fn)`; a rank's request to stop the job or leave its
+node: `send_workload_control_request(WorkloadControlRequest(WorkloadAction...))`.
 """
-from rank_monitor.client import (FtSectionWarning, RankMonitorClient, RankMonitorClientError, WorkloadAction,
-                                 WorkloadControlRequest, heartbeat, section)
+from rank_monitor.client import (FtSectionWarning, Preemption, RankMonitorClient, RankMonitorClientError,
+                                 WorkloadAction, WorkloadControlRequest, heartbeat, on_preemption, preempted,
+                                 section, send_workload_control_request)
 
 __version__ = "0.1.0"
 
@@ -16,7 +19,8 @@ _LAZY = {"FaultToleranceConfig": "rank_monitor.config", "HeartbeatTimeouts": "ra
          "SectionTimeouts": "rank_monitor.nvrx_types"}
 
 __all__ = ["section", "heartbeat", "RankMonitorClient", "RankMonitorClientError", "FaultToleranceConfig",
-           "HeartbeatTimeouts", "SectionTimeouts", "WorkloadAction", "WorkloadControlRequest", "FtSectionWarning"]
+           "HeartbeatTimeouts", "SectionTimeouts", "WorkloadAction", "WorkloadControlRequest", "FtSectionWarning",
+           "preempted", "on_preemption", "Preemption", "send_workload_control_request"]
 
 
 def __getattr__(name):

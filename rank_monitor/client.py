@@ -14,8 +14,14 @@ state dict) warns once per name and never raises.
 Also owns NVRx's client surface (nvidia_resiliency_ext.fault_tolerance 0.4.1): RankMonitorClient
 with NVRx's attributes, HeartbeatTimeouts and SectionTimeouts with NVRx's fields, and
 RankMonitorClientError, raised only where NVRx raises it (a second init_workload_monitoring, a
-timeout calculation without data unless skip_if_not_ready). WorkloadControlRequest is accepted
-and not acted upon.
+timeout calculation without data unless skip_if_not_ready). send_workload_control_request
+hands NVRx's WorkloadControlRequest to the launcher through the shared-memory record:
+ShutdownWorkload stops the job (no restart), ExcludeThisNode takes this node out of the job.
+
+Also owns preemption for the rank: preempted() / on_preemption(fn) install (on first call, never
+on the hot path) a SIGTERM handler that records the signal and the grace the launcher announced
+(the agent writes its SIGKILL deadline into the record before it signals). A SIGTERM that stops the
+ranks for a restart is not a preemption: the handler then lets it end the rank as before.
 """
 from __future__ import annotations
 
@@ -497,8 +503,7 @@ class RankMonitorClientError(Exception):
 
 
 class WorkloadAction(enum.Enum):
-    """NVRx's requests from a rank to its launcher. ft_launcher accepts them and does not act on
-    them (see RankMonitorClient.send_workload_control_request)."""
+    """NVRx's requests from a rank to its launcher (see send_workload_control_request)."""
 
     Continue = 0
     ExcludeThisNode = 1
@@ -605,9 +610,11 @@ class RankMonitorClient:
         heartbeat()
 
     def send_workload_control_request(self, req: WorkloadControlRequest) -> None:
-        """Accepted and not acted upon: ft_launcher decides restarts itself (one warning)."""
-        _warn(("workload",), f"ft_launcher: send_workload_control_request({req}) is accepted but not "
-                             "acted upon: the launcher decides restarts and exclusions itself")
+        """Ask the launcher for a workload action (NVRx's request, or ours of the same names):
+        ShutdownWorkload stops the job on every node with the no-restart exit code (93);
+        ExcludeThisNode takes this node out and restarts the job on the others (or a spare) when
+        enough remain, else stops it the same way; Continue is logged. The agent acts at once."""
+        send_workload_control_request(req)
 
     # ---- computed timeouts ---------------------------------------------------------------
     def _not_ready(self, skip: bool, what: str) -> bool:
@@ -735,5 +742,115 @@ class RankMonitorClient:
             att.apply_state(state)
 
 
+def send_workload_control_request(req) -> None:
+    """Write `req` (a WorkloadControlRequest, ours or NVRx's: anything with `.action.name` and
+    `.description`) into this rank's record; without ft_launcher, one warning and nothing else."""
+    name = getattr(getattr(req, "action", None), "name", None)
+    if name not in WorkloadAction.__members__:
+        _warn(("workload_bad", repr(req)), f"ft_launcher: send_workload_control_request: not a workload "
+                                           f"control request: {req!r}; ignored")
+        return
+    if not _ATT.ensure():
+        _warn(("workload",), f"ft_launcher: send_workload_control_request({req}) has no launcher to go to "
+                             "(not running under ft_launcher); ignored")
+        return
+    w, mm = _ATT.words, _ATT.mm
+    data = str(getattr(req, "description", "") or "").encode("utf-8")[:L.REQUEST_BYTES]
+    w[L.H_REQUEST_ACTION] = 0
+    mm[L.REQUEST_OFFSET:L.REQUEST_OFFSET + len(data)] = data
+    w[L.H_REQUEST_LEN] = len(data)
+    w[L.H_REQUEST_SEQ] += 1
+    w[L.H_REQUEST_ACTION] = WorkloadAction[name].value + 1   # publish last
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption
+# ---------------------------------------------------------------------------------------------
+class Preemption:
+    """What preempted() returns once SIGTERM has arrived: `signal`, `received` (time.monotonic()
+    when it arrived) and `deadline` (time.monotonic() at which the launcher's SIGKILL follows, or
+    None where the signal did not come through the launcher); `grace_left` is seconds until then."""
+
+    __slots__ = ("signal", "received", "deadline")
+
+    def __init__(self, signum: int, received: float, deadline: Optional[float]) -> None:
+        self.signal, self.received, self.deadline = signum, received, deadline
+
+    @property
+    def grace_left(self) -> Optional[float]:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        left = self.grace_left
+        return f"<Preemption {signal.Signals(self.signal).name}, " + (
+            "grace unknown>" if left is None else f"{left:.1f}s of grace left>")
+
+
+_PREEMPTION: Optional[Preemption] = None
+_preempt_callbacks: list = []
+_preempt_prev: Any = None
+_preempt_installed = False
+
+
+def _install_preemption_handler() -> bool:
+    global _preempt_prev, _preempt_installed
+    if _preempt_installed:
+        return True
+    try:
+        prev = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:   # not the main thread
+        _warn(("preempt_thread",), "ft_launcher: preempted()/on_preemption() must first be called from the "
+                                   "main thread (it installs a SIGTERM handler); preemption is not reported")
+        return False
+    _ATT.ensure()
+    _preempt_prev, _preempt_installed = prev, True
+    return True
+
+
+def _on_sigterm(signum, frame) -> None:
+    global _PREEMPTION
+    w = _ATT.words if _ATT.mode == "attached" else None
+    reason = w[L.H_STOP_REASON] if w is not None else 0
+    if reason == L.STOP_RESTART:   # a restart stops the ranks: end as the rank would have ended
+        prev = _preempt_prev
+        if callable(prev):
+            prev(signum, frame)
+            return
+        if prev == signal.SIG_IGN:
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    if _PREEMPTION is not None:   # a repeated signal: already reported
+        return
+    deadline_ns = w[L.H_STOP_DEADLINE_NS] if (w is not None and reason == L.STOP_SHUTDOWN) else 0
+    now_ns = _mono()
+    _PREEMPTION = Preemption(signum, now_ns / 1e9, deadline_ns / 1e9 if deadline_ns else None)
+    for fn in list(_preempt_callbacks):
+        fn(_PREEMPTION)
+
+
+def preempted() -> Optional[Preemption]:
+    """None until SIGTERM reaches this rank, then a Preemption (truthy) saying how much grace is
+    left before the launcher's SIGKILL. The first call installs the SIGTERM handler: from then on
+    SIGTERM no longer ends the rank by itself; save what must be saved and exit."""
+    if not _preempt_installed:
+        _install_preemption_handler()
+    return _PREEMPTION
+
+
+def on_preemption(fn) -> Any:
+    """Call `fn(preemption)` from the SIGTERM handler when the job is being stopped (also usable as
+    a decorator). Like preempted(), SIGTERM then no longer ends the rank by itself."""
+    _install_preemption_handler()
+    _preempt_callbacks.append(fn)
+    return fn
+
+
 __all__ = ["RankMonitorClient", "RankMonitorClientError", "WorkloadAction", "WorkloadControlRequest", "section",
-           "heartbeat", "FtSectionWarning"]
+           "heartbeat", "FtSectionWarning", "preempted", "on_preemption", "Preemption",
+           "send_workload_control_request"]

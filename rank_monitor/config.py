@@ -69,6 +69,25 @@ class FaultToleranceConfig:
     # instead of a cold start; 0 turns them off. A reserve not warm after the timeout is replaced.
     warm_reserves: int = 1
     warm_reserve_timeout: float = 120.0
+    # Stragglers (agent.stragglers): every straggler_window seconds each rank's mean time in
+    # straggler_section is compared with the job's median; a rank over straggler_threshold x the
+    # median for straggler_windows windows in a row is reported. straggler_window 0: off.
+    straggler_section: str = "step"
+    straggler_window: float = 60.0
+    straggler_threshold: float = 1.5
+    straggler_windows: int = 3
+    # Exclude a reported straggler's node at the next restart when a hot spare can take its place.
+    straggler_exclude: bool = False
+    # Stopping when restarting is pointless (agent.progress): after this many cycles in a row
+    # that ended without one completed `step` section on any rank (once the job has completed
+    # one), the job stops; 0: never. Every agent then exits with no_restart_exit_code.
+    max_no_progress_cycles: int = 3
+    no_restart_exit_code: int = 93
+    # Health checks before each rendezvous (agent.health_checks): GPUs through NVML when present,
+    # the log and checkpoint directories writable, at least min_free_disk_gb free in them.
+    health_checks: bool = True
+    checkpoint_dir: Optional[str] = None
+    min_free_disk_gb: float = 1.0
     # Accepted so that NVRx and Megatron-Bridge configurations load; no effect here (the agent
     # checks node health by itself; ranks are always monitored under ft_launcher).
     node_health_check_interval: float = 5.0
@@ -129,6 +148,12 @@ class FaultToleranceConfig:
             raise ConfigError(f"safety_factor must be positive, got {self.safety_factor}")
         if not self.warm_reserve_timeout > 0:
             raise ConfigError(f"warm_reserve_timeout must be positive, got {self.warm_reserve_timeout}")
+        if not self.straggler_threshold > 1:
+            raise ConfigError(f"straggler_threshold must be above 1 (a ratio to the median), got {self.straggler_threshold}")
+        if self.straggler_windows < 1:
+            raise ConfigError(f"straggler_windows must be at least 1, got {self.straggler_windows}")
+        if not 1 <= self.no_restart_exit_code <= 255:
+            raise ConfigError(f"no_restart_exit_code must be 1-255, got {self.no_restart_exit_code}")
         for key in ("rank_termination_grace", "stack_dump_wait", "workload_check_interval"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must not be negative, got {getattr(self, key)}")
@@ -325,6 +350,13 @@ def _choice(key: str, value: Any, source: str, choices) -> str:
     return text
 
 
+def _name(key: str, value: Any, source: str) -> str:
+    text = "" if value is None else str(value).strip()
+    if not text:
+        raise ConfigError(f"{source}: {key} must be a section name, got {value!r}")
+    return text
+
+
 def _int(key: str, value: Any, source: str) -> int:
     number = _number(key, value, source)
     if number != int(number):
@@ -413,6 +445,16 @@ _PARSERS = {
     "pinned_timeouts": lambda k, v, s: _pins(v, s),
     "warm_reserves": lambda k, v, s: _int(k, v, s),
     "warm_reserve_timeout": _number,
+    "straggler_section": lambda k, v, s: _name(k, v, s),
+    "straggler_window": _number,
+    "straggler_threshold": _number,
+    "straggler_windows": lambda k, v, s: _int(k, v, s),
+    "straggler_exclude": _bool,
+    "max_no_progress_cycles": lambda k, v, s: _int(k, v, s),
+    "no_restart_exit_code": lambda k, v, s: _int(k, v, s),
+    "health_checks": _bool,
+    "checkpoint_dir": lambda k, v, s: None if v is None or str(v).strip() == "" else str(v),
+    "min_free_disk_gb": _number,
     "log_level": lambda k, v, s: _log_level(v, s),
     "node_health_check_interval": _number,
     "restart_check_interval": _number,

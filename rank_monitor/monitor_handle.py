@@ -2,7 +2,9 @@
 
 This is the only part of rank_monitor the agent uses. It spawns `python -m rank_monitor.server`
 with subprocess (never fork: the agent has threads) in its own session, talks to it over a
-socketpair (JSON lines), and maps the shared-memory record read-only for section statistics.
+socketpair (JSON lines), and maps the shared-memory record for section statistics and a rank's
+workload control requests (read), and to tell the rank why and until when it is being stopped
+(the agent's only words, see shm_layout).
 Note: the monitor dies with the *thread* that started it (PR_SET_PDEATHSIG semantics), so call
 `start` from a long-lived thread (the agent's main thread).
 """
@@ -16,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from rank_monitor import shm_layout as L
 from rank_monitor.json_channel import JsonLineChannel
@@ -57,6 +59,7 @@ class MonitorHandle:
         self._stopped = False
         self._mm = None
         self._words = None
+        self._request_seen = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     @staticmethod
@@ -102,7 +105,7 @@ class MonitorHandle:
         handle = cls(local_rank, cfg, run_dir, proc, ours, shm_path, stack_template)
         try:
             handle._await_ready(ready_timeout)
-            handle._mm, handle._words = L.attach(shm_path, writable=False)
+            handle._mm, handle._words = L.attach(shm_path)
         except BaseException:
             handle.stop()
             raise
@@ -200,6 +203,31 @@ class MonitorHandle:
             return 0.0
         tick = self._words[L.H_MONITOR_NS]
         return max(0.0, (time.monotonic_ns() - tick) / 1e9) if tick else 0.0
+
+    def _current(self) -> bool:
+        """The record holds the running incarnation's data (see shm_layout.read_stats)."""
+        w = self._words
+        return w is not None and bool(w[L.H_START_NS]) and w[L.H_ATTACH_NS] >= w[L.H_START_NS]
+
+    def control_request(self) -> Optional[dict]:
+        """A new workload control request of the running rank: {"action": WorkloadAction value,
+        "description": str}, once per request; None when there is none."""
+        w = self._words
+        if w is None or not w[L.H_REQUEST_ACTION] or not self._current():
+            return None
+        key = (w[L.H_GEN], w[L.H_REQUEST_SEQ])
+        if key == self._request_seen:
+            return None
+        self._request_seen = key
+        n = max(0, min(w[L.H_REQUEST_LEN], L.REQUEST_BYTES))
+        text = bytes(self._mm[L.REQUEST_OFFSET:L.REQUEST_OFFSET + n]).decode("utf-8", "replace")
+        return {"action": w[L.H_REQUEST_ACTION] - 1, "description": text}
+
+    def mark_stopping(self, reason: int, deadline_ns: int) -> None:
+        """Before the rank is signalled: why (L.STOP_*) and when SIGKILL follows."""
+        if self._words is not None:
+            self._words[L.H_STOP_DEADLINE_NS] = int(deadline_ns)
+            self._words[L.H_STOP_REASON] = int(reason)
 
     def section_stats(self) -> dict:
         if self._words is None:

@@ -165,6 +165,10 @@ class Incident:
     def _terminate(self) -> None:
         cfg = self.server.cfg
         sig = int(cfg.rank_termination_signal)
+        if self.server._client_matches(self.inc):   # a hung rank's SIGTERM is not a preemption
+            words = self.server.words
+            words[L.H_STOP_DEADLINE_NS] = _mono() + int(cfg.rank_termination_grace * 1e9)
+            words[L.H_STOP_REASON] = L.STOP_RESTART
         self._signal_group(signal.SIGCONT)
         self._signal_group(sig)
         log.debug("local_rank=%s: sent signal %s to rank pid %s", self.server.local_rank, sig, self.inc.pid)

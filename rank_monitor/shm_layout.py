@@ -4,7 +4,10 @@ One fixed-size file (under /dev/shm) per local rank slot, created by the monitor
 array of signed 64-bit words (`memoryview(mmap).cast('q')`) followed by a name table. The rank's
 client is the only writer of the "client" words (sections, heartbeats, timeout overrides) and
 clears them when a new incarnation attaches; the monitor writes only H_START_NS (0 while no rank
-runs) and H_MONITOR_NS (its liveness tick, which the agent watches). Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
+runs), H_MONITOR_NS (its liveness tick, which the agent watches) and, before it terminates a
+hung rank, the stop words; the agent writes only H_STOP_REASON / H_STOP_DEADLINE_NS, just before
+it signals the rank to stop (what ft_launcher.preempted() reads). A rank's workload control request (NVRx's
+WorkloadControlRequest) is H_REQUEST_* plus its description in the request area after the names. Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
 re-reading before acting.
 """
 from __future__ import annotations
@@ -20,7 +23,7 @@ ENV_CONFIG = "FT_RANK_MONITOR_CONFIG"          # JSON: timeouts the rank was sta
 ENV_LOCAL_RANK = "FT_RANK_MONITOR_LOCAL_RANK"
 
 MAGIC = 0x46544C4D4F4E3031  # "FTLMON01"
-VERSION = 1
+VERSION = 2
 
 # ---- header words -------------------------------------------------------------------------------
 H_MAGIC = 0
@@ -47,6 +50,11 @@ H_TO_HB_SUB = 20
 H_ATTACH_NS = 21
 H_GEN = 22              # bumped on every (re)attach / clear: invalidates cached slot names
 H_MONITOR_NS = 23       # the monitor's loop writes the time here at least once a second
+H_REQUEST_ACTION = 24   # a workload control request: 0 none, else WorkloadAction value + 1 (written last)
+H_REQUEST_SEQ = 25      # bumped per request
+H_REQUEST_LEN = 26      # bytes of its description in the request area
+H_STOP_REASON = 27      # written by the agent before it signals the rank: STOP_* below
+H_STOP_DEADLINE_NS = 28 # monotonic ns at which the agent's SIGKILL follows
 HEADER_WORDS = 32
 
 # ---- per-section slot words ---------------------------------------------------------------------
@@ -63,12 +71,17 @@ SLOT_WORDS = 16
 MAX_SLOTS = 64
 NAME_BYTES = 128        # per slot, in the name table after the words
 
+STOP_SHUTDOWN = 1       # the job is stopping (preemption, a signal to the launcher)
+STOP_RESTART = 2        # the ranks are stopped for a restart
+
 TIMEOUT_UNSET = 0
 TIMEOUT_NONE = -1
 
 WORDS = HEADER_WORDS + MAX_SLOTS * SLOT_WORDS
 NAMES_OFFSET = WORDS * 8
-SIZE = NAMES_OFFSET + MAX_SLOTS * NAME_BYTES
+REQUEST_OFFSET = NAMES_OFFSET + MAX_SLOTS * NAME_BYTES
+REQUEST_BYTES = 512
+SIZE = REQUEST_OFFSET + REQUEST_BYTES
 
 
 def slot_base(index: int) -> int:
@@ -127,7 +140,8 @@ def attach(path: str, writable: bool = True) -> Tuple[mmap.mmap, memoryview]:
 
 
 def clear_client_state(words: memoryview) -> None:
-    """Zero every client-written word (a new incarnation starts from nothing)."""
+    """Zero every client-written word (a new incarnation starts from nothing), and the agent's
+    stop words (they were about the previous incarnation)."""
     words[H_CLIENT_STATE] = 0
     words[H_CLIENT_PID] = 0
     words[H_NSLOTS] = 0

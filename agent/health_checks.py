@@ -1,0 +1,106 @@
+"""Node health checks, run by the agent before it joins each rendezvous round.
+
+- GPUs, through NVML (`pynvml` from the nvidia-ml-py package) when a driver is present: every
+  device answers (handle, memory info), none has retired pages pending or uncorrectable volatile
+  ECC errors. Without NVML (no driver, no package: a CPU node) the check is skipped, and the agent
+  says so once.
+- The log directory and the checkpoint directory (`checkpoint_dir`) take a new file, and have at
+  least `min_free_disk_gb` GB free.
+
+A failing node leaves the job as a rank's ExcludeThisNode request would (agent.no_restart), with one
+line saying which check failed.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import List, Optional, Tuple
+
+
+def check_gpus() -> Tuple[Optional[str], Optional[str]]:
+    """-> (failure, skipped): a one-line reason each, or None."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, "GPU health check skipped: pynvml (nvidia-ml-py) is not installed"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return None, f"GPU health check skipped: NVML is not available on this node ({exc})"
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        for index in range(count):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                pynvml.nvmlDeviceGetMemoryInfo(handle)
+            except pynvml.NVMLError as exc:
+                return f"GPU {index} does not answer NVML ({exc})", None
+            try:
+                pending = pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle)
+            except pynvml.NVMLError:   # not supported on this GPU: nothing to say
+                pending = 0
+            if pending:
+                return f"GPU {index} has retired memory pages pending (needs a reset)", None
+            try:
+                ecc = pynvml.nvmlDeviceGetTotalEccErrors(handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                                         pynvml.NVML_VOLATILE_ECC)
+            except pynvml.NVMLError:
+                ecc = 0
+            if ecc:
+                return f"GPU {index} has {ecc} uncorrectable ECC error(s) since the last reset", None
+        if count == 0:
+            return None, "GPU health check skipped: NVML sees no GPU on this node"
+        return None, None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+def check_directory(what: str, path: str, min_free_gb: float) -> Optional[str]:
+    """One line when `path` cannot take a file or has less than `min_free_gb` GB free."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        return f"{what} {path} is not writable ({exc.strerror or exc})"
+    try:
+        free = shutil.disk_usage(path).free / 1e9
+    except OSError as exc:
+        return f"cannot read the free disk space of {what} {path} ({exc.strerror or exc})"
+    if free < min_free_gb:
+        return f"{what} {path} has {free:.1f} GB free, less than min_free_disk_gb={min_free_gb:g}"
+    return None
+
+
+class HealthChecks:
+    def __init__(self, ft, log_dir: Optional[str], say):
+        self.ft = ft
+        self.log_dir = log_dir
+        self.say = say
+        self._told: set = set()
+
+    def run(self) -> Optional[str]:
+        """The first failure as one line, or None; each skipped check is said once per agent."""
+        ft = self.ft
+        if not ft.health_checks:
+            return None
+        failure, skipped = check_gpus()
+        if skipped and skipped not in self._told:
+            self._told.add(skipped)
+            self.say(skipped)
+        if failure:
+            return failure
+        dirs: List[Tuple[str, str]] = []
+        if self.log_dir:
+            dirs.append(("log directory", self.log_dir))
+        if ft.checkpoint_dir:
+            dirs.append(("checkpoint directory", ft.checkpoint_dir))
+        for what, path in dirs:
+            failure = check_directory(what, path, ft.min_free_disk_gb)
+            if failure:
+                return failure
+        return None
