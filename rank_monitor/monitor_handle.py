@@ -201,6 +201,12 @@ class MonitorHandle:
         tick = self._words[L.H_MONITOR_NS]
         return max(0.0, (time.monotonic_ns() - tick) / 1e9) if tick else 0.0
 
+    def live(self):
+        """The rank's open sections, last heartbeat and section counters now (shm_layout.read_live)."""
+        if self._words is None:
+            return None
+        return L.read_live(self._mm, self._words)
+
     def section_stats(self) -> dict:
         if self._words is None:
             return {}
