@@ -365,11 +365,12 @@ def timeline_png(job: Job) -> bytes:
         if first is not None:
             ax.barh(y, bar["end"] - first, left=first - t0, height=0.55, color="#2ca02c", edgecolor="none")
             if bar.get("steps"):
-                ax.text((first + bar["end"]) / 2 - t0, y, f"{bar['steps']} steps", fontsize=7, color="white",
+                ax.text((first + bar["end"]) / 2 - t0, y, f"{bar['steps']} step{'s' if bar['steps'] != 1 else ''}", fontsize=7, color="white",
                         ha="center", va="center", clip_on=True)
-    for number, c in sorted(job.cycles.items()):
+    for i, (number, c) in enumerate(sorted(job.cycles.items())):  # labels alternate in height
         ax.axvline(c["start"] - t0, color="#555555", lw=0.8, ls=":")
-        ax.text(c["start"] - t0, len(lanes) - 0.35, f" cycle {number}", fontsize=8, va="bottom", color="#333333")
+        ax.text(c["start"] - t0, len(lanes) - 0.45 + 0.25 * (i % 2), f" cycle {number}", fontsize=8, va="bottom",
+                color="#333333")
     marks = {"fault_injected": ("X", "#d62728", 90), "hang": ("v", "#ff7f0e", 70),
              "stack_dump": ("D", "#9467bd", 30), "failure": ("o", "#000000", 40)}
     for e in job.events:

@@ -231,28 +231,38 @@ def _one(values, prefix, **labels):
     return found[0]
 
 
-def test_status_and_metrics_during_a_running_2x2_job(launcher, tmp_path):
-    logs = tmp_path / "logs"
+def _events(dirs, kind):
+    return [e for d in dirs for e in read_events(d, kind)]
+
+
+def test_status_metrics_and_report_of_a_running_2x2_job(launcher, tmp_path):
+    """2 agents x 2 ranks, one log dir per agent (as under SLURM without a shared dir), computed
+    timeouts on, a simulated kill of rank 3 (node 1): status and /metrics read while the job runs
+    again after the restart, the report merges both dirs."""
+    dirs = [tmp_path / "logs0", tmp_path / "logs1"]
     port, ports = free_port(), [free_port(), free_port()]
     procs = [launcher.start(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                             "--rdzv-id", "ops2x2", "--node-rank", str(i), "--max-restarts", "1", "--log-dir", logs,
+                             "--rdzv-id", "ops2x2", "--node-rank", str(i), "--max-restarts", "1", "--log-dir", dirs[i],
                              "--metrics-port", ports[i], "--ft-rank-section-timeouts", "setup:60,step:10",
+                             "--ft-calc-ft-timeouts", "true", "--ft-calc-min-observations", "5",
                              "--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_killed",
                              "--ft-simulated-fault-rank", "3", "--ft-simulated-fault-base-delay", "5",
                              EXAMPLE, "--steps", "500", "--step-time", STEP_TIME, "--ckpt-dir", tmp_path / "ckpt"])
              for i in range(2)]
     # after the kill and the restart: both nodes' ranks stepping in cycle 1
-    wait_for(lambda: len([e for e in read_events(logs, "stepping") if e["cycle"] == 1]) == 2, 120,
+    wait_for(lambda: len([e for e in _events(dirs, "stepping") if e["cycle"] == 1]) == 2, 150,
              "every rank stepping again in cycle 1")
     wait_for(lambda: all(r.get("steps", 0) > 0 and r.get("heartbeat_age") is not None
-                         for f in os.listdir(logs / "status") if f.endswith(".json")
-                         for r in json.load(open(logs / "status" / f))["ranks"]), 30, "status files showing steps")
-    res = run_cli(["status", logs], cwd=tmp_path)
+                         for d in dirs for f in os.listdir(d / "status") if f.endswith(".json")
+                         for r in json.load(open(d / "status" / f))["ranks"]), 30, "status files showing steps")
+    res = run_cli(["status", *dirs], cwd=tmp_path)
     assert all(p.poll() is None for p in procs), "the job ended before it could be read"
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0].startswith("job 'ops2x2': running; 2 agent(s), 4 rank(s); cycle 1; restarts used 1/1")
-    assert lines[1] == "timeouts: sections setup 60s, step 10s; out of section none; heartbeat none (first none)"
+    assert lines[0].startswith("job 'ops2x2': running; 2 agent(s), 4 rank(s); cycle 1; restarts used 1/1"), lines
+    steps_seen = {10.0} | {e["detail"]["new"] for e in _events(dirs, "timeout_computed") if e["detail"]["key"] == "section:step"}
+    shown = re.match(r"timeouts: sections setup 60s, step ([0-9.]+)s; out of section ", lines[1])
+    assert shown and float(shown.group(1)) in {round(v, 6) for v in steps_seen} | {float(f"{v:g}") for v in steps_seen}, lines[1]
     rows = [l.split() for l in lines[3:-1]]
     assert [(r[0], r[4]) for r in rows] == [("0", "0"), ("0", "1"), ("1", "2"), ("1", "3")]
     sections = {r[6] for r in rows}
@@ -266,18 +276,32 @@ def test_status_and_metrics_during_a_running_2x2_job(launcher, tmp_path):
         assert _one(values, "ft_launcher_failures_total") == (1 if node == 1 else 0)  # rank 3 lives on node 1
         assert _one(values, "ft_launcher_hangs_total") == 0
         assert _one(values, "ft_launcher_recovery_seconds_count") == 1
-        assert 0 < _one(values, "ft_launcher_recovery_seconds_sum") < 60
+        assert 0 < _one(values, "ft_launcher_recovery_seconds_sum") < 120
         for rank in (2 * node, 2 * node + 1):
             assert _one(values, "ft_launcher_section_seconds_count", section="step", rank=rank) > 0
             assert _one(values, "ft_launcher_section_seconds_sum", section="step", rank=rank) > 0
         assert 0 < _one(values, "ft_launcher_goodput_ratio") < 1
         assert _one(values, "ft_launcher_cycle") == 1
-        assert _one(values, "ft_launcher_section_timeout_seconds", section="step") == 10
+        assert _one(values, "ft_launcher_section_timeout_seconds", section="step") in steps_seen
     for proc in procs:
-        proc.communicate(timeout=120)
+        proc.communicate(timeout=150)
         assert proc.returncode == 0
-    res = run_cli(["status", logs], cwd=tmp_path)
+    res = run_cli(["status", *dirs], cwd=tmp_path)
     assert res.returncode == 0 and res.stdout.startswith("job 'ops2x2': finished (exit code 0)"), res.stdout
+
+    # the report merges the two dirs: both nodes' lanes, the kill on node 1, the computed timeouts
+    res = run_cli(["report", *dirs, "-o", tmp_path / "report.html"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "complete; 2 node(s), 4 rank(s), 2 cycle(s)" in res.stdout.splitlines()[0]
+    parsed = _Tables()
+    parsed.feed((tmp_path / "report.html").read_text())
+    incident = [r["cells"] for r in parsed.tables["incidents"] if r["class"] == "incident"]
+    assert len(incident) == 1 and incident[0][2] == "3 (node 1)" and "the agent on node 1" in incident[0][5]
+    assert [r["cells"][0] for r in parsed.tables["ranks"][1:]] == ["0", "1", "2", "3"]
+    computed = [(e["cycle"], e["detail"]["key"], e["detail"]["new"]) for e in _events(dirs, "timeout_computed")]
+    assert computed, "no timeout was computed"
+    shown = [(int(r["cells"][0]), r["cells"][1], float(r["cells"][3])) for r in parsed.tables["timeouts"][1:]]
+    assert [(c, k, pytest.approx(v, rel=1e-2)) for c, k, v in computed] == shown
 
 
 def test_status_without_a_job_and_a_busy_metrics_port_are_one_line_errors(launcher, tmp_path):
