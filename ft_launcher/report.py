@@ -273,8 +273,8 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
         detect = h["time"]
         started = detect - float(hd.get("elapsed") or 0.0)
         hang_timeout = hd.get("timeout")
-        noticed = (f"its rank monitor: {place} open {float(hd.get('elapsed') or 0):.2f} s > timeout "
-                   f"{_num(hang_timeout)} s")
+        noticed = (f"{'its rank monitor' if len(hung) == 1 else 'their rank monitors'} ({place} open "
+                   f"{float(hd.get('elapsed') or 0):.2f} s > timeout {_num(hang_timeout)} s)")
     elif d.get("dead_nodes"):
         what, detect, started = d.get("what", "a node stopped answering"), failure["time"], failure["time"]
         noticed = f"the agent on node {failure['node']} (the peer's keep-alives stopped)"
@@ -291,7 +291,7 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
             what = d.get("what", what)
         rank = f.get("rank") if f.get("rank") is not None else rank  # the rank the fault hit
     elif hangs:
-        cause = "a hang (section entered at the start of the shaded span)"
+        cause = "a hang"
     restarts = _by_kind(mine, "restart")
     failed = _by_kind(mine, "job_failed")
     if restarts:
