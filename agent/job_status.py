@@ -12,6 +12,8 @@ path does nothing more for it.
 - `stepping` (once per node and cycle): when every local rank has entered `step` for the first
   time in the cycle: each rank's first-step time, and `after_failure`, the seconds since this node
   first heard of the failure (a hang, failure or restart event) that ended the latest earlier cycle.
+  Until then the agent samples every 20 ms (for the first 30 s of a cycle; then at its own
+  `--monitor-interval`), so a first-step time is exact or late by at most one sample.
 - `cycle_summary` (once per node and cycle, when it ends): per rank, the cycle's completed
   sections (count, total and max seconds) and the first-step time; the cycle's wall seconds.
   `ft_launcher report` computes goodput (time in `step` over wall time) from these.
@@ -28,7 +30,8 @@ from typing import Dict, Optional
 STATUS_DIR = "status"
 STEP = "step"
 WRITE_EVERY = 1.0          # seconds between status-file rewrites while ranks run
-FIRST_STEP_POLL = 0.02     # seconds between samples until every local rank has stepped
+FIRST_STEP_POLL = 0.02     # seconds between samples until every local rank has stepped ...
+FIRST_STEP_FAST_FOR = 30.0  # ... within this long of the cycle's start (then at the agent's own pace)
 
 
 def mono_to_wall(ns: int, now_wall: float, now_ns: int) -> float:
@@ -87,7 +90,7 @@ class JobStatus:
 
     def poll_interval(self) -> Optional[float]:
         """How soon the agent should sample again: often until every local rank has stepped."""
-        if self.group is None or self._stepping_sent:
+        if self.group is None or self._stepping_sent or time.time() - self.cycle_started > FIRST_STEP_FAST_FOR:
             return None
         return FIRST_STEP_POLL
 
