@@ -204,6 +204,7 @@ class NodeAgent:
             return
         sig = self._signal
         self._signal_handled = True
+        self.status.cycle_end()  # the running cycle's summary before the job's last words
         self.events.event("signal", f"received {signal.Signals(sig).name}: forwarding to the ranks "
                           f"(SIGKILL after {self.cfg.term_timeout:g}s) and stopping the job", signal=sig)
         if rnd is not None:
@@ -438,6 +439,7 @@ class NodeAgent:
     def _interrupted(self, rnd: Round) -> dict:
         verdict = self.proto.verdict(rnd.number)
         if verdict.get("kind") == "shutdown":
+            self.status.cycle_end()
             self._signal = self._signal or int(verdict.get("signal", signal.SIGTERM))
             self._signal_handled = True
             self.say(f"another node is shutting down the job ({signal.Signals(self._signal).name})")
