@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
 import time
 from typing import Dict, Optional
 
@@ -63,7 +62,6 @@ class JobStatus:
         self._ranks: list = []                        # last sampled rank rows
         self.past_sections: Dict[tuple, list] = {}    # (rank, section) -> [count, total] of ended cycles
         self.snapshot: dict = {}                      # read by the metrics thread (replaced, never mutated)
-        self._lock = threading.Lock()
         events.listeners.append(self._on_event)
         self._write()
 

@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -270,6 +269,16 @@ def test_status_metrics_and_report_of_a_running_2x2_job(launcher, tmp_path):
     assert sections <= {"step", "checkpointing", "(none)"} and "step" in sections, res.stdout
     for r in rows:  # heartbeat: every step sends one, so the last is recent
         assert r[-2] != "-" and float(r[-2].rstrip("s")) < 5, res.stdout
+    # the report of the running job: the running cycle's steps come from the status files
+    res = run_cli(["report", *dirs, "-o", tmp_path / "live.html"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "running (as of its last status update); 2 node(s), 4 rank(s), 2 cycle(s)" in res.stdout, res.stdout
+    assert "incidents: 1" in res.stdout and "every rank stepping again" in res.stdout
+    live = float(re.search(r"goodput ([0-9.]+)%", res.stdout).group(1))
+    cycle0 = sum(r["sections"].get("step", {}).get("total", 0) for e in _events(dirs, "cycle_summary")
+                  for r in e["detail"]["ranks"].values())
+    assert live > 0 and "time in step" in res.stdout
+    assert float(re.search(r"time in step ([0-9.]+) rank-s", res.stdout).group(1)) > cycle0  # cycle 1 counted
 
     for node, mport in enumerate(ports):
         values = _metrics(mport)
