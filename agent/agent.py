@@ -33,6 +33,7 @@ from .health_checks import HealthChecks
 from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host, too_few_left
 from .progress import ProgressTracker
 from .stragglers import StragglerWatch
+from .job_status import JobStatus
 from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
@@ -52,9 +53,12 @@ class Shutdown(Exception):
 
 
 class NodeAgent:
-    def __init__(self, cfg: LaunchConfig, events: EventLog):
+    def __init__(self, cfg: LaunchConfig, events: EventLog, metrics=None):
         self.cfg = cfg
         self.events = events
+        self.status = JobStatus(cfg, events)  # status file, stepping/cycle_summary events
+        if metrics is not None:
+            metrics.attach(events, lambda: self.status.snapshot)
         self.say = events.say
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -93,6 +97,14 @@ class NodeAgent:
 
     # ---- main ---------------------------------------------------------------------------
     def run(self) -> int:
+        code = EXIT_FAILED
+        try:
+            code = self._run()
+            return code
+        finally:
+            self.status.finish(code)
+
+    def _run(self) -> int:
         self.say(self.cfg.summary())
         for sig in FORWARDED_SIGNALS:
             signal.signal(sig, self._on_signal)
@@ -169,6 +181,7 @@ class NodeAgent:
             unhealthy = self.health.run()
             if unhealthy:
                 self._leave_job(f"health check failed on this node: {unhealthy}")
+            self.status.rendezvous()
             try:
                 rnd = self.proto.join(number, expected)
             except Stopped as exc:
@@ -213,6 +226,7 @@ class NodeAgent:
             return
         sig = self._signal
         self._signal_handled = True
+        self.status.cycle_end()  # the running cycle's summary before the job's last words
         self.events.event("signal", f"received {signal.Signals(sig).name}: forwarding to the ranks "
                           f"(SIGKILL after {self.cfg.term_timeout:g}s) and stopping the job", signal=sig)
         if rnd is not None:
@@ -345,6 +359,7 @@ class NodeAgent:
             if monitor:
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
         self._ranks_started()
+        self.status.cycle_start(rnd, restarts, self.group, self.monitors)
         self.reserves.fill()
         plan = None
         if cfg.ft.simulate_fault and (cfg.ft.simulated_fault_count < 0
@@ -357,6 +372,7 @@ class NodeAgent:
         try:
             return self._supervise(rnd)
         finally:
+            self.status.cycle_end()
             if self.learner.enabled:
                 self._learn(rnd)
                 self.learner.end_of_cycle(self.monitors)
@@ -378,8 +394,8 @@ class NodeAgent:
         try:
             while True:
                 due = self.injector.seconds_until_due(time.monotonic_ns())
-                ready = sel.select(timeout=self.cfg.monitor_interval if due is None
-                                   else min(due, self.cfg.monitor_interval))
+                wait = self.cfg.monitor_interval if due is None else min(due, self.cfg.monitor_interval)
+                ready = sel.select(timeout=min(wait, self.status.poll_interval() or wait))
                 if due is not None and self.injector.seconds_until_due(time.monotonic_ns()) == 0:
                     self._inject_fault()
                 for key, _ in ready:
@@ -390,6 +406,7 @@ class NodeAgent:
                             pass
                     elif isinstance(key.data, tuple):
                         self._collect_reports(key.data[1], sel)
+                self.status.sample()
                 self._check_signal(rnd)
                 self._check_monitors_tick()
                 self.reserves.maintain()
@@ -523,6 +540,7 @@ class NodeAgent:
     def _interrupted(self, rnd: Round) -> dict:
         verdict = self.proto.verdict(rnd.number)
         if verdict.get("kind") == "shutdown":
+            self.status.cycle_end()
             self._signal = self._signal or int(verdict.get("signal", signal.SIGTERM))
             self._signal_handled = True
             self.say(f"another node is shutting down the job ({signal.Signals(self._signal).name})")
@@ -558,6 +576,7 @@ class NodeAgent:
     def _finish_job(self, rnd: Round) -> None:
         if self.learner.enabled and rnd.group_rank == 0:  # every node published before it was done
             self.learner.compute_as_writer(self.proto, [n.node_id for n in rnd.active], rnd.world_size)
+        self.status.cycle_end()  # the last cycle's summary before the job's last word
         self.events.event("job_complete", "all ranks on all nodes finished: job complete")
         pending = self.injector.pending
         if pending is not None:  # planned on this node, but the job was faster
@@ -583,6 +602,7 @@ class NodeAgent:
 
     def _wait_as_spare(self, rnd: Round) -> dict:
         self.say(f"hot spare: {len(rnd.active)} node(s) are training; waiting to be needed")
+        self.status.spare(rnd.number)
         self.events.event("spare_waiting", None, active=[n.label() for n in rnd.active])
         self.reserves.arm()  # so that taking over skips the cold start
         self.reserves.fill()

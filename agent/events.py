@@ -26,6 +26,7 @@ class EventLog:
         self._fd = None
         self._lock = threading.Lock()
         self.path = events_path
+        self.listeners: list = []  # callables given each record (metrics, status), log dir or not
         if events_path:
             os.makedirs(os.path.dirname(os.path.abspath(events_path)), exist_ok=True)
             self._fd = os.open(events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -51,10 +52,17 @@ class EventLog:
         `cycle`: the cycle the event belongs to, when not the current one (a late report)."""
         if message:
             self.say(message)
-        if self._fd is None:
+        if self._fd is None and not self.listeners:
             return
         record = {"time": round(time.time(), 6), "node": self.node, "rank": rank,
                   "cycle": self.cycle if cycle is None else cycle, "kind": kind, "detail": detail}
+        for listener in self.listeners:
+            try:
+                listener(record)
+            except Exception as exc:  # a listener's bug must not end the job
+                self.say(f"warning: event listener failed on {kind}: {exc!r}")
+        if self._fd is None:
+            return
         data = (json.dumps(record, default=str) + "\n").encode()
         with self._lock:
             try:

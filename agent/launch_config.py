@@ -55,6 +55,7 @@ class LaunchConfig:
     entry_args: List[str] = dataclasses.field(default_factory=list)
     # where the node count and the endpoint came from: a flag, a PET_* variable, SLURM or default
     origins: Dict[str, str] = dataclasses.field(default_factory=dict)
+    metrics_port: Optional[int] = None    # the node's Prometheus endpoint (agent.metrics); None: off
 
     def conf(self, key: str) -> float:
         return float(self.rdzv_conf.get(key, RDZV_CONF_DEFAULTS[key]))

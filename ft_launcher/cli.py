@@ -21,6 +21,8 @@ from ft_launcher import __version__
 from rank_monitor.config import FIELD_NAMES, ConfigError, FaultToleranceConfig
 
 PROG = "ft_launcher"
+# Subcommands, recognised only as the first argument (a training script is a path: `./status`).
+SUBCOMMANDS = {"report": "ft_launcher.report", "status": "ft_launcher.status"}
 DEFAULT_C10D_PORT = 29400
 DEFAULT_MASTER_PORT = 29500
 
@@ -48,7 +50,7 @@ _GROUPS = {
                              "standalone", "node-rank", "master-addr", "master-port", "local-addr"),
     "restarts and stopping": ("max-restarts", "term-timeout", "workers-stop-timeout", "monitor-interval"),
     "what each rank runs": ("module", "no-python", "run-path", "role", "start-method"),
-    "logs and console": ("log-dir", "redirects", "tee", "local-ranks-filter"),
+    "logs and console": ("log-dir", "redirects", "tee", "local-ranks-filter", "metrics-port"),
 }
 _GROUP_OF = {name: title for title, names in _GROUPS.items() for name in names}
 
@@ -126,7 +128,9 @@ def _ft_default(value) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [flags] training_script [script args ...]",
                 formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=40),
-                description="Fault-tolerant launcher for PyTorch training (a torchrun replacement).")
+                description="Fault-tolerant launcher for PyTorch training (a torchrun replacement).",
+                epilog=f"also: {PROG} report LOGDIR... (an HTML report of a job), "
+                       f"{PROG} status [LOGDIR...] (what a running job is doing); each takes --help")
     _flag(p, "nnodes", default=None, help="N or MIN:MAX; nodes past MIN wait as hot spares (default 1, SLURM_NNODES under SLURM)")
     _flag(p, "nproc-per-node", default="1", help="ranks per node: an int, cpu, gpu or auto")
     _flag(p, "rdzv-backend", default=None, choices=["c10d", "static"], help="rendezvous backend (default static, c10d with --rdzv-endpoint or SLURM)")
@@ -145,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "redirects", "-r", default="0", help="streams to send only to the log files: 0-3 or local_rank:mask,...")
     _flag(p, "tee", "-t", default="0", help="streams to copy to the log files and the console: 0-3 or local_rank:mask,...")
     _flag(p, "local-ranks-filter", default="", help="show only these local ranks on the console, e.g. 0,1")
+    _flag(p, "metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (default off)")
     _flag(p, "node-rank", type=int, default=None, help="this node's rank (static backend)")
     _flag(p, "master-addr", default="127.0.0.1", help="store host (static backend)")
     _flag(p, "master-port", type=int, default=DEFAULT_MASTER_PORT, help="store port (static backend)")
@@ -418,6 +423,8 @@ def _launch_config(args, origins):
         log_dir = tempfile.mkdtemp(prefix="ft_launcher_logs_")
         print(f"{PROG}: --redirects without --log-dir: logs go to {log_dir}", file=sys.stderr)
     check_output_paths(log_dir, ft)
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        raise UsageError(f"--metrics-port: expected a port 1-65535, got {args.metrics_port}")
     ranks_filter = None
     if args.local_ranks_filter:
         try:
@@ -432,11 +439,15 @@ def _launch_config(args, origins):
         local_ranks_filter=ranks_filter, local_addr=args.local_addr, term_timeout=args.term_timeout,
         workers_stop_timeout=args.workers_stop_timeout, ft=ft, entry_kind=entry_kind(args),
         entry_target=args.training_script, entry_args=list(args.training_script_args),
-        origins=origins.describe(args, slurm))
+        origins=origins.describe(args, slurm), metrics_port=args.metrics_port)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:  # `ft_launcher report LOGDIR...`, `ft_launcher status LOGDIR...`
+        import importlib
+
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     if "TORCH_CPP_LOG_LEVEL" not in os.environ:  # quiet torch's C++ store warnings in the agent only
         os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
         os.environ["FT_LAUNCHER_QUIET_CPP_LOG"] = "1"
@@ -445,16 +456,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    metrics = None
+    if cfg.metrics_port is not None:  # bound before anything starts: a busy port is bad input
+        from agent.metrics import Metrics, MetricsUnavailable
+
+        try:
+            metrics = Metrics(cfg.metrics_port)
+        except MetricsUnavailable as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 2
     from agent.agent import NodeAgent
     from agent.events import EventLog
 
     events = EventLog(os.path.join(cfg.log_dir, "events.jsonl") if cfg.log_dir else None)
     try:
-        return NodeAgent(cfg, events).run()
+        return NodeAgent(cfg, events, metrics).run()
     except KeyboardInterrupt:
         return 130
     finally:
         events.close()
+        if metrics is not None:
+            metrics.close()
 
 
 if __name__ == "__main__":

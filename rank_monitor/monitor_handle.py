@@ -228,6 +228,11 @@ class MonitorHandle:
         if self._words is not None:
             self._words[L.H_STOP_DEADLINE_NS] = int(deadline_ns)
             self._words[L.H_STOP_REASON] = int(reason)
+    def live(self):
+        """The rank's open sections, last heartbeat and section counters now (shm_layout.read_live)."""
+        if self._words is None:
+            return None
+        return L.read_live(self._mm, self._words)
 
     def section_stats(self) -> dict:
         if self._words is None:

@@ -194,3 +194,25 @@ def read_stats(mm: mmap.mmap, words: memoryview) -> Dict[str, dict]:
             "subsequent": {"count": max(0, beats - 1), "max": words[H_HB_MAX_NS] / 1e9},
         },
     }
+
+
+def read_live(mm: mmap.mmap, words: memoryview) -> Optional[dict]:
+    """What a rank is doing now, for the agent's status and metrics (read-only, never on the rank's
+    path): {"start_ns", "hb_last_ns" (0: none yet), "open": [(name, enter_ns), ...] innermost last,
+    "sections": {name: {"enters", "closes", "enter_ns", "total", "max"}}} (monotonic ns, seconds).
+    None while no incarnation's data is current (see read_stats)."""
+    start = words[H_START_NS]
+    if not start or words[H_ATTACH_NS] < start:
+        return None
+    sections: Dict[str, dict] = {}
+    opened = []
+    for i in range(max(0, min(words[H_NSLOTS], MAX_SLOTS))):
+        b = slot_base(i)
+        name = read_name(mm, words, i)
+        enter_ns = words[b + S_ENTER_NS]
+        sections[name] = {"enters": words[b + S_ENTERS], "closes": words[b + S_CLOSES], "enter_ns": enter_ns,
+                          "total": words[b + S_TOTAL_NS] / 1e9, "max": words[b + S_MAX_NS] / 1e9}
+        if words[b + S_OPEN]:
+            opened.append((name, enter_ns))
+    opened.sort(key=lambda item: item[1])
+    return {"start_ns": start, "hb_last_ns": words[H_HB_LAST_NS], "open": opened, "sections": sections}

@@ -1,0 +1,223 @@
+"""What this node is doing now, for people and tools outside the job: the agent's status file, the
+per-cycle `stepping` and `cycle_summary` events, and the snapshot the Prometheus endpoint serves.
+
+Everything here is read by the agent from its monitors' shared-memory records (the words the rank
+already writes on every section and heartbeat), between the agent's own waits: the rank's hot
+path does nothing more for it.
+
+- Status file: `<log dir>/status/<host>-<agent pid>.json`, rewritten (temp file + rename) about
+  once a second while ranks run, and a last time with the agent's exit code. `ft_launcher status
+  LOGDIR` reads these; under SLURM the log dir on a shared filesystem holds one per node. No log
+  dir, no status file.
+- `stepping` (once per node and cycle): when every local rank has entered `step` for the first
+  time in the cycle: each rank's first-step time, and `after_failure`, the seconds since this node
+  first heard of the failure (a hang, failure or restart event) that ended the latest earlier cycle.
+  Until then the agent samples every 20 ms (for the first 30 s of a cycle; then at its own
+  `--monitor-interval`), so a first-step time is exact or late by at most one sample.
+- `cycle_summary` (once per node and cycle, when it ends): per rank, the cycle's completed
+  sections (count, total and max seconds) and the first-step time; the cycle's wall seconds.
+  `ft_launcher report` computes goodput (time in `step` over wall time) from these.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Dict, Optional
+
+STATUS_DIR = "status"
+STEP = "step"
+WRITE_EVERY = 1.0          # seconds between status-file rewrites while ranks run
+FIRST_STEP_POLL = 0.02     # seconds between samples until every local rank has stepped ...
+FIRST_STEP_FAST_FOR = 30.0  # ... within this long of the cycle's start (then at the agent's own pace)
+
+
+def mono_to_wall(ns: int, now_wall: float, now_ns: int) -> float:
+    return now_wall - (now_ns - ns) / 1e9
+
+
+class JobStatus:
+    def __init__(self, cfg, events):
+        self.cfg = cfg
+        self.events = events
+        self.host = socket.gethostname()
+        self.path = (os.path.join(cfg.log_dir, STATUS_DIR, f"{self.host}-{os.getpid()}.json")
+                     if cfg.log_dir else None)
+        self.started = time.time()
+        self.state = "starting"
+        self.cycle: Optional[int] = None
+        self.node = None
+        self.world_size = None
+        self.nodes: list = []
+        self.restarts_used = 0
+        self.group = None
+        self.monitors: list = []
+        self.cycle_started = None
+        self._first_step: Dict[int, float] = {}       # global rank -> wall time of its first step
+        self._stepping_sent = False
+        self._incidents: Dict[int, float] = {}         # cycle -> when this node first heard of its failure
+        self._last_write = 0.0
+        self._last_sample = 0.0
+        self._ranks: list = []                        # last sampled rank rows
+        self.past_sections: Dict[tuple, list] = {}    # (rank, section) -> [count, total] of ended cycles
+        self.snapshot: dict = {}                      # read by the metrics thread (replaced, never mutated)
+        events.listeners.append(self._on_event)
+        self._write()
+
+    # ---- what the agent tells ---------------------------------------------------------------
+    def _on_event(self, record: dict) -> None:
+        if record["kind"] in ("failure", "restart", "hang") and record.get("cycle") is not None:
+            self._incidents.setdefault(record["cycle"], record["time"])
+
+    def rendezvous(self) -> None:
+        self.state = "rendezvous"
+        self._write()
+
+    def spare(self, cycle: int) -> None:
+        self.state, self.cycle, self.group = "spare", cycle, None
+        self._write()
+
+    def cycle_start(self, rnd, restarts_used: int, group, monitors) -> None:
+        self.state, self.cycle, self.node = "running", rnd.number, rnd.group_rank
+        self.world_size, self.nodes = rnd.world_size, [n.label() for n in rnd.active]
+        self.restarts_used, self.group, self.monitors = restarts_used, group, monitors
+        self.cycle_started = time.time()
+        self._first_step, self._stepping_sent = {}, False
+        self.sample(force=True)
+
+    def poll_interval(self) -> Optional[float]:
+        """How soon the agent should sample again: often until every local rank has stepped."""
+        if self.group is None or self._stepping_sent or time.time() - self.cycle_started > FIRST_STEP_FAST_FOR:
+            return None
+        return FIRST_STEP_POLL
+
+    def sample(self, force: bool = False) -> None:
+        """Read every local rank's live record; emit `stepping` when due; rewrite the status file
+        and the metrics snapshot about once a second."""
+        group = self.group
+        if group is None:
+            return
+        now = time.time()
+        if not force and self._stepping_sent and now - self._last_sample < WRITE_EVERY:
+            return
+        now_ns = time.monotonic_ns()
+        rows = []
+        for rank in group.ranks:
+            monitor = self.monitors[rank.local_rank] if rank.local_rank < len(self.monitors) else None
+            live = monitor.live() if monitor is not None else None
+            row = {"rank": rank.rank, "local_rank": rank.local_rank, "pid": rank.pid, "warm": rank.warm,
+                   "exitcode": rank.exitcode, "section": None, "in_section": None, "heartbeat_age": None,
+                   "steps": 0, "sections": {}}
+            if live:
+                if live["open"]:
+                    name, enter_ns = live["open"][-1]
+                    row["section"], row["in_section"] = name, round(max(0, now_ns - enter_ns) / 1e9, 3)
+                if live["hb_last_ns"]:
+                    row["heartbeat_age"] = round(max(0, now_ns - live["hb_last_ns"]) / 1e9, 3)
+                row["sections"] = {k: {"count": v["closes"], "total": round(v["total"], 6), "max": round(v["max"], 6)}
+                                   for k, v in live["sections"].items()}
+                step = live["sections"].get(STEP)
+                if step:
+                    row["steps"] = step["closes"]
+                    if step["enters"] and rank.rank not in self._first_step:
+                        # exact when this is its only step so far; else it began after the last sample
+                        at = (mono_to_wall(step["enter_ns"], now, now_ns) if step["enters"] == 1
+                              else self._last_sample or now)
+                        self._first_step[rank.rank] = at
+            rows.append(row)
+        self._last_sample = now
+        self._ranks = rows
+        if not self._stepping_sent and group.ranks and len(self._first_step) == len(group.ranks):
+            self._stepping_sent = True
+            last = max(self._first_step.values())
+            detail = {"first_step": {str(r): round(t, 6) for r, t in sorted(self._first_step.items())},
+                      "last_first_step": round(last, 6),
+                      "after_start": round(last - self.cycle_started, 3)}
+            before = [c for c in self._incidents if self.cycle is not None and c < self.cycle]
+            if before:  # the failure that ended the cycle before this one
+                detail["after_failure"] = round(last - self._incidents[max(before)], 3)
+                self._incidents.clear()
+            self.events.event("stepping", None, **detail)
+        if force or now - self._last_write >= WRITE_EVERY:
+            self._write()
+
+    def cycle_end(self) -> None:
+        """Before the monitors forget the cycle: its per-rank section totals as one event."""
+        if self.group is None:
+            return
+        self.sample(force=True)
+        ranks = {}
+        for row in self._ranks:
+            entry = {"sections": row["sections"]}
+            if row["rank"] in self._first_step:
+                entry["first_step"] = round(self._first_step[row["rank"]], 6)
+            ranks[str(row["rank"])] = entry
+            for name, stats in row["sections"].items():
+                acc = self.past_sections.setdefault((row["rank"], name), [0, 0.0])
+                acc[0] += stats["count"]
+                acc[1] += stats["total"]
+        self.events.event("cycle_summary", None, wall=round(time.time() - self.cycle_started, 3),
+                          started=round(self.cycle_started, 6), ranks=ranks)
+        self.group, self._ranks = None, []
+        self.state = "restarting"
+        self._write()
+
+    def finish(self, code: int) -> None:
+        self.state, self.group = "finished", None
+        self._write(exit_code=code)
+
+    # ---- views ----------------------------------------------------------------------------
+    def step_seconds(self) -> Dict[int, float]:
+        """Per local rank of this node: seconds in completed `step` sections over the job so far."""
+        out = {rank: acc[1] for (rank, name), acc in self.past_sections.items() if name == STEP}
+        for row in self._ranks:
+            step = row["sections"].get(STEP)
+            if step:
+                out[row["rank"]] = out.get(row["rank"], 0.0) + step["total"]
+        return out
+
+    def section_totals(self) -> list:
+        """[{rank, section, count, total}] over the job so far: ended cycles plus the running one."""
+        acc = {key: list(value) for key, value in self.past_sections.items()}
+        for row in self._ranks:
+            for name, stats in row["sections"].items():
+                entry = acc.setdefault((row["rank"], name), [0, 0.0])
+                entry[0] += stats["count"]
+                entry[1] += stats["total"]
+        return [{"rank": r, "section": n, "count": c, "total": round(t, 6)} for (r, n), (c, t) in sorted(acc.items())]
+
+    def _timeouts(self) -> dict:
+        ft = self.cfg.ft
+        return {"sections": dict(ft.rank_section_timeouts), "out_of_section": ft.rank_out_of_section_timeout,
+                "heartbeat_initial": ft.initial_rank_heartbeat_timeout, "heartbeat": ft.rank_heartbeat_timeout}
+
+    def _write(self, exit_code: Optional[int] = None) -> None:
+        now = time.time()
+        self._last_write = now
+        steps = self.step_seconds()
+        wall = max(1e-9, now - self.started)
+        data = {
+            "format": 1, "time": round(now, 3), "host": self.host, "pid": os.getpid(),
+            "rdzv_id": self.cfg.rdzv_id, "started": round(self.started, 3), "state": self.state,
+            "exit_code": exit_code, "node": self.node, "nodes": self.nodes, "world_size": self.world_size,
+            "nproc_per_node": self.cfg.nproc_per_node, "cycle": self.cycle,
+            "cycle_started": self.cycle_started, "restarts_used": self.restarts_used,
+            "max_restarts": self.cfg.max_restarts, "timeouts": self._timeouts(), "ranks": self._ranks,
+            "goodput": round(sum(steps.values()) / (len(steps) * wall), 4) if steps else 0.0,
+            "metrics_port": getattr(self.cfg, "metrics_port", None),
+            "section_totals": self.section_totals(),
+        }
+        self.snapshot = data
+        if not self.path:
+            return
+        tmp = f"{self.path}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(tmp, "w") as fh:
+                json.dump(data, fh)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                self.events.say(f"warning: cannot write the status file {self.path}: {exc}")

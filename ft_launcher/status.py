@@ -1,0 +1,121 @@
+"""`ft_launcher status [LOGDIR...]`: what a job is doing now, from the status files its agents keep
+in their log dirs (`<log dir>/status/<host>-<pid>.json`, rewritten about once a second; see
+agent.job_status). Under SLURM the log dir is on a shared filesystem, so any login node can read
+every node's file; with one log dir per node, name them all.
+
+Prints the job (nodes, ranks, cycle, restarts used of the budget, timeouts in effect) and one line
+per rank: node, host, pid, its innermost open section and the time in it, the time since its last
+heartbeat, steps completed in this cycle. Exit 0 when a job was shown (running or finished), 1
+when the dirs hold no status file (no job with a --log-dir there), 2 for a missing dir.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+from typing import List, Optional, Sequence
+
+PROG = "ft_launcher status"
+STALE_AFTER = 10.0  # seconds without an update before a running agent is marked as silent
+
+
+class StatusError(Exception):
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def read_status_files(dirs: Sequence[str]) -> List[dict]:
+    """Every agent's latest status in `dirs`, newest job only (older runs in the same dir left out)."""
+    found = []
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise StatusError(f"log dir not found: {d}")
+        for path in sorted(glob.glob(os.path.join(d, "status", "*.json"))):
+            try:
+                with open(path) as fh:
+                    data = json.load(fh)
+                if isinstance(data, dict) and "time" in data:
+                    data["_path"] = path
+                    found.append(data)
+            except (OSError, ValueError):
+                continue  # mid-rename or not ours: the next read sees it
+    if not found:
+        raise StatusError(f"no job found in {', '.join(dirs)} (no status/*.json: was the job started with "
+                          f"--log-dir there?)", code=1)
+    newest = max(d.get("started", 0) for d in found)
+    return [d for d in found if d["time"] >= newest - 1.0]
+
+
+def _secs(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}s" if value < 100 else f"{value:.0f}s"
+
+
+def _timeout(value) -> str:
+    return "none" if value is None else f"{value:g}s"
+
+
+def render(agents: List[dict], now: Optional[float] = None) -> str:
+    now = time.time() if now is None else now
+    agents = sorted(agents, key=lambda a: (a.get("node") is None, a.get("node") or 0, a.get("host", "")))
+    lead = next((a for a in agents if a.get("state") == "running"), agents[0])
+    ranks = sum(len(a.get("ranks") or []) for a in agents)
+    running = [a for a in agents if a.get("state") not in ("finished",)]
+    if running:
+        state = "running"
+    else:
+        codes = sorted({a.get("exit_code") for a in agents}, key=str)
+        state = "finished (exit code " + ", ".join(str(c) for c in codes) + ")"
+    cycles = sorted({a["cycle"] for a in agents if a.get("cycle") is not None})
+    out = [f"job {lead.get('rdzv_id')!r}: {state}; {len(agents)} agent(s), "
+           f"{lead.get('world_size') or ranks} rank(s); cycle {', '.join(map(str, cycles)) or '-'}; "
+           f"restarts used {max(a.get('restarts_used', 0) for a in agents)}/{lead.get('max_restarts')}; "
+           f"goodput so far {min(a.get('goodput', 0) for a in agents) * 100:.0f}%"
+           if running else
+           f"job {lead.get('rdzv_id')!r}: {state}; {len(agents)} agent(s); last cycle "
+           f"{', '.join(map(str, cycles)) or '-'}; restarts used {max(a.get('restarts_used', 0) for a in agents)}/"
+           f"{lead.get('max_restarts')}"]
+    t = lead.get("timeouts") or {}
+    sections = ", ".join(f"{k} {_timeout(v)}" for k, v in (t.get("sections") or {}).items()) or "none"
+    out.append(f"timeouts: sections {sections}; out of section {_timeout(t.get('out_of_section'))}; "
+               f"heartbeat {_timeout(t.get('heartbeat'))} (first {_timeout(t.get('heartbeat_initial'))})")
+    out.append(f"{'node':<5} {'host (agent pid)':<28} {'state':<10} {'rank':>4} {'pid':>8}  {'section':<16} "
+               f"{'in it':>8} {'heartbeat':>10} {'steps':>6}")
+    for a in agents:
+        node = "spare" if a.get("state") == "spare" else ("-" if a.get("node") is None else str(a["node"]))
+        who = f"{a.get('host')} ({a.get('pid')})"
+        age = now - a["time"]
+        agent_state = a.get("state", "?") + (f", silent {age:.0f}s" if age > STALE_AFTER and a.get("state") != "finished" else "")
+        rows = a.get("ranks") or []
+        if not rows:
+            out.append(f"{node:<5} {who:<28} {agent_state:<10}")
+        for r in rows:
+            section = r.get("section") or ("(exited)" if r.get("exitcode") is not None else "(none)")
+            out.append(f"{node:<5} {who:<28} {agent_state:<10} {r['rank']:>4} {r['pid']:>8}  {section:<16} "
+                       f"{_secs(r.get('in_section')):>8} {_secs(r.get('heartbeat_age')):>10} {r.get('steps', 0):>6}")
+    oldest = max(now - a["time"] for a in agents)
+    out.append(f"(status files updated {oldest:.1f}s ago at most; {', '.join(sorted({os.path.dirname(a['_path']) for a in agents}))})")
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str]) -> int:
+    from ft_launcher.cli import UsageError, _Parser
+
+    parser = _Parser(prog=PROG, description="What a running job is doing, from its agents' status files "
+                     "(<log dir>/status/*.json; the job must run with --log-dir).")
+    parser.add_argument("log_dirs", nargs="*", default=["."], metavar="LOGDIR",
+                        help="the job's --log-dir (several: one per node); default the current dir")
+    try:
+        args = parser.parse_args(list(argv))
+        print(render(read_status_files(args.log_dirs)))
+        return 0
+    except UsageError as exc:
+        print(f"ft_launcher: error: {exc}", file=sys.stderr)
+        return 2
+    except StatusError as exc:
+        print(f"ft_launcher: error: {exc}", file=sys.stderr)
+        return exc.code

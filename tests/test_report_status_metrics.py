@@ -1,0 +1,379 @@
+"""Seeing what happened and what is happening: `ft_launcher report` on a real job with a kill and a
+hang, `ft_launcher status` and the Prometheus endpoint read during a running 2x2 job, the report
+rendered by a real headless browser. Real launchers, real ranks, real faults."""
+import html.parser
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+from conftest import EXAMPLE, LAUNCHER, ROOT, Launcher, free_port, read_events, wait_for, wait_until_gone
+
+STEP_TIME = 0.03
+
+
+def run_cli(args, cwd, env_extra=None, timeout=60):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(env_extra or {})
+    return subprocess.run(LAUNCHER + [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+class _Tables(html.parser.HTMLParser):
+    """The report's tables by id: rows of cell texts, each row with its class."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self.ids, self._table, self._row, self._cell = {}, {}, None, None, None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "table":
+            self._table = self.tables.setdefault(attrs.get("id"), [])
+        elif tag == "tr" and self._table is not None:
+            self._row = {"class": attrs.get("class"), "cells": []}
+            self._table.append(self._row)
+        elif tag in ("td", "th") and self._row is not None:
+            self._cell = ""
+        if attrs.get("id"):
+            self.ids[attrs["id"]] = attrs
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+        self._last = data
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None:
+            self._row["cells"].append(self._cell.strip())
+            self._cell = None
+        elif tag == "table":
+            self._table = None
+
+
+def first_progress(progress_dir, cycle):
+    """{rank: time its first step of `cycle` ended}, from the ranks' own progress files."""
+    out = {}
+    for name in os.listdir(progress_dir) if os.path.isdir(progress_dir) else []:
+        rank = int(name.split("_")[1].split(".")[0])
+        with open(os.path.join(progress_dir, name)) as fh:
+            times = [float(t) for c, _, t in (l.split() for l in fh if l.strip()) if int(c) == cycle]
+        if times:
+            out[rank] = min(times)
+    return out
+
+
+@pytest.fixture(scope="module")
+def kill_and_hang_job(tmp_path_factory):
+    """1 agent x 2 ranks. Cycle 0: a simulated rank_killed hits rank 1 one second after it starts
+    (wherever it is: a kill needs no section). Cycle 1: once every rank steps, the test SIGSTOPs
+    rank 1, a real hang that only the 2 s step timeout can find (rank 1 stopped in `step`, or rank 0
+    waiting for it there). Cycle 2 finishes; the job ends 0."""
+    tmp = tmp_path_factory.mktemp("kill_and_hang")
+    helper = Launcher(uuid.uuid4().hex, tmp)
+    logs = tmp / "logs"
+    try:
+        proc = helper.start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--log-dir", logs,
+                             "--ft-rank-section-timeouts", "setup:60,step:2,checkpointing:20",
+                             "--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_killed",
+                             "--ft-simulated-fault-rank", "1", "--ft-simulated-fault-base-delay", "1",
+                             EXAMPLE, "--steps", "150", "--step-time", STEP_TIME, "--ckpt-dir", tmp / "ckpt",
+                             "--progress-dir", tmp / "progress"])
+        # every rank has completed a step of cycle 1 (its progress line), so the hang lands mid-run
+        wait_for(lambda: len(first_progress(tmp / "progress", 1)) == 2 or proc.poll() is not None,
+                 150, "every rank stepping in cycle 1")
+        started = [e for e in read_events(logs, "ranks_started") if e["cycle"] == 1]
+        assert started, "no cycle 1"
+        pid = next(r["pid"] for r in started[0]["detail"]["ranks"] if r["rank"] == 1)
+        stopped_at = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        out, err = proc.communicate(timeout=150)
+    finally:
+        helper.cleanup()
+        left = wait_until_gone(helper.token, timeout=5)
+        for p in left:
+            p.kill()
+    assert not left, f"processes left behind: {left}"
+    assert proc.returncode == 0, err[-3000:]
+    assert [(f["cycle"], f["detail"]["fault"]) for f in read_events(logs, "fault_injected")] == [(0, "rank_killed")]
+    assert {h["cycle"] for h in read_events(logs, "hang")} == {1}
+    return tmp, logs, stopped_at
+
+
+def test_report_of_a_kill_and_a_hang(kill_and_hang_job):
+    tmp, logs, stopped_at = kill_and_hang_job
+    res = run_cli(["report", logs, "-o", tmp / "report.html"], cwd=tmp)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    page = (tmp / "report.html").read_text()
+    assert "http://" not in page and "https://" not in page  # self-contained: nothing fetched
+    assert re.search(r"<img id='timeline'[^>]*src='data:image/png;base64,[A-Za-z0-9+/=]{2000,}'", page)
+    parsed = _Tables()
+    parsed.feed(page)
+    events = read_events(logs)
+    fault = read_events(logs, "fault_injected")[0]
+    starts = {e["cycle"]: e["time"] for e in read_events(logs, "ranks_started")}
+
+    # incidents: cycle 0 a kill noticed by the agent, cycle 1 a hang noticed by a monitor
+    rows = [r["cells"] for r in parsed.tables["incidents"] if r["class"] == "incident"]
+    assert [r[0] for r in rows] == ["0", "1"]
+    kill, hang = rows
+    assert kill[2] == "1 (node 0)" and "killed by SIGKILL" in kill[3]
+    assert "simulated rank_killed injected into rank 1" in kill[4]
+    assert "the agent on node 0" in kill[5] and "exit status -9" in kill[5]
+    assert "cycle 1 (restart 1/3)" in kill[8] and "cycle 2 (restart 2/3)" in hang[8]
+    # the stopped rank 1, or rank 0 waiting for it in the same step, or both: their monitors notice
+    assert "hung in section 'step'" in hang[3] and hang[4] == "a hang"
+    assert "rank monitor" in hang[5] and "timeout 2 s" in hang[5] and "stack_local" in hang[7]
+    # noticed: the kill at once; the hang when the step had been open for its 2 s timeout
+    assert float(kill[6].split()[0]) < 1.0
+    assert float(hang[6].split()[0]) == pytest.approx(2.0, abs=0.05)
+    # recovery: from the fault to every rank's first step of the next cycle; that lies between the
+    # ranks' start in that cycle and the end of their first step as the ranks themselves recorded it.
+    # A hang counts from its section's entry, at most one step before the SIGSTOP.
+    hang_start = read_events(logs, "hang")[0]
+    hang_start = hang_start["time"] - hang_start["detail"]["elapsed"]
+    assert stopped_at - 0.5 < hang_start < stopped_at + 0.5
+    for cycle, row, at in ((0, kill, fault["time"]), (1, hang, hang_start)):
+        recovery = float(row[9].split()[0])
+        ended_first = max(first_progress(tmp / "progress", cycle + 1).values())
+        assert starts[cycle + 1] - at - 0.02 <= recovery <= ended_first - at + 0.02, \
+            (cycle, recovery, starts[cycle + 1] - at, ended_first - at)
+
+    # goodput: seconds in completed steps over 2 ranks x the wall time; each step sleeps STEP_TIME
+    goodput = float(re.search(r"goodput ([0-9.]+)%", page).group(1)) / 100
+    summaries = read_events(logs, "cycle_summary")
+    assert [s["cycle"] for s in summaries] == [0, 1, 2]
+    step_total = sum(r["sections"].get("step", {}).get("total", 0) for s in summaries for r in s["detail"]["ranks"].values())
+    wall = read_events(logs, "job_complete")[0]["time"] - min(e["time"] for e in read_events(logs, "cycle_start"))
+    assert goodput == pytest.approx(step_total / (2 * wall), abs=0.001)
+    steps_done = {}  # the ranks' own count of completed steps, per cycle
+    for name in os.listdir(tmp / "progress"):
+        for line in open(tmp / "progress" / name):
+            key = (int(line.split()[0]), int(name.split("_")[1].split(".")[0]))
+            steps_done[key] = steps_done.get(key, 0) + 1
+    for s in summaries:
+        for rank, info in s["detail"]["ranks"].items():
+            counted = info["sections"].get("step", {}).get("count", 0)
+            assert abs(counted - steps_done.get((s["cycle"], int(rank)), 0)) <= 1  # a stop may land between
+    assert 0 < sum(steps_done.values()) * STEP_TIME / (2 * wall) <= goodput < 1
+
+    # the console: one screen, the same facts
+    lines = res.stdout.splitlines()
+    assert len(lines) <= 25
+    assert lines[0].startswith("job ") and "complete; 1 node(s), 2 rank(s), 3 cycle(s)" in lines[0]
+    assert f"goodput {goodput * 100:.1f}%" in res.stdout and "incidents: 2" in res.stdout
+    assert lines[-1] == f"report: {tmp / 'report.html'}"
+    assert len([e for e in events if e["kind"] == "stepping"]) == 2  # cycles 1 and 2 (0 died first)
+
+
+def test_report_of_a_running_job_and_bad_input(kill_and_hang_job, tmp_path):
+    _, logs, _ = kill_and_hang_job
+    data = (logs / "events.jsonl").read_bytes()
+    cut = data.index(b'"kind": "restart"')  # mid-line, just after the first failure: a running job
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "events.jsonl").write_bytes(data[:cut])
+    res = run_cli(["report", partial], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "running" in res.stdout.splitlines()[0] and "incidents: 1" in res.stdout
+    assert "last line is incomplete" in res.stdout
+    assert "(no decision recorded yet)" in res.stdout
+    assert (partial / "report.html").exists()
+
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "events.jsonl").write_bytes(data[:200] + b"\nnot json at all\n" + data[200:])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for args, message in ((["report", garbage], f"{garbage}/events.jsonl line 2: not an ft_launcher event"),
+                          (["report", tmp_path / "nope"], f"log dir not found: {tmp_path / 'nope'}"),
+                          (["report", empty], f"no events.jsonl in {empty}"),
+                          (["report"], "the following arguments are required: LOGDIR")):
+        res = run_cli(args, cwd=tmp_path)
+        assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+        assert res.stderr.startswith("ft_launcher: error: ") and message in res.stderr, res.stderr
+
+    # without matplotlib: one line, exit 2 (a package that fails to import stands for a missing one)
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('not installed')\n")
+    res = run_cli(["report", logs], cwd=tmp_path, env_extra={
+        "PYTHONPATH": f"{tmp_path / 'shadow'}{os.pathsep}{ROOT}"})
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == ["ft_launcher: error: report needs matplotlib: pip install 'ft_launcher[report]'"]
+
+
+def _metrics(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def _one(values, prefix, **labels):
+    found = [v for k, v in values.items() if k.startswith(prefix + "{")
+             and all(f'{lk}="{lv}"' in k for lk, lv in labels.items())]
+    assert len(found) == 1, (prefix, labels, [k for k in values if k.startswith(prefix)])
+    return found[0]
+
+
+def _events(dirs, kind):
+    return [e for d in dirs for e in read_events(d, kind)]
+
+
+def test_status_metrics_and_report_of_a_running_2x2_job(launcher, tmp_path):
+    """2 agents x 2 ranks, one log dir per agent (as under SLURM without a shared dir), computed
+    timeouts on, a simulated kill of rank 3 (node 1): status and /metrics read while the job runs
+    again after the restart, the report merges both dirs."""
+    dirs = [tmp_path / "logs0", tmp_path / "logs1"]
+    port, ports = free_port(), [free_port(), free_port()]
+    procs = [launcher.start(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                             "--rdzv-id", "ops2x2", "--node-rank", str(i), "--max-restarts", "1", "--log-dir", dirs[i],
+                             "--metrics-port", ports[i], "--ft-rank-section-timeouts", "setup:60,step:10",
+                             "--ft-calc-ft-timeouts", "true", "--ft-calc-min-observations", "5",
+                             "--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_killed",
+                             "--ft-simulated-fault-rank", "3", "--ft-simulated-fault-base-delay", "5",
+                             EXAMPLE, "--steps", "300", "--step-time", STEP_TIME, "--ckpt-dir", tmp_path / "ckpt"])
+             for i in range(2)]
+    # after the kill and the restart: both nodes' ranks stepping in cycle 1
+    wait_for(lambda: len([e for e in _events(dirs, "stepping") if e["cycle"] == 1]) == 2, 150,
+             "every rank stepping again in cycle 1")
+    wait_for(lambda: all(r.get("steps", 0) > 0 and r.get("heartbeat_age") is not None
+                         for d in dirs for f in os.listdir(d / "status") if f.endswith(".json")
+                         for r in json.load(open(d / "status" / f))["ranks"]), 30, "status files showing steps")
+    res = run_cli(["status", *dirs], cwd=tmp_path)
+    assert all(p.poll() is None for p in procs), "the job ended before it could be read"
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("job 'ops2x2': running; 2 agent(s), 4 rank(s); cycle 1; restarts used 1/1"), lines
+    steps_seen = {10.0} | {e["detail"]["new"] for e in _events(dirs, "timeout_computed") if e["detail"]["key"] == "section:step"}
+    shown = re.match(r"timeouts: sections setup 60s, step ([0-9.]+)s; out of section ", lines[1])
+    assert shown and float(shown.group(1)) in {round(v, 6) for v in steps_seen} | {float(f"{v:g}") for v in steps_seen}, lines[1]
+    rows = [l.split() for l in lines[3:-1]]
+    assert [(r[0], r[4]) for r in rows] == [("0", "0"), ("0", "1"), ("1", "2"), ("1", "3")]
+    sections = {r[6] for r in rows}
+    assert sections <= {"step", "checkpointing", "(none)"} and "step" in sections, res.stdout
+    for r in rows:  # heartbeat: every step sends one, so the last is recent
+        assert r[-2] != "-" and float(r[-2].rstrip("s")) < 5, res.stdout
+    # the report of the running job: the running cycle's steps come from the status files
+    res = run_cli(["report", *dirs, "-o", tmp_path / "live.html"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "running (as of its last status update); 2 node(s), 4 rank(s), 2 cycle(s)" in res.stdout, res.stdout
+    assert "incidents: 1" in res.stdout and "every rank stepping again" in res.stdout
+    live = float(re.search(r"goodput ([0-9.]+)%", res.stdout).group(1))
+    cycle0 = sum(r["sections"].get("step", {}).get("total", 0) for e in _events(dirs, "cycle_summary")
+                  for r in e["detail"]["ranks"].values())
+    assert live > 0 and "time in step" in res.stdout
+    assert float(re.search(r"time in step ([0-9.]+) rank-s", res.stdout).group(1)) > cycle0  # cycle 1 counted
+
+    for node, mport in enumerate(ports):
+        values = _metrics(mport)
+        assert _one(values, "ft_launcher_restarts_total") == 1
+        assert _one(values, "ft_launcher_failures_total") == (1 if node == 1 else 0)  # rank 3 lives on node 1
+        assert _one(values, "ft_launcher_hangs_total") == 0
+        assert _one(values, "ft_launcher_recovery_seconds_count") == 1
+        assert 0 < _one(values, "ft_launcher_recovery_seconds_sum") < 120
+        for rank in (2 * node, 2 * node + 1):
+            assert _one(values, "ft_launcher_section_seconds_count", section="step", rank=rank) > 0
+            assert _one(values, "ft_launcher_section_seconds_sum", section="step", rank=rank) > 0
+        assert 0 < _one(values, "ft_launcher_goodput_ratio") < 1
+        assert _one(values, "ft_launcher_cycle") == 1
+        assert _one(values, "ft_launcher_restarts_used", max_restarts=1) == 1
+        assert _one(values, "ft_launcher_section_timeout_seconds", section="step") in steps_seen
+    for proc in procs:
+        proc.communicate(timeout=150)
+        assert proc.returncode == 0
+    res = run_cli(["status", *dirs], cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.startswith("job 'ops2x2': finished (exit code 0)"), res.stdout
+
+    # the report merges the two dirs: both nodes' lanes, the kill on node 1, the computed timeouts
+    res = run_cli(["report", *dirs, "-o", tmp_path / "report.html"], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "complete; 2 node(s), 4 rank(s), 2 cycle(s)" in res.stdout.splitlines()[0]
+    parsed = _Tables()
+    parsed.feed((tmp_path / "report.html").read_text())
+    incident = [r["cells"] for r in parsed.tables["incidents"] if r["class"] == "incident"]
+    assert len(incident) == 1 and incident[0][2] == "3 (node 1)" and "the agent on node 1" in incident[0][5]
+    assert [r["cells"][0] for r in parsed.tables["ranks"][1:]] == ["0", "1", "2", "3"]
+    computed = [(e["cycle"], e["detail"]["key"], e["detail"]["new"]) for e in _events(dirs, "timeout_computed")]
+    assert computed, "no timeout was computed"
+    shown = [(int(r["cells"][0]), r["cells"][1], float(r["cells"][3])) for r in parsed.tables["timeouts"][1:]]
+    assert [(c, k, pytest.approx(v, rel=1e-2)) for c, k, v in computed] == shown
+
+
+def test_status_without_a_job_and_a_busy_metrics_port_are_one_line_errors(launcher, tmp_path):
+    res = run_cli(["status", tmp_path], cwd=tmp_path)
+    assert res.returncode == 1
+    assert res.stderr.splitlines() == [f"ft_launcher: error: no job found in {tmp_path} (no status/*.json: was "
+                                       f"the job started with --log-dir there?)"]
+    res = run_cli(["status", tmp_path / "nope"], cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"ft_launcher: error: log dir not found: {tmp_path / 'nope'}"]
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = launcher.run(["--standalone", "--metrics-port", port, EXAMPLE], timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [f"ft_launcher: error: --metrics-port {port}: cannot listen: Address already in use"]
+    res = launcher.run(["--standalone", "--metrics-port", "70000", EXAMPLE], timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == ["ft_launcher: error: --metrics-port: expected a port 1-65535, got 70000"]
+
+
+def _chromium():
+    """A headless-capable chromium: found, else installed from the OS packages (root only)."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("no chromium, and apt-get cannot install one here (not root, or no apt-get)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
+    res = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:  # a stale package list: update once and retry
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=300)
+        res = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
+    if res.returncode != 0 or not shutil.which("chromium"):
+        pytest.skip(f"chromium could not be installed from the OS packages: {res.stderr.strip()[-300:]}")
+    return shutil.which("chromium")
+
+
+def test_report_renders_in_a_headless_browser(kill_and_hang_job):
+    tmp, logs, _ = kill_and_hang_job
+    browser = _chromium()
+    out = tmp / "shot"
+    out.mkdir(exist_ok=True)
+    page = out / "report.html"
+    assert run_cli(["report", logs, "-o", page], cwd=tmp).returncode == 0
+    shot = out / "report_screenshot.png"
+    res = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                          "--window-size=1500,1700", f"--screenshot={shot}", f"file://{page}"],
+                         capture_output=True, text=True, timeout=120, cwd=out,
+                         env=dict(os.environ, HOME=str(out)))
+    assert shot.exists(), res.stderr[-2000:]
+    # Where the lead finds it: FT_SCREENSHOT_DIR, else the temp dir.
+    keep = os.path.join(os.environ.get("FT_SCREENSHOT_DIR", tempfile.gettempdir()), "ft_launcher_report_screenshot.png")
+    shutil.copyfile(shot, keep)
+    print(f"screenshot: {keep}")
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(str(shot))[:, :, :3]
+    assert pixels.shape[0] >= 1000 and pixels.shape[1] >= 1400
+    # the timeline was drawn by the browser: its stepping green (#2ca02c) and downtime red cover real area
+    green = ((abs(pixels[:, :, 0] - 0x2c / 255) < 0.03) & (abs(pixels[:, :, 1] - 0xa0 / 255) < 0.03)
+             & (abs(pixels[:, :, 2] - 0x2c / 255) < 0.03)).sum()
+    assert green > 5000, green
