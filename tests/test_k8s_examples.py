@@ -227,6 +227,7 @@ def test_job_from_pet_variables_alone_trains_survives_a_killed_rank_and_ends_exa
     assert first["rank"] == rank and "killed by SIGKILL" in first["detail"]["what"], first
 
 
+@pytest.mark.slow
 def test_pod_deletion_sigterm_stops_every_pod_with_143(launcher, tmp_path):
     """Deleting a pod (or evicting, or preempting it) sends its launcher SIGTERM: the launcher
     forwards it to its ranks and stops the job on every node, and every launcher exits 143."""
@@ -239,6 +240,7 @@ def test_pod_deletion_sigterm_stops_every_pod_with_143(launcher, tmp_path):
     assert "another node is shutting down the job (SIGTERM)" in results[0][2]
 
 
+@pytest.mark.slow
 def test_lost_pod_is_replaced_by_the_spare_and_the_job_ends_exactly(launcher, tmp_path, reference):
     """PET_NNODES=2:3 and three pods: two train, the third waits. A training pod lost without a
     signal (its node died: SIGKILL here) is noticed by keep-alives; the survivor and the spare
