@@ -1,0 +1,150 @@
+"""The job outlives the node hosting its store (agent/store_failover.py), with real agents on one
+machine sharing a rendezvous, log, checkpoint and progress dirs (test_fault_matrix's Job).
+
+- 3 agents, --nnodes 2:3: two train, the third waits as a hot spare; the agent hosting the store
+  is SIGKILLed with its ranks mid-training. The survivor and the spare fail over to a successor
+  store, restart from the checkpoint and end with exactly the model of a fault-free run; the
+  time from the kill to every rank stepping again is printed.
+- 2 agents, --nnodes 2: the survivor cannot go on; it exits 1 within a bound with one line.
+- Split brain: the store host and its ranks are paused (SIGSTOP) instead; the others fail over,
+  and when the old host resumes it finds the successor and stops its ranks (exit 1).
+"""
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import read_events, wait_for
+from test_fault_matrix import HOLD_STEP, STEPS, Job, References, progress
+
+FAILOVER_TO_STEPPING = 6.0  # goal: store host SIGKILL -> every remaining rank stepping again
+HOLD = 40.0                 # cycle 0 holds step HOLD_STEP this long: the faults land inside it
+TIMEOUTS = ["--ft-rank-section-timeouts", f"setup:60,step:{HOLD + 10:g},checkpointing:60"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return References(tmp_path_factory)
+
+
+def _tree(pid):
+    try:
+        root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _with_spare(launcher, tmp_path):
+    """Two trainers and a hot spare; agent 0 (order 0) hosts the store."""
+    job = Job(launcher, tmp_path, "2x2", TIMEOUTS, ["--hold", f"step:{HOLD}"], max_restarts=2)
+    job.args[job.args.index("--nnodes") + 1] = "2:3"
+    job.launch()
+    wait_for(lambda: all(any(s == HOLD_STEP - 1 for c, s, _ in progress(job.prog, r)) for r in range(4)),
+             60, "two nodes to train")
+    job.launch_agent(2)
+    wait_for(lambda: read_events(job.logs, "spare_waiting"), 30, "the third agent to wait as a spare")
+    # the trainers learn of it from their keep-alive tick: a failover must count it
+    wait_for(lambda: len(read_events(job.logs, "spare_joined")) == 2, 10, "the trainers to see the spare")
+    return job
+
+
+def _stepping_again(job, after_cycle):
+    """The time each of the 4 ranks first stepped in a cycle after `after_cycle`, or None."""
+    firsts = []
+    for rank in range(4):
+        times = [t for c, s, t in progress(job.prog, rank) if c > after_cycle]
+        if not times:
+            return None
+        firsts.append(min(times))
+    return firsts
+
+
+def _reserves_ready(job):
+    """The survivor (node 1) and the spare each have a warm reserve per local rank."""
+    ready = read_events(job.logs, "reserve_ready")
+    spare = read_events(job.logs, "spare_waiting")[0]["node"]
+    return all(len({e["detail"]["local_rank"] for e in ready if e["node"] == node}) == 2 for node in (1, spare))
+
+
+def test_store_host_sigkilled_the_job_fails_over_and_ends_exactly(launcher, tmp_path, reference):
+    expected = reference.checksum("2x2")
+    job = _with_spare(launcher, tmp_path)
+    host = job.agents[0]
+    wait_for(lambda: _reserves_ready(job), 40, "warm reserves on the survivor and the spare")
+    killed_at = time.time()
+    for proc in _tree(host.pid):   # the node dies: agent, monitors, ranks, reserves at once
+        proc.kill()
+    results, _ = job.wait(bound=150)
+    codes = [code for code, _, _ in results]
+    assert codes[1:] == [0, 0], "\n".join(r[2][-3000:] for r in results)
+    final = job.final()
+    assert final["step"] == STEPS and final["world_size"] == 4 and final["cycle"] == 1, final
+    assert final["checksum"] == expected, "the resumed run differs from the fault-free run"
+    firsts = _stepping_again(job, 0)
+    assert firsts, "not every rank stepped after the failover"
+    took = max(firsts) - killed_at
+    evs = job.events()
+    started = max(e["time"] for e in evs if e["kind"] == "ranks_started" and e["cycle"] == 1)
+    warm = [r["warm"] for e in evs if e["kind"] == "ranks_started" and e["cycle"] == 1 for r in e["detail"]["ranks"]]
+    print(f"\nstore host SIGKILL -> every remaining rank stepping again: {took:.2f}s "
+          f"(goal <= {FAILOVER_TO_STEPPING:g}s); of which kill -> new ranks started (failover and "
+          f"rendezvous): {started - killed_at:.2f}s; {warm.count(True)} of 4 ranks from warm reserves")
+    failovers = [e for e in evs if e["kind"] == "store_failover"]
+    assert len(failovers) == 2 and {e["detail"]["generation"] for e in failovers} == {1}, failovers
+    assert [e["detail"]["hosted_here"] for e in failovers].count(True) == 1, failovers
+    assert {e["detail"]["port"] for e in failovers} == {job.port + 1}, failovers
+    starts = [e for e in evs if e["kind"] == "cycle_start" and e["cycle"] == 1]
+    assert len(starts) == 2 and all("restart 1/2" in "".join(r[2] for r in results[1:]) for _ in starts)
+    assert "Traceback" not in "".join(line for r in results[1:] for line in r[2].splitlines(True)
+                                      if not line.startswith("[rank"))
+
+
+def test_two_nodes_without_spare_survivor_exits_1_below_minimum(launcher, tmp_path):
+    job = Job(launcher, tmp_path, "2x2", TIMEOUTS, ["--hold", f"step:{HOLD}"], max_restarts=2)
+    job.launch()
+    wait_for(lambda: any(s == HOLD_STEP - 1 for c, s, _ in progress(job.prog, 2)), 60, "training")
+    killed_at = time.monotonic()
+    for proc in _tree(job.agents[0].pid):
+        proc.kill()
+    survivor = job.agents[1]
+    _, err = survivor.communicate(timeout=30)
+    took = time.monotonic() - killed_at
+    job.agents[0].communicate()
+    assert survivor.returncode == 1, err[-3000:]
+    assert took < 10, f"the survivor needed {took:.1f}s"
+    lines = [line for line in err.splitlines() if "below its minimum" in line]
+    assert len(lines) == 1 and "--nnodes needs at least 2 -> exiting 1" in lines[0], err[-3000:]
+    assert not [line for line in err.splitlines() if "Traceback" in line and not line.startswith("[rank")]
+
+
+def test_paused_store_host_finds_it_was_replaced_and_stops_its_ranks(launcher, tmp_path, reference):
+    expected = reference.checksum("2x2")
+    job = _with_spare(launcher, tmp_path)
+    old = job.agents[0]
+    paused = _tree(old.pid)
+    old_ranks = [p.pid for p in paused if "ddp_train.py" in " ".join(p.cmdline())]
+    assert len(old_ranks) == 2, [p.cmdline() for p in paused]
+    for proc in paused:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        # the others notice the silent host, fail over and train again without it
+        wait_for(lambda: _stepping_again(job, 0), 60, "the survivor and the spare to step again")
+    finally:
+        for proc in paused:
+            try:
+                proc.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+    _, err = old.communicate(timeout=30)
+    assert old.returncode == 1, err[-3000:]
+    assert "moved the job to generation 1 of the store" in err, err[-3000:]
+    assert not [pid for pid in old_ranks if psutil.pid_exists(pid) and
+                psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "the old host's ranks still run"
+    results, _ = job.wait(bound=150)
+    assert [code for code, _, _ in results] == [1, 0, 0], "\n".join(r[2][-3000:] for r in results)
+    final = job.final()
+    assert final["step"] == STEPS and final["checksum"] == expected, final
+    assert any(e["kind"] == "store_replaced" for e in job.events())
