@@ -483,7 +483,9 @@ class RoundWatcher(threading.Thread):
         if self._lost or self.store.replaced:
             return self._lost or self.store.replaced
         since = self._call_since
-        if since is not None and time.monotonic() - since > self.max_silent + self.interval:
+        # On the host a call to its own store only stalls when this whole process was paused:
+        # that is the fence's business (a successor may have taken over), not a lost store.
+        if since is not None and not self.store.is_host and time.monotonic() - since > self.max_silent + self.interval:
             return (f"the rendezvous store at {self.store.host}:{self.store.port} has not answered for "
                     f"{time.monotonic() - since:.1f}s")
         return None
