@@ -117,7 +117,7 @@ class NodeAgent:
                 self._warn_if_hangs_undetectable()
                 self._start_watcher()
                 self.monitors = [f.result() for f in monitor_starts]
-                code = self._cycles()
+                code = self._cycles_failing_over()
                 return self._job_stopped(code) if code > 128 else code
             except StoreReplaced as exc:
                 self.events.event("store_replaced", f"error: {exc}", error=str(exc))
@@ -171,27 +171,12 @@ class NodeAgent:
         self.watcher.s.add(self.store.key(f"alive/{self.me.node_id}"), 1)
         self.watcher.start()
 
-    def _cycles(self) -> int:
-        number = self.proto.current_round()
-        expected = None
+    def _cycles_failing_over(self) -> int:
+        """The cycles; when the store host is lost, again on the successor store."""
+        number, expected = None, None
         while True:
-            self._check_signal(None)
             try:
-                try:
-                    rnd = self.proto.join(number, expected)
-                except Stopped as exc:
-                    return self._stopped_waiting(exc, f"the other nodes (rendezvous round {number})")
-                self.watcher.fence_members = self.failover.remember(rnd)
-                self.events.cycle = number
-                try:
-                    if rnd.group_rank is None:
-                        verdict = self._wait_as_spare(rnd)
-                    else:
-                        self.events.node = rnd.group_rank
-                        verdict = self._run_round(rnd)
-                except Stopped:  # a signal during one of the round's store waits
-                    self._check_signal(rnd)  # tells the other nodes, stops the ranks, raises Shutdown
-                    raise
+                return self._cycles(number, expected)
             except StoreLost as exc:  # the store host is gone: move to its successor
                 self.events.event("store_lost", None, error=str(exc))
                 number, expected = self.failover.take_over(exc)
@@ -199,7 +184,26 @@ class NodeAgent:
                 self.events.event("store_failover", None, host=self.store.host, port=self.store.port,
                                   generation=self.failover.memory.generation, next_cycle=number,
                                   hosted_here=self.store.is_host)
-                continue
+
+    def _cycles(self, number: Optional[int] = None, expected: Optional[List[NodeInfo]] = None) -> int:
+        number = self.proto.current_round() if number is None else number
+        while True:
+            self._check_signal(None)
+            try:
+                rnd = self.proto.join(number, expected)
+            except Stopped as exc:
+                return self._stopped_waiting(exc, f"the other nodes (rendezvous round {number})")
+            self.watcher.fence_members = self.failover.remember(rnd)
+            self.events.cycle = number
+            try:
+                if rnd.group_rank is None:
+                    verdict = self._wait_as_spare(rnd)
+                else:
+                    self.events.node = rnd.group_rank
+                    verdict = self._run_round(rnd)
+            except Stopped:  # a signal during one of the round's store waits
+                self._check_signal(rnd)  # tells the other nodes, stops the ranks, raises Shutdown
+                raise
             if not verdict.get("restart"):
                 self._leave(rnd)
             if verdict.get("kind") == "complete":

@@ -11,7 +11,7 @@ live under `ft/<run_id>/`. A *round* is one training cycle:
     r<R>/verdict           what the job does next (restart or stop), written by that first writer
     r<R>/done, r<R>/left   barrier counters for a round that succeeds
     restarts_used          the job-wide restart budget spent so far
-    alive/<node_id>        keep-alive counters
+    alive/<node_id>        keep-alive counters (each agent watches the WATCHED_PEERS nodes after it)
     generation, took_over  which store this is (0: the first; a failover's successor: 1, 2, ...)
 
 Ranks are assigned in infrastructure order (SLURM_PROCID / node rank / GROUP_RANK when known,
@@ -53,6 +53,7 @@ from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, S
 
 WAIT_SLICE = 0.25     # seconds: the longest a wait goes without looking for a signal
 PROGRESS_EVERY = 5.0  # seconds between "still waiting for ..." lines
+WATCHED_PEERS = 2     # keep-alive counters each agent watches: the next nodes in the round's order
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -286,7 +287,7 @@ class RoundProtocol:
                     f"({', '.join(n.label() for n in nodes)}); "
                     f"{self.cfg.min_nodes - joined} missing")
             try:
-                self.s.wait([closed_key], _td(0.05))
+                self.s.wait([closed_key], _td(WAIT_SLICE))  # returns the moment the round closes
             except DistStoreError:
                 pass
             except DistNetworkError:
@@ -544,7 +545,7 @@ class RoundWatcher(threading.Thread):
         if rnd is not None:
             self._find_late_joiners(rnd)
         members = rnd.active + rnd.spares if rnd is not None else self.fence_members
-        peers = [n for n in members if n.node_id != self.me.node_id]
+        peers = ring_peers(members, self.me.node_id)
         if not peers:
             return
         counts = present_values(self.s, [self.store.key(f"alive/{n.node_id}") for n in peers])
@@ -583,6 +584,17 @@ class RoundWatcher(threading.Thread):
                 self.late_joiners.append(node)
                 if self.on_late_joiner is not None:
                     self.on_late_joiner(node)
+
+
+def ring_peers(members: List[NodeInfo], me_id: str, count: int = WATCHED_PEERS) -> List[NodeInfo]:
+    """The `count` nodes after this one in `members`, wrapping around: the peers whose keep-alives
+    this agent watches. Every node is watched by `count` others, and each agent reads `count`
+    counters a tick whatever the job's size (all peers would be O(N) per agent, O(N^2) at the host)."""
+    ids = [n.node_id for n in members]
+    if me_id not in ids:
+        return [n for n in members][:count]
+    i = ids.index(me_id)
+    return [members[(i + step) % len(members)] for step in range(1, min(count, len(members) - 1) + 1)]
 
 
 def present_values(client, keys: List[str]) -> List[Optional[bytes]]:
@@ -646,6 +658,7 @@ def _counted(client, label: str):
 
 
 def _write_stats() -> None:
+    _MARKS["exit_at"] = time.time()
     try:
         os.makedirs(_STATS_DIR, exist_ok=True)
         with open(os.path.join(_STATS_DIR, f"{os.getpid()}.json"), "w") as fh:

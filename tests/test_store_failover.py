@@ -1,12 +1,15 @@
 """The job outlives the node hosting its store (agent/store_failover.py), with real agents on one
-machine sharing a rendezvous, log, checkpoint and progress dirs (test_fault_matrix's Job).
+machine sharing a rendezvous and a log dir.
 
-- 3 agents, --nnodes 2:3: two train, the third waits as a hot spare; the agent hosting the store
-  is SIGKILLed with its ranks mid-training. The survivor and the spare fail over to a successor
-  store, restart from the checkpoint and end with exactly the model of a fault-free run; the
-  time from the kill to every rank stepping again is printed.
+By default, with a rank that does not import torch (tests/scripts/cycle_sleeper.py):
+- 3 agents, --nnodes 2:3: two run ranks, the third waits as a hot spare; the store host is
+  SIGKILLed with its whole process tree. The survivor and the spare fail over to the successor
+  store (the survivor, first in order, on rdzv port + 1) and finish cycle 1: exit 0.
 - 2 agents, --nnodes 2: the survivor cannot go on; it exits 1 within a bound with one line.
-- Split brain: the store host and its ranks are paused (SIGSTOP) instead; the others fail over,
+Slow (the example DDP job, test_fault_matrix's Job, checked against a fault-free run):
+- the same SIGKILL mid-training ends with exactly the model of a fault-free run; the time from
+  the kill to every rank stepping again is printed;
+- split brain: the store host and its ranks are paused (SIGSTOP) instead; the others fail over,
   and when the old host resumes it finds the successor and stops its ranks (exit 1).
 """
 import os
@@ -16,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from conftest import read_events, wait_for
+from conftest import SCRIPTS, free_port, read_events, wait_for
 from test_fault_matrix import HOLD_STEP, STEPS, Job, References, progress
 
 FAILOVER_TO_STEPPING = 6.0  # goal: store host SIGKILL -> every remaining rank stepping again
@@ -69,6 +72,59 @@ def _reserves_ready(job):
     return all(len({e["detail"]["local_rank"] for e in ready if e["node"] == node}) == 2 for node in (1, spare))
 
 
+class SleeperJob:
+    """Agents of one job whose ranks run cycle_sleeper.py (no torch): quick to start."""
+
+    def __init__(self, launcher, tmp_path, nnodes, max_restarts=1):
+        self.launcher = launcher
+        self.port = free_port()
+        self.logs, self.out = tmp_path / "logs", tmp_path / "ranks"
+        self.args = ["--nnodes", nnodes, "--nproc-per-node", 1, "--max-restarts", max_restarts,
+                     "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"fo{self.port}",
+                     "--rdzv-conf", "join_timeout=30,last_call_timeout=1", "--ft-warm-reserves", 0,
+                     "--log-dir", self.logs, os.path.join(SCRIPTS, "cycle_sleeper.py"), self.out, 60]
+        self.agents = []
+
+    def start(self, order):
+        if order:
+            from test_fault_matrix import _listening
+            wait_for(lambda: _listening(self.port), 30, "the store host to listen")
+        self.agents.append(self.launcher.start(self.args, extra_env={"GROUP_RANK": str(order)}))
+
+    def rows(self, rank):
+        path = self.out / f"rank_{rank}.txt"
+        if not path.exists():
+            return []
+        return [(int(c), float(t)) for c, _, t in (line.split() for line in path.read_text().splitlines())]
+
+
+def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_path):
+    job = SleeperJob(launcher, tmp_path, "2:3")
+    job.start(0)
+    job.start(1)
+    wait_for(lambda: job.rows(0) and job.rows(1), 60, "two nodes to run their ranks")
+    job.start(2)
+    wait_for(lambda: read_events(job.logs, "spare_waiting"), 30, "the third agent to wait as a spare")
+    wait_for(lambda: len(read_events(job.logs, "spare_joined")) == 2, 10, "the trainers to see the spare")
+    killed_at = time.time()
+    for proc in _tree(job.agents[0].pid):
+        proc.kill()
+    outs = []
+    for proc in job.agents[1:]:
+        _, err = proc.communicate(timeout=60)
+        outs.append(err)
+    job.agents[0].communicate()
+    assert [p.returncode for p in job.agents[1:]] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    restarted = [min(t for c, t in job.rows(rank) if c == 1) for rank in (0, 1)]
+    print(f"\nstore host SIGKILL -> both ranks of cycle 1 started: {max(restarted) - killed_at:.2f}s")
+    failovers = read_events(job.logs, "store_failover")
+    assert sorted(e["detail"]["hosted_here"] for e in failovers) == [False, True], failovers
+    assert {(e["detail"]["port"], e["detail"]["generation"]) for e in failovers} == {(job.port + 1, 1)}
+    assert "generation 1 of the store at" in outs[0] and "(hosted here)" in outs[0], outs[0][-3000:]
+    assert "(restart 1/1)" in outs[1], outs[1][-3000:]
+
+
+@pytest.mark.slow
 def test_store_host_sigkilled_the_job_fails_over_and_ends_exactly(launcher, tmp_path, reference):
     expected = reference.checksum("2x2")
     job = _with_spare(launcher, tmp_path)
@@ -103,9 +159,10 @@ def test_store_host_sigkilled_the_job_fails_over_and_ends_exactly(launcher, tmp_
 
 
 def test_two_nodes_without_spare_survivor_exits_1_below_minimum(launcher, tmp_path):
-    job = Job(launcher, tmp_path, "2x2", TIMEOUTS, ["--hold", f"step:{HOLD}"], max_restarts=2)
-    job.launch()
-    wait_for(lambda: any(s == HOLD_STEP - 1 for c, s, _ in progress(job.prog, 2)), 60, "training")
+    job = SleeperJob(launcher, tmp_path, "2", max_restarts=2)
+    job.start(0)
+    job.start(1)
+    wait_for(lambda: job.rows(0) and job.rows(1), 60, "both nodes to run their ranks")
     killed_at = time.monotonic()
     for proc in _tree(job.agents[0].pid):
         proc.kill()
@@ -120,6 +177,7 @@ def test_two_nodes_without_spare_survivor_exits_1_below_minimum(launcher, tmp_pa
     assert not [line for line in err.splitlines() if "Traceback" in line and not line.startswith("[rank")]
 
 
+@pytest.mark.slow
 def test_paused_store_host_finds_it_was_replaced_and_stops_its_ranks(launcher, tmp_path, reference):
     expected = reference.checksum("2x2")
     job = _with_spare(launcher, tmp_path)
