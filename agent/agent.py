@@ -148,7 +148,7 @@ class NodeAgent:
             reserves.close()
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
-            watcher.stop()
+            watcher.stop(wait=self.cfg.conf("keep_alive_interval") + 1.0)
         for handle in self.monitors:
             handle.stop()
             self.watchdog.forget(handle.pid)

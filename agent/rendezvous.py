@@ -470,7 +470,7 @@ class RoundWatcher(threading.Thread):
         self.max_silent = cfg.conf("keep_alive_max_attempt") * self.interval
         self._lock = threading.Lock()
         self._round: Optional[Round] = None
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # not _stop: Thread.join calls its own _stop()
         self.interrupted_round: Optional[int] = None
         self.dead_peers: List[NodeInfo] = []
         self._lost: Optional[str] = None
@@ -498,14 +498,19 @@ class RoundWatcher(threading.Thread):
             self._known_joined = len(rnd.active) + len(rnd.spares) if rnd is not None else 0
         self._seen = {}
 
-    def stop(self) -> None:
-        self._stop.set()
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop; with `wait`, give the thread that long to leave its store call. A daemon thread
+        still inside torch's store code when the interpreter exits aborts the process ("terminate
+        called without an active exception")."""
+        self._halt.set()
+        if wait and self.is_alive() and threading.current_thread() is not self:
+            self.join(wait)
 
     def run(self) -> None:
         alive_key = self.store.key(f"alive/{self.me.node_id}")
         self._seen = {}
         next_beat = 0.0
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 now = time.monotonic()
                 if now >= next_beat:
@@ -517,7 +522,7 @@ class RoundWatcher(threading.Thread):
                 with self._lock:
                     rnd = self._round
                 if rnd is None:
-                    self._stop.wait(min(self.interval, 0.1))
+                    self._halt.wait(min(self.interval, 0.1))
                     continue
                 key = self.store.key(f"r{rnd.number}/interrupt")
                 try:
@@ -532,7 +537,7 @@ class RoundWatcher(threading.Thread):
                     self._call_since = None
             except DistNetworkError as exc:
                 self._call_since = None
-                if self._stop.is_set():
+                if self._halt.is_set():
                     return
                 self._lost = (f"lost the rendezvous store at {self.store.host}:{self.store.port} "
                               f"({str(exc).splitlines()[0]})")
