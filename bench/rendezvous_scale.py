@@ -4,6 +4,11 @@ torch's c10d rendezvous (`torch.distributed.run`, through bench/torchrun_counted
 
     python bench/rendezvous_scale.py [--sizes 2,8,32] [--hold 3]
 
+The first agent starts alone and hosts the store; the others start once it listens, together for
+N <= 8 and --stagger s apart above (on 2 cores, 32 agents importing torch at once starve each
+other's store handshakes past ft_launcher's 4 s limit for telling a store from a foreign program
+on the port: some agents then exit 1, and the round never fills).
+
 Per launcher and N it reports:
   start->ranks    the last agent's start -> every rank process started (both launchers;
                   includes the last agent's own start-up: its torch import)
@@ -43,7 +48,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_agents(kind: str, n: int, hold: float, limit: float) -> dict:
+def _wait_listening(port: int, first: subprocess.Popen, limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and first.poll() is None:
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+
+
+def run_agents(kind: str, n: int, hold: float, limit: float, stagger: float = 0.0) -> dict:
     work = tempfile.mkdtemp(prefix=f"rdzv_scale_{kind}_{n}_")
     out, stats, logs = (os.path.join(work, d) for d in ("ranks", "stats", "logs"))
     for d in (out, stats, logs):
@@ -64,6 +79,10 @@ def run_agents(kind: str, n: int, hold: float, limit: float) -> dict:
     procs, starts = [], []
     try:
         for i in range(n):
+            if i == 1:  # the first agent hosts the store: the others start once it listens
+                _wait_listening(port, procs[0], limit)
+            elif i > 1 and stagger:
+                time.sleep(stagger)
             agent_env = dict(env, GROUP_RANK=str(i)) if kind == "ft_launcher" else env
             with open(os.path.join(logs, f"agent_{i}.log"), "w") as log:
                 starts.append(time.time())
@@ -147,10 +166,11 @@ def main() -> None:
     parser.add_argument("--hold", type=float, default=3.0, help="seconds each rank sleeps")
     parser.add_argument("--limit", type=float, default=400.0, help="seconds one launcher's run may take")
     parser.add_argument("--keep", action="store_true", help="keep the scratch dirs")
+    parser.add_argument("--stagger", type=float, default=1.0, help="seconds between agent starts when N > 8")
     args = parser.parse_args()
     for n in [int(x) for x in args.sizes.split(",")]:
         for kind in ("ft_launcher", "torchrun"):
-            result = run_agents(kind, n, args.hold, args.limit)
+            result = run_agents(kind, n, args.hold, args.limit, args.stagger if n > 8 else 0.0)
             print(line(result), flush=True)
             print("    calls per agent by method:", json.dumps(result.get("by_method", {})), flush=True)
             if not args.keep:
