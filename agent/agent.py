@@ -6,8 +6,12 @@ wake-up pipe that signal handlers and the round watcher write to. A rank's death
 hang report, a peer's failure and a signal are therefore all handled the moment they happen,
 not on the next poll.
 
-Exit codes: 0 all ranks succeeded; 1 the restart budget is spent or the rendezvous failed;
-93 (no_restart_exit_code) the job stopped for good or this node left it (agent.no_restart);
+When the node hosting the job's store is lost, the survivors move to a successor store and the
+job restarts from its checkpoint (agent/store_failover.py).
+
+Exit codes: 0 all ranks succeeded; 1 the restart budget is spent, the rendezvous failed, the
+job fell below its minimum, or this node was replaced as the store host; 93
+(no_restart_exit_code) the job stopped for good or this node left it (agent.no_restart);
 128+N terminated by signal N (forwarded to the ranks first).
 """
 from __future__ import annotations
@@ -39,7 +43,7 @@ from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .rank_output import RankOutput
 from .reserve_pool import ReservePool
-from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost
+from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
 from .workers import Rank, WorkerGroup, describe_exit, rank_env
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -117,27 +121,31 @@ class NodeAgent:
         # torch loads here, while the monitors start: their start-up costs the launch nothing
         with warnings.catch_warnings():  # torch's import-time warnings say nothing about this job
             warnings.simplefilter("ignore")
-            from .rendezvous import JobStore, RoundProtocol, RoundWatcher
+            from .rendezvous import JobStore, RoundProtocol
+            from .store_failover import StoreFailover
         try:
             try:
                 self.store = JobStore(self.cfg, self.say, self._unhandled_signal)
                 self.me = self._node_info()
+                self.me.hosts_store = self.store.is_host
                 self.proto = RoundProtocol(self.store, self.cfg, self.me)
                 self.injector = FaultInjector(self.cfg.ft, self.proto.claim_fault)
                 self.learner = TimeoutLearner(self.cfg.ft, default_state_path(self.cfg.ft, self.cfg.log_dir),
                                               self.events)
+                self.failover = StoreFailover(self.cfg, self.store, self.proto, self.me, self.say, self.learner)
                 self._warn_if_hangs_undetectable()
                 self.progress = ProgressTracker(self.cfg.ft.max_no_progress_cycles)
                 self.stragglers = StragglerWatch(self.cfg.ft, self.events)
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
-                self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake)
-                self.watcher.s.add(self.store.key(f"alive/{self.me.node_id}"), 1)
-                self.watcher.start()
+                self._start_watcher()
                 self.monitors = [f.result() for f in monitor_starts]
-                code = self._cycles()
+                code = self._cycles_failing_over()
                 return self._job_stopped(code) if code > 128 else code
+            except StoreReplaced as exc:
+                self.events.event("store_replaced", f"error: {exc}", error=str(exc))
+                return EXIT_FAILED
             except StoreLost as exc:
-                self.events.event("store_lost", f"{exc}; stopping this node's ranks", error=str(exc))
+                self.events.event("store_lost", f"error: {exc}", error=str(exc))
                 return EXIT_FAILED
             except RendezvousError as exc:
                 self.events.event("rendezvous_failed", f"error: {exc}", error=str(exc))
@@ -164,7 +172,7 @@ class NodeAgent:
             reserves.close()
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
-            watcher.stop()
+            watcher.stop(wait=self.cfg.conf("keep_alive_interval") + 1.0)
         for handle in self.monitors:
             handle.stop()
             self.watchdog.forget(handle.pid)
@@ -173,9 +181,36 @@ class NodeAgent:
         MonitorHandle.tidy_run_dir(self._run_dir, remove_if_empty=not self.cfg.log_dir)
         signal.set_wakeup_fd(-1)
 
-    def _cycles(self) -> int:
-        number = self.proto.current_round()
-        expected = None
+    def _start_watcher(self) -> None:
+        from .rendezvous import RoundWatcher
+
+        old = getattr(self, "watcher", None)
+        if old is not None:
+            old.stop()  # a watcher stuck in a call to a paused host stays stuck: it is a daemon
+        self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake, self.failover.find_successor,
+                                    lambda node: self.events.event("spare_joined", None, spare=node.label(),
+                                                                   node_id=node.node_id))
+        self.watcher.fence_members = self.failover.memory.members()
+        self.watcher.late_joiners = self.failover.memory.late
+        self.watcher.s.add(self.store.key(f"alive/{self.me.node_id}"), 1)
+        self.watcher.start()
+
+    def _cycles_failing_over(self) -> int:
+        """The cycles; when the store host is lost, again on the successor store."""
+        number, expected = None, None
+        while True:
+            try:
+                return self._cycles(number, expected)
+            except StoreLost as exc:  # the store host is gone: move to its successor
+                self.events.event("store_lost", None, error=str(exc))
+                number, expected = self.failover.take_over(exc)
+                self._start_watcher()
+                self.events.event("store_failover", None, host=self.store.host, port=self.store.port,
+                                  generation=self.failover.memory.generation, next_cycle=number,
+                                  hosted_here=self.store.is_host)
+
+    def _cycles(self, number: Optional[int] = None, expected: Optional[List[NodeInfo]] = None) -> int:
+        number = self.proto.current_round() if number is None else number
         while True:
             self._check_signal(None)
             unhealthy = self.health.run()
@@ -186,6 +221,7 @@ class NodeAgent:
                 rnd = self.proto.join(number, expected)
             except Stopped as exc:
                 return self._stopped_waiting(exc, f"the other nodes (rendezvous round {number})")
+            self.watcher.fence_members = self.failover.remember(rnd)
             self.events.cycle = number
             try:
                 if rnd.group_rank is None:
@@ -374,7 +410,10 @@ class NodeAgent:
         finally:
             self.status.cycle_end()
             if self.learner.enabled:
-                self._learn(rnd)
+                try:
+                    self._learn(rnd)
+                except RendezvousError:  # a lost store: the failover follows, the ranks stop first
+                    pass
                 self.learner.end_of_cycle(self.monitors)
             for monitor in self.monitors:
                 monitor.rank_stopped()

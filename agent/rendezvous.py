@@ -15,7 +15,8 @@ live under `ft/<run_id>/`. A *round* is one training cycle:
                            too few can remain
     r<R>/progress, r<R>/strag/<g>  a step completed in round R (agent.progress); node g's
                            straggler window (agent.stragglers)
-    alive/<node_id>        keep-alive counters
+    alive/<node_id>        keep-alive counters (each agent watches the WATCHED_PEERS nodes after it)
+    generation, took_over  which store this is (0: the first; a failover's successor: 1, 2, ...)
 
 Ranks are assigned in infrastructure order (SLURM_PROCID / node rank / GROUP_RANK when known,
 then the order agents first reached the store, kept for the job's life), never purely by who joined first. With `--nnodes MIN:MAX`,
@@ -28,25 +29,36 @@ workers' store, for a verdict) within a second with `Stopped`. A signal while a 
 joined is written to that round as a shutdown: the other joiners stop too, instead of closing a
 round with a node that is gone. While it waits for peers, the agent says after 1 s, then every
 PROGRESS_EVERY seconds, who joined and who is missing.
+
+A store host that stops answering (killed, paused, cut off) is noticed by the RoundWatcher: a
+store call that fails, or one that has not returned within the keep-alive limit (a paused host
+never answers and torch's client then never returns). agent/store_failover.py takes it from there.
+
+With FT_LAUNCHER_STORE_STATS=<dir> every store call is counted (calls and payload bytes per
+method and per connection) and written to <dir>/<pid>.json at exit (bench/rendezvous_scale.py);
+unset, the clients are torch's own objects, untouched.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import json
+import os
 import socket
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from torch.distributed import DistNetworkError, DistStoreError, TCPStore
 
 from .launch_config import LaunchConfig
 from .no_restart import NoRestart, too_few_left
-from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost
+from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
 
 WAIT_SLICE = 0.25     # seconds: the longest a wait goes without looking for a signal
 PROGRESS_EVERY = 5.0  # seconds between "still waiting for ..." lines
+WATCHED_PEERS = 2     # keep-alive counters each agent watches: the next nodes in the round's order
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -89,6 +101,7 @@ class JobStore:
         self.stop = stop  # returns the number of a signal that should end every wait, else None
         self.prefix = f"ft/{cfg.rdzv_id}/"
         self.is_host = False
+        self.replaced: Optional[str] = None  # set when a successor store took the job over from us
         self.server: Optional[TCPStore] = None
         self.host, self.port = cfg.rdzv_host, cfg.rdzv_port
         timeout = _td(cfg.conf("read_timeout"))
@@ -109,7 +122,14 @@ class JobStore:
                     raise RendezvousError(
                         f"port {self.port} is already in use: cannot host the rendezvous store there "
                         f"(pick another {self._port_flag()} port)") from None
-        self.client = self.server if self.is_host else self._connect(timeout)
+        self.client = _counted(self.server, "main") if self.is_host else _counted(self._connect(timeout), "main")
+
+    def adopt(self, host: str, port: int, server: Optional[TCPStore], client: Optional[TCPStore] = None) -> None:
+        """Use the successor store at host:port from now on (`server`: hosted by this agent)."""
+        self.host, self.port = host, port
+        self.server = server
+        self.is_host = server is not None
+        self.client = _counted(server if server is not None else client, "main")
 
     def _connect(self, timeout: datetime.timedelta) -> TCPStore:
         deadline = time.monotonic() + self.cfg.conf("join_timeout")
@@ -128,9 +148,9 @@ class JobStore:
                     self.say(f"waiting for the rendezvous host {self.host}:{self.port} to start")
                     told = True
                 time.sleep(0.05)
-        return self.new_client(timeout)
+        return self.new_client(timeout, "main")
 
-    def new_client(self, timeout: Optional[datetime.timedelta] = None) -> TCPStore:
+    def new_client(self, timeout: Optional[datetime.timedelta] = None, label: Optional[str] = None) -> TCPStore:
         """A separate connection (each thread uses its own)."""
         timeout = timeout or _td(self.cfg.conf("read_timeout"))
         box: list = []
@@ -154,7 +174,7 @@ class JobStore:
         if isinstance(box[0], Exception):
             raise RendezvousError(f"cannot reach the rendezvous store at {self.host}:{self.port}: "
                                   f"{str(box[0]).splitlines()[0]}")
-        return box[0]
+        return _counted(box[0], label or "other")
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -192,17 +212,23 @@ class RoundProtocol:
 
     def __init__(self, store: JobStore, cfg: LaunchConfig, me: NodeInfo):
         self.store = store
-        self.s = store.client
         self.cfg = cfg
         self.me = me
         self._last_call = cfg.conf("last_call_timeout")
         if not me.stable:
             me.stable = self._call(self.s.add, self.k("agents"), 1)
 
+    @property
+    def s(self):
+        """The store's client: a failover swaps the store under this protocol (JobStore.adopt)."""
+        return self.store.client
+
     def k(self, name: str) -> str:
         return self.store.key(name)
 
     def _call(self, fn, *args):
+        if self.store.replaced:
+            raise StoreReplaced(self.store.replaced)
         try:
             return fn(*args)
         except DistNetworkError as exc:
@@ -266,7 +292,7 @@ class RoundProtocol:
                     f"({', '.join(n.label() for n in nodes)}); "
                     f"{self.cfg.min_nodes - joined} missing")
             try:
-                self.s.wait([closed_key], _td(0.05))
+                self.s.wait([closed_key], _td(WAIT_SLICE))  # returns the moment the round closes
             except DistStoreError:
                 pass
             except DistNetworkError:
@@ -411,7 +437,7 @@ class _Liveness:
         self.next_check = now + 0.25
         joined_ids = {n.node_id for n in self.proto._nodes(number, joined)}
         missing = [i for i in self.expected if i not in joined_ids]
-        counts = self.proto.get_many([f"alive/{i}" for i in missing])
+        counts = present_values(self.proto.s, [self.proto.k(f"alive/{i}") for i in missing])
         dead = 0
         for node_id, count in zip(missing, counts):
             last, since = self.seen.get(node_id, (None, now))
@@ -426,74 +452,116 @@ class _Liveness:
 class RoundWatcher(threading.Thread):
     """Background thread with its own store connection: wakes the agent the moment the round
     is interrupted, keeps this node's keep-alive counter ticking, and reports peers whose
-    counters stop (a node that died without a word)."""
+    counters stop (a node that died without a word).
 
-    def __init__(self, store: JobStore, cfg: LaunchConfig, me: NodeInfo, wake: Callable[[], None]):
+    It also notices a lost store host: a call that fails, or one still not back after the
+    keep-alive limit (a paused host never answers). On the store host it fences itself: when
+    the peers it knows (`fence_members`) fall silent, `fence()` looks for a successor store that
+    took the job over while this host was unreachable; if there is one, `store.replaced` is set."""
+
+    def __init__(self, store: JobStore, cfg: LaunchConfig, me: NodeInfo, wake: Callable[[], None],
+                 fence: Optional[Callable[[], Optional[str]]] = None,
+                 on_late_joiner: Optional[Callable[[NodeInfo], None]] = None):
         super().__init__(name="ft-round-watcher", daemon=True)
-        self.s = store.new_client()
+        self.s = store.new_client(label="watcher")
         self.store = store
         self.me = me
         self.wake = wake
+        self.fence = fence
+        self.fence_members: List[NodeInfo] = []
+        # nodes that joined the watched round after it closed (they wait as spares): a store
+        # failover must know them too (agent/store_failover.py shares this list)
+        self.late_joiners: List[NodeInfo] = []
+        self._known_joined = 0
+        self.on_late_joiner = on_late_joiner
         self.interval = cfg.conf("keep_alive_interval")
         self.max_silent = cfg.conf("keep_alive_max_attempt") * self.interval
         self._lock = threading.Lock()
         self._round: Optional[Round] = None
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # not _stop: Thread.join calls its own _stop()
         self.interrupted_round: Optional[int] = None
         self.dead_peers: List[NodeInfo] = []
-        self.store_lost: Optional[str] = None
+        self._lost: Optional[str] = None
+        self._call_since: Optional[float] = None  # when the store call in progress began
+        self._next_fence = 0.0
+
+    @property
+    def store_lost(self) -> Optional[str]:
+        """Why the store is lost (a failed call, a call that never returns, a successor that
+        replaced this host), else None."""
+        if self._lost or self.store.replaced:
+            return self._lost or self.store.replaced
+        since = self._call_since
+        # On the host a call to its own store only stalls when this whole process was paused:
+        # that is the fence's business (a successor may have taken over), not a lost store.
+        if since is not None and not self.store.is_host and time.monotonic() - since > self.max_silent + self.interval:
+            return (f"the rendezvous store at {self.store.host}:{self.store.port} has not answered for "
+                    f"{time.monotonic() - since:.1f}s")
+        return None
 
     def watch(self, rnd: Optional[Round]) -> None:
         with self._lock:
             self._round = rnd
             self.dead_peers = []
+            self._known_joined = len(rnd.active) + len(rnd.spares) if rnd is not None else 0
         self._seen = {}
 
-    def stop(self) -> None:
-        self._stop.set()
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop; with `wait`, give the thread that long to leave its store call. A daemon thread
+        still inside torch's store code when the interpreter exits aborts the process ("terminate
+        called without an active exception")."""
+        self._halt.set()
+        if wait and self.is_alive() and threading.current_thread() is not self:
+            self.join(wait)
 
     def run(self) -> None:
         alive_key = self.store.key(f"alive/{self.me.node_id}")
         self._seen = {}
         next_beat = 0.0
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 now = time.monotonic()
                 if now >= next_beat:
+                    self._call_since = now
                     self.s.add(alive_key, 1)
                     next_beat = now + self.interval
                     self._check_peers(now)
+                    self._call_since = None
                 with self._lock:
                     rnd = self._round
                 if rnd is None:
-                    self._stop.wait(min(self.interval, 0.1))
+                    self._halt.wait(min(self.interval, 0.1))
                     continue
                 key = self.store.key(f"r{rnd.number}/interrupt")
                 try:
+                    self._call_since = time.monotonic()
                     self.s.wait([key], _td(max(0.01, next_beat - time.monotonic())))
+                    self._call_since = None
                     with self._lock:
                         if self._round is rnd and self.interrupted_round != rnd.number:
                             self.interrupted_round = rnd.number
                             self.wake()
                 except DistStoreError:
-                    pass
+                    self._call_since = None
             except DistNetworkError as exc:
-                if self._stop.is_set():
+                self._call_since = None
+                if self._halt.is_set():
                     return
-                self.store_lost = (f"lost the rendezvous store at {self.store.host}:{self.store.port} "
-                                   f"({str(exc).splitlines()[0]})")
+                self._lost = (f"lost the rendezvous store at {self.store.host}:{self.store.port} "
+                              f"({str(exc).splitlines()[0]})")
                 self.wake()
                 return
 
     def _check_peers(self, now: float) -> None:
         with self._lock:
             rnd = self._round
-        if rnd is None:
-            return
-        peers = [n for n in rnd.active + rnd.spares if n.node_id != self.me.node_id]
+        if rnd is not None:
+            self._find_late_joiners(rnd)
+        members = rnd.active + rnd.spares if rnd is not None else self.fence_members
+        peers = ring_peers(members, self.me.node_id)
         if not peers:
             return
-        counts = self.s.multi_get([self.store.key(f"alive/{n.node_id}") for n in peers])
+        counts = present_values(self.s, [self.store.key(f"alive/{n.node_id}") for n in peers])
         dead = []
         for node, count in zip(peers, counts):
             last_count, since = self._seen.get(node.node_id, (None, now))
@@ -501,8 +569,116 @@ class RoundWatcher(threading.Thread):
                 self._seen[node.node_id] = (count, now)
             elif now - since > self.max_silent:
                 dead.append(node)
-        if dead:
+        if dead and self.fence is not None and self.store.is_host and now >= self._next_fence:
+            self._next_fence = now + self.interval
+            where = self.fence()
+            if where:
+                self.store.replaced = where
+                self.wake()
+                return
+        if dead and rnd is not None:
             with self._lock:
                 if self._round is rnd and not self.dead_peers:
                     self.dead_peers = dead
                     self.wake()
+
+
+    def _find_late_joiners(self, rnd: Round) -> None:
+        joined = int(self.s.add(self.store.key(f"r{rnd.number}/joined"), 0))
+        if joined <= self._known_joined:
+            return
+        raw = self.s.multi_get([self.store.key(f"r{rnd.number}/node/{i}")
+                                for i in range(self._known_joined + 1, joined + 1)])
+        self._known_joined = joined
+        known = {n.node_id for n in rnd.active + rnd.spares + self.late_joiners}
+        for value in raw:
+            node = NodeInfo(**json.loads(value))
+            if node.node_id not in known:
+                self.late_joiners.append(node)
+                if self.on_late_joiner is not None:
+                    self.on_late_joiner(node)
+
+
+def ring_peers(members: List[NodeInfo], me_id: str, count: int = WATCHED_PEERS) -> List[NodeInfo]:
+    """The `count` nodes after this one in `members`, wrapping around: the peers whose keep-alives
+    this agent watches. Every node is watched by `count` others, and each agent reads `count`
+    counters a tick whatever the job's size (all peers would be O(N) per agent, O(N^2) at the host)."""
+    ids = [n.node_id for n in members]
+    if me_id not in ids:
+        return [n for n in members][:count]
+    i = ids.index(me_id)
+    return [members[(i + step) % len(members)] for step in range(1, min(count, len(members) - 1) + 1)]
+
+
+def present_values(client, keys: List[str]) -> List[Optional[bytes]]:
+    """The values of `keys`, None for a key not (yet) in the store, without blocking on it
+    (a plain get waits for a missing key). One call when all exist, else one check per key."""
+    if not keys:
+        return []
+    if client.check(keys):
+        return list(client.multi_get(keys))
+    present = [k for k in keys if client.check([k])]
+    values = dict(zip(present, client.multi_get(present))) if present else {}
+    return [values.get(k) for k in keys]
+
+
+# ---- optional call counting (bench/rendezvous_scale.py) ---------------------------------------
+_STATS_DIR = os.environ.get("FT_LAUNCHER_STORE_STATS")
+_STATS: Dict[str, Dict[str, list]] = {}
+_MARKS: Dict[str, float] = {}
+
+
+def _size(value) -> int:
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(_size(v) for v in value)
+    return 8 if isinstance(value, (int, float)) else 0
+
+
+class _CountingStore:
+    """A TCPStore client that counts its calls and their payload bytes (keys and values, both
+    ways) per method, under a label (main: the round protocol; watcher: keep-alives and
+    interrupts). Only built when FT_LAUNCHER_STORE_STATS is set."""
+
+    def __init__(self, inner, label: str):
+        self._inner = inner
+        self._table = _STATS.setdefault(label, {})
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args):
+            row = self._table.setdefault(name, [0, 0])
+            row[0] += 1
+            row[1] += sum(_size(a) for a in args if not isinstance(a, datetime.timedelta))
+            if name == "add" and len(args) == 2 and args[1] == 1 and str(args[0]).endswith("/joined"):
+                _MARKS.setdefault("joined_at", time.time())
+            result = attr(*args)
+            row[1] += _size(result)
+            if name == "get" and str(args[0]).endswith("/closed"):
+                _MARKS["round_known_at"] = time.time()
+            return result
+        return call
+
+
+def _counted(client, label: str):
+    if not _STATS_DIR or client is None or isinstance(client, _CountingStore):
+        return client
+    return _CountingStore(client, label)
+
+
+def _write_stats() -> None:
+    _MARKS["exit_at"] = time.time()
+    try:
+        os.makedirs(_STATS_DIR, exist_ok=True)
+        with open(os.path.join(_STATS_DIR, f"{os.getpid()}.json"), "w") as fh:
+            json.dump({"calls": _STATS, "marks": _MARKS}, fh)
+    except OSError:
+        pass
+
+
+if _STATS_DIR:
+    atexit.register(_write_stats)

@@ -13,7 +13,13 @@ class RendezvousError(RuntimeError):
 
 
 class StoreLost(RendezvousError):
-    """The store host is gone: nothing can be coordinated any more."""
+    """The store host is gone (or stopped answering): the survivors fail over to a successor
+    (agent/store_failover.py), or the job ends when that is impossible."""
+
+
+class StoreReplaced(RendezvousError):
+    """This agent hosted the store, was unreachable for a while, and the other agents have
+    moved the job to a successor store: it must stop its ranks and end (no split brain)."""
 
 
 class Stopped(Exception):
@@ -34,6 +40,7 @@ class NodeInfo:
     nproc: int
     stable: int = 0    # drawn once per agent from the store: placement survives restarts
     seq: int = 0
+    hosts_store: bool = False  # this node's agent hosts the job's store (the one a failover replaces)
 
     def label(self) -> str:
         order = "" if self.order_key is None else f" order={self.order_key}"

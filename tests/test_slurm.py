@@ -339,3 +339,21 @@ def test_sbatch_example_runs_to_completion(job, tmp_path):
     assert "FINAL step=30" in log
     final = json.loads((tmp_path / f"ckpt-{job_id}" / "final.json").read_text())
     assert final["world_size"] == 4 and final["cycle"] == 0, log
+
+
+def test_lost_store_host_node_the_next_node_of_the_step_takes_over(job, tmp_path, reference):
+    """The first node of the step hosts the store; SIGKILL its whole task: node 1 (the next node
+    of the step) hosts generation 1 of the store on port 29501, the spare takes node 0's place,
+    and the job ends with the clean run's model."""
+    proc, prog = _start_long_job(job, tmp_path, 3, ["--nnodes", "2:3", "--max-restarts", 1], step_time=0.1)
+    assert job.store_host_procid() == "0"
+    assert job.node_procs(2) and not job.ranks_on(2), "the third node should wait as a spare"
+    job.kill_node(0)
+    rc, out = job.finish(proc, timeout=90)
+    assert task_errors(out) == {0: "Killed"}, out
+    assert re.search(r"^1: .*store failover: generation 1 of the store at \S+:29501 \(hosted here\)", out, re.M), out
+    assert re.search(r"^2: .*store failover: generation 1 of the store at \S+:29501 replaces", out, re.M), out
+    assert "resumed from step" in out
+    final = json.loads((tmp_path / "ckpt" / "final.json").read_text())
+    assert final["cycle"] == 1 and final["world_size"] == 4
+    assert same_model(final, reference)

@@ -1,0 +1,208 @@
+"""The job outlives the node hosting its store (agent/store_failover.py), with real agents on one
+machine sharing a rendezvous and a log dir.
+
+By default, with a rank that does not import torch (tests/scripts/cycle_sleeper.py):
+- 3 agents, --nnodes 2:3: two run ranks, the third waits as a hot spare; the store host is
+  SIGKILLed with its whole process tree. The survivor and the spare fail over to the successor
+  store (the survivor, first in order, on rdzv port + 1) and finish cycle 1: exit 0.
+- 2 agents, --nnodes 2: the survivor cannot go on; it exits 1 within a bound with one line.
+Slow (the example DDP job, test_fault_matrix's Job, checked against a fault-free run):
+- the same SIGKILL mid-training ends with exactly the model of a fault-free run; the time from
+  the kill to every rank stepping again is printed;
+- split brain: the store host and its ranks are paused (SIGSTOP) instead; the others fail over,
+  and when the old host resumes it finds the successor and stops its ranks (exit 1).
+"""
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import SCRIPTS, free_port, read_events, wait_for
+from test_fault_matrix import HOLD_STEP, STEPS, Job, References, progress
+
+FAILOVER_TO_STEPPING = 6.0  # goal: store host SIGKILL -> every remaining rank stepping again
+HOLD = 40.0                 # cycle 0 holds step HOLD_STEP this long: the faults land inside it
+TIMEOUTS = ["--ft-rank-section-timeouts", f"setup:60,step:{HOLD + 10:g},checkpointing:60"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return References(tmp_path_factory)
+
+
+def _tree(pid):
+    try:
+        root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _with_spare(launcher, tmp_path):
+    """Two trainers and a hot spare; agent 0 (order 0) hosts the store."""
+    job = Job(launcher, tmp_path, "2x2", TIMEOUTS, ["--hold", f"step:{HOLD}"], max_restarts=2)
+    job.args[job.args.index("--nnodes") + 1] = "2:3"
+    job.launch()
+    wait_for(lambda: all(any(s == HOLD_STEP - 1 for c, s, _ in progress(job.prog, r)) for r in range(4)),
+             60, "two nodes to train")
+    job.launch_agent(2)
+    wait_for(lambda: read_events(job.logs, "spare_waiting"), 30, "the third agent to wait as a spare")
+    # the trainers learn of it from their keep-alive tick: a failover must count it
+    wait_for(lambda: len(read_events(job.logs, "spare_joined")) == 2, 10, "the trainers to see the spare")
+    return job
+
+
+def _stepping_again(job, after_cycle):
+    """The time each of the 4 ranks first stepped in a cycle after `after_cycle`, or None."""
+    firsts = []
+    for rank in range(4):
+        times = [t for c, s, t in progress(job.prog, rank) if c > after_cycle]
+        if not times:
+            return None
+        firsts.append(min(times))
+    return firsts
+
+
+def _reserves_ready(job):
+    """The survivor (node 1) and the spare each have a warm reserve per local rank."""
+    ready = read_events(job.logs, "reserve_ready")
+    spare = read_events(job.logs, "spare_waiting")[0]["node"]
+    return all(len({e["detail"]["local_rank"] for e in ready if e["node"] == node}) == 2 for node in (1, spare))
+
+
+class SleeperJob:
+    """Agents of one job whose ranks run cycle_sleeper.py (no torch): quick to start."""
+
+    def __init__(self, launcher, tmp_path, nnodes, max_restarts=1):
+        self.launcher = launcher
+        self.port = free_port()
+        self.logs, self.out = tmp_path / "logs", tmp_path / "ranks"
+        self.args = ["--nnodes", nnodes, "--nproc-per-node", 1, "--max-restarts", max_restarts,
+                     "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"fo{self.port}",
+                     "--rdzv-conf", "join_timeout=30,last_call_timeout=1", "--ft-warm-reserves", 0,
+                     "--log-dir", self.logs, os.path.join(SCRIPTS, "cycle_sleeper.py"), self.out, 60]
+        self.agents = []
+
+    def start(self, order):
+        if order:
+            from test_fault_matrix import _listening
+            wait_for(lambda: _listening(self.port), 30, "the store host to listen")
+        self.agents.append(self.launcher.start(self.args, extra_env={"GROUP_RANK": str(order)}))
+
+    def rows(self, rank):
+        path = self.out / f"rank_{rank}.txt"
+        if not path.exists():
+            return []
+        return [(int(c), float(t)) for c, _, t in (line.split() for line in path.read_text().splitlines())]
+
+
+def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_path):
+    job = SleeperJob(launcher, tmp_path, "2:3")
+    job.start(0)
+    job.start(1)
+    wait_for(lambda: job.rows(0) and job.rows(1), 60, "two nodes to run their ranks")
+    job.start(2)
+    wait_for(lambda: read_events(job.logs, "spare_waiting"), 30, "the third agent to wait as a spare")
+    wait_for(lambda: len(read_events(job.logs, "spare_joined")) == 2, 10, "the trainers to see the spare")
+    killed_at = time.time()
+    for proc in _tree(job.agents[0].pid):
+        proc.kill()
+    outs = []
+    for proc in job.agents[1:]:
+        _, err = proc.communicate(timeout=60)
+        outs.append(err)
+    job.agents[0].communicate()
+    assert [p.returncode for p in job.agents[1:]] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    restarted = [min(t for c, t in job.rows(rank) if c == 1) for rank in (0, 1)]
+    print(f"\nstore host SIGKILL -> both ranks of cycle 1 started: {max(restarted) - killed_at:.2f}s")
+    failovers = read_events(job.logs, "store_failover")
+    assert sorted(e["detail"]["hosted_here"] for e in failovers) == [False, True], failovers
+    assert {(e["detail"]["port"], e["detail"]["generation"]) for e in failovers} == {(job.port + 1, 1)}
+    assert "generation 1 of the store at" in outs[0] and "(hosted here)" in outs[0], outs[0][-3000:]
+    assert "(restart 1/1)" in outs[1], outs[1][-3000:]
+
+
+@pytest.mark.slow
+def test_store_host_sigkilled_the_job_fails_over_and_ends_exactly(launcher, tmp_path, reference):
+    expected = reference.checksum("2x2")
+    job = _with_spare(launcher, tmp_path)
+    host = job.agents[0]
+    wait_for(lambda: _reserves_ready(job), 40, "warm reserves on the survivor and the spare")
+    killed_at = time.time()
+    for proc in _tree(host.pid):   # the node dies: agent, monitors, ranks, reserves at once
+        proc.kill()
+    results, _ = job.wait(bound=150)
+    codes = [code for code, _, _ in results]
+    assert codes[1:] == [0, 0], "\n".join(r[2][-3000:] for r in results)
+    final = job.final()
+    assert final["step"] == STEPS and final["world_size"] == 4 and final["cycle"] == 1, final
+    assert final["checksum"] == expected, "the resumed run differs from the fault-free run"
+    firsts = _stepping_again(job, 0)
+    assert firsts, "not every rank stepped after the failover"
+    took = max(firsts) - killed_at
+    evs = job.events()
+    started = max(e["time"] for e in evs if e["kind"] == "ranks_started" and e["cycle"] == 1)
+    warm = [r["warm"] for e in evs if e["kind"] == "ranks_started" and e["cycle"] == 1 for r in e["detail"]["ranks"]]
+    print(f"\nstore host SIGKILL -> every remaining rank stepping again: {took:.2f}s "
+          f"(goal <= {FAILOVER_TO_STEPPING:g}s); of which kill -> new ranks started (failover and "
+          f"rendezvous): {started - killed_at:.2f}s; {warm.count(True)} of 4 ranks from warm reserves")
+    failovers = [e for e in evs if e["kind"] == "store_failover"]
+    assert len(failovers) == 2 and {e["detail"]["generation"] for e in failovers} == {1}, failovers
+    assert [e["detail"]["hosted_here"] for e in failovers].count(True) == 1, failovers
+    assert {e["detail"]["port"] for e in failovers} == {job.port + 1}, failovers
+    starts = [e for e in evs if e["kind"] == "cycle_start" and e["cycle"] == 1]
+    assert len(starts) == 2 and all("restart 1/2" in "".join(r[2] for r in results[1:]) for _ in starts)
+    assert "Traceback" not in "".join(line for r in results[1:] for line in r[2].splitlines(True)
+                                      if not line.startswith("[rank"))
+
+
+def test_two_nodes_without_spare_survivor_exits_1_below_minimum(launcher, tmp_path):
+    job = SleeperJob(launcher, tmp_path, "2", max_restarts=2)
+    job.start(0)
+    job.start(1)
+    wait_for(lambda: job.rows(0) and job.rows(1), 60, "both nodes to run their ranks")
+    killed_at = time.monotonic()
+    for proc in _tree(job.agents[0].pid):
+        proc.kill()
+    survivor = job.agents[1]
+    _, err = survivor.communicate(timeout=30)
+    took = time.monotonic() - killed_at
+    job.agents[0].communicate()
+    assert survivor.returncode == 1, err[-3000:]
+    assert took < 10, f"the survivor needed {took:.1f}s"
+    lines = [line for line in err.splitlines() if "below its minimum" in line]
+    assert len(lines) == 1 and "--nnodes needs at least 2 -> exiting 1" in lines[0], err[-3000:]
+    assert not [line for line in err.splitlines() if "Traceback" in line and not line.startswith("[rank")]
+
+
+@pytest.mark.slow
+def test_paused_store_host_finds_it_was_replaced_and_stops_its_ranks(launcher, tmp_path, reference):
+    expected = reference.checksum("2x2")
+    job = _with_spare(launcher, tmp_path)
+    old = job.agents[0]
+    paused = _tree(old.pid)
+    old_ranks = [p.pid for p in paused[1:] if any(a.endswith("ddp_train.py") for a in p.cmdline()[:3])]
+    assert len(old_ranks) == 2, [p.cmdline() for p in paused]
+    for proc in paused:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        # the others notice the silent host, fail over and train again without it
+        wait_for(lambda: _stepping_again(job, 0), 60, "the survivor and the spare to step again")
+    finally:
+        for proc in paused:
+            try:
+                proc.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+    _, err = old.communicate(timeout=30)
+    assert old.returncode == 1, err[-3000:]
+    assert "moved the job to generation 1 of the store" in err, err[-3000:]
+    assert not [pid for pid in old_ranks if psutil.pid_exists(pid) and
+                psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "the old host's ranks still run"
+    results, _ = job.wait(bound=150)
+    assert [code for code, _, _ in results] == [1, 0, 0], "\n".join(r[2][-3000:] for r in results)
+    final = job.final()
+    assert final["step"] == STEPS and final["checksum"] == expected, final
+    assert any(e["kind"] == "store_replaced" for e in job.events())
