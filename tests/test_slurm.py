@@ -264,6 +264,7 @@ def _start_long_job(job, tmp_path, nodes, launcher_args, step_time):
     return proc, prog
 
 
+@pytest.mark.slow
 def test_lost_node_without_spare_ends_the_job_in_bounded_time(job, tmp_path):
     proc, _ = _start_long_job(job, tmp_path, 2, ["--max-restarts", 1, "--rdzv-conf", "join_timeout=10"],
                               step_time=0.5)
@@ -341,6 +342,7 @@ def test_sbatch_example_runs_to_completion(job, tmp_path):
     assert final["world_size"] == 4 and final["cycle"] == 0, log
 
 
+@pytest.mark.slow
 def test_lost_store_host_node_the_next_node_of_the_step_takes_over(job, tmp_path, reference):
     """The first node of the step hosts the store; SIGKILL its whole task: node 1 (the next node
     of the step) hosts generation 1 of the store on port 29501, the spare takes node 0's place,
