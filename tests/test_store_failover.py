@@ -40,9 +40,9 @@ def _tree(pid):
         return []
 
 
-def _with_spare(launcher, tmp_path):
+def _with_spare(launcher, tmp_path, script_args=()):
     """Two trainers and a hot spare; agent 0 (order 0) hosts the store."""
-    job = Job(launcher, tmp_path, "2x2", TIMEOUTS, ["--hold", f"step:{HOLD}"], max_restarts=2)
+    job = Job(launcher, tmp_path, "2x2", TIMEOUTS, ["--hold", f"step:{HOLD}", *script_args], max_restarts=2)
     job.args[job.args.index("--nnodes") + 1] = "2:3"
     job.launch()
     wait_for(lambda: all(any(s == HOLD_STEP - 1 for c, s, _ in progress(job.prog, r)) for r in range(4)),
@@ -180,7 +180,9 @@ def test_two_nodes_without_spare_survivor_exits_1_below_minimum(launcher, tmp_pa
 @pytest.mark.slow
 def test_paused_store_host_finds_it_was_replaced_and_stops_its_ranks(launcher, tmp_path, reference):
     expected = reference.checksum("2x2")
-    job = _with_spare(launcher, tmp_path)
+    # slow steps (the model is the same): the others must still be training on the successor
+    # store when the old host resumes and looks for it (a finished job's store is gone)
+    job = _with_spare(launcher, tmp_path, ["--step-time", "0.5"])
     old = job.agents[0]
     paused = _tree(old.pid)
     old_ranks = [p.pid for p in paused[1:] if any(a.endswith("ddp_train.py") for a in p.cmdline()[:3])]
