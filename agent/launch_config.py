@@ -56,6 +56,9 @@ class LaunchConfig:
     # where the node count and the endpoint came from: a flag, a PET_* variable, SLURM or default
     origins: Dict[str, str] = dataclasses.field(default_factory=dict)
     metrics_port: Optional[int] = None    # the node's Prometheus endpoint (agent.metrics); None: off
+    # Nodes that train when ft.active_world_size is set (active_world_size / nproc_per_node, 1 to
+    # max_nodes); the other nodes stand by as warm spares. None: every node trains.
+    active_nodes: Optional[int] = None
 
     def conf(self, key: str) -> float:
         return float(self.rdzv_conf.get(key, RDZV_CONF_DEFAULTS[key]))

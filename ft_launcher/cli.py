@@ -89,6 +89,10 @@ FT_HELP = {
     "health_checks": "check GPUs (NVML), log/checkpoint dirs and free disk before each rendezvous",
     "checkpoint_dir": "a directory the health checks require writable, with free disk",
     "min_free_disk_gb": "GB that must be free in the log and checkpoint directories",
+    "restart_granularity": "what a failure restarts: rank, node, job, or auto (rank with ft.restartable, else job)",
+    "inprocess_timeout": "seconds a healthy rank has to reach the restart point before it is replaced",
+    "active_world_size": "ranks that train (a multiple of --nproc-per-node); other nodes stand by as warm spares",
+    "empty_cuda_cache": "empty the CUDA cache at an in-place restart (true/false)",
     # NVRx's and Megatron-Bridge's keys that mean nothing here: accepted, not shown
     "node_health_check_interval": None, "restart_check_interval": None, "enable_nic_monitor": None,
     "pci_topo_file": None, "link_down_path_template": None, "enable_ft_package": None,
@@ -265,6 +269,20 @@ def parse_nproc(text: str) -> int:
     raise UsageError(f"--nproc-per-node: expected a positive int, cpu, gpu or auto, got {text!r}")
 
 
+def parse_active_nodes(active_world_size: Optional[int], nproc: int, max_nodes: int) -> Optional[int]:
+    """The nodes that train when only `active_world_size` ranks may (the rest are warm spares)."""
+    if active_world_size is None:
+        return None
+    if active_world_size % nproc:
+        raise UsageError(f"active_world_size {active_world_size} must be a multiple of --nproc-per-node "
+                         f"({nproc} ranks per node): whole nodes train or stand by")
+    nodes = active_world_size // nproc
+    if nodes > max_nodes:
+        raise UsageError(f"active_world_size {active_world_size} needs {nodes} nodes of {nproc} ranks, "
+                         f"but the job has at most {max_nodes} node{'s' if max_nodes != 1 else ''} (--nnodes)")
+    return nodes
+
+
 def parse_endpoint(text: str, default_port: int) -> tuple:
     host, sep, port = text.rpartition(":") if text.count(":") == 1 or text.startswith("[") else (text, "", "")
     if not sep:
@@ -423,6 +441,7 @@ def _launch_config(args, origins):
         log_dir = tempfile.mkdtemp(prefix="ft_launcher_logs_")
         print(f"{PROG}: --redirects without --log-dir: logs go to {log_dir}", file=sys.stderr)
     check_output_paths(log_dir, ft)
+    active_nodes = parse_active_nodes(ft.active_world_size, nproc, high)
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         raise UsageError(f"--metrics-port: expected a port 1-65535, got {args.metrics_port}")
     ranks_filter = None
@@ -439,7 +458,7 @@ def _launch_config(args, origins):
         local_ranks_filter=ranks_filter, local_addr=args.local_addr, term_timeout=args.term_timeout,
         workers_stop_timeout=args.workers_stop_timeout, ft=ft, entry_kind=entry_kind(args),
         entry_target=args.training_script, entry_args=list(args.training_script_args),
-        origins=origins.describe(args, slurm), metrics_port=args.metrics_port)
+        origins=origins.describe(args, slurm), metrics_port=args.metrics_port, active_nodes=active_nodes)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

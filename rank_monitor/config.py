@@ -11,6 +11,10 @@ number) and its constructors `from_kwargs`, `from_yaml_file`, `from_args`, plus 
 NVRx's keys that mean nothing here (`node_health_check_interval`, `restart_check_interval`,
 `enable_nic_monitor`, `pci_topo_file`, `link_down_path_template`) and Megatron-Bridge's
 `enable_ft_package` are accepted and have no effect.
+
+Megatron-Bridge's `InProcessRestartConfig` names are accepted too, under `fault_tolerance:` or in
+an `inprocess_restart:` section of the same file (`megatron_bridge_aliases`): those with a meaning
+here become our keys, the others are collected for one warning.
 """
 from __future__ import annotations
 
@@ -88,6 +92,16 @@ class FaultToleranceConfig:
     health_checks: bool = True
     checkpoint_dir: Optional[str] = None
     min_free_disk_gb: float = 1.0
+    # In-process restart (issue 11). Which processes a failure replaces: rank (only the failed
+    # rank; the others restart in place), node (every rank of its node), job (every rank: a full
+    # restart); auto: rank when the script uses ft.restartable, else job.
+    restart_granularity: str = "auto"
+    # Seconds a healthy rank has to reach the restart point before it is killed and replaced.
+    inprocess_timeout: float = 10.0
+    # Ranks that train; the other nodes stand by as warm spares. None: every node trains.
+    active_world_size: Optional[int] = None
+    # Empty the CUDA cache at an in-place restart.
+    empty_cuda_cache: bool = True
     # Accepted so that NVRx and Megatron-Bridge configurations load; no effect here (the agent
     # checks node health by itself; ranks are always monitored under ft_launcher).
     node_health_check_interval: float = 5.0
@@ -154,6 +168,13 @@ class FaultToleranceConfig:
             raise ConfigError(f"straggler_windows must be at least 1, got {self.straggler_windows}")
         if not 1 <= self.no_restart_exit_code <= 255:
             raise ConfigError(f"no_restart_exit_code must be 1-255, got {self.no_restart_exit_code}")
+        if not (self.inprocess_timeout > 0 and math.isfinite(self.inprocess_timeout)):
+            raise ConfigError(f"inprocess_timeout must be a positive number of seconds, got {self.inprocess_timeout}")
+        if self.active_world_size is not None and self.active_world_size < 1:
+            raise ConfigError(f"active_world_size must be a positive integer or null, got {self.active_world_size}")
+        if self.restart_granularity not in RESTART_GRANULARITIES:
+            raise ConfigError(f"restart_granularity must be one of {', '.join(RESTART_GRANULARITIES)}, "
+                              f"got {self.restart_granularity!r}")
         for key in ("rank_termination_grace", "stack_dump_wait", "workload_check_interval"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must not be negative, got {getattr(self, key)}")
@@ -255,20 +276,21 @@ def closest_key(key: str) -> Optional[str]:
 
 # ---- the YAML file ---------------------------------------------------------------------------
 SECTION = "fault_tolerance"
+INPROCESS_SECTION = "inprocess_restart"   # Megatron-Bridge's InProcessRestartConfig
 
 
-def find_section(node: Any) -> Optional[dict]:
-    """Breadth-first search for the first `fault_tolerance:` key; its value must be a mapping."""
+def find_section(node: Any, name: str = SECTION) -> Optional[dict]:
+    """Breadth-first search for the first `name:` key; its value must be a mapping."""
     queue = [node]
     while queue:
         item = queue.pop(0)
         if isinstance(item, dict):
-            if SECTION in item:
-                value = item[SECTION]
+            if name in item:
+                value = item[name]
                 if value is None:
                     return {}
                 if not isinstance(value, dict):
-                    raise ConfigError(f"'{SECTION}:' must be a mapping of keys to values, "
+                    raise ConfigError(f"'{name}:' must be a mapping of keys to values, "
                                       f"got {type(value).__name__}")
                 return value
             queue.extend(item.values())
@@ -277,13 +299,12 @@ def find_section(node: Any) -> Optional[dict]:
     return None
 
 
-def load_yaml_section(path: str) -> Dict[str, Any]:
-    """The `fault_tolerance:` mapping of a YAML file, or a one-line ConfigError."""
+def _read_yaml(path: str) -> Any:
     import yaml
 
     try:
         with open(path) as fh:
-            data = yaml.safe_load(fh)
+            return yaml.safe_load(fh)
     except FileNotFoundError:
         raise ConfigError(f"--ft-cfg-path: no such file: {path}") from None
     except OSError as exc:
@@ -293,13 +314,102 @@ def load_yaml_section(path: str) -> Dict[str, Any]:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+
+
+def _section_of(data: Any, path: str, name: str) -> Optional[dict]:
     try:
-        section = find_section(data)
+        return find_section(data, name)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def load_yaml_section(path: str) -> Dict[str, Any]:
+    """The `fault_tolerance:` mapping of a YAML file, or a one-line ConfigError."""
+    section = _section_of(_read_yaml(path), path, SECTION)
     if section is None:
         raise ConfigError(f"{path}: no 'fault_tolerance:' section found")
     return section
+
+
+def load_yaml_file(path: str, warn=None) -> Dict[str, Any]:
+    """What ft_launcher takes from `--ft-cfg-path`: the `fault_tolerance:` section with
+    Megatron-Bridge's InProcessRestartConfig names in it, or in an `inprocess_restart:` section of
+    the same file, translated (see megatron_bridge_aliases). Either section may be missing, not
+    both."""
+    data = _read_yaml(path)
+    ft = _section_of(data, path, SECTION)
+    inprocess = _section_of(data, path, INPROCESS_SECTION)
+    if ft is None and inprocess is None:
+        raise ConfigError(f"{path}: no 'fault_tolerance:' section found (nor '{INPROCESS_SECTION}:')")
+    return megatron_bridge_aliases(ft or {}, inprocess or {}, path, warn)
+
+
+# Megatron-Bridge's InProcessRestartConfig (megatron/bridge/training/config.py): the names with a
+# meaning here, and for the others what does their job here (for the warning).
+MB_ALIASES = {"granularity": "restart_granularity", "barrier_timeout": "inprocess_timeout",
+              "termination_grace_time": "rank_termination_grace",
+              "active_world_size": "active_world_size", "empty_cuda_cache": "empty_cuda_cache"}
+_HANG = "hang detection uses the section and heartbeat timeouts, e.g. --ft-rank-section-timeouts"
+_BUDGET = "the restart budget is --max-restarts"
+MB_IGNORED = {
+    "soft_timeout": _HANG, "hard_timeout": _HANG, "heartbeat_timeout": _HANG, "heartbeat_interval": _HANG,
+    "progress_watchdog_interval": _HANG,
+    "max_iterations": _BUDGET, "max_rank_faults": _BUDGET,
+    "monitor_thread_interval": "the rank monitors are deadline driven",
+    "monitor_process_interval": "the rank monitors are deadline driven",
+    "completion_timeout": "the restart point's bound is --ft-inprocess-timeout",
+    "last_call_wait": "the restart point's bound is --ft-inprocess-timeout",
+    "monitor_process_logdir": "logs go to --log-dir",
+}
+MB_NAMES = tuple(sorted({"enabled", *MB_ALIASES, *MB_IGNORED}))
+
+
+def megatron_bridge_aliases(ft: Mapping[str, Any], inprocess: Mapping[str, Any], source: str,
+                            warn=None) -> Dict[str, Any]:
+    """One mapping of our keys from a `fault_tolerance:` and an `inprocess_restart:` section.
+
+    Megatron-Bridge names become ours: granularity -> restart_granularity, barrier_timeout ->
+    inprocess_timeout, termination_grace_time -> rank_termination_grace, active_world_size and
+    empty_cuda_cache as they are; `enabled: false` -> restart_granularity job (`true` changes
+    nothing). Precedence: our own name in `fault_tolerance:` > a Megatron-Bridge name there > one
+    in `inprocess_restart:`; `enabled: false` > `granularity`. The names with no meaning here are
+    named in one warning; an unknown key in `inprocess_restart:` is a warning with the closest
+    name (or, without `warn`, a ConfigError). Other keys of `fault_tolerance:` pass through
+    unchanged for FaultToleranceConfig.update to check."""
+    aliased: Dict[str, Any] = {}
+    explicit: Dict[str, Any] = {}
+    ignored = set()
+    enabled = None
+    for section_name, section in ((INPROCESS_SECTION, inprocess), (SECTION, ft)):
+        for raw_key, value in section.items():
+            key = str(raw_key).strip()
+            where = f"{section_name}.{key}"
+            if section_name == SECTION and normalize_key(key) in FIELD_NAMES:
+                explicit[raw_key] = value
+            elif key == "enabled":
+                enabled = _bool(where, value, source)
+            elif key in MB_ALIASES:
+                aliased[MB_ALIASES[key]] = parse_value(MB_ALIASES[key], value, source, name=where)
+            elif key in MB_IGNORED:
+                ignored.add(key)
+            elif section_name == SECTION:
+                explicit[raw_key] = value   # unknown: update() warns with the closest key
+            else:
+                hits = difflib.get_close_matches(key, MB_NAMES, n=1, cutoff=0.6)
+                msg = f"{source}: unknown {INPROCESS_SECTION} key '{key}'" + (
+                    f" (did you mean '{hits[0]}'?)" if hits else "")
+                if warn is None:
+                    raise ConfigError(msg)
+                warn(msg + "; ignored")
+    if enabled is False:
+        aliased["restart_granularity"] = "job"
+    if ignored and warn is not None:
+        names = sorted(ignored)
+        hints = "; ".join(dict.fromkeys(MB_IGNORED[name] for name in names))
+        warn(f"{source}: Megatron-Bridge {INPROCESS_SECTION} keys with no meaning here, ignored: "
+             f"{', '.join(names)} ({hints})")
+    explicit_keys = {normalize_key(str(k)) for k in explicit}
+    return {**{k: v for k, v in aliased.items() if k not in explicit_keys}, **explicit}
 
 
 # ---- value parsing ------------------------------------------------------------------------
@@ -341,13 +451,37 @@ def _bool(key: str, value: Any, source: str) -> bool:
 
 
 FAULT_TYPES = ("rank_hung", "rank_killed", "random")
+RESTART_GRANULARITIES = ("auto", "rank", "node", "job")
 
 
 def _choice(key: str, value: Any, source: str, choices) -> str:
     text = str(value).strip()
     if text not in choices:
-        raise ConfigError(f"{source}: {key} must be one of {', '.join(choices)}, got {value!r}")
+        hint = difflib.get_close_matches(text.lower(), choices, n=1, cutoff=0.5)
+        raise ConfigError(f"{source}: {key} must be one of {', '.join(choices)}, got {value!r}"
+                          + (f" (did you mean '{hint[0]}'?)" if hint else ""))
     return text
+
+
+def _positive(key: str, value: Any, source: str) -> float:
+    number = _number(key, value, source)
+    if number == 0:
+        raise ConfigError(f"{source}: {key} must be a positive number, got {value!r}")
+    return number
+
+
+def _positive_int_or_null(key: str, value: Any, source: str) -> Optional[int]:
+    if value is None or (isinstance(value, str) and value.strip().lower() in NULL_WORDS):
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be a positive integer or null, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {key} must be a positive integer or null, got {value!r}") from None
+    if not (math.isfinite(number) and number >= 1 and number == int(number)):
+        raise ConfigError(f"{source}: {key} must be a positive integer or null, got {value!r}")
+    return int(number)
 
 
 def _name(key: str, value: Any, source: str) -> str:
@@ -455,6 +589,10 @@ _PARSERS = {
     "health_checks": _bool,
     "checkpoint_dir": lambda k, v, s: None if v is None or str(v).strip() == "" else str(v),
     "min_free_disk_gb": _number,
+    "restart_granularity": lambda k, v, s: _choice(k, v, s, RESTART_GRANULARITIES),
+    "inprocess_timeout": _positive,
+    "active_world_size": _positive_int_or_null,
+    "empty_cuda_cache": _bool,
     "log_level": lambda k, v, s: _log_level(v, s),
     "node_health_check_interval": _number,
     "restart_check_interval": _number,
@@ -504,8 +642,9 @@ def _log_level(value: Any, source: str) -> int:
     raise ConfigError(f"{source}: log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {value!r}")
 
 
-def parse_value(key: str, value: Any, source: str) -> Any:
-    return _PARSERS[key](key, value, source)
+def parse_value(key: str, value: Any, source: str, name: Optional[str] = None) -> Any:
+    """`value` for field `key`; errors call it `name` (default: the key)."""
+    return _PARSERS[key](name or key, value, source)
 
 
 assert set(_PARSERS) == set(FIELD_NAMES), "every config field needs a parser"
