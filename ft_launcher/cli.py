@@ -278,7 +278,7 @@ def parse_active_nodes(active_world_size: Optional[int], nproc: int, max_nodes: 
                          f"({nproc} ranks per node): whole nodes train or stand by")
     nodes = active_world_size // nproc
     if nodes > max_nodes:
-        raise UsageError(f"active_world_size {active_world_size} needs {nodes} nodes of {nproc} ranks, "
+        raise UsageError(f"active_world_size {active_world_size} needs {nodes} nodes of {nproc} rank{'s' if nproc != 1 else ''}, "
                          f"but the job has at most {max_nodes} node{'s' if max_nodes != 1 else ''} (--nnodes)")
     return nodes
 
