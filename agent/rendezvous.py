@@ -45,6 +45,7 @@ import dataclasses
 import datetime
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -54,6 +55,7 @@ from torch.distributed import DistNetworkError, DistStoreError, TCPStore
 
 from .launch_config import LaunchConfig
 from .no_restart import NoRestart, too_few_left
+from .restart_policy import RestartPolicy, RoundFacts, Verdict
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
 
 WAIT_SLICE = 0.25     # seconds: the longest a wait goes without looking for a signal
@@ -215,6 +217,8 @@ class RoundProtocol:
         self.cfg = cfg
         self.me = me
         self._last_call = cfg.conf("last_call_timeout")
+        self.policy = RestartPolicy(self, cfg.max_restarts, cfg.ft.restart_granularity)
+        self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
         if not me.stable:
             me.stable = self._call(self.s.add, self.k("agents"), 1)
 
@@ -275,11 +279,11 @@ class RoundProtocol:
             if now >= next_progress:
                 next_progress = now + PROGRESS_EVERY
                 self.store.say(self._join_progress(number, joined, expected, now - start))
-            if joined >= self.cfg.min_nodes and min_since is None:
+            if joined >= self.training_nodes and min_since is None:
                 min_since = now
             full = joined >= self.cfg.max_nodes
             everyone_back = expected is not None and joined >= max(
-                liveness.alive_count(number, joined, now), self.cfg.min_nodes)
+                liveness.alive_count(number, joined, now), self.training_nodes)
             last_call_over = min_since is not None and now - min_since >= self._last_call
             if full or everyone_back or last_call_over:
                 self._call(self.s.compare_set, closed_key, "", str(joined))
@@ -300,9 +304,17 @@ class RoundProtocol:
         admitted = int(self._call(self.s.get, closed_key))
         nodes = self._nodes(number, admitted)
         nodes.sort(key=lambda n: (n.order_key is None, n.order_key or 0, n.stable))
+        train = self.training_nodes
         if me.seq > admitted:  # joined after the round closed: wait for the next one
-            return Round(number, me, nodes[: self.cfg.min_nodes], nodes[self.cfg.min_nodes:] + [me])
-        return Round(number, me, nodes[: self.cfg.min_nodes], nodes[self.cfg.min_nodes:])
+            return Round(number, me, nodes[:train], nodes[train:] + [me])
+        return Round(number, me, nodes[:train], nodes[train:])
+
+    @property
+    def training_nodes(self) -> int:
+        """How many nodes train in a round (the first in order); the others wait as hot spares.
+        `--nnodes MIN:MAX`: MIN; with active_world_size: that many ranks' worth of nodes, the rest
+        of the job's nodes being warm reserve nodes."""
+        return min(self.cfg.active_nodes, self.cfg.min_nodes) if self.cfg.active_nodes else self.cfg.min_nodes
 
     def _check_join_stop(self, number: int) -> None:
         """Stopped if this agent got a signal (then the round is told) or another joiner did."""
@@ -315,19 +327,20 @@ class RoundProtocol:
             raise NoRestart(f"the job cannot go on: {short}")
         if self._call(self.s.check, [self.k(f"r{number}/interrupt")]):
             verdict = self.verdict(number)
-            if verdict.get("kind") == "shutdown":
+            if verdict.kind == "shutdown":
                 self.mark_left(number)
-                raise Stopped(int(verdict.get("signal", 15)), by_peer=True)
+                raise Stopped(int(verdict.signal or 15), by_peer=True)
 
     def abandon(self, number: int, sig: int) -> None:
         """Stop joining round `number`: record a shutdown there so that the other joiners stop
         too; if this agent hosts the store, keep it up (at most 1 s) until they have read it."""
         reason = {"kind": "shutdown", "signal": sig, "node_id": self.me.node_id}
-        text = json.dumps(reason, sort_keys=True)
+        text = json.dumps(dict(reason, reporter=self.token), sort_keys=True)
         try:
             if self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text).decode() == text:
-                verdict = dict(reason, restart=False, next_round=number + 1)
-                self._call(self.s.set, self.k(f"r{number}/verdict"), json.dumps(verdict))
+                verdict = Verdict.from_report(reason)
+                verdict.next_round = number + 1
+                self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
             left = self.mark_left(number)
             deadline = time.monotonic() + 1.0
             while self.store.is_host and left < self.count(f"r{number}/joined") and time.monotonic() < deadline:
@@ -374,28 +387,26 @@ class RoundProtocol:
         return host, int(port)
 
     # -- ending a round ----------------------------------------------------------------------
-    def interrupt(self, number: int, reason: dict) -> dict:
-        """Report a failure or shutdown. The first reporter decides the verdict; returns it."""
-        text = json.dumps(reason, sort_keys=True)
+    def interrupt(self, number: int, reason: dict, facts: Optional[RoundFacts] = None) -> Verdict:
+        """Report a failure, shutdown, stop or completion of round `number`. The first reporter's
+        policy decides the verdict (agent.restart_policy); returns it, whoever decided it."""
+        # The reporter's token makes the text unique: two agents with the same report (the same
+        # silent peer) must not both think they won.
+        text = json.dumps(dict(reason, reporter=self.token), sort_keys=True)
         winner = self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text)
         if winner.decode() == text:
-            verdict = dict(reason)
-            if reason.get("kind") == "failure":
-                used = self._call(self.s.add, self.k("restarts_used"), 1)
-                verdict.update(restart=used <= self.cfg.max_restarts, restarts_used=used)
-            else:
-                verdict.update(restart=False)
-            verdict["next_round"] = number + 1
-            self._call(self.s.set, self.k(f"r{number}/verdict"), json.dumps(verdict))
-            if verdict["restart"]:
+            facts = facts or RoundFacts(number, [], [], {})
+            verdict = self.policy.decide(reason, facts)
+            self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
+            if verdict.restart:
                 self._call(self.s.set, self.k("round"), str(number + 1))
         return self.verdict(number)
 
-    def verdict(self, number: int, timeout: float = 60.0) -> dict:
+    def verdict(self, number: int, timeout: float = 60.0) -> Verdict:
         key = self.k(f"r{number}/verdict")
         if not self.store.wait_key(self.s, key, timeout):
             raise RendezvousError(f"round {number} was interrupted but no verdict came")
-        return json.loads(self._call(self.s.get, key))
+        return Verdict.from_json(self._call(self.s.get, key))
 
     def interrupted(self, number: int) -> bool:
         return bool(self._call(self.s.check, [self.k(f"r{number}/interrupt")]))
