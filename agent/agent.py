@@ -42,9 +42,11 @@ from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .rank_output import RankOutput
+from . import inprocess_ranks
 from .reserve_pool import ReservePool
+from .restart_policy import RoundFacts, Verdict
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
-from .workers import Rank, WorkerGroup, describe_exit, rank_env
+from .workers import Rank, WorkerGroup, describe_exit, rank_env, set_wake_fd
 
 EXIT_OK, EXIT_FAILED = 0, 1
 MONITOR_STALL_LIMIT = 5.0  # seconds without a monitor tick (it ticks at least once a second)
@@ -74,6 +76,10 @@ class NodeAgent:
         self._pending_reports: Dict[int, List[dict]] = {}
         self._stalled_monitors: set = set()
         self._excluded: Optional[str] = None   # why this node left the job (agent.no_restart)
+        # Ranks of the ended cycle that restart in their own process (agent.inprocess_ranks):
+        # local rank -> (monitor, rank, when asked); adopted by the next cycle or killed.
+        self._carried: Dict[int, tuple] = {}
+        self._restartable_declared = False
         # Where stack dumps go: the log dir, else a per-agent dir in the platform's temp dir
         # (removed at the end unless a dump was written there).
         self._run_dir = cfg.log_dir or os.path.join(tempfile.gettempdir(), f"ft_launcher-{os.getpid()}")
@@ -115,6 +121,7 @@ class NodeAgent:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.watchdog = OrphanWatchdog()
         self.output = RankOutput()
+        set_wake_fd(self._wake_w)   # an in-process restartable rank that raised wakes us through it
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         monitor_starts = self._start_monitors(pool)
         self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
@@ -167,6 +174,7 @@ class NodeAgent:
         group = getattr(self, "group", None)
         if group is not None:
             group.stop(signal.SIGKILL, 1.0)
+        self._drop_carried(None)
         reserves = getattr(self, "reserves", None)
         if reserves is not None:
             reserves.close()
@@ -225,6 +233,7 @@ class NodeAgent:
             self.events.cycle = number
             try:
                 if rnd.group_rank is None:
+                    self._drop_carried("this node waits as a hot spare in the new round")
                     verdict = self._wait_as_spare(rnd)
                 else:
                     self.events.node = rnd.group_rank
@@ -232,30 +241,30 @@ class NodeAgent:
             except Stopped:  # a signal during one of the round's store waits
                 self._check_signal(rnd)  # tells the other nodes, stops the ranks, raises Shutdown
                 raise
-            if not verdict.get("restart"):
+            if not verdict.restart:
                 self._leave(rnd)
-            if verdict.get("kind") == "complete":
+            if verdict.kind == "complete":
                 return EXIT_OK
-            if verdict.get("kind") == "shutdown":
-                return 128 + int(verdict.get("signal", signal.SIGTERM))
-            if verdict.get("kind") == "stop":
-                return self._no_restart(verdict.get("what", "the job was stopped"))
-            if not verdict.get("restart"):
-                used = min(verdict.get("restarts_used", 0), self.cfg.max_restarts)
+            if verdict.kind == "shutdown":
+                return 128 + int(verdict.signal or signal.SIGTERM)
+            if verdict.kind == "stop":
+                return self._no_restart(verdict.what or "the job was stopped")
+            if not verdict.restart:
+                used = min(verdict.restarts_used, self.cfg.max_restarts)
                 self.events.event(
                     "job_failed",
-                    f"error: {verdict.get('what', 'a failure')} in cycle {number}; restart budget spent "
+                    f"error: {verdict.what or 'a failure'} in cycle {number}; restart budget spent "
                     f"({used}/{self.cfg.max_restarts} restarts used) -> exiting 1",
-                    **dict(verdict, restarts_used=used))
+                    **dict(verdict.event_fields(), restarts_used=used))
                 return EXIT_FAILED
-            if self._excluded or self.me.node_id in verdict.get("exclude", []):
+            if self._excluded or self.me.node_id in verdict.exclude:
                 slow = f"slow/{self.me.node_id}"
                 self._leave_job(self._excluded or (f"excluded as a straggler: {self.proto.get(slow)}"
-                                                   if self.proto.exists(slow) else verdict["what"]))
-            dead = {n["node_id"] for n in verdict.get("dead_nodes", [])} | set(verdict.get("exclude", []))
+                                                   if self.proto.exists(slow) else verdict.what))
+            dead = {n["node_id"] for n in verdict.dead_nodes} | set(verdict.exclude)
             expected = [n for n in rnd.active + rnd.spares if n.node_id not in dead
                         and not is_excluded(self.proto, n.node_id)]
-            number = verdict["next_round"]
+            number = verdict.next_round
 
     def _check_signal(self, rnd: Optional[Round]) -> None:
         if self._signal is None:
@@ -345,18 +354,19 @@ class NodeAgent:
             self.events.event("workload_request", f"{reason['what']} -> stopping all ranks", rank=rank,
                               action=action, description=request["description"])
             reason.update(rank=rank, node_id=self.me.node_id)
-            return self._announce(rnd, self.proto.interrupt(rnd.number, reason))
+            return self._announce(rnd, self.proto.interrupt(rnd.number, reason, self._facts(rnd)))
         return None
 
-    def _mark_stopping(self, reason: int, grace: float) -> None:
+    def _mark_stopping(self, reason: int, grace: float, skip=()) -> None:
         """Tell the ranks (ft_launcher.preempted()) why they are about to be signalled, and when
-        SIGKILL follows."""
+        SIGKILL follows; not those of the local ranks in `skip` (they restart in place)."""
         deadline = time.monotonic_ns() + int(grace * 1e9)
-        for monitor in self.monitors:
-            monitor.mark_stopping(reason, deadline)
+        for local_rank, monitor in enumerate(self.monitors):
+            if local_rank not in skip:
+                monitor.mark_stopping(reason, deadline)
 
     # ---- one round ----------------------------------------------------------------------
-    def _run_round(self, rnd: Round) -> dict:
+    def _run_round(self, rnd: Round) -> Verdict:
         cfg = self.cfg
         worker_store = None
         if rnd.group_rank == 0:
@@ -377,15 +387,24 @@ class NodeAgent:
             + (f" (restart {restarts}/{cfg.max_restarts})" if rnd.number else ""),
             world_size=rnd.world_size, nodes=[n.label() for n in rnd.active],
             spares=[n.label() for n in rnd.spares], master=f"{master[0]}:{master[1]}")
+        previous = getattr(self, "group", None)
         self.group = WorkerGroup(cfg, self.watchdog, self.output)
         self.group.cycle = rnd.number
         self.watcher.watch(rnd)
         self._apply_timeouts(self.learner.load())
+        self._restartable_declared = False
+        in_place = self._restart_points(rnd, previous)
         for local_rank in range(cfg.nproc_per_node):
             monitor = self.monitors[local_rank] if self.monitors else None
             env = rank_env(cfg, local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
                            rnd.world_size, len(rnd.active), master,
                            {**(monitor.rank_env() if monitor else {}), **self.reserves.rank_env(local_rank)})
+            kept = in_place.get(local_rank)
+            if kept is not None:   # at its restart point: it runs its function again, same process
+                rank = self.group.adopt(kept, rnd.rank_offset + local_rank, rnd.number)
+                monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
+                inprocess_ranks.go(monitor, env, rnd.number)
+                continue
             # The first cycle starts cold, as torchrun's does, even where a reserve is ready (after a
             # long rendezvous): with some ranks warm (they exit fast) and some cold (their exit walks
             # torch's objects for ~1 s), a cold rank's exception could take a warm peer down, and be
@@ -405,9 +424,12 @@ class NodeAgent:
         if plan and plan.chosen:
             self.say(f"simulated fault planned: {plan.kind} in rank {plan.rank} (drawn from seed "
                      f"{cfg.ft.simulated_fault_seed}) {plan.delay:.2f}s after start")
+        verdict = None
         try:
-            return self._supervise(rnd)
+            verdict = self._supervise(rnd)
+            return verdict
         finally:
+            keep = self._request_in_place(rnd, verdict)   # first: they leave their step while we go on
             self.status.cycle_end()
             if self.learner.enabled:
                 try:
@@ -417,12 +439,89 @@ class NodeAgent:
                 self.learner.end_of_cycle(self.monitors)
             for monitor in self.monitors:
                 monitor.rank_stopped()
-            self._mark_stopping(shm_layout.STOP_RESTART, cfg.workers_stop_timeout)
-            self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout)
+            self._mark_stopping(shm_layout.STOP_RESTART, cfg.workers_stop_timeout, skip=keep)
+            self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout, keep=[k[1] for k in keep.values()])
+            self._carried = keep
             self.watcher.watch(None)
             del worker_store
 
-    def _supervise(self, rnd: Round) -> dict:
+    # ---- in-process restart (agent.inprocess_ranks, rank_monitor.inprocess) ------------------
+    def _request_in_place(self, rnd: Round, verdict: Optional[Verdict]) -> Dict[int, tuple]:
+        """The verdict restarts healthy ranks in place: ask this node's to leave their function
+        now. Returns local rank -> (monitor, rank, when asked) of those asked."""
+        if verdict is None or not verdict.in_process or rnd.group_rank is None:
+            return {}
+        keep, now = {}, time.monotonic()
+        for rank in self.group.ranks:
+            if rank.exitcode is None and verdict.keeps(rank.rank, self.me.node_id):
+                monitor = self.monitors[rank.local_rank]
+                if inprocess_ranks.request(monitor, rank, verdict.next_round):
+                    keep[rank.local_rank] = (monitor, rank, now)
+        return keep
+
+    def _restart_points(self, rnd: Round, previous: Optional[WorkerGroup]) -> Dict[int, Rank]:
+        """Wait (up to inprocess_timeout from the request) for the carried ranks to reach their
+        restart point for this cycle; kill those that do not. Returns local rank -> rank to adopt."""
+        carried, self._carried = self._carried, {}
+        if not carried:
+            return {}
+        deadline = min(asked for _, _, asked in carried.values()) + self.cfg.ft.inprocess_timeout
+        pairs = [(monitor, rank) for monitor, rank, _ in carried.values()]
+        self._carried = carried   # until adopted: _teardown kills them if this raises
+        reached = inprocess_ranks.wait_ready(pairs, rnd.number, deadline)
+        self._carried = {}
+        adopted = {}
+        for local_rank, (monitor, rank, asked) in carried.items():
+            if reached.get(local_rank):
+                adopted[local_rank] = rank
+                continue
+            gone = rank.proc.poll() is not None
+            if gone and inprocess_ranks.state(monitor) == shm_layout.IP_LEAVING:
+                self.events.event("rank_left", f"rank {rank.rank} (pid {rank.pid}) left its process after its "
+                                  f"exception (its gloo peers' collectives end only so); its slot starts afresh",
+                                  rank=rank.rank, pid=rank.pid)
+            else:
+                what = ("exited before it reached its restart point" if gone else
+                        f"did not reach its restart point within inprocess_timeout="
+                        f"{self.cfg.ft.inprocess_timeout:g}s -> killed")
+                self.events.event("inprocess_timeout", f"rank {rank.rank} (pid {rank.pid}) {what}; its slot "
+                                  f"starts afresh", rank=rank.rank, pid=rank.pid, exited=gone,
+                                  waited=round(time.monotonic() - asked, 3))
+            inprocess_ranks.kill(rank)
+            rank.proc.wait()
+            (previous or self.group).reap(rank)
+        return adopted
+
+    def _drop_carried(self, why: Optional[str]) -> None:
+        """Ranks asked to restart in place that will not be adopted: kill them."""
+        carried, self._carried = self._carried, {}
+        for _, rank, _ in carried.values():
+            if why:
+                self.say(f"rank {rank.rank} (pid {rank.pid}) will not restart in place: {why}")
+            inprocess_ranks.kill(rank)
+            try:
+                rank.proc.wait(timeout=5)
+            except Exception:  # noqa: BLE001 - the orphan watchdog still has it
+                pass
+
+    def _in_process_news(self, rnd: Round) -> Optional[Verdict]:
+        """Declare this node restartable once all its ranks run under ft.restartable; report a
+        rank whose function raised (it waits, alive, for the restart)."""
+        if not self._restartable_declared and inprocess_ranks.all_restartable(self.monitors):
+            self._restartable_declared = True
+            self.proto.policy.declare_restartable(rnd.number)
+        raised = inprocess_ranks.raised(self.monitors, self.group.ranks)
+        if not raised:
+            return None
+        rank, _, text = raised[0]
+        what = f"rank {rank.rank} on node {rnd.group_rank} ({self.me.host}) raised {text}"
+        return self._fail(rnd, {"kind": "failure", "what": what, "rank": rank.rank, "exception": text})
+
+    def _facts(self, rnd: Round) -> RoundFacts:
+        return RoundFacts(rnd.number, [n.node_id for n in rnd.active], [n.node_id for n in rnd.spares],
+                          {n.node_id: n.nproc for n in rnd.active})
+
+    def _supervise(self, rnd: Round) -> Verdict:
         sel = selectors.DefaultSelector()
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         for rank in self.group.ranks:
@@ -473,6 +572,9 @@ class NodeAgent:
                         return self._fail(rnd, self._rank_failure(rank, code, rnd))
                     self.events.event("rank_exit", f"rank {rank.rank} finished (exit code 0)",
                                       rank=rank.rank, exitcode=0)
+                raised = self._in_process_news(rnd)   # after the deaths: a dead peer is the likelier cause
+                if raised is not None:
+                    return raised
                 if not succeeded and not self.group.running():
                     succeeded = True
                     if self.learner.enabled:
@@ -486,12 +588,13 @@ class NodeAgent:
 
     def _ranks_started(self) -> None:
         ranks = self.group.ranks
-        warm = [r for r in ranks if r.warm]
-        if warm:
+        if any(r.warm or r.in_place for r in ranks):
             self.say("ranks started: " + ", ".join(
-                f"{r.rank} ({'warm reserve' if r.warm else 'cold'}, pid {r.pid})" for r in ranks))
+                f"{r.rank} ({'in place' if r.in_place else 'warm reserve' if r.warm else 'cold'}, pid {r.pid})"
+                for r in ranks))
         self.events.event("ranks_started", None, ranks=[
-            {"rank": r.rank, "local_rank": r.local_rank, "pid": r.pid, "warm": r.warm} for r in ranks])
+            {"rank": r.rank, "local_rank": r.local_rank, "pid": r.pid, "warm": r.warm, "in_place": r.in_place}
+            for r in ranks])
 
     def _learn(self, rnd: Round) -> None:
         """Computed timeouts: publish ours; node 0 computes for the job; everyone applies."""
@@ -550,7 +653,7 @@ class NodeAgent:
         what = f"rank {rank.rank} on {node} {describe_exit(code)}"
         return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code}
 
-    def _fail(self, rnd: Round, reason: dict) -> dict:
+    def _fail(self, rnd: Round, reason: dict) -> Verdict:
         reason.setdefault("node_id", self.me.node_id)
         self.progress.poll(self.proto, rnd.number, self.monitors)   # this node's last steps count too
         if reason.get("kind") == "failure" and self.cfg.ft.straggler_exclude and rnd.spares:
@@ -564,34 +667,37 @@ class NodeAgent:
                 self.events.event("failure", f"{reason['what']}", rank=reason.get("rank"),
                                   **{k: v for k, v in reason.items() if k not in ("rank",)})
                 verdict = self.proto.interrupt(rnd.number, dict(reason, kind="stop", failure=reason["what"],
-                                                                what=pointless))
+                                                                what=pointless), self._facts(rnd))
                 return self._announce(rnd, verdict)
         early = self._early_exits()
         if early:  # a rank that left early is the likely cause: its peers waited for it
             reason["what"] += (f", after rank{'s' if len(early) > 1 else ''} {', '.join(map(str, early))} "
                                f"exited 0 early and left its peers waiting")
             reason["early_exits"] = early
-        self.events.event("failure", f"{reason['what']} -> stopping all ranks",
+        verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
+        action = "restarting in place" if verdict.in_process else "stopping all ranks"
+        self.events.event("failure", f"{reason['what']} -> {action}",
                           rank=reason.get("rank"), **{k: v for k, v in reason.items() if k not in ("rank",)})
-        verdict = self.proto.interrupt(rnd.number, reason)
         return self._announce(rnd, verdict)
 
-    def _interrupted(self, rnd: Round) -> dict:
+    def _interrupted(self, rnd: Round) -> Verdict:
         verdict = self.proto.verdict(rnd.number)
-        if verdict.get("kind") == "shutdown":
+        if verdict.kind == "shutdown":
             self.status.cycle_end()
-            self._signal = self._signal or int(verdict.get("signal", signal.SIGTERM))
+            self._signal = self._signal or int(verdict.signal or signal.SIGTERM)
             self._signal_handled = True
             self.say(f"another node is shutting down the job ({signal.Signals(self._signal).name})")
             self._mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
             self.group.stop(self._signal, self.cfg.term_timeout)
             self._leave(rnd)
             raise Shutdown(128 + self._signal)
-        if verdict.get("kind") == "complete":
+        if verdict.kind == "complete":
             self._finish_job(rnd)
             return verdict
-        if verdict.get("node_id") != self.me.node_id:
-            self.say(f"{verdict.get('what')} (on another node) -> stopping this node's ranks")
+        if verdict.node_id != self.me.node_id:
+            action = ("restarting this node's ranks in place" if verdict.in_process
+                      else "stopping this node's ranks")
+            self.say(f"{verdict.what} (on another node) -> {action}")
         return self._announce(rnd, verdict)
 
     def _early_exits(self) -> List[int]:
@@ -601,15 +707,19 @@ class NodeAgent:
             return []
         return [r.rank for r in group.ranks if r.exitcode == 0]
 
-    def _announce(self, rnd: Round, verdict: dict) -> dict:
-        if verdict.get("kind") == "failure":
+    def _announce(self, rnd: Round, verdict: Verdict) -> Verdict:
+        if verdict.kind == "failure":
             for rank in self._early_exits():
                 self.events.event("early_exit", f"rank {rank} had exited 0 early in this cycle while its "
                                   f"peers still ran: it left them waiting", rank=rank)
-        if verdict.get("restart"):
-            self.events.event("restart", f"restarting all ranks: cycle {verdict['next_round']} "
-                              f"(restart {verdict['restarts_used']}/{self.cfg.max_restarts})",
-                              next_cycle=verdict["next_round"], restarts_used=verdict["restarts_used"])
+        if verdict.restart:
+            head = "restarting all ranks" if not verdict.in_process else "restarting in place"
+            tail = "" if not verdict.in_process else f": {verdict.rung_words()}"
+            self.events.event("restart", f"{head}: cycle {verdict.next_round} "
+                              f"(restart {verdict.restarts_used}/{self.cfg.max_restarts}){tail}",
+                              next_cycle=verdict.next_round, restarts_used=verdict.restarts_used,
+                              rung=verdict.rung, replace_ranks=verdict.replace_ranks,
+                              replace_nodes=verdict.replace_nodes)
         return verdict
 
     def _finish_job(self, rnd: Round) -> None:
@@ -639,7 +749,7 @@ class NodeAgent:
         except RendezvousError:
             pass
 
-    def _wait_as_spare(self, rnd: Round) -> dict:
+    def _wait_as_spare(self, rnd: Round) -> Verdict:
         self.say(f"hot spare: {len(rnd.active)} node(s) are training; waiting to be needed")
         self.status.spare(rnd.number)
         self.events.event("spare_waiting", None, active=[n.label() for n in rnd.active])
@@ -666,7 +776,7 @@ class NodeAgent:
                     self.events.event("failure", f"{what} -> the hot spare asks for a new round", what=what)
                     verdict = self.proto.interrupt(rnd.number, {
                         "kind": "failure", "what": what, "node_id": self.me.node_id,
-                        "dead_nodes": [n.__dict__ for n in self.watcher.dead_peers]})
+                        "dead_nodes": [n.__dict__ for n in self.watcher.dead_peers]}, self._facts(rnd))
                     return self._announce(rnd, verdict)
         finally:
             sel.close()

@@ -106,6 +106,22 @@ class RankOutput:
             except (OSError, ValueError):
                 pass
 
+    def redirect(self, handle, log_file: Optional[str]):
+        """A rank restarted in place goes on in the next cycle's log file: its captured streams
+        are written there from now on. Returns the handle to use from now on."""
+        if handle is None or not log_file:
+            return handle
+        sinks, old = handle
+        if old is None:
+            return handle
+        new = open(log_file, "ab", buffering=0)
+        with self._lock:
+            for _, sink in sinks:
+                if sink["file"] is old:
+                    sink["file"] = new
+        old.close()
+        return sinks, new
+
     def finish(self, handle, timeout: float = 2.0) -> None:
         """After the rank (and its process group) is gone: drain and close its pipes."""
         if handle is None:

@@ -17,11 +17,22 @@ import subprocess
 import time
 from typing import Dict, List, Optional
 
+from rank_monitor import inprocess
+
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .rank_output import RankOutput
 
 _SETPRIV = shutil.which("setpriv")
+_WAKE_FD: Optional[int] = None   # the agent's wake pipe, which ranks inherit (rank_monitor.inprocess)
+
+
+def set_wake_fd(fd: int) -> None:
+    """Every rank and reserve started from now on inherits `fd` (the agent's wake pipe, write end)
+    and finds its number in FT_LAUNCHER_WAKE_FD: an in-process restartable rank whose function
+    raised wakes the agent through it."""
+    global _WAKE_FD
+    _WAKE_FD = fd
 
 
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec (fallback only)
@@ -39,6 +50,7 @@ class Rank:
     start_ns: int
     output: object
     warm: bool = False                  # an activated warm reserve, not a fresh interpreter
+    in_place: bool = False              # restarted in its own process (rank_monitor.inprocess)
     exitcode: Optional[int] = None
 
     @property
@@ -71,6 +83,10 @@ def slot_env(cfg: LaunchConfig, local_rank: int) -> Dict[str, str]:
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
     })
+    env[inprocess.ENV_GRANULARITY] = cfg.ft.restart_granularity
+    env[inprocess.ENV_EMPTY_CUDA_CACHE] = "1" if cfg.ft.empty_cuda_cache else "0"
+    if _WAKE_FD is not None:
+        env[inprocess.ENV_WAKE_FD] = str(_WAKE_FD)
     if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so ranks do not oversubscribe
     return env
@@ -95,6 +111,8 @@ def popen_rank_process(cmd: List[str], env: Dict[str, str], stdout, stderr, pass
     """A rank's process (a cold rank or a warm reserve): its own session, SIGKILL when the agent
     dies, no stdin."""
     kwargs = {}
+    if _WAKE_FD is not None:
+        pass_fds = tuple(pass_fds) + (_WAKE_FD,)
     if _SETPRIV:
         cmd = [_SETPRIV, "--pdeathsig", "KILL", "--"] + cmd
     else:
@@ -141,6 +159,17 @@ class WorkerGroup:
         self.ranks.append(rank_obj)
         return rank_obj
 
+    def adopt(self, rank: Rank, global_rank: int, cycle: int) -> Rank:
+        """Take over a rank of the previous cycle that restarts in place, as global rank
+        `global_rank`; its captured output goes on in this cycle's log file."""
+        rank.rank, rank.start_ns, rank.in_place, rank.warm = global_rank, time.monotonic_ns(), True, False
+        if self.cfg.log_dir:
+            cycle_dir = os.path.join(self.cfg.log_dir, f"cycle_{cycle}")
+            os.makedirs(cycle_dir, exist_ok=True)
+            rank.output = self.output.redirect(rank.output, os.path.join(cycle_dir, f"rank_{global_rank}.log"))
+        self.ranks.append(rank)
+        return rank
+
     def reap(self, rank: Rank) -> Optional[int]:
         """Collect an exited rank; kill what is left of its process group."""
         if rank.exitcode is not None:
@@ -158,9 +187,11 @@ class WorkerGroup:
     def running(self) -> List[Rank]:
         return [r for r in self.ranks if r.exitcode is None and self.reap(r) is None]
 
-    def stop(self, sig: int, grace: float) -> None:
-        """Send `sig` to every running rank's group; SIGKILL those still there after `grace`."""
-        running = self.running()
+    def stop(self, sig: int, grace: float, keep=()) -> None:
+        """Send `sig` to every running rank's group but those in `keep`; SIGKILL those still there
+        after `grace`."""
+        kept = {id(r) for r in keep}
+        running = [r for r in self.running() if id(r) not in kept]
         for r in running:
             _killpg(r.pid, signal.SIGCONT)
             _killpg(r.pid, sig)

@@ -35,8 +35,12 @@ def parse_args():
     # or fail inside it. PHASE is setup, step, checkpointing or oos (out of section, after a step).
     p.add_argument("--hold", default=None, metavar="PHASE:SECONDS", help="all ranks spend this long in PHASE once")
     p.add_argument("--hold-step", type=int, default=6, help="the step at which step/checkpointing/oos holds happen")
-    p.add_argument("--raise-in", default=None, metavar="PHASE", help="--fail-rank raises an exception in PHASE")
+    p.add_argument("--raise-in", default=None, metavar="PHASE",
+                   help="--fail-rank raises an exception in PHASE (after the --hold there, if any)")
     p.add_argument("--exit0-in", default=None, metavar="PHASE", help="--fail-rank exits 0 early in PHASE")
+    p.add_argument("--restartable", action="store_true",
+                   help="run the training function under ft_launcher.restartable: on a failure the healthy "
+                        "ranks restart in their own process")
     return p.parse_args()
 
 
@@ -56,7 +60,7 @@ class Hooks:
     def at(self, phase, step=None):
         if step is not None and step != self.step:
             return
-        if self.raise_in == phase:
+        if self.raise_in == phase and self.phase != phase:
             raise RuntimeError(f"simulated exception in {phase}")
         if self.exit0_in == phase:
             print(f"exiting 0 early in {phase}", flush=True)
@@ -66,6 +70,8 @@ class Hooks:
             while time.monotonic() < end:  # a slow phase, not a hang: keep heartbeating
                 ft.heartbeat()
                 time.sleep(0.1)
+            if self.raise_in == phase:   # with --hold in the same phase: raise once the hold is over
+                raise RuntimeError(f"simulated exception in {phase}")
 
 
 def batch(seed, step, rank):
@@ -92,6 +98,16 @@ def checksum(model):
 
 def main():
     args = parse_args()
+    if args.restartable:
+        ft.restartable(train)(args)
+    else:
+        train(args)
+
+
+def train(args):
+    """One incarnation of the job: join the group, resume from the checkpoint, train. Under
+    ft.restartable it runs again in the same process after an in-process restart, so it builds
+    everything that holds the process group (the group, DDP, the optimizer) on every call."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     cycle = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))

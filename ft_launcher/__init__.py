@@ -6,7 +6,7 @@ cheap no-ops (after one warning) when the script is not running under ft_launche
 changes only its import: `from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient`
 becomes `from ft_launcher import RankMonitorClient`; the names below are those NVRx's
 fault_tolerance package gives a training script, plus HeartbeatTimeouts and SectionTimeouts.
-Preemption: `preempted()` / `on_preemption(fn)`; a rank's request to stop the job or leave its
+In-process restart: `restartable(fn)` (rank_monitor.inprocess). Preemption: `preempted()` / `on_preemption(fn)`; a rank's request to stop the job or leave its
 node: `send_workload_control_request(WorkloadControlRequest(WorkloadAction...))`.
 """
 from rank_monitor.client import (FtSectionWarning, Preemption, RankMonitorClient, RankMonitorClientError,
@@ -15,12 +15,15 @@ from rank_monitor.client import (FtSectionWarning, Preemption, RankMonitorClient
 
 __version__ = "0.1.0"
 
+from rank_monitor.inprocess import RestartInPlace, restartable
+
 _LAZY = {"FaultToleranceConfig": "rank_monitor.config", "HeartbeatTimeouts": "rank_monitor.nvrx_types",
          "SectionTimeouts": "rank_monitor.nvrx_types"}
 
 __all__ = ["section", "heartbeat", "RankMonitorClient", "RankMonitorClientError", "FaultToleranceConfig",
            "HeartbeatTimeouts", "SectionTimeouts", "WorkloadAction", "WorkloadControlRequest", "FtSectionWarning",
-           "preempted", "on_preemption", "Preemption", "send_workload_control_request"]
+           "preempted", "on_preemption", "Preemption", "send_workload_control_request", "restartable",
+           "RestartInPlace"]
 
 
 def __getattr__(name):

@@ -137,6 +137,28 @@ class _Attachment:
             sec._bind(self)
         os.register_at_fork(after_in_child=_after_fork_in_child)
 
+    def new_cycle(self) -> None:
+        """An in-process restart (rank_monitor.inprocess): this process is the rank's next
+        incarnation. Its section, heartbeat and timeout words start from nothing, as a new
+        process's would; the stack-dump handler and the restart words stay."""
+        if self.mode != "attached":
+            return
+        global _HB_WORDS
+        _HB_WORDS = None   # re-armed by the next heartbeat's slow path
+        try:
+            self.config = json.loads(os.environ.get(L.ENV_CONFIG) or "{}")
+        except ValueError:
+            self.config = {}
+        w = self.words
+        L.clear_client_state(w, same_process=True)
+        w[L.H_ATTACH_NS] = _mono()
+        self.slots.clear()
+        w[L.H_CLIENT_PID] = os.getpid()
+        w[L.H_CLIENT_STATE] = 1
+        for sec in self.sections.values():
+            sec._depth = 0
+            sec._bind(self)
+
     def _install_stack_handler(self, pid: int) -> None:
         template = os.environ.get(L.ENV_STACK_FILE)
         if not template:

@@ -223,6 +223,10 @@ class MonitorHandle:
         text = bytes(self._mm[L.REQUEST_OFFSET:L.REQUEST_OFFSET + n]).decode("utf-8", "replace")
         return {"action": w[L.H_REQUEST_ACTION] - 1, "description": text}
 
+    def record(self):
+        """(mmap, words) of the rank's shared-memory record, or None before the monitor is up."""
+        return None if self._words is None else (self._mm, self._words)
+
     def mark_stopping(self, reason: int, deadline_ns: int) -> None:
         """Before the rank is signalled: why (L.STOP_*) and when SIGKILL follows."""
         if self._words is not None:

@@ -23,7 +23,7 @@ ENV_CONFIG = "FT_RANK_MONITOR_CONFIG"          # JSON: timeouts the rank was sta
 ENV_LOCAL_RANK = "FT_RANK_MONITOR_LOCAL_RANK"
 
 MAGIC = 0x46544C4D4F4E3031  # "FTLMON01"
-VERSION = 2
+VERSION = 3
 
 # ---- header words -------------------------------------------------------------------------------
 H_MAGIC = 0
@@ -55,7 +55,15 @@ H_REQUEST_SEQ = 25      # bumped per request
 H_REQUEST_LEN = 26      # bytes of its description in the request area
 H_STOP_REASON = 27      # written by the agent before it signals the rank: STOP_* below
 H_STOP_DEADLINE_NS = 28 # monotonic ns at which the agent's SIGKILL follows
-HEADER_WORDS = 32
+# In-process restart (rank_monitor.inprocess, agent.inprocess_ranks). The client writes H_IP_STATE,
+# H_IP_SEEN, H_IP_FAIL_NS and the text; the agent writes H_IP_REQUEST and H_IP_GO.
+H_IP_STATE = 29         # IP_* below
+H_IP_SEEN = 30          # the restart request (a cycle number) the rank last acted on
+H_IP_FAIL_NS = 31       # when the rank's function raised (monotonic ns); 0: it did not
+H_IP_REQUEST = 32       # agent: leave the function, to run again as this cycle (then IN_PLACE_SIGNAL)
+H_IP_GO = 33            # agent: run the function again as this cycle (its environment: the env file)
+H_IP_TEXT_LEN = 34      # bytes of the exception's one-line summary in the text area
+HEADER_WORDS = 40
 
 # ---- per-section slot words ---------------------------------------------------------------------
 S_OPEN = 0
@@ -71,6 +79,14 @@ SLOT_WORDS = 16
 MAX_SLOTS = 64
 NAME_BYTES = 128        # per slot, in the name table after the words
 
+IP_NONE = 0             # not under ft.restartable
+IP_RUNNING = 1          # running the restartable function
+IP_FAILED = 2           # the function raised: reported, waiting for the agent's request
+IP_READY = 3            # left the function, process group destroyed: waiting for H_IP_GO
+IP_DONE = 4             # the function returned
+IP_LEAVING = 5          # the function raised on gloo: the rank ends its process (rank_monitor.inprocess)
+IP_WORDS = (H_IP_STATE, H_IP_SEEN, H_IP_FAIL_NS, H_IP_REQUEST, H_IP_GO, H_IP_TEXT_LEN)
+
 STOP_SHUTDOWN = 1       # the job is stopping (preemption, a signal to the launcher)
 STOP_RESTART = 2        # the ranks are stopped for a restart
 
@@ -81,7 +97,9 @@ WORDS = HEADER_WORDS + MAX_SLOTS * SLOT_WORDS
 NAMES_OFFSET = WORDS * 8
 REQUEST_OFFSET = NAMES_OFFSET + MAX_SLOTS * NAME_BYTES
 REQUEST_BYTES = 512
-SIZE = REQUEST_OFFSET + REQUEST_BYTES
+IP_TEXT_OFFSET = REQUEST_OFFSET + REQUEST_BYTES
+IP_TEXT_BYTES = 512
+SIZE = IP_TEXT_OFFSET + IP_TEXT_BYTES
 
 
 def slot_base(index: int) -> int:
@@ -139,17 +157,36 @@ def attach(path: str, writable: bool = True) -> Tuple[mmap.mmap, memoryview]:
     return mm, words
 
 
-def clear_client_state(words: memoryview) -> None:
+def clear_client_state(words: memoryview, same_process: bool = False) -> None:
     """Zero every client-written word (a new incarnation starts from nothing), and the agent's
-    stop words (they were about the previous incarnation)."""
+    stop words (they were about the previous incarnation). `same_process`: an in-process restart,
+    which keeps the stack-dump handler and the in-process restart words."""
     words[H_CLIENT_STATE] = 0
     words[H_CLIENT_PID] = 0
     words[H_NSLOTS] = 0
+    keep = {H_START_NS, H_GEN, H_NSLOTS, H_MONITOR_NS}
+    if same_process:
+        keep.update((H_HANDLER_PID, H_HANDLER_SIG) + IP_WORDS)
     for i in range(H_HANDLER_PID, WORDS):
-        if i in (H_START_NS, H_GEN, H_NSLOTS, H_MONITOR_NS):
-            continue
-        words[i] = 0
+        if i not in keep:
+            words[i] = 0
     words[H_GEN] = words[H_GEN] + 1
+
+
+def env_file(shm_path: str) -> str:
+    """Where the agent writes the environment of a rank's next in-process cycle."""
+    return shm_path + ".restart.json"
+
+
+def write_ip_text(mm: mmap.mmap, words: memoryview, text: str) -> None:
+    data = text.encode("utf-8", "replace")[:IP_TEXT_BYTES]
+    mm[IP_TEXT_OFFSET:IP_TEXT_OFFSET + len(data)] = data
+    words[H_IP_TEXT_LEN] = len(data)
+
+
+def read_ip_text(mm: mmap.mmap, words: memoryview) -> str:
+    n = max(0, min(words[H_IP_TEXT_LEN], IP_TEXT_BYTES))
+    return bytes(mm[IP_TEXT_OFFSET:IP_TEXT_OFFSET + n]).decode("utf-8", "replace")
 
 
 def read_name(mm: mmap.mmap, words: memoryview, index: int) -> str:
