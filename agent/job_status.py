@@ -107,6 +107,7 @@ class JobStatus:
             monitor = self.monitors[rank.local_rank] if rank.local_rank < len(self.monitors) else None
             live = monitor.live() if monitor is not None else None
             row = {"rank": rank.rank, "local_rank": rank.local_rank, "pid": rank.pid, "warm": rank.warm,
+                   "in_place": rank.in_place,
                    "exitcode": rank.exitcode, "section": None, "in_section": None, "heartbeat_age": None,
                    "steps": 0, "sections": {}}
             if live:

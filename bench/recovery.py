@@ -7,10 +7,14 @@ Measures, on the example DDP job (gloo, checkpoint every 5 steps, 50 ms per step
   kill        SIGKILL to rank 1 -> every rank stepping again in the next cycle
   hang        SIGSTOP to rank 1 inside 'step' (timeout 2 s) -> every rank stepping again;
               torchrun has no hang detection, so it has no figure here
+  raise       SIGUSR1 to rank 1, whose step then raises an exception (ddp_train --raise-on USR1)
+              -> every rank stepping again
 ft_launcher runs with its default warm reserves (the fault is injected once every slot's reserve
-is warm, as in a job that has run for more than a few seconds) and, for comparison, with
-`--ft-warm-reserves 0` (every restart cold). Prints medians, the ft_launcher / torchrun ratio,
-and how long a reserve took to warm and its memory (RSS) per slot.
+is warm, as in a job that has run for more than a few seconds), for comparison with
+`--ft-warm-reserves 0` (every restart cold), and with the training function under
+ft.restartable (ddp_train --restartable: in-process restart, the healthy rank keeps its process).
+Prints medians, the ft_launcher / torchrun ratio, and how long a reserve took to warm and its
+memory (RSS) per slot.
 """
 from __future__ import annotations
 
@@ -28,9 +32,10 @@ from harness import Job, ratio, summary  # noqa: E402
 STEP_TIMEOUT = 2.0
 
 
-def script_args(ckpt_every=5):
+def script_args(ckpt_every=5, in_place=False):
     return ["--steps", "100000", "--step-time", "0.05", "--ckpt-every", str(ckpt_every),
-            "--progress-dir", "progress", "--ckpt-dir", "ckpt"]
+            "--progress-dir", "progress", "--ckpt-dir", "ckpt", "--raise-on", "USR1"] + (
+        ["--restartable"] if in_place else [])
 
 
 def reserves_ready(job: Job, nproc: int):
@@ -47,14 +52,15 @@ def reserves_ready(job: Job, nproc: int):
     return ready if len(ready) == nproc else None
 
 
-def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, stats: dict = None):
+def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, stats: dict = None,
+                     in_place: bool = False):
     """-> (launch seconds, recovery seconds or None)."""
     extra = ["--max-restarts", "3"]
     if kind == "ft_launcher":
         extra += ["--log-dir", "logs"] + ([] if reserves else ["--ft-warm-reserves", "0"])
     if fault == "hang":
         extra += ["--ft-rank-section-timeouts", f"setup:60,step:{STEP_TIMEOUT:g},checkpointing:60"]
-    job = Job(kind, nproc, extra, script_args())
+    job = Job(kind, nproc, extra, script_args(in_place=in_place))
     ok = False
     try:
         first = job.wait_for(lambda: job.all_stepping(nproc, 0), 120, "the first step")
@@ -72,7 +78,7 @@ def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, s
                     stats.setdefault("rss_mb", []).append(info["rss"] / 2**20)
         pid = job.rank_pid(1)
         t0 = time.time()
-        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        os.kill(pid, {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "raise": signal.SIGUSR1}[fault])
         try:
             back = job.wait_for(lambda: job.all_stepping(nproc, 1, after=t0), 60, "all ranks stepping again")
         except RuntimeError as exc:  # the launcher gave up: no recovery figure, say why
@@ -92,11 +98,15 @@ def main() -> None:
     launch_and_fault("ft_launcher", args.nproc, "none")  # warm the page cache (torch import)
     launch_and_fault("torchrun", args.nproc, "none")
     results, stats = {}, {}
-    runs = (("torchrun", "kill", True), ("ft_launcher", "kill", True), ("ft_launcher", "hang", True),
-            ("ft_launcher", "kill-cold", False), ("ft_launcher", "hang-cold", False))
+    runs = (("torchrun", "kill", True), ("torchrun", "raise", True),
+            ("ft_launcher", "kill", True), ("ft_launcher", "hang", True), ("ft_launcher", "raise", True),
+            ("ft_launcher", "kill-cold", False), ("ft_launcher", "hang-cold", False),
+            ("ft_launcher", "kill-inplace", True), ("ft_launcher", "hang-inplace", True),
+            ("ft_launcher", "raise-inplace", True))
     for rep in range(args.reps):
         for kind, fault, reserves in runs:
-            launch, recovery = launch_and_fault(kind, args.nproc, fault.split("-")[0], reserves, stats)
+            launch, recovery = launch_and_fault(kind, args.nproc, fault.split("-")[0], reserves, stats,
+                                                in_place=fault.endswith("-inplace"))
             results.setdefault((kind, "launch"), []).append(launch)
             results.setdefault((kind, fault), [])
             failed = results.setdefault((kind, fault, "failed"), [])
@@ -112,12 +122,18 @@ def main() -> None:
           f"   ratio {ratio(results[('ft_launcher', 'launch')], results[('torchrun', 'launch')])}")
     print(f"kill rank -> stepping     torchrun    {summary(results[('torchrun', 'kill')])}"
           f"   recovered {args.reps - len(results[('torchrun', 'kill', 'failed')])}/{args.reps}")
-    for fault, label in (("kill", "warm"), ("kill-cold", "cold")):
+    for fault, label in (("kill", "warm"), ("kill-cold", "cold"), ("kill-inplace", "in place")):
         print(f"                          ft_launcher {summary(results[('ft_launcher', fault)])}"
               f"   recovered {args.reps - len(results[('ft_launcher', fault, 'failed')])}/{args.reps}"
               f"   ratio {ratio(results[('ft_launcher', fault)], results[('torchrun', 'kill')])}  ({label})")
+    print(f"exception -> stepping     torchrun    {summary(results[('torchrun', 'raise')])}"
+          f"   recovered {args.reps - len(results[('torchrun', 'raise', 'failed')])}/{args.reps}")
+    for fault, label in (("raise", "warm"), ("raise-inplace", "in place")):
+        print(f"                          ft_launcher {summary(results[('ft_launcher', fault)])}"
+              f"   recovered {args.reps - len(results[('ft_launcher', fault, 'failed')])}/{args.reps}"
+              f"   ratio {ratio(results[('ft_launcher', fault)], results[('torchrun', 'raise')])}  ({label})")
     print(f"hang in step (T={STEP_TIMEOUT:g} s)     torchrun    never detected")
-    for fault, label in (("hang", "warm"), ("hang-cold", "cold")):
+    for fault, label in (("hang", "warm"), ("hang-cold", "cold"), ("hang-inplace", "in place")):
         hang = results[("ft_launcher", fault)]
         print(f"                          ft_launcher {summary(hang)}"
               + (f"   = T + {statistics.median(hang) - STEP_TIMEOUT:.2f} s" if hang else "") + f"  ({label})")

@@ -11,6 +11,7 @@ the model of a run without them. Rank 0 prints `FINAL step=<n> checksum=<c>` and
 import argparse
 import json
 import os
+import signal
 import time
 
 import torch
@@ -38,6 +39,9 @@ def parse_args():
     p.add_argument("--raise-in", default=None, metavar="PHASE",
                    help="--fail-rank raises an exception in PHASE (after the --hold there, if any)")
     p.add_argument("--exit0-in", default=None, metavar="PHASE", help="--fail-rank exits 0 early in PHASE")
+    p.add_argument("--raise-on", default=None, metavar="SIGNAL",
+                   help="raise an exception at the end of the step in which this signal (e.g. USR1) arrives "
+                        "(benchmarks)")
     p.add_argument("--restartable", action="store_true",
                    help="run the training function under ft_launcher.restartable: on a failure the healthy "
                         "ranks restart in their own process")
@@ -96,8 +100,14 @@ def checksum(model):
         return float(sum(p.double().sum() for p in model.parameters()))
 
 
+RAISE_REQUESTED = []   # --raise-on: the signal arrived; the step that sees it raises
+
+
 def main():
     args = parse_args()
+    if args.raise_on:
+        signal.signal(getattr(signal, "SIG" + args.raise_on.upper().removeprefix("SIG")),
+                      lambda *_: RAISE_REQUESTED.append(time.time()))
     if args.restartable:
         ft.restartable(train)(args)
     else:
@@ -156,6 +166,9 @@ def train(args):
             if args.step_time:
                 time.sleep(args.step_time)
             hooks.at("step", step)
+            if RAISE_REQUESTED:
+                RAISE_REQUESTED.clear()
+                raise RuntimeError(f"simulated exception ({args.raise_on})")
         ft.heartbeat()
         hooks.at("oos", step)
         if progress:

@@ -170,6 +170,11 @@ def _teardown() -> None:
                 dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - an aborted group may complain; it is gone either way
             sys.stderr.write(f"ft_launcher: destroying the process group at the restart: {exc!r}\n")
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is not None and not c10d.is_initialized():
+        # An init_process_group that failed half-way (a peer died while it waited) took a group
+        # name; the next one must take the same name as its peers' ("0"), as after a destroy.
+        c10d._world.group_count = 0
     sys.last_type = sys.last_value = sys.last_traceback = None
     gc.collect()
     torch = sys.modules.get("torch")

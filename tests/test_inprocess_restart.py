@@ -1,0 +1,222 @@
+"""In-process restart end to end: examples/ddp_train.py under `ft.restartable` (--restartable), real
+agents, monitors and ranks (test_fault_matrix's Job: 1 agent x 2 ranks or 2 agents x 2 ranks).
+
+A fault lands in a phase that every rank holds for HOLD s (ddp_train --hold): the test SIGKILLs
+the rank (killed) or SIGSTOPs it so that its monitor finds the hang and kills it (hung) once the
+agent's status file shows the rank in that phase; or the rank raises once its hold is over (raise).
+Then:
+- the job ends with exactly the model of a fault-free run (checksum), after one restart, whose
+  rung is in_process;
+- every healthy rank kept its process: in cycle 1 it is reported `in_place` with its cycle-0 pid;
+  the failed rank's slot got a new process (a rank that raised in setup, before its process group
+  existed, restarts in place too; one that raised on a gloo group leaves its process);
+- nothing is left behind (the launcher fixture).
+Also: node granularity (the failed node's ranks are all replaced, the other node's keep their
+processes), a warm reserve node taking over with active_world_size, and 50 in-place restarts in a
+row with a healthy rank's RSS, file descriptors and threads flat.
+"""
+import glob
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import read_events, wait_for
+from test_fault_matrix import HOLD_STEP, Job, References, progress
+
+HOLD = 4.0
+RESTARTABLE = ["--restartable"]
+# The hold is inside its section: the faulted phase's timeout leaves room for it (a SIGSTOPped rank
+# is caught 7 s into step or checkpointing). Setup's is longer: after the restart the healthy ranks
+# wait in setup (init_process_group) for the failed slot's new process, which may start cold.
+TIMEOUTS = ["--ft-rank-section-timeouts", f"setup:20,step:{HOLD + 3:g},checkpointing:{HOLD + 3:g}"]
+PHASES = ("setup", "step", "checkpointing")
+FAULTS = ("killed", "hung", "raise")
+DEFAULT = {("raise", "step", "1x2"), ("killed", "step", "2x2"), ("hung", "step", "1x2"),
+           ("raise", "setup", "2x2"), ("killed", "checkpointing", "1x2")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return References(tmp_path_factory)
+
+
+def status_rows(job):
+    rows = []
+    for path in glob.glob(str(job.logs / "status" / "*.json")):
+        try:
+            with open(path) as fh:
+                rows += json.load(fh).get("ranks") or []
+        except (OSError, ValueError):
+            continue
+    return rows
+
+
+def in_phase(job, rank, phase):
+    """The pid of `rank` while it is in `phase` of cycle 0 (its agent's status file), else None."""
+    if phase == "step":   # the held step: the rank finished the one before it
+        if not any(c == 0 and s == HOLD_STEP - 1 for c, s, _ in progress(job.prog, rank)):
+            return None
+    if phase == "checkpointing" and not any(c == 0 and s == HOLD_STEP for c, s, _ in progress(job.prog, rank)):
+        return None
+    for row in status_rows(job):
+        if row["rank"] == rank and row.get("section") == phase and not row.get("in_place"):
+            return row["pid"]
+    return None
+
+
+def started(evs, cycle):
+    """rank -> (pid, in place) from the ranks_started events of `cycle` (every node's)."""
+    out = {}
+    for e in evs:
+        if e["kind"] == "ranks_started" and e["cycle"] == cycle:
+            for r in e["detail"]["ranks"]:
+                out[r["rank"]] = (r["pid"], r.get("in_place", False))
+    return out
+
+
+def run_faulty(launcher, tmp_path, topology, fault, phase, rank, ft_args=(), job_args=()):
+    job_args = list(RESTARTABLE) + ["--hold", f"{phase}:{HOLD}"] + list(job_args)
+    if fault == "raise":
+        job_args += ["--raise-in", phase, "--fail-rank", rank]
+    job = Job(launcher, tmp_path, topology, TIMEOUTS + list(ft_args), job_args).launch()
+    if fault in ("killed", "hung"):
+        pid = wait_for(lambda: in_phase(job, rank, phase), 60, f"rank {rank} in {phase}", interval=0.02)
+        os.kill(pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    return job
+
+
+def check_in_place(job, reference, healthy, replaced):
+    results, elapsed = job.wait()
+    errors = "\n".join(r[2][-4000:] for r in results)
+    assert all(code == 0 for code, _, _ in results), errors
+    final = job.final()
+    assert final["step"] and final["world_size"] == job.world
+    assert final["checksum"] == reference.checksum(job.topology), "in-place restart changed the model"
+    evs = job.events()
+    restarts = [e for e in evs if e["kind"] == "restart"]
+    assert restarts and {e["detail"]["rung"] for e in restarts} == {"in_process"}, restarts
+    assert {e["detail"]["next_cycle"] for e in restarts} == {1}, "more than one restart"
+    before, after = started(evs, 0), started(evs, 1)
+    for rank in healthy:
+        assert after[rank] == (before[rank][0], True), f"rank {rank} did not keep its process: {before} -> {after}"
+    for rank in replaced:
+        assert after[rank][0] != before[rank][0] and not after[rank][1], f"rank {rank} was not replaced: {after}"
+    print(f"\n{job.topology}: cycle 0 pids {before}; cycle 1 {after}; {elapsed:.1f}s")
+    return evs
+
+
+def _cases():
+    for fault in FAULTS:
+        for phase in PHASES:
+            for topology in ("1x2", "2x2"):
+                marks = () if (fault, phase, topology) in DEFAULT else (pytest.mark.slow,)
+                yield pytest.param(fault, phase, topology, marks=marks, id=f"{fault}-{phase}-{topology}")
+
+
+@pytest.mark.parametrize("fault,phase,topology", list(_cases()))
+def test_in_place_restart(launcher, tmp_path, reference, fault, phase, topology):
+    rank = 1 if topology == "1x2" else 3
+    world = 2 if topology == "1x2" else 4
+    job = run_faulty(launcher, tmp_path, topology, fault, phase, rank)
+    if fault == "raise" and phase == "setup":   # no process group yet: the raiser restarts in place too
+        healthy, replaced = list(range(world)), []
+    else:
+        healthy, replaced = [r for r in range(world) if r != rank], [rank]
+    if fault == "hung" and phase != "step":
+        # every rank waits in the same section from about the same moment: a healthy rank's timer
+        # may expire first (test_fault_matrix's docstring); whoever was killed, the others restart in place
+        results, _ = job.wait()
+        assert all(code == 0 for code, _, _ in results)
+        assert job.final()["checksum"] == reference.checksum(topology)
+        after = started(job.events(), 1)
+        assert any(in_place for _, in_place in after.values()), after
+        return
+    evs = check_in_place(job, reference, healthy, replaced)
+    failure = [e for e in evs if e["kind"] == "failure"][0]
+    assert failure["rank"] == rank, failure
+    if fault == "raise":
+        assert "raised RuntimeError: simulated exception in " + phase in failure["detail"]["what"]
+
+
+def test_node_granularity_replaces_the_failed_node_and_keeps_the_other(launcher, tmp_path, reference):
+    job = run_faulty(launcher, tmp_path, "2x2", "killed", "step", 3, ft_args=["--ft-restart-granularity", "node"])
+    evs = check_in_place(job, reference, healthy=[0, 1], replaced=[2, 3])
+    restart = [e for e in evs if e["kind"] == "restart"][0]["detail"]
+    assert len(restart["replace_nodes"]) == 1
+
+
+class SpareJob(Job):
+    """2x2 that trains (active_world_size 4) plus a third agent waiting as a warm reserve node."""
+
+    def __init__(self, launcher, root, ft_args, job_args):
+        super().__init__(launcher, root, "2x2", ft_args, job_args)
+        i = self.args.index("--nnodes")
+        self.args[i + 1] = 3
+        self.nodes = 3
+
+
+@pytest.mark.slow
+def test_active_world_size_a_warm_reserve_node_takes_over_a_lost_node(launcher, tmp_path, reference):
+    ft = TIMEOUTS + ["--ft-active-world-size", "4"]
+    job = SpareJob(launcher, tmp_path, ft, RESTARTABLE + ["--hold", "step:40"]).launch()
+    wait_for(lambda: len([e for e in job.events() if e["kind"] == "reserve_ready"]) >= 2, 90,
+             "the reserve node's warm reserves")
+    wait_for(lambda: in_phase(job, 3, "step"), 60, "rank 3 in the held step")
+    victim = job.agents[1]                 # node 1 (ranks 2, 3): its agent and ranks are killed
+    for proc in [psutil.Process(victim.pid)] + psutil.Process(victim.pid).children(recursive=True):
+        proc.kill()
+    results, _ = job.wait(bound=180)
+    assert [code for i, (code, _, _) in enumerate(results) if i != 1] == [0, 0], results[0][2][-3000:]
+    assert job.final()["checksum"] == reference.checksum("2x2")
+    evs = job.events()
+    before, after = started(evs, 0), started(evs, 1)
+    assert after[0] == (before[0][0], True) and after[1] == (before[1][0], True), (before, after)
+    spare = [e for e in evs if e["kind"] == "ranks_started" and e["cycle"] == 1 and e["detail"]["ranks"][0]["rank"] == 2]
+    assert spare and all(r["warm"] for r in spare[0]["detail"]["ranks"]), spare
+
+
+@pytest.mark.slow
+def test_fifty_in_place_restarts_leave_a_healthy_rank_flat(launcher, tmp_path):
+    """Rank 1 dies in step 5 of cycles 0..49; rank 0 restarts in place 50 times. Its RSS, open file
+    descriptors and threads are sampled at every cycle start and printed."""
+    restarts = 50
+    args = ["--standalone", "--nproc-per-node", 2, "--max-restarts", restarts + 5, "--log-dir", tmp_path / "logs",
+            "--ft-max-no-progress-cycles", 0, "--ft-warm-reserves", 2,
+            os.path.join(os.path.dirname(__file__), "..", "examples", "ddp_train.py"), "--restartable",
+            "--steps", 8, "--ckpt-every", 1, "--fail-at-step", 5, "--fail-rank", 1, "--fail-cycles", restarts,
+            "--ckpt-dir", tmp_path / "ckpt"]
+    proc = launcher.start(args)
+    logs = str(tmp_path / "logs")
+    first = wait_for(lambda: started(read_events(logs), 0), 60, "cycle 0")
+    healthy = psutil.Process(first[0][0])
+    samples, seen = {}, 0
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        evs = read_events(logs, "ranks_started")
+        if len(evs) > seen:
+            seen = len(evs)
+            cycle = evs[-1]["cycle"]
+            try:
+                samples[cycle] = (healthy.memory_info().rss, healthy.num_fds(), healthy.num_threads())
+            except psutil.NoSuchProcess:
+                break
+        time.sleep(0.05)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    evs = read_events(logs)
+    last = started(evs, restarts)
+    assert last[0] == (healthy.pid, True), "rank 0 did not keep its process to the end"
+    print("\ncycle  rss_MB  fds  threads")
+    for cycle in sorted(samples):
+        if cycle % 5 == 0 or cycle == max(samples):
+            rss, fds, threads = samples[cycle]
+            print(f"{cycle:5d}  {rss / 2**20:6.1f}  {fds:3d}  {threads:7d}")
+    early = samples[min(c for c in samples if c >= 5)]
+    late = samples[max(samples)]
+    assert late[1] <= early[1] + 2, f"file descriptors grew: {early[1]} -> {late[1]}"
+    assert late[2] <= early[2] + 2, f"threads grew: {early[2]} -> {late[2]}"
+    assert late[0] <= early[0] * 1.10 + 20 * 2**20, f"RSS grew: {early[0] / 2**20:.1f} -> {late[0] / 2**20:.1f} MB"
