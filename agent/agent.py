@@ -9,6 +9,11 @@ not on the next poll.
 When the node hosting the job's store is lost, the survivors move to a successor store and the
 job restarts from its checkpoint (agent/store_failover.py).
 
+What a failure leads to is the round's verdict (agent/restart_policy.py), which this agent carries
+out: a full restart, or an in-process one (agent/inprocess_ranks.py): the healthy ranks are asked
+to leave their function at once, the next round is joined meanwhile, and each is handed the new
+cycle's environment at its restart point instead of being replaced by a new process.
+
 Exit codes: 0 all ranks succeeded; 1 the restart budget is spent, the rendezvous failed, the
 job fell below its minimum, or this node was replaced as the store host; 93
 (no_restart_exit_code) the job stopped for good or this node left it (agent.no_restart);

@@ -68,6 +68,8 @@ class LaunchConfig:
         nodes = str(self.min_nodes) if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
         where = ("a local store on a free port" if self.standalone
                  else f"{self.rdzv_backend} rendezvous at {self.rdzv_host}:{self.rdzv_port}")
+        if self.active_nodes:
+            nodes += f" ({self.active_nodes} train: active_world_size {self.active_nodes * self.nproc_per_node})"
         return (f"starting: nnodes {nodes} (from {self.origins.get('nnodes', 'default')}), "
                 f"{self.nproc_per_node} rank{'s' if self.nproc_per_node != 1 else ''} per node, "
                 f"{where} (from {self.origins.get('endpoint', 'default')}), rdzv id {self.rdzv_id!r}")

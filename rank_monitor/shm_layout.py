@@ -6,7 +6,9 @@ client is the only writer of the "client" words (sections, heartbeats, timeout o
 clears them when a new incarnation attaches; the monitor writes only H_START_NS (0 while no rank
 runs), H_MONITOR_NS (its liveness tick, which the agent watches) and, before it terminates a
 hung rank, the stop words; the agent writes only H_STOP_REASON / H_STOP_DEADLINE_NS, just before
-it signals the rank to stop (what ft_launcher.preempted() reads). A rank's workload control request (NVRx's
+it signals the rank to stop (what ft_launcher.preempted() reads), and, for an in-process restart,
+H_IP_REQUEST / H_IP_GO (the rank's words are H_IP_STATE, H_IP_SEEN, H_IP_FAIL_NS and the
+exception's text in the area after the request's). A rank's workload control request (NVRx's
 WorkloadControlRequest) is H_REQUEST_* plus its description in the request area after the names. Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
 re-reading before acting.
 """
