@@ -10,17 +10,12 @@ import os
 import pytest
 
 from conftest import SCRIPTS
+from test_config import write
 from ft_launcher.cli import UsageError, launch_config, parse_nproc
 from rank_monitor.config import ConfigError, FaultToleranceConfig, MB_IGNORED, megatron_bridge_aliases
 
 ENV_DUMP = f"{SCRIPTS}/env_dump.py"
 CFG_DUMP = f"{SCRIPTS}/ft_cfg_dump.py"
-
-
-def write(tmp_path, text, name="ft.yaml"):
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
 
 
 def cfg_of(*argv):
