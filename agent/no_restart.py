@@ -2,7 +2,7 @@
 
 A job stops without a restart when a rank asks (ShutdownWorkload), when it has made no progress
 for `max_no_progress_cycles` cycles (agent.progress), or when a node leaves and too few can remain.
-The round's verdict is then `{"kind": "stop", "what": ...}` (first writer wins, as for any verdict)
+The round's verdict (agent.restart_policy) is then of kind `stop` (first writer wins, as for any verdict)
 and every agent exits with `no_restart_exit_code` (93, NVRx's), saying why in one line, so that
 the scheduler does not requeue the job. Running out of restarts is a failure and stays exit 1.
 
