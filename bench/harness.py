@@ -123,6 +123,8 @@ def read_progress(progress_dir: str) -> Dict[int, List[tuple]]:
     if not os.path.isdir(progress_dir):
         return out
     for name in os.listdir(progress_dir):
+        if not name.startswith("rank_"):   # e.g. raised_rank_1.txt: not a progress file
+            continue
         rows = []
         with open(os.path.join(progress_dir, name)) as fh:
             for line in fh:

@@ -7,8 +7,8 @@ Measures, on the example DDP job (gloo, checkpoint every 5 steps, 50 ms per step
   kill        SIGKILL to rank 1 -> every rank stepping again in the next cycle
   hang        SIGSTOP to rank 1 inside 'step' (timeout 2 s) -> every rank stepping again;
               torchrun has no hang detection, so it has no figure here
-  raise       SIGUSR1 to rank 1, whose step then raises an exception (ddp_train --raise-on USR1)
-              -> every rank stepping again
+  raise       SIGUSR1 to rank 1, whose step then raises an exception (ddp_train --raise-on USR1);
+              from the raise (the time the example writes) -> every rank stepping again
 ft_launcher runs with its default warm reserves (the fault is injected once every slot's reserve
 is warm, as in a job that has run for more than a few seconds), for comparison with
 `--ft-warm-reserves 0` (every restart cold), and with the training function under
@@ -52,6 +52,14 @@ def reserves_ready(job: Job, nproc: int):
     return ready if len(ready) == nproc else None
 
 
+def _read_time(path: str):
+    try:
+        with open(path) as fh:
+            return float(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, stats: dict = None,
                      in_place: bool = False):
     """-> (launch seconds, recovery seconds or None)."""
@@ -79,6 +87,9 @@ def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, s
         pid = job.rank_pid(1)
         t0 = time.time()
         os.kill(pid, {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "raise": signal.SIGUSR1}[fault])
+        if fault == "raise":   # the clock starts when the step raised (the example writes the time)
+            raised = os.path.join(job.dir, "progress", "raised_rank_1.txt")
+            t0 = job.wait_for(lambda: _read_time(raised), 30, "the exception")
         try:
             back = job.wait_for(lambda: job.all_stepping(nproc, 1, after=t0), 60, "all ranks stepping again")
         except RuntimeError as exc:  # the launcher gave up: no recovery figure, say why

@@ -168,6 +168,9 @@ def train(args):
             hooks.at("step", step)
             if RAISE_REQUESTED:
                 RAISE_REQUESTED.clear()
+                if args.progress_dir:   # when it raised, for the benchmark's clock
+                    with open(os.path.join(args.progress_dir, f"raised_rank_{rank}.txt"), "w") as fh:
+                        fh.write(f"{time.time():.6f}\n")
                 raise RuntimeError(f"simulated exception ({args.raise_on})")
         ft.heartbeat()
         hooks.at("oos", step)
