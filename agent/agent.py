@@ -35,6 +35,7 @@ from typing import Dict, List, Optional
 
 from rank_monitor import shm_layout
 from rank_monitor.monitor_handle import MonitorHandle, MonitorStartError
+from rank_monitor.peer_sockets import ENV_JOB_ADDRS
 
 from .events import EventLog
 from .fault_injection import FaultInjector
@@ -403,7 +404,8 @@ class NodeAgent:
             monitor = self.monitors[local_rank] if self.monitors else None
             env = rank_env(cfg, local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
                            rnd.world_size, len(rnd.active), master,
-                           {**(monitor.rank_env() if monitor else {}), **self.reserves.rank_env(local_rank)})
+                           {**(monitor.rank_env() if monitor else {}), **self.reserves.rank_env(local_rank),
+                            ENV_JOB_ADDRS: ",".join(dict.fromkeys(n.host for n in rnd.active))})
             kept = in_place.get(local_rank)
             if kept is not None:   # at its restart point: it runs its function again, same process
                 rank = self.group.adopt(kept, rnd.rank_offset + local_rank, rnd.number)
@@ -476,22 +478,17 @@ class NodeAgent:
         reached = inprocess_ranks.wait_ready(pairs, rnd.number, deadline)
         self._carried = {}
         adopted = {}
-        for local_rank, (monitor, rank, asked) in carried.items():
+        for local_rank, (_, rank, asked) in carried.items():
             if reached.get(local_rank):
                 adopted[local_rank] = rank
                 continue
             gone = rank.proc.poll() is not None
-            if gone and inprocess_ranks.state(monitor) == shm_layout.IP_LEAVING:
-                self.events.event("rank_left", f"rank {rank.rank} (pid {rank.pid}) left its process after its "
-                                  f"exception (its gloo peers' collectives end only so); its slot starts afresh",
-                                  rank=rank.rank, pid=rank.pid)
-            else:
-                what = ("exited before it reached its restart point" if gone else
-                        f"did not reach its restart point within inprocess_timeout="
-                        f"{self.cfg.ft.inprocess_timeout:g}s -> killed")
-                self.events.event("inprocess_timeout", f"rank {rank.rank} (pid {rank.pid}) {what}; its slot "
-                                  f"starts afresh", rank=rank.rank, pid=rank.pid, exited=gone,
-                                  waited=round(time.monotonic() - asked, 3))
+            what = ("exited before it reached its restart point" if gone else
+                    f"did not reach its restart point within inprocess_timeout="
+                    f"{self.cfg.ft.inprocess_timeout:g}s -> killed")
+            self.events.event("inprocess_timeout", f"rank {rank.rank} (pid {rank.pid}) {what}; its slot "
+                              f"starts afresh", rank=rank.rank, pid=rank.pid, exited=gone,
+                              waited=round(time.monotonic() - asked, 3))
             inprocess_ranks.kill(rank)
             rank.proc.wait()
             (previous or self.group).reap(rank)

@@ -15,10 +15,15 @@ How it talks to the agent: the words H_IP_* of the rank's shared-memory record (
 - When the function raises by itself, the rank reports it (IP_FAILED, the exception's one-line
   summary, a byte on the agent's wake pipe) and waits, at most REPORT_WAIT, for the agent's request
   before tearing its process group down, so that its peers' errors (their collectives fail when its
-  sockets close) reach the agents after the report that names the real cause.
+  sockets close) reach the agents after the report that names the real cause. An exception that
+  says a peer is gone (PEER_LOST) waits up to PEER_GRACE for the restart that peer's failure brings
+  before it counts as this rank's own failure.
 - At the restart point it destroys the process group, frees what the failed call held, empties
-  the CUDA cache (empty_cuda_cache), sets IP_READY and waits for H_IP_GO; the agent kills a rank
-  that does not get there within inprocess_timeout and replaces it.
+  the CUDA cache (empty_cuda_cache), shuts down the connections the failed cycle opened to the
+  job's nodes (rank_monitor.peer_sockets: a DDP reducer keeps a gloo group's sockets open, and a
+  peer waiting for this rank's data learns that it is gone only when they close), sets IP_READY
+  and waits for H_IP_GO; the agent kills a rank that does not get there within inprocess_timeout
+  and replaces it.
 - On H_IP_GO it reads the environment the agent wrote (shm_layout.env_file), updates os.environ,
   starts a new incarnation of its monitor record (new sections, heartbeats) and calls the function.
 
@@ -39,6 +44,7 @@ import time
 import traceback
 from typing import Callable, Optional
 
+from rank_monitor import peer_sockets
 from rank_monitor import shm_layout as L
 
 ENV_WAKE_FD = "FT_LAUNCHER_WAKE_FD"            # the agent's wake pipe (write end), inherited
@@ -142,21 +148,6 @@ def _gloo_group() -> bool:
         return False
 
 
-def _leave_process() -> None:
-    """A rank whose function raised on gloo ends its process: its peers wait in collectives that
-    only its closed sockets end (gloo cannot abort them, and a DDP reducer keeps the group's
-    sockets open after destroy_process_group, until the next backward pass). Its slot restarts
-    from a warm reserve; the healthy ranks restart in place."""
-    sys.stderr.write("ft_launcher: this rank's function raised on a gloo process group: it leaves its process "
-                     "so that its peers' collectives end; its slot restarts from a warm reserve\n")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
-    os._exit(1)
-
-
 def _teardown() -> None:
     """Leave nothing of the failed cycle that holds the process group or memory."""
     dist = sys.modules.get("torch.distributed")
@@ -222,6 +213,7 @@ class _Run:
         from rank_monitor.client import _ATT
 
         while True:
+            sockets_before = set(peer_sockets.socket_inodes())
             words[L.H_IP_FAIL_NS] = 0
             words[L.H_IP_STATE] = L.IP_RUNNING
             failed = False
@@ -255,10 +247,8 @@ class _Run:
                 if not _wait(words, L.H_IP_REQUEST, seen + 1, REPORT_WAIT):
                     sys.stderr.write("ft_launcher: no restart request yet for the exception above; tearing "
                                      "down the process group and waiting for the launcher\n")
-                if _gloo_group():
-                    words[L.H_IP_STATE] = L.IP_LEAVING
-                    _leave_process()
             _teardown()
+            peer_sockets.shut_down_new_peer_connections(sockets_before)   # peers blocked on us: go on
             _wait(words, L.H_IP_REQUEST, seen + 1, None)   # the agent ends a rank it does not restart
             request = words[L.H_IP_REQUEST]
             words[L.H_IP_SEEN] = request

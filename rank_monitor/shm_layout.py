@@ -86,7 +86,6 @@ IP_RUNNING = 1          # running the restartable function
 IP_FAILED = 2           # the function raised: reported, waiting for the agent's request
 IP_READY = 3            # left the function, process group destroyed: waiting for H_IP_GO
 IP_DONE = 4             # the function returned
-IP_LEAVING = 5          # the function raised on gloo: the rank ends its process (rank_monitor.inprocess)
 IP_WORDS = (H_IP_STATE, H_IP_SEEN, H_IP_FAIL_NS, H_IP_REQUEST, H_IP_GO, H_IP_TEXT_LEN)
 
 STOP_SHUTDOWN = 1       # the job is stopping (preemption, a signal to the launcher)
