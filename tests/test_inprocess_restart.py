@@ -222,3 +222,33 @@ def test_fifty_in_place_restarts_leave_a_healthy_rank_flat(launcher, tmp_path):
     assert late[1] <= early[1] + 2, f"file descriptors grew: {early[1]} -> {late[1]}"
     assert late[2] <= early[2] + 2, f"threads grew: {early[2]} -> {late[2]}"
     assert late[0] <= early[0] * 1.10 + 20 * 2**20, f"RSS grew: {early[0] / 2**20:.1f} -> {late[0] / 2**20:.1f} MB"
+
+
+def test_restartable_outside_the_launcher_only_calls_the_function(tmp_path):
+    """Under plain python (or torchrun) the wrapper calls the function once and returns its value;
+    an exception propagates as it would without the wrapper."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import ft_launcher as ft\n"
+        "calls = []\n"
+        "@ft.restartable\n"
+        "def train(x):\n"
+        "    calls.append(x)\n"
+        "    if x == 'boom':\n"
+        "        raise ValueError('boom')\n"
+        "    return x * 2\n"
+        "assert train(21) == 42 and calls == [21]\n"
+        "assert ft.restartable(train)(1) == 2\n"
+        "try:\n"
+        "    train('boom')\n"
+        "except ValueError:\n"
+        "    print('propagated', calls)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "TORCHELASTIC"))}
+    env["PYTHONPATH"] = root
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "propagated [21, 1, 'boom']"
