@@ -33,6 +33,7 @@ from rank_monitor.monitor_handle import MonitorHandle, MonitorStartError
 
 from .events import EventLog
 from .fault_injection import FaultInjector
+from .flight_recorder import FlightRecorder
 from .health_checks import HealthChecks
 from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host, too_few_left
 from .progress import ProgressTracker
@@ -115,6 +116,7 @@ class NodeAgent:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.watchdog = OrphanWatchdog()
         self.output = RankOutput()
+        self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say)  # before monitors and reserves
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         monitor_starts = self._start_monitors(pool)
         self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
@@ -170,6 +172,9 @@ class NodeAgent:
         reserves = getattr(self, "reserves", None)
         if reserves is not None:
             reserves.close()
+        flight = getattr(self, "flight", None)
+        if flight is not None:
+            flight.close()
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
             watcher.stop(wait=self.cfg.conf("keep_alive_interval") + 1.0)
@@ -380,6 +385,8 @@ class NodeAgent:
         self.group = WorkerGroup(cfg, self.watchdog, self.output)
         self.group.cycle = rnd.number
         self.watcher.watch(rnd)
+        self.flight.start_cycle(self.store, rnd, self.me.node_id,
+                                lambda: [(r.local_rank, r.rank) for r in self.group.ranks])
         self._apply_timeouts(self.learner.load())
         for local_rank in range(cfg.nproc_per_node):
             monitor = self.monitors[local_rank] if self.monitors else None
@@ -408,6 +415,7 @@ class NodeAgent:
         try:
             return self._supervise(rnd)
         finally:
+            self.flight.end_cycle()   # a flight-recorder dump in progress ends before any rank is stopped
             self.status.cycle_end()
             if self.learner.enabled:
                 try:
@@ -687,6 +695,7 @@ class NodeAgent:
         for report in monitor.read_reports():
             kind = report.get("kind")
             if kind == "hang":
+                self.flight.hang(report)   # every rank of the job dumps its trace before the monitor acts
                 self._pending_reports.setdefault(local_rank, []).append(report)
                 self.events.event(
                     "hang", f"rank {report.get('rank')} hang detected: {_hang_place(report)} "
