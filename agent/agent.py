@@ -34,6 +34,7 @@ from rank_monitor.monitor_handle import MonitorHandle, MonitorStartError
 from .events import EventLog
 from .fault_injection import FaultInjector
 from .flight_recorder import FlightRecorder
+from .gpu_env import heartbeat_warning
 from .health_checks import HealthChecks
 from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host, too_few_left
 from .progress import ProgressTracker
@@ -136,6 +137,8 @@ class NodeAgent:
                                               self.events)
                 self.failover = StoreFailover(self.cfg, self.store, self.proto, self.me, self.say, self.learner)
                 self._warn_if_hangs_undetectable()
+                if heartbeat_warning(os.environ, self.cfg.ft):
+                    self.say(heartbeat_warning(os.environ, self.cfg.ft))
                 self.progress = ProgressTracker(self.cfg.ft.max_no_progress_cycles)
                 self.stragglers = StragglerWatch(self.cfg.ft, self.events)
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
