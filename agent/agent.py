@@ -430,6 +430,7 @@ class NodeAgent:
                 monitor.rank_stopped()
             self._mark_stopping(shm_layout.STOP_RESTART, cfg.workers_stop_timeout)
             self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout)
+            self.health.dead_pids = [r.pid for r in self.group.ranks]   # their GPU memory, before a restart
             self.watcher.watch(None)
             del worker_store
 

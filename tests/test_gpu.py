@@ -4,11 +4,17 @@ The GPU paths skip on a machine without a usable CUDA GPU, with a one-line reaso
 here that a CPU machine can check runs everywhere."""
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
+from agent import gpu_memory
+from agent.health_checks import HealthChecks
 from conftest import EXAMPLE, SCRIPTS
+from rank_monitor.config import FaultToleranceConfig
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
@@ -89,3 +95,68 @@ def test_cuda_visible_devices_reach_every_rank_unchanged_in_order(launcher, tmp_
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3,1", "3,1"]
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
 
+
+# ---- GPU memory after a kill (agent.gpu_memory): NVML is not ours, so its query is stubbed;
+# the processes are real.
+def test_gpu_release_wait_returns_once_the_dead_rank_process_is_gone():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        def query():   # what NVML would list: the process while it lives, and another one
+            return {0: {proc.pid} if proc.poll() is None else set(), 1: {4_000_000}}
+        start = time.monotonic()
+        held = gpu_memory.wait_released([proc.pid], query, timeout=10)
+        elapsed = time.monotonic() - start
+    finally:
+        proc.kill()
+        proc.wait()
+    assert held == {}
+    assert 0.2 < elapsed < 5
+
+
+def test_gpu_release_wait_is_bounded_and_names_the_gpu():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = time.monotonic()
+        held = gpu_memory.wait_released([proc.pid], lambda: {0: set(), 2: {proc.pid}}, timeout=0.5)
+        elapsed = time.monotonic() - start
+    finally:
+        proc.kill()
+        proc.wait()
+    assert held == {2: {proc.pid}}
+    assert 0.5 <= elapsed < 2.5
+    assert gpu_memory.describe(held, 0.5) == f"GPU 2 still holds the memory of dead rank process(es) {proc.pid} after 0.5s"
+
+
+@pytest.mark.skipif(gpu_memory.nvml_query() is not None, reason="NVML is available here: not the no-NVML path")
+def test_gpu_release_wait_without_nvml_is_a_no_op(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        checks = HealthChecks(FaultToleranceConfig(), str(tmp_path), say=lambda line: None)
+        checks.dead_pids = [proc.pid]       # alive, but no NVML to list it on a GPU
+        start = time.monotonic()
+        assert checks.gpu_release() is None
+        assert gpu_memory.wait_released([proc.pid], None, timeout=30) == {}
+        assert time.monotonic() - start < 1.0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_gpu_still_holding_a_dead_rank_fails_the_health_check_with_one_line(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    said = []
+    try:
+        ft = FaultToleranceConfig()
+        checks = HealthChecks(ft, str(tmp_path), say=said.append)
+        checks.release_wait = 0.3
+        checks.nvml_query = lambda: (lambda: {0: {proc.pid}})   # NVML stubbed: GPU 0 lists the process
+        checks.dead_pids = [proc.pid]
+        expected = f"GPU 0 still holds the memory of dead rank process(es) {proc.pid} after 0.3s"
+        assert checks.run() == expected
+        ft.health_checks = False          # checks off: the same wait, a warning, and the ranks start
+        checks.dead_pids = [proc.pid]
+        assert checks.run() is None and said[-1] == f"warning: {expected}"
+        assert checks.run() is None       # nothing to wait for once the pids were checked
+    finally:
+        proc.kill()
+        proc.wait()
