@@ -44,6 +44,8 @@ def parse_args():
     p.add_argument("--hold-step", type=int, default=6, help="the step at which step/checkpointing/oos holds happen")
     p.add_argument("--raise-in", default=None, metavar="PHASE", help="--fail-rank raises an exception in PHASE")
     p.add_argument("--exit0-in", default=None, metavar="PHASE", help="--fail-rank exits 0 early in PHASE")
+    p.add_argument("--cuda-hang-in", default=None, metavar="PHASE",
+                   help="--fail-rank gets stuck in a CUDA kernel that never ends in PHASE (--device cuda)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU is usable here (torch.cuda.is_available() is False)")
@@ -61,6 +63,7 @@ class Hooks:
         me = rank == args.fail_rank and cycle == 0
         self.raise_in = args.raise_in if me else None
         self.exit0_in = args.exit0_in if me else None
+        self.cuda_hang_in = args.cuda_hang_in if me else None
         self.step = args.hold_step
 
     def at(self, phase, step=None):
@@ -71,6 +74,10 @@ class Hooks:
         if self.exit0_in == phase:
             print(f"exiting 0 early in {phase}", flush=True)
             os._exit(0)
+        if self.cuda_hang_in == phase:   # a kernel that spins for ~forever, then wait for it
+            print(f"stuck in a CUDA kernel in {phase}", flush=True)
+            torch.cuda._sleep(1 << 62)
+            torch.cuda.synchronize()
         if self.phase == phase:
             end = time.monotonic() + self.seconds
             while time.monotonic() < end:  # a slow phase, not a hang: keep heartbeating

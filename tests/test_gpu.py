@@ -13,7 +13,7 @@ import torch
 
 from agent import gpu_memory
 from agent.health_checks import HealthChecks
-from conftest import EXAMPLE, SCRIPTS
+from conftest import EXAMPLE, SCRIPTS, read_events
 from rank_monitor.config import FaultToleranceConfig
 
 HAS_CUDA = torch.cuda.is_available()
@@ -38,6 +38,24 @@ def test_example_trains_on_nccl_under_nproc_gpu_and_resumes_exactly(launcher, tm
     final, reference = read_json(faulty / "final.json"), read_json(clean / "final.json")
     assert final["world_size"] == torch.cuda.device_count()
     assert final["checksum"] == reference["checksum"]
+
+
+@needs_cuda
+def test_a_rank_stuck_in_a_cuda_kernel_is_detected_dumped_and_recovers(launcher, tmp_path):
+    logs = tmp_path / "logs"
+    victim = min(1, torch.cuda.device_count() - 1)
+    res = launcher.run(["--standalone", "--nproc-per-node", "gpu", "--max-restarts", "1", "--log-dir", logs,
+                        "--ft-rank-section-timeouts", "setup:180,step:2,checkpointing:120", EXAMPLE,
+                        "--device", "cuda", "--steps", "30", "--ckpt-every", "5", "--cuda-hang-in", "step",
+                        "--hold-step", "12", "--fail-rank", str(victim), "--ckpt-dir", tmp_path / "ckpt"],
+                       timeout=400)
+    assert res.returncode == 0, res.stderr
+    assert "stuck in a CUDA kernel in step" in res.stdout
+    assert any(e["rank"] == victim and e["detail"]["section"] == "step" for e in read_events(logs, "hang"))
+    fr = read_events(logs, "flight_recorder")
+    assert len(fr) == 1, fr   # every rank either dumped or was skipped with its reason
+    d = fr[0]["detail"]
+    assert {str(r) for r in d["dumped"]} | set(d["skipped"]) == {str(r) for r in range(torch.cuda.device_count())}
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the example's error where no CUDA GPU is usable")
