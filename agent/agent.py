@@ -418,7 +418,8 @@ class NodeAgent:
         try:
             return self._supervise(rnd)
         finally:
-            self.flight.end_cycle()   # a flight-recorder dump in progress ends before any rank is stopped
+            # a flight-recorder dump in progress ends before any rank is stopped
+            self.flight.end_cycle(store_ok=not self.watcher.store_lost)
             self.status.cycle_end()
             if self.learner.enabled:
                 try:

@@ -44,6 +44,7 @@ FR_BUFFER_DEFAULT = 2000     # entries per rank; torch's docs suggest 2000
 RANK_WAIT = 1.0              # seconds a rank gets to dump
 JOB_WAIT = 2.0               # seconds after the request until the monitors go on regardless
 ANALYZER_TIMEOUT = 60.0
+WAIT_SLICE = 5.0             # seconds per store wait for a request: a paused store host never answers
 CLOSED = "closed"            # the request key's value once a cycle is over without a request
 
 
@@ -76,6 +77,7 @@ class FlightRecorder:
         self.enabled = buffer_size(dict(os.environ)) > 0
         self.dir: Optional[str] = None
         self._cycle: Optional[_Cycle] = None
+        self._cycles: List[_Cycle] = []
         self._analyses: List[threading.Thread] = []
         if not self.enabled:
             say("flight recorder off (TORCH_FR_BUFFER_SIZE=0): a hang is reported with Python stacks only")
@@ -93,6 +95,7 @@ class FlightRecorder:
             self.say(f"warning: no flight-recorder dumps in cycle {rnd.number}: {exc}")
             return
         self._cycle = _Cycle(self, store, client, rnd, node_id, ranks)
+        self._cycles = [c for c in self._cycles if c.is_alive()] + [self._cycle]
         self._cycle.start()
 
     def hang(self, report: dict) -> None:
@@ -102,16 +105,19 @@ class FlightRecorder:
             return
         cycle.request(report)
 
-    def end_cycle(self) -> None:
-        """The cycle is over: let a dump in progress finish (bounded) before the ranks are stopped."""
+    def end_cycle(self, store_ok: bool = True) -> None:
+        """The cycle is over: let a dump in progress finish (bounded) before the ranks are stopped.
+        `store_ok` False (the store is lost): no store call, the thread ends within WAIT_SLICE."""
         cycle, self._cycle = self._cycle, None
         if cycle is not None:
-            cycle.finish()
+            cycle.finish(store_ok)
 
     def close(self, wait: float = ANALYZER_TIMEOUT) -> None:
         """At the agent's exit: let the analyses finish (bounded), remove the dump directory."""
         self.end_cycle()
         deadline = time.monotonic() + wait
+        for cycle in self._cycles:   # none may be inside torch's store code when the interpreter exits
+            cycle.join(min(WAIT_SLICE + 1.0, max(0.0, deadline - time.monotonic())))
         for thread in self._analyses:
             thread.join(max(0.0, deadline - time.monotonic()))
         if self.dir:
@@ -183,6 +189,7 @@ class _Cycle(threading.Thread):
         self.ranks = ranks
         self.asked = False
         self.served = threading.Event()
+        self.halt = threading.Event()
 
     def k(self, name: str) -> str:
         return self.store.key(f"r{self.number}/fr/{name}")
@@ -196,7 +203,10 @@ class _Cycle(threading.Thread):
             return
         self.asked = self.asked or won
 
-    def finish(self) -> None:
+    def finish(self, store_ok: bool = True) -> None:
+        self.halt.set()
+        if not store_ok:
+            return
         try:   # release our waiting thread when nobody asked (a cycle without a hang)
             self.store.client.compare_set(self.k("request"), "", CLOSED)
         except Exception:  # noqa: BLE001
@@ -221,8 +231,10 @@ class _Cycle(threading.Thread):
         import datetime
 
         while True:
+            if self.halt.is_set():
+                return
             try:
-                self.s.wait([self.k("request")], datetime.timedelta(seconds=3600))
+                self.s.wait([self.k("request")], datetime.timedelta(seconds=WAIT_SLICE))
                 break
             except Exception as exc:  # noqa: BLE001 - a timeout: wait again; a lost store: stop
                 if "timeout" not in str(exc).lower():

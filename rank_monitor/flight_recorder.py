@@ -16,7 +16,9 @@ dump outside the main thread, so a rank blocked in a collective (which releases 
 sleeping still dumps; a rank stopped (SIGSTOP) or holding the GIL in native code does not, and the
 agent skips it after its bound. A monitor that finds a hang waits (bounded, `HOLD_SECONDS`) for
 the done file before it dumps the Python stack and stops the rank, so no rank is killed before the
-job's traces are taken. Nothing here imports torch: the dump uses the torch the rank has imported.
+job's traces are taken. Nothing here imports torch: the dump uses the torch the rank has imported
+(NCCL's recorder through `_dump_nccl_trace` where a CUDA build has one and it holds entries, else
+`_dump_fr_trace`, which holds gloo's).
 """
 from __future__ import annotations
 
@@ -96,16 +98,33 @@ def dump(fr_dir: str, local_rank: int, cycle: int) -> None:
             raise RuntimeError("the rank has not imported torch")
         from torch._C import _distributed_c10d as c10d   # the rank's torch, already imported
 
-        dump_fn = getattr(c10d, "_dump_fr_trace", None)
-        if dump_fn is None:
+        data = None
+        # NCCL's recorder is its own (CUDA events) in a CUDA build; every other backend's (gloo)
+        # is _dump_fr_trace's. A job on NCCL dumps the first, one without NCCL entries the second.
+        for name in ("_dump_nccl_trace", "_dump_fr_trace"):
+            dump_fn = getattr(c10d, name, None)
+            if dump_fn is None:
+                continue
+            data = dump_fn(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+            if _has_entries(data):
+                break
+        if data is None:
             raise RuntimeError("this torch has no flight recorder (torch._C._distributed_c10d._dump_fr_trace)")
-        data = dump_fn(includeCollectives=True, includeStackTraces=False, onlyActive=False)
         _write(target, data)
     except Exception as exc:  # noqa: BLE001 - the agent reports it as one line
         try:
             _write(error_path(fr_dir, local_rank, cycle), (str(exc).splitlines() or [repr(exc)])[0].encode())
         except OSError:
             pass
+
+
+def _has_entries(data: bytes) -> bool:
+    import pickle
+
+    try:
+        return bool(pickle.loads(data).get("entries"))
+    except Exception:  # noqa: BLE001 - not ours to judge: pass it on as it is
+        return True
 
 
 def _write(path: str, data: bytes) -> None:
