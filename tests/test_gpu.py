@@ -178,3 +178,32 @@ def test_a_gpu_still_holding_a_dead_rank_fails_the_health_check_with_one_line(tm
     finally:
         proc.kill()
         proc.wait()
+
+
+FAKE_NVML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_nvml")
+GPU_RANK = os.path.join(SCRIPTS, "gpu_rank.py")
+
+
+def fake_nvml_env(tmp_path, mode):
+    (tmp_path / "gpu").mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {"PYTHONPATH": os.pathsep.join([FAKE_NVML, root, os.environ.get("PYTHONPATH", "")]),
+            "FAKE_NVML_DIR": str(tmp_path / "gpu"), "FAKE_NVML_MODE": mode}
+
+
+def test_restart_waits_for_the_gpu_to_release_the_dead_ranks_then_goes_on(launcher, tmp_path):
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", GPU_RANK],
+                       timeout=120, extra_env=fake_nvml_env(tmp_path, "release"))
+    assert res.returncode == 0, res.stderr
+    assert "rank 1 done in cycle 1" in res.stdout
+    assert "still holds" not in res.stderr
+
+
+def test_a_gpu_that_keeps_a_dead_ranks_memory_fails_the_nodes_health_check(launcher, tmp_path):
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", GPU_RANK],
+                       timeout=120, extra_env=fake_nvml_env(tmp_path, "stuck"))
+    assert res.returncode == 93, res.stderr
+    cycle0 = sorted(int(p) for p in os.listdir(tmp_path / "gpu"))
+    assert len(cycle0) == 2   # no rank of cycle 1 was started
+    assert (f"error: this node leaves the job: health check failed on this node: GPU 0 still holds the "
+            f"memory of dead rank process(es) {cycle0[0]}, {cycle0[1]} after 10s") in res.stderr
