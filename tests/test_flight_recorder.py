@@ -78,3 +78,16 @@ def test_a_stopped_rank_is_skipped_in_one_line_and_the_others_dump(launcher, tmp
     d = only(read_events(logs, "flight_recorder"))["detail"]
     assert d["dumped"] == [0] and list(d["skipped"]) == ["1"]
     assert d["waiting"]["0"].startswith("gloo:all_reduce")
+
+
+def test_a_rank_holding_the_gil_is_skipped_after_its_second(launcher, tmp_path):
+    logs = tmp_path / "logs"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs]
+                       + TIMEOUTS + [HANG, "12", "1", "5", "0", "gil"], timeout=150)
+    assert res.returncode == 0, res.stderr
+    assert "flight recorder: rank 1 skipped: no dump within 1s: stopped, or holding the GIL in native code" in res.stderr
+    d = only(read_events(logs, "flight_recorder"))["detail"]
+    assert d["dumped"] == [0] and list(d["skipped"]) == ["1"]
+    assert d["waiting"]["0"].startswith("gloo:all_reduce")
+    stacks = {e["rank"]: e["detail"]["stack"] for e in read_events(logs, "stack_dump")}
+    assert "collective_hang.py" in stacks[1]   # the stack dump still works there (faulthandler)
