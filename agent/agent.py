@@ -117,7 +117,7 @@ class NodeAgent:
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.watchdog = OrphanWatchdog()
         self.output = RankOutput()
-        self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say)  # before monitors and reserves
+        self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog)  # before monitors, reserves
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         monitor_starts = self._start_monitors(pool)
         self.reserves = ReservePool(self.cfg, self.watchdog, self.events)

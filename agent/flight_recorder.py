@@ -70,7 +70,7 @@ def recorder_env(env: Dict[str, str]) -> Dict[str, str]:
 class FlightRecorder:
     """One agent's part: its dump directory, a thread per cycle, the analysis where it asked."""
 
-    def __init__(self, log_dir: Optional[str], events, say: Callable[[str], None]):
+    def __init__(self, log_dir: Optional[str], events, say: Callable[[str], None], watchdog=None):
         self.log_dir = log_dir
         self.events = events
         self.say = say
@@ -83,6 +83,8 @@ class FlightRecorder:
             say("flight recorder off (TORCH_FR_BUFFER_SIZE=0): a hang is reported with Python stacks only")
             return
         self.dir = tempfile.mkdtemp(prefix="ft_launcher_fr_")
+        if watchdog is not None:
+            watchdog.remove_at_exit(self.dir)   # also when the agent is SIGKILLed
         os.environ[FR.ENV_FR_DIR] = self.dir   # monitors and ranks started from now on inherit it
 
     def start_cycle(self, store, rnd, node_id: str, ranks: Callable[[], List[Tuple[int, int]]]) -> None:

@@ -3,9 +3,11 @@ the whole path runs on CPU. Every rank of the job dumps its trace before any ran
 dumps land in the cycle's log dir, and torch's analyzer names the collective and the rank that
 never joined it."""
 import os
-import sys
+import signal
 
-from conftest import SCRIPTS, free_port, read_events
+import psutil
+
+from conftest import SCRIPTS, free_port, read_events, wait_for
 
 HANG = os.path.join(SCRIPTS, "collective_hang.py")
 TIMEOUTS = ["--ft-rank-section-timeouts", "setup:60,step:2"]
@@ -91,3 +93,14 @@ def test_a_rank_holding_the_gil_is_skipped_after_its_second(launcher, tmp_path):
     assert d["waiting"]["0"].startswith("gloo:all_reduce")
     stacks = {e["rank"]: e["detail"]["stack"] for e in read_events(logs, "stack_dump")}
     assert "collective_hang.py" in stacks[1]   # the stack dump still works there (faulthandler)
+
+
+def test_the_dump_directory_goes_with_the_agent_even_when_it_is_sigkilled(launcher, tmp_path):
+    proc = launcher.start(["--standalone", "--nproc-per-node", "1", os.path.join(SCRIPTS, "sleeper.py"), tmp_path])
+    wait_for(lambda: (tmp_path / "pids_0").exists(), 60, "the rank to start")
+    rank_pid = int((tmp_path / "pids_0").read_text().split()[0])
+    fr_dir = psutil.Process(rank_pid).environ()["FT_LAUNCHER_FR_DIR"]
+    assert os.path.isdir(fr_dir)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    wait_for(lambda: not os.path.exists(fr_dir), 10, f"{fr_dir} to be removed by the orphan watchdog")
