@@ -39,6 +39,8 @@ from rank_monitor.peer_sockets import ENV_JOB_ADDRS
 
 from .events import EventLog
 from .fault_injection import FaultInjector
+from .flight_recorder import FlightRecorder
+from .gpu_env import heartbeat_warning
 from .health_checks import HealthChecks
 from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host, too_few_left
 from .progress import ProgressTracker
@@ -128,6 +130,7 @@ class NodeAgent:
         self.watchdog = OrphanWatchdog()
         self.output = RankOutput()
         set_wake_fd(self._wake_w)   # an in-process restartable rank that raised wakes us through it
+        self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog)  # before monitors, reserves
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         monitor_starts = self._start_monitors(pool)
         self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
@@ -147,6 +150,8 @@ class NodeAgent:
                                               self.events)
                 self.failover = StoreFailover(self.cfg, self.store, self.proto, self.me, self.say, self.learner)
                 self._warn_if_hangs_undetectable()
+                if heartbeat_warning(os.environ, self.cfg.ft):
+                    self.say(heartbeat_warning(os.environ, self.cfg.ft))
                 self.progress = ProgressTracker(self.cfg.ft.max_no_progress_cycles)
                 self.stragglers = StragglerWatch(self.cfg.ft, self.events)
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
@@ -184,6 +189,9 @@ class NodeAgent:
         reserves = getattr(self, "reserves", None)
         if reserves is not None:
             reserves.close()
+        flight = getattr(self, "flight", None)
+        if flight is not None:
+            flight.close()
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
             watcher.stop(wait=self.cfg.conf("keep_alive_interval") + 1.0)
@@ -397,6 +405,8 @@ class NodeAgent:
         self.group = WorkerGroup(cfg, self.watchdog, self.output)
         self.group.cycle = rnd.number
         self.watcher.watch(rnd)
+        self.flight.start_cycle(self.store, rnd, self.me.node_id,
+                                lambda: [(r.local_rank, r.rank) for r in self.group.ranks])
         self._apply_timeouts(self.learner.load())
         self._restartable_declared = False
         in_place = self._restart_points(rnd, previous)
@@ -437,6 +447,8 @@ class NodeAgent:
             return verdict
         finally:
             keep = self._request_in_place(rnd, verdict)   # first: they leave their step while we go on
+            # a flight-recorder dump in progress ends before any rank is stopped
+            self.flight.end_cycle(store_ok=not self.watcher.store_lost)
             self.status.cycle_end()
             if self.learner.enabled:
                 try:
@@ -449,6 +461,8 @@ class NodeAgent:
             self._mark_stopping(shm_layout.STOP_RESTART, cfg.workers_stop_timeout, skip=keep)
             self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout, keep=[k[1] for k in keep.values()])
             self._carried = keep
+            kept = {id(k[1]) for k in keep.values()}   # alive: their GPU memory stays theirs
+            self.health.dead_pids = [r.pid for r in self.group.ranks if id(r) not in kept]
             self.watcher.watch(None)
             del worker_store
 
@@ -799,6 +813,7 @@ class NodeAgent:
         for report in monitor.read_reports():
             kind = report.get("kind")
             if kind == "hang":
+                self.flight.hang(report)   # every rank of the job dumps its trace before the monitor acts
                 self._pending_reports.setdefault(local_rank, []).append(report)
                 self.events.event(
                     "hang", f"rank {report.get('rank')} hang detected: {_hang_place(report)} "

@@ -7,6 +7,10 @@
 - The log directory and the checkpoint directory (`checkpoint_dir`) take a new file, and have at
   least `min_free_disk_gb` GB free.
 
+- Before the ranks start again after a cycle (cold or warm), the previous cycle's rank processes
+  are gone from every GPU (agent.gpu_memory, bounded): a GPU that still holds one fails the check
+  (with the checks off, a warning line and the ranks start anyway). Without NVML: nothing to wait.
+
 A failing node leaves the job as a rank's ExcludeThisNode request would (agent.no_restart), with one
 line saying which check failed.
 """
@@ -16,6 +20,8 @@ import os
 import shutil
 import tempfile
 from typing import List, Optional, Tuple
+
+from . import gpu_memory
 
 
 def check_gpus() -> Tuple[Optional[str], Optional[str]]:
@@ -82,12 +88,38 @@ class HealthChecks:
         self.log_dir = log_dir
         self.say = say
         self._told: set = set()
+        self.dead_pids: List[int] = []    # the last cycle's rank processes (set by the agent)
+        self.release_wait = gpu_memory.RELEASE_WAIT
+        self.nvml_query = gpu_memory.nvml_query   # NVML's process lists (None without NVML)
+
+    def gpu_release(self) -> Optional[str]:
+        """Wait (bounded) until NVML no longer lists the last cycle's ranks; one line if a GPU does."""
+        pids, self.dead_pids = self.dead_pids, []
+        if not pids:
+            return None
+        query = self.nvml_query()
+        if query is None:
+            return None
+        try:
+            held = gpu_memory.wait_released(pids, query, self.release_wait)
+        finally:
+            try:
+                import pynvml
+                pynvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001
+                pass
+        return gpu_memory.describe(held, self.release_wait) if held else None
 
     def run(self) -> Optional[str]:
         """The first failure as one line, or None; each skipped check is said once per agent."""
         ft = self.ft
+        released = self.gpu_release()
         if not ft.health_checks:
+            if released:
+                self.say(f"warning: {released}")
             return None
+        if released:
+            return released
         failure, skipped = check_gpus()
         if skipped and skipped not in self._told:
             self._told.add(skipped)

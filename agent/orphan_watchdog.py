@@ -2,8 +2,9 @@
 (ranks, their children, monitors) the moment the agent dies, however it dies.
 
 The agent writes `+PGID` / `-PGID` lines into the watchdog's stdin as it starts and reaps
-process groups. When that pipe reaches end-of-file (the kernel closes it when the agent exits,
-SIGKILL included), every group still registered gets SIGKILL. The watchdog runs in its own
+process groups, and `!PATH` for a scratch directory of its own. When that pipe reaches end-of-file
+(the kernel closes it when the agent exits, SIGKILL included), every group still registered gets
+SIGKILL and every such directory still there is removed. The watchdog runs in its own
 session and ignores SIGINT/SIGTERM/SIGHUP, so a signal aimed at the agent's terminal or process
 group cannot take it out first. Started with `python -m agent.orphan_watchdog` (a fresh
 interpreter, not a fork of a threaded agent).
@@ -11,6 +12,7 @@ interpreter, not a fork of a threaded agent).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,10 +24,12 @@ def main() -> None:
     from rank_monitor.proc_title import set_title
 
     set_title(f"ft_launcher: orphan_watchdog agent_pid={os.getppid()}")
-    groups = set()
+    groups, dirs = set(), set()
     for line in sys.stdin.buffer:
         text = line.strip().decode(errors="replace")
-        if len(text) > 1 and text[1:].isdigit():
+        if text.startswith("!/"):
+            dirs.add(text[1:])
+        elif len(text) > 1 and text[1:].isdigit():
             (groups.add if text[0] == "+" else groups.discard)(int(text[1:]))
     for pgid in groups:  # EOF: the agent is gone
         try:
@@ -33,6 +37,8 @@ def main() -> None:
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    for path in dirs:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class OrphanWatchdog:
@@ -55,6 +61,10 @@ class OrphanWatchdog:
 
     def forget(self, pgid: int) -> None:
         self._send(f"-{pgid}\n")
+
+    def remove_at_exit(self, path: str) -> None:
+        """Remove the directory `path` when the agent is gone, however it ends."""
+        self._send(f"!{os.path.abspath(path)}\n")
 
     def close(self) -> None:
         """Normal exit: every group is already reaped; let the watchdog end."""

@@ -19,6 +19,8 @@ from typing import Dict, List, Optional
 
 from rank_monitor import inprocess
 
+from .flight_recorder import recorder_env
+from .gpu_env import nccl_env
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .rank_output import RankOutput
@@ -80,13 +82,14 @@ def slot_env(cfg: LaunchConfig, local_rank: int) -> Dict[str, str]:
         "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
         "TORCHELASTIC_RUN_ID": cfg.rdzv_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
     })
     env[inprocess.ENV_GRANULARITY] = cfg.ft.restart_granularity
     env[inprocess.ENV_EMPTY_CUDA_CACHE] = "1" if cfg.ft.empty_cuda_cache else "0"
     if _WAKE_FD is not None:
         env[inprocess.ENV_WAKE_FD] = str(_WAKE_FD)
+    env.update(recorder_env(env))   # torch's flight recorder, for the job's dump on a hang
+    env.update(nccl_env(env, cfg.ft, cfg.log_dir))   # torch's NCCL watchdog after our monitors
     if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # torchrun's default, so ranks do not oversubscribe
     return env

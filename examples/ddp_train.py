@@ -2,6 +2,11 @@
 and the job the tests and benchmarks run.
 
     ft_launcher --standalone --nproc-per-node 2 examples/ddp_train.py --steps 300
+    ft_launcher --standalone --nproc-per-node gpu examples/ddp_train.py --device cuda
+
+With `--device cuda` it trains on NCCL, one GPU per rank (`torch.cuda.set_device(LOCAL_RANK)`),
+model and batches on that GPU; the checkpoint holds CPU tensors either way (batches are drawn on
+the CPU), so a resumed run is the same as on the CPU path. `--device cpu` (the default) is gloo.
 
 Deterministic: the model is seeded and the batch of step s on rank r is a function of (seed,
 s, r), and a restart resumes from the last checkpoint, so a run with failures ends with exactly
@@ -27,6 +32,8 @@ def parse_args():
     p.add_argument("--ckpt-dir", default="ckpt")
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo (default); cuda: NCCL, one GPU per rank by LOCAL_RANK")
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job, e.g. for a simulated fault to land in)")
     p.add_argument("--progress-dir", default=None, help="each rank appends 'cycle step time' lines here")
     p.add_argument("--fail-at-step", type=int, default=None, help="exit 1 at this step (tests)")
@@ -45,7 +52,12 @@ def parse_args():
     p.add_argument("--restartable", action="store_true",
                    help="run the training function under ft_launcher.restartable: on a failure the healthy "
                         "ranks restart in their own process")
-    return p.parse_args()
+    p.add_argument("--cuda-hang-in", default=None, metavar="PHASE",
+                   help="--fail-rank gets stuck in a CUDA kernel that never ends in PHASE (--device cuda)")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU is usable here (torch.cuda.is_available() is False)")
+    return args
 
 
 class Hooks:
@@ -59,6 +71,7 @@ class Hooks:
         me = rank == args.fail_rank and cycle == 0
         self.raise_in = args.raise_in if me else None
         self.exit0_in = args.exit0_in if me else None
+        self.cuda_hang_in = args.cuda_hang_in if me else None
         self.step = args.hold_step
 
     def at(self, phase, step=None):
@@ -69,6 +82,10 @@ class Hooks:
         if self.exit0_in == phase:
             print(f"exiting 0 early in {phase}", flush=True)
             os._exit(0)
+        if self.cuda_hang_in == phase:   # a kernel that spins for ~forever, then wait for it
+            print(f"stuck in a CUDA kernel in {phase}", flush=True)
+            torch.cuda._sleep(1 << 62)
+            torch.cuda.synchronize()
         if self.phase == phase:
             end = time.monotonic() + self.seconds
             while time.monotonic() < end:  # a slow phase, not a hang: keep heartbeating
@@ -84,15 +101,26 @@ def batch(seed, step, rank):
     return x, x.sum(dim=1, keepdim=True) * 0.5 + 0.1
 
 
-def settle_gradient_buckets(ddp):
+def settle_gradient_buckets(ddp, device="cpu"):
     """One backward pass that changes nothing, so DDP rebuilds its gradient buckets now.
 
     DDP reorders its buckets after the first backward; with more than 2 ranks the order decides
     how the all-reduce adds up each gradient, so a run resumed at step k (first backward after a
     restart) would sum step k+1 differently from an uninterrupted run and drift in the last bits.
     Settling the buckets before the first real step makes a resumed run exactly equal."""
-    ddp(torch.zeros(1, 16)).sum().backward()
+    ddp(torch.zeros(1, 16, device=device)).sum().backward()
     ddp.zero_grad(set_to_none=True)
+
+
+def to_cpu(obj):
+    """A state dict with every tensor on the CPU (the checkpoint's form whatever the device)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
 
 
 def checksum(model):
@@ -127,21 +155,25 @@ def train(args):
         progress = open(os.path.join(args.progress_dir, f"rank_{rank}.txt"), "a", buffering=1)
 
     hooks = Hooks(args, rank, cycle)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     ft.heartbeat()
     with ft.section("setup"):
         hooks.at("setup")
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         torch.manual_seed(args.seed)
-        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
-        ddp = nn.parallel.DistributedDataParallel(model)
-        settle_gradient_buckets(ddp)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)).to(device)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        settle_gradient_buckets(ddp, device)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         os.makedirs(args.ckpt_dir, exist_ok=True)
         path = os.path.join(args.ckpt_dir, "ckpt.pt")
         start = 0
         loss = torch.tensor(0.0)
         if os.path.exists(path):
-            state = torch.load(path, weights_only=True)
+            state = torch.load(path, weights_only=True, map_location=device)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
             start = state["step"]
@@ -158,7 +190,7 @@ def train(args):
                     and (args.fail_cycles < 0 or cycle < args.fail_cycles)):
                 print(f"rank {rank}: failing on purpose at step {step}", flush=True)
                 os._exit(1)  # like a crash: no teardown (gloo's may abort with peers mid-collective)
-            x, y = batch(args.seed, step, rank)
+            x, y = (t.to(device) for t in batch(args.seed, step, rank))
             opt.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
@@ -181,7 +213,7 @@ def train(args):
                 hooks.at("checkpointing", step)
                 if rank == 0:
                     tmp = path + ".tmp"
-                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                    torch.save({"model": to_cpu(model.state_dict()), "opt": to_cpu(opt.state_dict()), "step": step,
                                 "loss": loss.item()}, tmp)
                     os.replace(tmp, path)
                 dist.barrier()

@@ -36,7 +36,7 @@ import time
 import warnings
 from typing import Any, Dict, Iterable, Mapping, Optional
 
-from rank_monitor import import_record
+from rank_monitor import flight_recorder, import_record
 from rank_monitor import shm_layout as L
 
 _mono = time.monotonic_ns
@@ -133,6 +133,7 @@ class _Attachment:
         words[L.H_CLIENT_PID] = me
         words[L.H_CLIENT_STATE] = 1
         self.mode = "attached"
+        flight_recorder.start_from_env()   # the job-wide flight-recorder dump on a hang
         for sec in self.sections.values():   # objects made before attaching (none usually)
             sec._bind(self)
         os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -4,7 +4,9 @@
 Started once by the agent (through MonitorHandle) and kept across rank restarts. It creates the
 shared-memory record the rank writes into, reads it every min(workload_check_interval, 0.05) s or
 at the nearest deadline, and on an expired section / out-of-section / heartbeat timeout:
-reports to the agent first, asks the rank for a stack dump (only if the rank installed the
+reports to the agent first, holds the rank (at most rank_monitor.flight_recorder.HOLD_SECONDS) until
+the agent says the job's ranks have dumped their flight-recorder traces (only when the launcher
+turned those dumps on), asks the rank for a stack dump (only if the rank installed the
 handler), then SIGCONT + the termination signal to the rank's process group, SIGKILL after the
 grace if that signal is catchable. It then stops enforcing until the agent announces the next
 incarnation. It exits when the agent's control channel closes, and dies with the agent
@@ -30,6 +32,7 @@ import sys
 import time
 from typing import List, Optional
 
+from rank_monitor import flight_recorder as FR
 from rank_monitor import shm_layout as L
 from rank_monitor.json_channel import JsonLineChannel
 from rank_monitor.config import FaultToleranceConfig
@@ -125,6 +128,17 @@ class Incident:
             pass
 
     def begin(self) -> None:
+        """Hold for the job's flight-recorder dump when the launcher asked for one, then dump."""
+        fr_dir = os.environ.get(FR.ENV_FR_DIR)
+        if fr_dir and not self.inc.exited():
+            self.done_file = FR.done_path(fr_dir, self.inc.cycle)
+            self.phase = "flight"
+            self.deadline = _mono() + int(FR.HOLD_SECONDS * 1e9)
+            return
+        self._begin_dump()
+
+    def _begin_dump(self) -> None:
+        self.phase = "dump"
         cfg = self.server.cfg
         if self.stack_path and self.handler_pid:
             try:
@@ -181,6 +195,10 @@ class Incident:
     # ---- driven by the loop --------------------------------------------------------------
     def step(self) -> None:
         now = _mono()
+        if self.phase == "flight":
+            if os.path.exists(self.done_file) or self.inc.exited() or now >= self.deadline:
+                self._begin_dump()
+            return
         if self.phase == "dump":
             if self.inc.exited():
                 self._finish_dump(self._dump_size() > self.baseline)
@@ -204,7 +222,7 @@ class Incident:
                 self.phase = "done"
 
     def wake_at(self) -> int:
-        if self.phase == "dump":
+        if self.phase in ("dump", "flight"):
             return min(self.deadline, _mono() + 10_000_000)
         return self.deadline
 

@@ -1,5 +1,6 @@
 """Rank script: join the process group, all-reduce once, write this rank's environment as JSON
-(the launcher's keys, any SLURM_* variables inherited, and where `agent` is imported from: the
+(the launcher's keys, any SLURM_* variables inherited, the TORCH_NCCL_*, TORCH_FR_* and
+CUDA_VISIBLE_DEVICES variables, and where `agent` is imported from: the
 rank inherits the launcher's environment, so that names the tree under test)."""
 import importlib.util
 import json
@@ -19,6 +20,7 @@ record = {k: os.environ.get(k) for k in KEYS}
 record["allreduce"] = t.item()
 record["argv"] = sys.argv[1:]
 record.update({k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "SLURMD_"))})
+record.update({k: v for k, v in os.environ.items() if k.startswith(("TORCH_NCCL_", "TORCH_FR_", "CUDA_VISIBLE"))})
 record["agent_origin"] = importlib.util.find_spec("agent").origin
 out = os.path.join(sys.argv[1], f"rank_{os.environ['RANK']}.json")
 with open(out, "w") as fh:

@@ -1,0 +1,106 @@
+"""torch's flight recorder on a hang (issue 13), on gloo: torch 2.13 records gloo collectives, so
+the whole path runs on CPU. Every rank of the job dumps its trace before any rank is stopped, the
+dumps land in the cycle's log dir, and torch's analyzer names the collective and the rank that
+never joined it."""
+import os
+import signal
+
+import psutil
+
+from conftest import SCRIPTS, free_port, read_events, wait_for
+
+HANG = os.path.join(SCRIPTS, "collective_hang.py")
+TIMEOUTS = ["--ft-rank-section-timeouts", "setup:60,step:2"]
+
+
+def only(events):
+    assert len(events) == 1, events
+    return events[0]
+
+
+def test_hang_dumps_every_rank_and_names_the_collective_never_joined(launcher, tmp_path):
+    logs = tmp_path / "logs"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs]
+                       + TIMEOUTS + [HANG, "12", "1", "5"], timeout=150)
+    assert res.returncode == 0, res.stderr
+    fr = only(read_events(logs, "flight_recorder"))
+    d = fr["detail"]
+    assert fr["cycle"] == 0
+    assert d["collective"] == "gloo:all_reduce" and d["missing_ranks"] == [1]
+    assert d["dumped"] == [0, 1] and d["skipped"] == {}
+    assert d["waiting"]["0"].startswith("gloo:all_reduce")   # rank 0 waits in the one rank 1 never joined
+    out = logs / "cycle_0" / "flight_recorder"
+    assert (out / "rank_0").stat().st_size > 0 and (out / "rank_1").stat().st_size > 0
+    assert "missing ranks: {1}" in (out / "fr_trace.txt").read_text()
+    assert (f"flight recorder: gloo:all_reduce (sequence {d['sequence']}, group 0:default_pg) in cycle 0 never "
+            f"completed: rank 1 never joined it (dumps of ranks 0, 1 in {out})") in res.stderr
+    # Both ranks dumped, so neither had been stopped; the stacks are still taken after the dumps.
+    stacks = read_events(logs, "stack_dump")
+    assert {e["rank"] for e in stacks} == {0, 1} and all(e["detail"]["stack"] for e in stacks)
+    assert "rank 1 done cycle 1" in res.stdout
+
+
+def test_two_agents_gather_every_nodes_dump_through_the_store(launcher, tmp_path):
+    logs = tmp_path / "logs"   # one log dir for both agents, as on a shared filesystem
+    port = free_port()
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fr2",
+              "--max-restarts", "1", "--log-dir", logs] + TIMEOUTS + [HANG, "12", "1", "5"]
+    procs = [launcher.start(common, extra_env={"GROUP_RANK": str(i)}) for i in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=150)
+        assert proc.returncode == 0, err
+    fr = only(read_events(logs, "flight_recorder"))   # the agent that asked gathers, once for the job
+    d = fr["detail"]
+    assert d["dumped"] == [0, 1] and d["collective"] == "gloo:all_reduce" and d["missing_ranks"] == [1]
+    out = logs / "cycle_0" / "flight_recorder"
+    assert (out / "rank_0").exists() and (out / "rank_1").exists()
+
+
+def test_recorder_off_keeps_the_python_stack_dump(launcher, tmp_path):
+    logs = tmp_path / "logs"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs]
+                       + TIMEOUTS + [HANG, "12", "1", "5"], timeout=150, extra_env={"TORCH_FR_BUFFER_SIZE": "0"})
+    assert res.returncode == 0, res.stderr
+    assert "flight recorder off (TORCH_FR_BUFFER_SIZE=0): a hang is reported with Python stacks only" in res.stderr
+    assert read_events(logs, "flight_recorder") == []
+    assert not (logs / "cycle_0" / "flight_recorder").exists()
+    stacks = read_events(logs, "stack_dump")
+    assert {e["rank"] for e in stacks} == {0, 1} and all("collective_hang.py" in e["detail"]["stack"] for e in stacks)
+
+
+def test_a_stopped_rank_is_skipped_in_one_line_and_the_others_dump(launcher, tmp_path):
+    logs = tmp_path / "logs"   # the launcher's simulated rank_hung SIGSTOPs rank 1: it cannot dump
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
+                        "--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_hung",
+                        "--ft-simulated-fault-rank", "1", "--ft-simulated-fault-base-delay", "6"]
+                       + TIMEOUTS + [HANG, "400", "9", "0", "0.05"], timeout=150)
+    assert res.returncode == 0, res.stderr
+    assert ("flight recorder: rank 1 skipped: nothing reads its dump pipe: it is stopped, has exited, or does "
+            "not run ft_launcher's client") in res.stderr
+    d = only(read_events(logs, "flight_recorder"))["detail"]
+    assert d["dumped"] == [0] and list(d["skipped"]) == ["1"]
+    assert d["waiting"]["0"].startswith("gloo:all_reduce")
+
+
+def test_a_rank_holding_the_gil_is_skipped_after_its_second(launcher, tmp_path):
+    logs = tmp_path / "logs"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs]
+                       + TIMEOUTS + [HANG, "12", "1", "5", "0", "gil"], timeout=150)
+    assert res.returncode == 0, res.stderr
+    assert "flight recorder: rank 1 skipped: no dump within 1s: stopped, or holding the GIL in native code" in res.stderr
+    d = only(read_events(logs, "flight_recorder"))["detail"]
+    assert d["dumped"] == [0] and list(d["skipped"]) == ["1"]
+    assert d["waiting"]["0"].startswith("gloo:all_reduce")
+    stacks = {e["rank"]: e["detail"]["stack"] for e in read_events(logs, "stack_dump")}
+    assert "collective_hang.py" in stacks[1]   # the stack dump still works there (faulthandler)
+
+
+def test_the_dump_directory_goes_with_the_agent_even_when_it_is_sigkilled(launcher, tmp_path):
+    proc = launcher.start(["--standalone", "--nproc-per-node", "1", os.path.join(SCRIPTS, "sleeper.py"), tmp_path])
+    wait_for(lambda: (tmp_path / "pids_0").exists(), 60, "the rank to start")
+    rank_pid = int((tmp_path / "pids_0").read_text().split()[0])
+    fr_dir = psutil.Process(rank_pid).environ()["FT_LAUNCHER_FR_DIR"]
+    assert os.path.isdir(fr_dir)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    wait_for(lambda: not os.path.exists(fr_dir), 10, f"{fr_dir} to be removed by the orphan watchdog")
