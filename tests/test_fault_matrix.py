@@ -188,8 +188,8 @@ FAULTS = ("rank_killed", "rank_hung", "raise", "exit0", "monitor_killed", "agent
 PHASES = ("setup", "step", "checkpointing", "oos")
 DEFAULT = {
     ("rank_killed", "step", "1x2"), ("rank_hung", "step", "1x2"), ("rank_hung", "setup", "1x2"),
-    ("rank_hung", "oos", "1x2"), ("raise", "checkpointing", "1x2"), ("exit0", "setup", "1x2"),
-    ("exit0", "step", "1x2"), ("monitor_killed", "step", "1x2"), ("rank_hung", "setup", "2x2"),
+    ("rank_hung", "oos", "1x2"), ("raise", "checkpointing", "1x2"),
+    ("exit0", "step", "1x2"), ("monitor_killed", "step", "1x2"),
     ("agent_killed", "step", "2x2"),
 }
 
@@ -315,7 +315,7 @@ def _check_landing(injected, phase, rank, job):
 
 
 # ---- agent loss without a replacement ----------------------------------------------------------
-@pytest.mark.parametrize("victim", ["worker_node", "store_host"])
+@pytest.mark.parametrize("victim", [pytest.param("worker_node", marks=pytest.mark.slow), "store_host"])
 def test_survivor_of_a_killed_agent_exits_1_in_bounded_time(launcher, tmp_path, victim):
     """2 agents; one is SIGKILLed and never comes back. With no restart left (or no store), the
     survivor must not hang: it stops its ranks and exits 1 within a bound."""

@@ -6,6 +6,7 @@ import os
 import signal
 
 import psutil
+import pytest
 
 from conftest import SCRIPTS, free_port, read_events, wait_for
 
@@ -68,6 +69,7 @@ def test_recorder_off_keeps_the_python_stack_dump(launcher, tmp_path):
     assert {e["rank"] for e in stacks} == {0, 1} and all("collective_hang.py" in e["detail"]["stack"] for e in stacks)
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_skipped_in_one_line_and_the_others_dump(launcher, tmp_path):
     logs = tmp_path / "logs"   # the launcher's simulated rank_hung SIGSTOPs rank 1: it cannot dump
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
@@ -82,6 +84,7 @@ def test_a_stopped_rank_is_skipped_in_one_line_and_the_others_dump(launcher, tmp
     assert d["waiting"]["0"].startswith("gloo:all_reduce")
 
 
+@pytest.mark.slow
 def test_a_rank_holding_the_gil_is_skipped_after_its_second(launcher, tmp_path):
     logs = tmp_path / "logs"
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs]

@@ -199,6 +199,7 @@ def test_restart_waits_for_the_gpu_to_release_the_dead_ranks_then_goes_on(launch
     assert "still holds" not in res.stderr
 
 
+@pytest.mark.slow   # the wait itself runs by default (test_restart_waits_for_the_gpu_to_release...)
 def test_a_gpu_that_keeps_a_dead_ranks_memory_fails_the_nodes_health_check(launcher, tmp_path):
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", GPU_RANK],
                        timeout=120, extra_env=fake_nvml_env(tmp_path, "stuck"))

@@ -34,8 +34,7 @@ RESTARTABLE = ["--restartable"]
 TIMEOUTS = ["--ft-rank-section-timeouts", f"setup:20,step:{HOLD + 3:g},checkpointing:{HOLD + 3:g}"]
 PHASES = ("setup", "step", "checkpointing")
 FAULTS = ("killed", "hung", "raise")
-DEFAULT = {("raise", "step", "1x2"), ("killed", "step", "2x2"), ("hung", "step", "1x2"),
-           ("raise", "setup", "2x2"), ("killed", "checkpointing", "1x2")}
+DEFAULT = {("raise", "step", "1x2"), ("killed", "step", "2x2"), ("hung", "step", "1x2")}
 
 
 @pytest.fixture(scope="module")

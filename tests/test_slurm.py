@@ -280,6 +280,7 @@ def test_lost_node_without_spare_ends_the_job_in_bounded_time(job, tmp_path):
     assert elapsed < 30, f"node 0 took {elapsed:.1f} s to give up"
 
 
+@pytest.mark.slow   # spare takeover runs by default in test_warm_reserves and test_store_failover
 def test_hot_spare_takes_over_a_lost_node(job, tmp_path, reference):
     proc, prog = _start_long_job(job, tmp_path, 3, ["--nnodes", "2:3", "--max-restarts", 1], step_time=0.1)
     assert job.store_host_procid() == "0"
