@@ -25,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Job, ratio, summary  # noqa: E402
+from harness import Job, ratio, recovered, repeat, summary  # noqa: E402
 
 STEP_TIMEOUT = 2.0
 HANG_STEP = 40
@@ -107,34 +107,23 @@ def main() -> int:
     print(f"{nranks} GPU(s): {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
     run("ft_launcher", nranks, "none", {})   # warm the page cache and the driver
     run("torchrun", nranks, "none", {})
-    results, report = {}, {}
+    report = {}
     runs = (("torchrun", "kill"), ("ft_launcher", "kill"), ("ft_launcher", "hang"))
-    for rep in range(args.reps):
-        for kind, fault in runs:
-            launch, recovery = run(kind, nranks, fault, report)
-            results.setdefault((kind, "launch"), []).append(launch)
-            results.setdefault((kind, fault), [])
-            failed = results.setdefault((kind, fault, "failed"), [])
-            if recovery is None:
-                failed.append(rep)
-            else:
-                results[(kind, fault)].append(recovery)
-            shown = "did not recover" if recovery is None else f"{recovery:5.2f} s"
-            print(f"  rep {rep}: {kind:11s} launch {launch:5.2f} s, {fault} -> stepping again {shown}", flush=True)
+    results = repeat(runs, args.reps, lambda entry: run(entry[0], nranks, entry[1], report))
     print(f"\n{nranks} rank(s) on NCCL, {args.reps} repetitions")
     print(f"launch -> first step      torchrun    {summary(results[('torchrun', 'launch')])}")
     print(f"                          ft_launcher {summary(results[('ft_launcher', 'launch')])}"
           f"   ratio {ratio(results[('ft_launcher', 'launch')], results[('torchrun', 'launch')])}")
     print(f"kill rank -> stepping     torchrun    {summary(results[('torchrun', 'kill')])}"
-          f"   recovered {args.reps - len(results[('torchrun', 'kill', 'failed')])}/{args.reps}")
+          f"   {recovered(results, 'torchrun', 'kill', args.reps)}")
     print(f"                          ft_launcher {summary(results[('ft_launcher', 'kill')])}"
-          f"   recovered {args.reps - len(results[('ft_launcher', 'kill', 'failed')])}/{args.reps}"
+          f"   {recovered(results, 'ft_launcher', 'kill', args.reps)}"
           f"   ratio {ratio(results[('ft_launcher', 'kill')], results[('torchrun', 'kill')])}")
     hang = results[("ft_launcher", "hang")]
     print(f"CUDA-kernel hang (T={STEP_TIMEOUT:g} s) torchrun    not detected (NCCL's own timeout: 10 min)")
     print(f"                          ft_launcher {summary(hang)}"
           + (f"   = T + {statistics.median(hang) - STEP_TIMEOUT:.2f} s" if hang else "")
-          + f"   recovered {args.reps - len(results[('ft_launcher', 'hang', 'failed')])}/{args.reps}")
+          + f"   {recovered(results, 'ft_launcher', 'hang', args.reps)}")
     fr = report.get("fr_event")
     if fr:
         d = fr["detail"]

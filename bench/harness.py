@@ -150,3 +150,28 @@ def ratio(ours: List[float], theirs: List[float]) -> str:
     if not ours or not theirs:
         return "n/a"
     return f"{statistics.median(ours) / statistics.median(theirs):.2f}x"
+
+
+def repeat(runs, reps: int, measure) -> dict:
+    """Run each entry of `runs` (its first two items: launcher kind, fault) `reps` times through
+    `measure(entry) -> (launch seconds, recovery seconds or None)`, printing one line per run.
+    Returns {(kind, "launch"): [s], (kind, fault): [s], (kind, fault, "failed"): [rep, ...]}."""
+    results: dict = {}
+    for rep in range(reps):
+        for entry in runs:
+            kind, fault = entry[0], entry[1]
+            launch, recovery = measure(entry)
+            results.setdefault((kind, "launch"), []).append(launch)
+            results.setdefault((kind, fault), [])
+            failed = results.setdefault((kind, fault, "failed"), [])
+            if recovery is None:
+                failed.append(rep)
+            else:
+                results[(kind, fault)].append(recovery)
+            shown = "did not recover" if recovery is None else f"{recovery:5.2f} s"
+            print(f"  rep {rep}: {kind:11s} launch {launch:5.2f} s, {fault} -> stepping again {shown}", flush=True)
+    return results
+
+
+def recovered(results: dict, kind: str, fault: str, reps: int) -> str:
+    return f"recovered {reps - len(results[(kind, fault, 'failed')])}/{reps}"

@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Job, ratio, summary  # noqa: E402
+from harness import Job, ratio, recovered, repeat, summary  # noqa: E402
 
 STEP_TIMEOUT = 2.0
 
@@ -108,40 +108,29 @@ def main() -> None:
     args = p.parse_args()
     launch_and_fault("ft_launcher", args.nproc, "none")  # warm the page cache (torch import)
     launch_and_fault("torchrun", args.nproc, "none")
-    results, stats = {}, {}
+    stats = {}
     runs = (("torchrun", "kill", True), ("torchrun", "raise", True),
             ("ft_launcher", "kill", True), ("ft_launcher", "hang", True), ("ft_launcher", "raise", True),
             ("ft_launcher", "kill-cold", False), ("ft_launcher", "hang-cold", False),
             ("ft_launcher", "kill-inplace", True), ("ft_launcher", "hang-inplace", True),
             ("ft_launcher", "raise-inplace", True))
-    for rep in range(args.reps):
-        for kind, fault, reserves in runs:
-            launch, recovery = launch_and_fault(kind, args.nproc, fault.split("-")[0], reserves, stats,
-                                                in_place=fault.endswith("-inplace"))
-            results.setdefault((kind, "launch"), []).append(launch)
-            results.setdefault((kind, fault), [])
-            failed = results.setdefault((kind, fault, "failed"), [])
-            if recovery is None:
-                failed.append(rep)
-            else:
-                results[(kind, fault)].append(recovery)
-            shown = "did not recover" if recovery is None else f"{recovery:5.2f} s"
-            print(f"  rep {rep}: {kind:11s} launch {launch:5.2f} s, {fault} -> stepping again {shown}", flush=True)
+    results = repeat(runs, args.reps, lambda run: launch_and_fault(
+        run[0], args.nproc, run[1].split("-")[0], run[2], stats, in_place=run[1].endswith("-inplace")))
     print(f"\n{args.nproc} ranks, {args.reps} repetitions, {os.cpu_count()} cores")
     print(f"launch -> first step      torchrun    {summary(results[('torchrun', 'launch')])}")
     print(f"                          ft_launcher {summary(results[('ft_launcher', 'launch')])}"
           f"   ratio {ratio(results[('ft_launcher', 'launch')], results[('torchrun', 'launch')])}")
     print(f"kill rank -> stepping     torchrun    {summary(results[('torchrun', 'kill')])}"
-          f"   recovered {args.reps - len(results[('torchrun', 'kill', 'failed')])}/{args.reps}")
+          f"   {recovered(results, 'torchrun', 'kill', args.reps)}")
     for fault, label in (("kill", "warm"), ("kill-cold", "cold"), ("kill-inplace", "in place")):
         print(f"                          ft_launcher {summary(results[('ft_launcher', fault)])}"
-              f"   recovered {args.reps - len(results[('ft_launcher', fault, 'failed')])}/{args.reps}"
+              f"   {recovered(results, 'ft_launcher', fault, args.reps)}"
               f"   ratio {ratio(results[('ft_launcher', fault)], results[('torchrun', 'kill')])}  ({label})")
     print(f"exception -> stepping     torchrun    {summary(results[('torchrun', 'raise')])}"
-          f"   recovered {args.reps - len(results[('torchrun', 'raise', 'failed')])}/{args.reps}")
+          f"   {recovered(results, 'torchrun', 'raise', args.reps)}")
     for fault, label in (("raise", "warm"), ("raise-inplace", "in place")):
         print(f"                          ft_launcher {summary(results[('ft_launcher', fault)])}"
-              f"   recovered {args.reps - len(results[('ft_launcher', fault, 'failed')])}/{args.reps}"
+              f"   {recovered(results, 'ft_launcher', fault, args.reps)}"
               f"   ratio {ratio(results[('ft_launcher', fault)], results[('torchrun', 'raise')])}  ({label})")
     print(f"hang in step (T={STEP_TIMEOUT:g} s)     torchrun    never detected")
     for fault, label in (("hang", "warm"), ("hang-cold", "cold"), ("hang-inplace", "in place")):
