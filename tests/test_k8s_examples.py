@@ -197,6 +197,7 @@ def _in_held_step(job, rank):
     return any(s == HOLD_STEP - 1 for _, s, _ in progress(job.prog, rank))
 
 
+@pytest.mark.slow   # the pods starting from PET_* variables alone run by default (above); the kill path everywhere
 def test_job_from_pet_variables_alone_trains_survives_a_killed_rank_and_ends_exactly(launcher, tmp_path, reference):
     """Two agents started as the training operator starts two pods: no rendezvous flag, no
     GROUP_RANK, only PET_NNODES=2, PET_NPROC_PER_NODE=2, PET_RDZV_ENDPOINT, PET_RDZV_BACKEND=c10d,
