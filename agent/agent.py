@@ -54,7 +54,7 @@ from . import inprocess_ranks
 from .reserve_pool import ReservePool
 from .restart_policy import RoundFacts, Verdict
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
-from .workers import Rank, WorkerGroup, describe_exit, rank_env, set_wake_fd
+from .workers import Rank, WorkerGroup, describe_exit, killpg, rank_env, set_wake_fd
 
 EXIT_OK, EXIT_FAILED = 0, 1
 MONITOR_STALL_LIMIT = 5.0  # seconds without a monitor tick (it ticks at least once a second)
@@ -503,7 +503,7 @@ class NodeAgent:
             self.events.event("inprocess_timeout", f"rank {rank.rank} (pid {rank.pid}) {what}; its slot "
                               f"starts afresh", rank=rank.rank, pid=rank.pid, exited=gone,
                               waited=round(time.monotonic() - asked, 3))
-            inprocess_ranks.kill(rank)
+            killpg(rank.pid, signal.SIGKILL)
             rank.proc.wait()
             (previous or self.group).reap(rank)
         return adopted
@@ -514,7 +514,7 @@ class NodeAgent:
         for _, rank, _ in carried.values():
             if why:
                 self.say(f"rank {rank.rank} (pid {rank.pid}) will not restart in place: {why}")
-            inprocess_ranks.kill(rank)
+            killpg(rank.pid, signal.SIGKILL)
             try:
                 rank.proc.wait(timeout=5)
             except Exception:  # noqa: BLE001 - the orphan watchdog still has it

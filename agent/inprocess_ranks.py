@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
@@ -100,10 +99,3 @@ def go(monitor, env: Dict[str, str], cycle: int) -> None:
         json.dump(env, fh)
     os.replace(tmp, path)
     _words(monitor)[L.H_IP_GO] = cycle
-
-
-def kill(rank: Rank) -> None:
-    try:
-        os.killpg(rank.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -181,7 +181,7 @@ class WorkerGroup:
         if code is None:
             return None
         rank.exitcode = code
-        _killpg(rank.pid, signal.SIGKILL)
+        killpg(rank.pid, signal.SIGKILL)
         self.watchdog.forget(rank.pid)
         os.close(rank.pidfd)
         self.output.finish(rank.output)
@@ -196,19 +196,19 @@ class WorkerGroup:
         kept = {id(r) for r in keep}
         running = [r for r in self.running() if id(r) not in kept]
         for r in running:
-            _killpg(r.pid, signal.SIGCONT)
-            _killpg(r.pid, sig)
+            killpg(r.pid, signal.SIGCONT)
+            killpg(r.pid, sig)
         deadline = time.monotonic() + grace
         for r in running:
             try:
                 r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _killpg(r.pid, signal.SIGKILL)
+                killpg(r.pid, signal.SIGKILL)
                 r.proc.wait()
             self.reap(r)
 
 
-def _killpg(pgid: int, sig: int) -> None:
+def killpg(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
