@@ -265,6 +265,7 @@ class NodeAgent:
                 return self._no_restart(verdict.what or "the job was stopped")
             if not verdict.restart:
                 used = min(verdict.restarts_used, self.cfg.max_restarts)
+                self.flight.settle()
                 self.events.event(
                     "job_failed",
                     f"error: {verdict.what or 'a failure'} in cycle {number}; restart budget spent "
@@ -323,6 +324,9 @@ class NodeAgent:
     # ---- stopping for good, leaving the job (agent.no_restart) -----------------------------
     def _no_restart(self, reason: str, node_only: bool = False) -> int:
         code = self.cfg.ft.no_restart_exit_code
+        flight = getattr(self, "flight", None)
+        if flight is not None:
+            flight.settle()
         if node_only:
             self.events.event("node_left", f"error: this node leaves the job: {reason} -> exiting {code} "
                               f"(no restart)", reason=reason, exitcode=code)
@@ -742,6 +746,7 @@ class NodeAgent:
         if self.learner.enabled and rnd.group_rank == 0:  # every node published before it was done
             self.learner.compute_as_writer(self.proto, [n.node_id for n in rnd.active], rnd.world_size)
         self.status.cycle_end()  # the last cycle's summary before the job's last word
+        self.flight.settle()  # a hang's analysis (an earlier cycle) is told before the job's end
         self.events.event("job_complete", "all ranks on all nodes finished: job complete")
         pending = self.injector.pending
         if pending is not None:  # planned on this node, but the job was faster

@@ -114,14 +114,20 @@ class FlightRecorder:
         if cycle is not None:
             cycle.finish(store_ok)
 
+    def settle(self, wait: float = ANALYZER_TIMEOUT) -> None:
+        """Before the job's last word: let the analyses finish (bounded), so a `flight_recorder`
+        event never follows `job_complete` or `job_failed` in the event file."""
+        deadline = time.monotonic() + wait
+        for thread in self._analyses:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
     def close(self, wait: float = ANALYZER_TIMEOUT) -> None:
         """At the agent's exit: let the analyses finish (bounded), remove the dump directory."""
         self.end_cycle()
         deadline = time.monotonic() + wait
         for cycle in self._cycles:   # none may be inside torch's store code when the interpreter exits
             cycle.join(min(WAIT_SLICE + 1.0, max(0.0, deadline - time.monotonic())))
-        for thread in self._analyses:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self.settle(max(0.0, deadline - time.monotonic()))
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
