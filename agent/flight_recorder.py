@@ -152,8 +152,8 @@ class FlightRecorder:
         detail = {"dir": out_dir, "dumped": sorted(dumps), "skipped": {str(r): why for r, why in sorted(skipped.items())},
                   "hang_rank": hang.get("rank")}
         if not dumps:
-            self.events.event("flight_recorder", f"flight recorder: no rank dumped a trace in cycle {number} "
-                              f"(the Python stack dumps stand)", cycle=number, **detail)
+            message = f"flight recorder: no rank dumped a trace in cycle {number} (the Python stack dumps stand)"
+            self.events.event("flight_recorder", message, cycle=number, summary=message, **detail)
             return
         found, text, problem = run_analyzer(out_dir, all_ranks=len(dumps) == world)
         try:
@@ -181,7 +181,7 @@ class FlightRecorder:
             message += "; " + ", ".join(f"rank {r} waits in {w}" for r, w in sorted(waiting.items()))
         if skipped:
             message += "; no dump from " + ", ".join(f"rank {r} ({why})" for r, why in sorted(skipped.items()))
-        self.events.event("flight_recorder", message, cycle=number, **detail)
+        self.events.event("flight_recorder", message, cycle=number, summary=message, **detail)
 
 
 class _Cycle(threading.Thread):

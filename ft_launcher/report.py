@@ -11,8 +11,11 @@ What it computes:
   events) over world size x wall time (first cycle start to the job's end, or now);
 - per incident (a cycle that ended in a failure): which rank, what happened (simulated fault,
   hang, exit status), who noticed (its monitor, or the agent from the exit status or a lost
-  peer) after how long, the stack dumps, what was done (restart k/N or the job failed), and how
-  long until every rank stepped again (the agents' `stepping` events);
+  peer, or the rank itself for an exception raised under `ft_launcher.restartable`) after how
+  long, the stack dumps, the flight recorder's finding on a hang (which collective never
+  completed, and who never joined it), what was done (every rank restarted, or the healthy ranks
+  restarted in place and which ranks or nodes were replaced, restart k/N, or the job failed), and
+  how long until every rank stepped again (the agents' `stepping` events);
 - computed-timeout changes (`timeout_computed`) and timeouts loaded from ft_state.json.
 matplotlib is an optional dependency (`pip install ft_launcher[report]`).
 """
@@ -112,6 +115,7 @@ class Incident:
     stack_dumps: List[str]
     recovered_time: Optional[float]   # every rank stepping again (None: not yet / never)
     hang_timeout: Optional[float] = None
+    flight_recorder: Optional[str] = None   # the flight recorder's finding on a hang (its line)
 
     @property
     def detected_after(self) -> float:
@@ -278,10 +282,13 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     elif d.get("dead_nodes"):
         what, detect, started = d.get("what", "a node stopped answering"), failure["time"], failure["time"]
         noticed = f"the agent on node {failure['node']} (the peer's keep-alives stopped)"
+    elif d.get("exception"):
+        what, detect, started = d.get("what", "a failure"), failure["time"], failure["time"]
+        noticed = "the rank itself (its restartable function raised and reported it)"
     else:
         what, detect, started = d.get("what", "a failure"), failure["time"], failure["time"]
         noticed = f"the agent on node {failure['node']} (the rank's exit status {d.get('exitcode')})"
-    cause = "a real failure"
+    cause = "an exception" if d.get("exception") else "a real failure"
     fault_time = started
     if faults:
         f = faults[0]
@@ -297,15 +304,34 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     if restarts:
         r = restarts[0]["detail"]
         budget = f"/{max_restarts}" if max_restarts is not None else ""
-        action = f"restarted every rank: cycle {r.get('next_cycle')} (restart {r.get('restarts_used')}{budget})"
+        action = f"{_restart_words(r)}: cycle {r.get('next_cycle')} (restart {r.get('restarts_used')}{budget})"
         # the first later cycle in which every rank stepped (a cycle may fail before its first step)
         recovered = next((c["stepping"] for n, c in sorted(cycles.items()) if n > number and c["stepping"]), None)
     elif failed:
         action, recovered = "restart budget spent: the job failed (exit 1)", None
     else:
         action, recovered = "(no decision recorded yet)", None
+    # a kept rank that missed its restart point is told as the next cycle starts
+    nxt = restarts[0]["detail"].get("next_cycle") if restarts else None
+    late = [e for e in _by_kind(events, "inprocess_timeout") if nxt is not None and e["cycle"] == nxt]
+    if late:
+        action += ("; " + ", ".join(f"rank {e.get('rank')}" for e in late)
+                   + " did not reach its restart point in time and started afresh")
+    found = _by_kind(mine, "flight_recorder")
     return Incident(number, rank, failure["node"], what, cause, noticed, fault_time, detect, action, dumps,
-                    recovered, hang_timeout)
+                    recovered, hang_timeout, found[0]["detail"].get("summary") if found else None)
+
+
+def _restart_words(restart: dict) -> str:
+    """How a restart event restarted the job: every rank, or in place and what was replaced."""
+    if restart.get("rung") != "in_process":
+        return "restarted every rank"
+    words = "restarted in place (healthy ranks kept their processes"
+    if restart.get("replace_nodes"):
+        words += "; node " + ", ".join(map(str, restart["replace_nodes"])) + " restarted all its ranks"
+    if restart.get("replace_ranks"):
+        words += "; rank " + ", ".join(map(str, restart["replace_ranks"])) + " replaced after failing again at once"
+    return words + ")"
 
 
 # ---- output -------------------------------------------------------------------------------------
@@ -319,7 +345,8 @@ def incident_line(job: Job, inc: Incident) -> str:
            else "" if "restarted" not in inc.action or not _by_kind(job.events, "stepping")
            else "not every rank stepping again yet")
     return (f"cycle {inc.cycle} at +{t:.1f} s: {inc.what} ({inc.cause}); noticed by {inc.noticed_by} after "
-            f"{inc.detected_after:.2f} s; {inc.action}" + (f"; {rec}" if rec else ""))
+            f"{inc.detected_after:.2f} s; {inc.action}" + (f"; {rec}" if rec else "")
+            + (f"\n    {inc.flight_recorder}" if inc.flight_recorder else ""))
 
 
 def console_summary(job: Job, output: str) -> str:
@@ -434,7 +461,8 @@ def render_html(job: Job, png: bytes) -> str:
            f"<h2>Incidents ({len(job.incidents)})</h2>"]
     if job.incidents:
         out.append("<table id='incidents'><tr><th>cycle</th><th>at</th><th>rank</th><th>what happened</th>"
-                   "<th>cause</th><th>noticed by</th><th>after</th><th>stack dumps</th><th>what was done</th>"
+                   "<th>cause</th><th>noticed by</th><th>after</th><th>stack dumps</th><th>flight recorder</th>"
+                   "<th>what was done</th>"
                    "<th>every rank stepping again after</th></tr>")
         for inc in job.incidents:
             out.append(
@@ -442,7 +470,7 @@ def render_html(job: Job, png: bytes) -> str:
                 f"<td>{e(str(inc.rank))} (node {e(str(inc.node))})</td><td>{e(inc.what)}</td><td>{e(inc.cause)}</td>"
                 f"<td>{e(inc.noticed_by)}</td><td class='num detected'>{inc.detected_after:.2f} s</td>"
                 f"<td>{'<br>'.join(e(os.path.basename(p)) for p in inc.stack_dumps) or '-'}</td>"
-                f"<td>{e(inc.action)}</td><td class='num recovery'>{_fmt(inc.recovery)}</td></tr>")
+                f"<td class='flight-recorder'>{e(inc.flight_recorder or '-')}</td><td>{e(inc.action)}</td><td class='num recovery'>{_fmt(inc.recovery)}</td></tr>")
         out.append("</table>")
     else:
         out.append("<p>None: no cycle ended in a failure.</p>")

@@ -130,7 +130,11 @@ def test_report_of_a_kill_and_a_hang(kill_and_hang_job):
     assert kill[2] == "1 (node 0)" and "killed by SIGKILL" in kill[3]
     assert "simulated rank_killed injected into rank 1" in kill[4]
     assert "the agent on node 0" in kill[5] and "exit status -9" in kill[5]
-    assert "cycle 1 (restart 1/3)" in kill[8] and "cycle 2 (restart 2/3)" in hang[8]
+    assert "restarted every rank: cycle 1 (restart 1/3)" in kill[9] and "cycle 2 (restart 2/3)" in hang[9]
+    # the hang's flight-recorder finding (what the agent said in its line) stands beside it
+    found = [f for f in read_events(logs, "flight_recorder") if f["cycle"] == 1]
+    assert kill[8] == "-" and found and hang[8] == found[0]["detail"]["summary"]
+    assert hang[8].startswith("flight recorder: ") and f"    {hang[8]}" in res.stdout.splitlines()
     # the stopped rank 1, or rank 0 waiting for it in the same step, or both: their monitors notice
     assert "hung in section 'step'" in hang[3] and hang[4] == "a hang"
     assert "rank monitor" in hang[5] and "timeout 2 s" in hang[5] and "stack_local" in hang[7]
@@ -144,7 +148,7 @@ def test_report_of_a_kill_and_a_hang(kill_and_hang_job):
     hang_start = hang_start["time"] - hang_start["detail"]["elapsed"]
     assert stopped_at - 0.5 < hang_start < stopped_at + 0.5
     for cycle, row, at in ((0, kill, fault["time"]), (1, hang, hang_start)):
-        recovery = float(row[9].split()[0])
+        recovery = float(row[10].split()[0])
         ended_first = max(first_progress(tmp / "progress", cycle + 1).values())
         assert starts[cycle + 1] - at - 0.02 <= recovery <= ended_first - at + 0.02, \
             (cycle, recovery, starts[cycle + 1] - at, ended_first - at)
