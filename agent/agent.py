@@ -493,7 +493,11 @@ class NodeAgent:
         deadline = min(asked for _, _, asked in carried.values()) + self.cfg.ft.inprocess_timeout
         pairs = [(monitor, rank) for monitor, rank, _ in carried.values()]
         self._carried = carried   # until adopted: _teardown kills them if this raises
-        reached = inprocess_ranks.wait_ready(pairs, rnd.number, deadline)
+        reached = inprocess_ranks.wait_ready(pairs, rnd.number, deadline, self._unhandled_signal)
+        if self._unhandled_signal() and previous is not None:   # now, not after inprocess_timeout
+            previous.stop(self._signal, self.cfg.term_timeout)      # the carried ranks get the signal too
+            self._carried = {}
+            self._check_signal(rnd)
         self._carried = {}
         adopted = {}
         for local_rank, (_, rank, asked) in carried.items():

@@ -12,7 +12,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from rank_monitor import shm_layout as L
 from rank_monitor.inprocess import IN_PLACE_SIGNAL
@@ -71,11 +71,12 @@ def request(monitor, rank: Rank, cycle: int) -> bool:
     return True
 
 
-def wait_ready(pairs: List[Tuple[object, Rank]], cycle: int, deadline: float) -> Dict[int, bool]:
+def wait_ready(pairs: List[Tuple[object, Rank]], cycle: int, deadline: float,
+               stop: Callable[[], object] = lambda: None) -> Dict[int, bool]:
     """Wait until each (monitor, rank) is at its restart point for `cycle`, or `deadline`
-    (monotonic s) passes: local rank -> reached it."""
+    (monotonic s) passes, or `stop()` is true (a signal to the agent): local rank -> reached it."""
     reached: Dict[int, bool] = {}
-    while True:
+    while not stop():
         for monitor, rank in pairs:
             if rank.local_rank in reached:
                 continue
@@ -89,6 +90,7 @@ def wait_ready(pairs: List[Tuple[object, Rank]], cycle: int, deadline: float) ->
                 reached.setdefault(rank.local_rank, False)
             return reached
         time.sleep(POLL)
+    return {rank.local_rank: reached.get(rank.local_rank, False) for _, rank in pairs}
 
 
 def go(monitor, env: Dict[str, str], cycle: int) -> None:

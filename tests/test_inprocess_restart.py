@@ -18,12 +18,13 @@ import glob
 import json
 import os
 import signal
+import subprocess
 import time
 
 import psutil
 import pytest
 
-from conftest import read_events, wait_for
+from conftest import LAUNCHER, ROOT, SCRIPTS, read_events, wait_for
 from test_fault_matrix import HOLD_STEP, Job, References, progress
 
 HOLD = 4.0
@@ -141,6 +142,16 @@ def test_in_place_restart(launcher, tmp_path, reference, fault, phase, topology)
     assert failure["rank"] == rank, failure
     if fault == "raise":
         assert "raised RuntimeError: simulated exception in " + phase in failure["detail"]["what"]
+    # the operator's report tells the incident as it happened: who noticed, and the restart's rung
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run(LAUNCHER + ["report", str(job.logs), "-o", str(tmp_path / "report.html")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    incident = [line for line in res.stdout.splitlines() if line.startswith("  cycle 0 ")]
+    assert len(incident) == 1 and "restarted in place (healthy ranks kept their processes): cycle 1" in incident[0], \
+        res.stdout
+    if fault == "raise":
+        assert "(an exception); noticed by the rank itself" in incident[0], res.stdout
 
 
 def test_node_granularity_replaces_the_failed_node_and_keeps_the_other(launcher, tmp_path, reference):
@@ -251,3 +262,49 @@ def test_restartable_outside_the_launcher_only_calls_the_function(tmp_path):
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "propagated [21, 1, 'boom']"
+
+
+def run_stuck(launcher, tmp_path, inprocess_timeout):
+    """tests/scripts/stuck_restart.py on 1 agent x 2 ranks: rank 0 ignores the restart signal in
+    cycle 0, rank 1 raises. Returns (the launcher process, its log dir, its output dir)."""
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    proc = launcher.start(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
+                           "--ft-inprocess-timeout", inprocess_timeout,
+                           os.path.join(SCRIPTS, "stuck_restart.py"), out, 0, 1])
+    return proc, logs, out
+
+
+def test_a_rank_that_misses_its_restart_point_is_killed_and_its_slot_starts_afresh(launcher, tmp_path):
+    proc, logs, out = run_stuck(launcher, tmp_path, 1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    evs = read_events(logs)
+    late = [e for e in evs if e["kind"] == "inprocess_timeout"]
+    assert [(e["rank"], e["detail"]["exited"]) for e in late] == [(0, False)], late
+    assert late[0]["detail"]["waited"] >= 1.0 and "did not reach its restart point within inprocess_timeout=1s" in err
+    assert [e["detail"]["rung"] for e in evs if e["kind"] == "restart"] == ["in_process"]
+    before, after = started(evs, 0), started(evs, 1)
+    assert after[1] == (before[1][0], True), (before, after)      # the rank that raised kept its process
+    assert after[0][0] != before[0][0] and not after[0][1]        # the stuck one was replaced
+    assert sorted(os.listdir(out)) == sorted(["ignoring", f"done_0_1_{after[0][0]}", f"done_1_1_{before[1][0]}"])
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run(LAUNCHER + ["report", str(logs), "-o", str(tmp_path / "report.html")], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "rank 0 did not reach its restart point in time and started afresh" in res.stdout, \
+        res.stdout + res.stderr
+
+
+def test_a_signal_while_waiting_for_restart_points_stops_the_job_at_once(launcher, tmp_path):
+    """SIGTERM to the agent while it waits (inprocess_timeout 60 s) for a rank that will never get
+    to its restart point: the job stops now with 128+15, the waiting ranks get the signal too."""
+    proc, logs, out = run_stuck(launcher, tmp_path, 60)
+    wait_for(lambda: any(e["cycle"] == 1 for e in read_events(logs, "cycle_start")) or proc.poll() is not None,
+             60, "cycle 1 to start (the agent then waits for the restart points)")
+    assert proc.poll() is None, proc.communicate()[1]
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)   # well before inprocess_timeout
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    evs = read_events(logs)
+    assert evs[-1]["kind"] == "job_stopped" and not [e for e in evs if e["kind"] == "inprocess_timeout"]
+    assert not [f for f in os.listdir(out) if f.startswith("done_")]
