@@ -188,7 +188,7 @@ FAULTS = ("rank_killed", "rank_hung", "raise", "exit0", "monitor_killed", "agent
 PHASES = ("setup", "step", "checkpointing", "oos")
 DEFAULT = {
     ("rank_killed", "step", "1x2"), ("rank_hung", "step", "1x2"), ("rank_hung", "setup", "1x2"),
-    ("rank_hung", "oos", "1x2"), ("raise", "checkpointing", "1x2"),
+    ("raise", "checkpointing", "1x2"),   # out-of-section detection: test_rank_monitor's [oos] runs by default
     ("exit0", "step", "1x2"), ("monitor_killed", "step", "1x2"),
     ("agent_killed", "step", "2x2"),
 }

@@ -323,6 +323,7 @@ def test_scancel_signal_term_preempts_with_grace_and_exit_143(job, tmp_path):
     _preempted(job, tmp_path, proc, rc, out)
 
 
+@pytest.mark.slow   # slurmctld's 30 s limit checks make it 10-40 s; scancel --signal=TERM runs the same path by default
 def test_time_limit_warning_signal_preempts_with_grace_and_exit_143(job, tmp_path):
     # --signal=TERM@80 on a 2-minute limit: slurmctld checks limits every 30 s and sends the
     # warning at the first check within 80 + 30 s of the end, i.e. 10-40 s in; ranks are ready
