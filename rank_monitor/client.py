@@ -133,7 +133,7 @@ class _Attachment:
         words[L.H_CLIENT_PID] = me
         words[L.H_CLIENT_STATE] = 1
         self.mode = "attached"
-        flight_recorder.start_from_env()   # the job-wide flight-recorder dump on a hang
+        flight_recorder.start_from_env(block=(DUMP_SIGNAL,))   # the job-wide flight-recorder dump on a hang
         for sec in self.sections.values():   # objects made before attaching (none usually)
             sec._bind(self)
         os.register_at_fork(after_in_child=_after_fork_in_child)

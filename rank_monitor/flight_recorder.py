@@ -23,6 +23,7 @@ job's traces are taken. Nothing here imports torch: the dump uses the torch the 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 from typing import Optional
@@ -52,8 +53,9 @@ def done_path(fr_dir: str, cycle: int) -> str:
 _started: Optional[int] = None   # the pid that started the thread (a fork's child has none)
 
 
-def start_from_env() -> bool:
-    """Start the dump thread of this rank when the launcher asked for one; True if it runs."""
+def start_from_env(block=()) -> bool:
+    """Start the dump thread of this rank when the launcher asked for one; True if it runs.
+    `block`: signals the thread must never take (the stack-dump signal: see _serve)."""
     global _started
     fr_dir = os.environ.get(ENV_FR_DIR)
     local_rank = os.environ.get("LOCAL_RANK")
@@ -70,13 +72,18 @@ def start_from_env() -> bool:
         sys.stderr.write(f"ft_launcher: warning: no flight-recorder dumps from this rank: cannot make "
                          f"{path} ({exc.strerror or exc})\n")
         return False
-    threading.Thread(target=_serve, args=(fr_dir, int(local_rank), path), name="ft-flight-recorder",
+    threading.Thread(target=_serve, args=(fr_dir, int(local_rank), path, tuple(block)), name="ft-flight-recorder",
                      daemon=True).start()
     _started = os.getpid()
     return True
 
 
-def _serve(fr_dir: str, local_rank: int, path: str) -> None:
+def _serve(fr_dir: str, local_rank: int, path: str, block: tuple = ()) -> None:
+    # A stopped rank's pending stack-dump signal goes, on SIGCONT, to whichever thread runs first;
+    # faulthandler would then walk the main thread's frames from this thread while the main thread
+    # runs (a truncated, garbled stack). Blocked here, the signal waits for a thread that can take it.
+    if block:
+        signal.pthread_sigmask(signal.SIG_BLOCK, block)
     while True:
         try:
             with open(path, "rb") as pipe:        # blocks until the agent opens it to write

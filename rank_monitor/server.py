@@ -146,8 +146,10 @@ class Incident:
             except OSError:
                 self.baseline = 0
             try:
+                # a stopped rank must run its handler: running first, its main thread takes the
+                # signal (a stopped process's pending signal goes to whichever thread runs first)
+                self._signal_group(signal.SIGCONT)
                 os.kill(self.handler_pid, self.handler_sig)
-                self._signal_group(signal.SIGCONT)   # a stopped rank must run its handler
                 self.deadline = _mono() + int(cfg.stack_dump_wait * 1e9)
                 return
             except (ProcessLookupError, PermissionError):
