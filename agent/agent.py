@@ -477,8 +477,12 @@ class NodeAgent:
         if verdict is None or not verdict.in_process or rnd.group_rank is None:
             return {}
         keep, now = {}, time.monotonic()
+        # a rank whose monitor found it hung is being stopped by that monitor: it is replaced
+        hung = {lr for lr, reports in self._pending_reports.items()
+                if any(r.get("kind") == "hang" and r.get("cycle") == rnd.number for r in reports)}
+        hung |= {m.local_rank for m in self.monitors if m.reported_hang(rnd.number)}
         for rank in self.group.ranks:
-            if rank.exitcode is None and verdict.keeps(rank.rank, self.me.node_id):
+            if rank.exitcode is None and rank.local_rank not in hung and verdict.keeps(rank.rank, self.me.node_id):
                 monitor = self.monitors[rank.local_rank]
                 if inprocess_ranks.request(monitor, rank, verdict.next_round):
                     keep[rank.local_rank] = (monitor, rank, now)

@@ -197,6 +197,13 @@ class MonitorHandle:
                         "exit_status": self.proc.poll()})
         return out
 
+    def reported_hang(self, cycle: int) -> bool:
+        """Non-blocking, consumes nothing: has the monitor reported a hang in `cycle` that
+        read_reports has not handed out yet? (It is then stopping the rank.)"""
+        if not self._stopped:
+            self._pending.extend(m for m in self._chan.receive() if m.get("kind") != "ready")
+        return any(m.get("kind") == "hang" and m.get("cycle") == cycle for m in self._pending)
+
     def stalled_for(self) -> float:
         """Seconds since the monitor's loop last ticked (it ticks at least once a second)."""
         if self._words is None:
