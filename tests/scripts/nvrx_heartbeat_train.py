@@ -50,4 +50,4 @@ for epoch in range(start_epoch, args.epochs):
 
 common.report(args.out, "final", {"hb_timeouts": ft_client.hb_timeouts, "state": ft_client.state_dict()})
 ft_client.shutdown_workload_monitoring()
-dist.destroy_process_group()
+common.finish()

@@ -66,4 +66,4 @@ ft_client.send_workload_control_request(WorkloadControlRequest(WorkloadAction.Co
 common.report(args.out, "final", {"section_timeouts": ft_client.section_timeouts, "state": ft_client.state_dict()})
 ft_client.shutdown_workload_monitoring()
 assert not ft_client.is_initialized
-dist.destroy_process_group()
+common.finish()
