@@ -86,9 +86,7 @@ def wait_ready(pairs: List[Tuple[object, Rank]], cycle: int, deadline: float,
             elif words[L.H_IP_STATE] == L.IP_READY and words[L.H_IP_SEEN] == cycle:
                 reached[rank.local_rank] = True
         if len(reached) == len(pairs) or time.monotonic() >= deadline:
-            for _, rank in pairs:
-                reached.setdefault(rank.local_rank, False)
-            return reached
+            break
         time.sleep(POLL)
     return {rank.local_rank: reached.get(rank.local_rank, False) for _, rank in pairs}
 
