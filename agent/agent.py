@@ -33,9 +33,9 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
-from rank_monitor import shm_layout
-from rank_monitor.monitor_handle import MonitorHandle, MonitorStartError
-from rank_monitor.peer_sockets import ENV_JOB_ADDRS
+from ft_launcher.rank_monitor import shm_layout
+from ft_launcher.rank_monitor.monitor_handle import MonitorHandle, MonitorStartError
+from ft_launcher.rank_monitor.peer_sockets import ENV_JOB_ADDRS
 
 from .events import EventLog
 from .fault_injection import FaultInjector

@@ -15,7 +15,7 @@ import random
 import signal
 from typing import Callable, Optional
 
-from rank_monitor.config import FaultToleranceConfig
+from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
 
 @dataclasses.dataclass

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from rank_monitor import flight_recorder as FR
+from ft_launcher.rank_monitor import flight_recorder as FR
 
 FR_BUFFER_DEFAULT = 2000     # entries per rank; torch's docs suggest 2000
 RANK_WAIT = 1.0              # seconds a rank gets to dump

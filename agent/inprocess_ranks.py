@@ -14,8 +14,8 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from rank_monitor import shm_layout as L
-from rank_monitor.inprocess import IN_PLACE_SIGNAL
+from ft_launcher.rank_monitor import shm_layout as L
+from ft_launcher.rank_monitor.inprocess import IN_PLACE_SIGNAL
 
 from .workers import Rank
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Set
 
-from rank_monitor.config import FaultToleranceConfig
+from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
 # torch's c10d rendezvous defaults, in seconds, so `--rdzv-conf` keeps its meaning.
 RDZV_CONF_DEFAULTS = {

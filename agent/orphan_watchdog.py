@@ -6,8 +6,8 @@ process groups, and `!PATH` for a scratch directory of its own. When that pipe r
 (the kernel closes it when the agent exits, SIGKILL included), every group still registered gets
 SIGKILL and every such directory still there is removed. The watchdog runs in its own
 session and ignores SIGINT/SIGTERM/SIGHUP, so a signal aimed at the agent's terminal or process
-group cannot take it out first. Started with `python -m agent.orphan_watchdog` (a fresh
-interpreter, not a fork of a threaded agent).
+group cannot take it out first. Started as a fresh interpreter
+(rank_monitor.own_modules.module_command), not a fork of a threaded agent.
 """
 from __future__ import annotations
 
@@ -17,11 +17,13 @@ import signal
 import subprocess
 import sys
 
+from ft_launcher.rank_monitor.own_modules import module_command
+
 
 def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    from rank_monitor.proc_title import set_title
+    from ft_launcher.rank_monitor.proc_title import set_title
 
     set_title(f"ft_launcher: orphan_watchdog agent_pid={os.getppid()}")
     groups, dirs = set(), set()
@@ -46,8 +48,8 @@ class OrphanWatchdog:
 
     def __init__(self) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "agent.orphan_watchdog"], stdin=subprocess.PIPE,
-            start_new_session=True, env=_env_with_our_packages(), close_fds=True)
+            module_command("ft_launcher.agent.orphan_watchdog"), stdin=subprocess.PIPE,
+            start_new_session=True, close_fds=True)
 
     def _send(self, line: str) -> None:
         try:
@@ -76,14 +78,6 @@ class OrphanWatchdog:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self._proc.kill()
-
-
-def _env_with_our_packages() -> dict:
-    """The watchdog must import `agent` even when ft_launcher runs from a source checkout."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-from rank_monitor.import_record import ENV_IMPORTS_FILE, modules_to_import, user_code_dir
+from ft_launcher.rank_monitor.import_record import ENV_IMPORTS_FILE, modules_to_import, user_code_dir
+from ft_launcher.rank_monitor.own_modules import code_command
 
 from .events import EventLog
 from .launch_config import LaunchConfig
@@ -38,9 +39,7 @@ from .orphan_watchdog import OrphanWatchdog
 from .reserve_process import ENV_ROOM
 from .workers import describe_exit, popen_rank_process, slot_env
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_BOOT = ("import sys; sys.path.insert(0, {root!r}); from agent.reserve_process import main; "
-         "main(sys.argv[1:])")
+_BOOT = "from ft_launcher.agent.reserve_process import main\nmain(sys.argv[1:])\n"
 MAX_LOSSES_IN_A_ROW = 3
 ENV_ROOM_BYTES = 32768  # room for the round's variables in the reserve's /proc environ
 MAINTAIN_EVERY = 0.25
@@ -205,9 +204,9 @@ class ReservePool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         record = self.record_path(local_rank)
         fd, log_path = tempfile.mkstemp(prefix=f"reserve_local{local_rank}_", suffix=".log", dir=self.dir)
-        cmd = [sys.executable, "-u", "-c", _BOOT.format(root=_ROOT), str(theirs.fileno()), str(local_rank),
-               record, log_path[:-4] + ".modules", str(self.timeout * 0.8), cfg.entry_kind, cfg.entry_target,
-               *cfg.entry_args]
+        cmd = code_command(_BOOT, [str(theirs.fileno()), str(local_rank), record, log_path[:-4] + ".modules",
+                                   str(self.timeout * 0.8), cfg.entry_kind, cfg.entry_target, *cfg.entry_args],
+                           flags=["-u"])
         try:
             env = dict(slot_env(cfg, local_rank), **{ENV_ROOM: "." * ENV_ROOM_BYTES})
             proc = popen_rank_process(cmd, env, subprocess.DEVNULL, fd, pass_fds=(theirs.fileno(),))

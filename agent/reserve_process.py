@@ -30,7 +30,7 @@ import sys
 import time
 from typing import List, Optional
 
-from rank_monitor.import_record import modules_to_import, user_code_dir
+from ft_launcher.rank_monitor.import_record import modules_to_import, user_code_dir
 
 LOW_PRIORITY = 10
 ENV_ROOM = "FT_LAUNCHER_ENV_ROOM"  # padding in the reserve's start environment, see _show_environ
@@ -38,15 +38,16 @@ CAP_SYS_NICE = 23
 
 
 def main(argv: List[str]) -> None:
-    del sys.path[0]  # the bootstrap's entry: the rank must see a cold rank's sys.path
     ctrl_fd, local_rank, imports_file, covered_file, budget, kind, target, *args = argv
     sock = socket.socket(fileno=int(ctrl_fd))
     sock.setblocking(True)
-    from rank_monitor.proc_title import set_title
+    from ft_launcher.rank_monitor.proc_title import set_title
 
     set_title(f"ft_launcher: warm_reserve local_rank={local_rank}")
     base_priority = _lower_priority()
-    sys.path[0] = _path0(kind, target)  # where the rank resolves imports, already during warm-up
+    # the bootstrap's entry (our packages' directory) gives way to where the rank resolves imports,
+    # already during warm-up: the rank sees a cold rank's sys.path
+    sys.path[0] = _path0(kind, target)
     start = time.monotonic()
     stats = _warm_up(imports_file, user_code_dir(kind, target), start + float(budget), covered_file)
     # What warm-up made lives as long as the rank: keep it out of every collection, so the rank's

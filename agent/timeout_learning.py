@@ -14,9 +14,9 @@ import os
 import time
 from typing import Dict, List, Optional
 
-from rank_monitor import ft_state_file
-from rank_monitor.config import FaultToleranceConfig
-from rank_monitor.timeout_calc import (HB_INITIAL, HB_SUBSEQUENT, OUT_OF_SECTION, Observation, apply, combine_all,
+from ft_launcher.rank_monitor import ft_state_file
+from ft_launcher.rank_monitor.config import FaultToleranceConfig
+from ft_launcher.rank_monitor.timeout_calc import (HB_INITIAL, HB_SUBSEQUENT, OUT_OF_SECTION, Observation, apply, combine_all,
                                        compute, section_key)
 
 from .events import EventLog

@@ -17,7 +17,7 @@ import subprocess
 import time
 from typing import Dict, List, Optional
 
-from rank_monitor import inprocess
+from ft_launcher.rank_monitor import inprocess
 
 from .flight_recorder import recorder_env
 from .gpu_env import nccl_env

@@ -1,24 +1,41 @@
 """ft_launcher's public API for training scripts: sections, heartbeats and NVRx's client.
 
-Re-exports only; the implementation is rank_monitor.client, with rank_monitor.nvrx_types and
-rank_monitor.config for the names loaded on first use (they cost start-up time). The calls are
-cheap no-ops (after one warning) when the script is not running under ft_launcher. An NVRx script
-changes only its import: `from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient`
-becomes `from ft_launcher import RankMonitorClient`; the names below are those NVRx's
-fault_tolerance package gives a training script, plus HeartbeatTimeouts and SectionTimeouts.
-In-process restart: `restartable(fn)` (rank_monitor.inprocess). Preemption: `preempted()` / `on_preemption(fn)`; a rank's request to stop the job or leave its
-node: `send_workload_control_request(WorkloadControlRequest(WorkloadAction...))`.
+Every name is loaded on first use (PEP 562), so importing the package costs nothing: the agent,
+the rank monitors and the warm reserves are its subpackages `ft_launcher.agent` and
+`ft_launcher.rank_monitor` (the repository keeps them in agent/ and rank_monitor/ beside this
+folder; an installation puts them inside it), and they must start fast. The implementation of
+the names below is ft_launcher.rank_monitor.client (with rank_monitor.nvrx_types,
+rank_monitor.config and rank_monitor.inprocess). The calls are cheap no-ops (after one warning)
+when the script is not running under ft_launcher. An NVRx script changes only its import:
+`from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient` becomes
+`from ft_launcher import RankMonitorClient`; the names below are those NVRx's fault_tolerance
+package gives a training script, plus HeartbeatTimeouts and SectionTimeouts. In-process restart:
+`restartable(fn)`. Preemption: `preempted()` / `on_preemption(fn)`; a rank's request to stop the
+job or leave its node: `send_workload_control_request(WorkloadControlRequest(WorkloadAction...))`.
 """
-from rank_monitor.client import (FtSectionWarning, Preemption, RankMonitorClient, RankMonitorClientError,
-                                 WorkloadAction, WorkloadControlRequest, heartbeat, on_preemption, preempted,
-                                 section, send_workload_control_request)
+import os as _os
 
 __version__ = "0.1.0"
 
-from rank_monitor.inprocess import RestartInPlace, restartable
+# A source checkout (a setup.cfg beside this folder) keeps agent/ and rank_monitor/ next to it;
+# they are still imported as ft_launcher.agent and ft_launcher.rank_monitor, never top-level, so a
+# user's agent.py or rank_monitor.py cannot stand in for them.
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if (not _os.path.isdir(_os.path.join(__path__[0], "agent"))
+        and _os.path.isfile(_os.path.join(_checkout, "setup.cfg"))
+        and _os.path.isfile(_os.path.join(_checkout, "agent", "__init__.py"))):
+    __path__.append(_checkout)
 
-_LAZY = {"FaultToleranceConfig": "rank_monitor.config", "HeartbeatTimeouts": "rank_monitor.nvrx_types",
-         "SectionTimeouts": "rank_monitor.nvrx_types"}
+_CLIENT = "ft_launcher.rank_monitor.client"
+_LAZY = {name: _CLIENT for name in (
+    "FtSectionWarning", "Preemption", "RankMonitorClient", "RankMonitorClientError", "WorkloadAction",
+    "WorkloadControlRequest", "heartbeat", "on_preemption", "preempted", "section",
+    "send_workload_control_request")}
+_LAZY.update({"RestartInPlace": "ft_launcher.rank_monitor.inprocess",
+              "restartable": "ft_launcher.rank_monitor.inprocess",
+              "FaultToleranceConfig": "ft_launcher.rank_monitor.config",
+              "HeartbeatTimeouts": "ft_launcher.rank_monitor.nvrx_types",
+              "SectionTimeouts": "ft_launcher.rank_monitor.nvrx_types"})
 
 __all__ = ["section", "heartbeat", "RankMonitorClient", "RankMonitorClientError", "FaultToleranceConfig",
            "HeartbeatTimeouts", "SectionTimeouts", "WorkloadAction", "WorkloadControlRequest", "FtSectionWarning",
@@ -34,3 +51,7 @@ def __getattr__(name):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'ft_launcher' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -18,7 +18,7 @@ import warnings
 from typing import Dict, List, Optional, Sequence
 
 from ft_launcher import __version__
-from rank_monitor.config import FIELD_NAMES, ConfigError, FaultToleranceConfig
+from ft_launcher.rank_monitor.config import FIELD_NAMES, ConfigError, FaultToleranceConfig
 
 PROG = "ft_launcher"
 # Subcommands, recognised only as the first argument (a training script is a path: `./status`).
@@ -203,7 +203,7 @@ def parse_nnodes(text: str) -> tuple:
 
 
 def parse_rdzv_conf(text: str) -> Dict[str, object]:
-    from agent.launch_config import RDZV_CONF_DEFAULTS
+    from ft_launcher.agent.launch_config import RDZV_CONF_DEFAULTS
 
     conf: Dict[str, object] = dict(RDZV_CONF_DEFAULTS)
     for item in filter(None, (s.strip() for s in text.split(","))):
@@ -345,7 +345,7 @@ def check_output_paths(log_dir: Optional[str], ft) -> None:
     if log_dir:
         check_writable_dir("--log-dir", log_dir)
     if ft.calc_ft_timeouts or ft.ft_state_path:
-        from agent.timeout_learning import default_state_path
+        from ft_launcher.agent.timeout_learning import default_state_path
 
         path = os.path.abspath(default_state_path(ft, log_dir))
         what = "--ft-state-path" if ft.ft_state_path else "ft_state.json (calc_ft_timeouts)"
@@ -356,7 +356,7 @@ def check_output_paths(log_dir: Optional[str], ft) -> None:
 
 def _slurm():
     try:
-        from agent.slurm_env import slurm_info
+        from ft_launcher.agent.slurm_env import slurm_info
     except ImportError:
         return None
     try:
@@ -379,7 +379,7 @@ def launch_config(argv: Sequence[str]):
 
 
 def _launch_config(args, origins):
-    from agent.launch_config import LaunchConfig
+    from ft_launcher.agent.launch_config import LaunchConfig
     from ft_launcher.ft_config_loading import build_ft_config
 
     slurm = _slurm()
@@ -477,15 +477,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     metrics = None
     if cfg.metrics_port is not None:  # bound before anything starts: a busy port is bad input
-        from agent.metrics import Metrics, MetricsUnavailable
+        from ft_launcher.agent.metrics import Metrics, MetricsUnavailable
 
         try:
             metrics = Metrics(cfg.metrics_port)
         except MetricsUnavailable as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return 2
-    from agent.agent import NodeAgent
-    from agent.events import EventLog
+    from ft_launcher.agent.agent import NodeAgent
+    from ft_launcher.agent.events import EventLog
 
     events = EventLog(os.path.join(cfg.log_dir, "events.jsonl") if cfg.log_dir else None)
     try:

@@ -74,7 +74,7 @@ def _convert(action: argparse.Action, var: str, text: str):
         except ValueError:
             raise EnvFlagError(f"{var}: expected 1 or 0 (true or false) for {_flag(action)}, got {text!r}") from None
     if action.dest.startswith("ft__"):
-        from rank_monitor.config import ConfigError, parse_value
+        from ft_launcher.rank_monitor.config import ConfigError, parse_value
 
         try:
             parse_value(action.dest[4:], text, var)

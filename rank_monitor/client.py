@@ -36,8 +36,8 @@ import time
 import warnings
 from typing import Any, Dict, Iterable, Mapping, Optional
 
-from rank_monitor import flight_recorder, import_record
-from rank_monitor import shm_layout as L
+from ft_launcher.rank_monitor import flight_recorder, import_record
+from ft_launcher.rank_monitor import shm_layout as L
 
 _mono = time.monotonic_ns
 
@@ -297,7 +297,7 @@ class _Attachment:
         """Apply the computed timeouts of a state dict: NVRx's `{"current_timeouts": ...}` (from
         its state_dict() or ours, or an ft_state.json), or ft_launcher 0.1's client form. Only
         values marked calculated are applied; a malformed state is one warning and changes nothing."""
-        from rank_monitor import ft_state_file as F
+        from ft_launcher.rank_monitor import ft_state_file as F
 
         try:
             if not isinstance(state, Mapping):
@@ -591,7 +591,7 @@ class RankMonitorClient:
             raise RankMonitorClientError("RankMonitorClient is already initialized")
         import socket
 
-        from rank_monitor.nvrx_types import RankInfo
+        from ft_launcher.rank_monitor.nvrx_types import RankInfo
 
         self._initialized = self._att.ensure()
         self.rank_info = RankInfo(int(os.environ.get("RANK", -1)), int(os.environ.get("LOCAL_RANK", -1)),
@@ -608,7 +608,7 @@ class RankMonitorClient:
     @property
     def cfg(self):
         """The job's configuration (rank_monitor.config.FaultToleranceConfig, NVRx's fields)."""
-        from rank_monitor.config import FaultToleranceConfig
+        from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
         self._att.ensure()
         return FaultToleranceConfig(**self._att.config.get("cfg", {}))
@@ -711,7 +711,7 @@ class RankMonitorClient:
     def section_timeouts(self):
         """Section timeouts in effect (seconds, None = not enforced): configured, then computed;
         an nvrx_types.SectionTimeouts."""
-        from rank_monitor.nvrx_types import SectionTimeouts
+        from ft_launcher.rank_monitor.nvrx_types import SectionTimeouts
 
         att = self._att
         att.ensure()
@@ -723,7 +723,7 @@ class RankMonitorClient:
     @property
     def hb_timeouts(self):
         """Heartbeat timeouts in effect: an nvrx_types.HeartbeatTimeouts."""
-        from rank_monitor.nvrx_types import HeartbeatTimeouts
+        from ft_launcher.rank_monitor.nvrx_types import HeartbeatTimeouts
 
         att = self._att
         att.ensure()
@@ -735,7 +735,7 @@ class RankMonitorClient:
     def state_dict(self) -> Dict[str, Any]:
         """NVRx's shape: {"current_timeouts": {"section": SectionTimeouts fields, "heartbeat":
         HeartbeatTimeouts fields}}, each present only when something in it was computed."""
-        from rank_monitor import ft_state_file as F
+        from ft_launcher.rank_monitor import ft_state_file as F
 
         att = self._att
         att.ensure()
@@ -750,7 +750,7 @@ class RankMonitorClient:
             return
         current = state.get(self.CURRENT_TIMEOUTS_STATE_KEY) if isinstance(state, Mapping) else None
         if isinstance(current, Mapping):
-            from rank_monitor.nvrx_types import HeartbeatTimeouts, SectionTimeouts
+            from ft_launcher.rank_monitor.nvrx_types import HeartbeatTimeouts, SectionTimeouts
 
             try:   # a malformed state is reported (once) by apply_state
                 if isinstance(current.get("heartbeat"), Mapping):

@@ -45,8 +45,8 @@ import time
 import traceback
 from typing import Callable, Optional
 
-from rank_monitor import peer_sockets
-from rank_monitor import shm_layout as L
+from ft_launcher.rank_monitor import peer_sockets
+from ft_launcher.rank_monitor import shm_layout as L
 
 ENV_WAKE_FD = "FT_LAUNCHER_WAKE_FD"            # the agent's wake pipe (write end), inherited
 ENV_GRANULARITY = "FT_LAUNCHER_RESTART_GRANULARITY"
@@ -77,7 +77,7 @@ _STATE = _State()
 
 def _record():
     """(mm, words) of the rank's record, or None outside ft_launcher."""
-    from rank_monitor.client import _ATT
+    from ft_launcher.rank_monitor.client import _ATT
 
     if not _ATT.ensure():
         return None
@@ -211,7 +211,7 @@ class _Run:
         if rec is None or threading.current_thread() is not threading.main_thread() or not _install():
             return self.fn(*self.args, **self.kwargs)
         mm, words = rec
-        from rank_monitor.client import _ATT
+        from ft_launcher.rank_monitor.client import _ATT
 
         # What exists before the first call (torch, every import) leaves the garbage collector's
         # view, as in a warm reserve: the full collection at each restart then costs ~1 ms instead

@@ -1,6 +1,6 @@
 """The agent's handle on one rank monitor process: spawn, control channel, reports, statistics.
 
-This is the only part of rank_monitor the agent uses. It spawns `python -m rank_monitor.server`
+This is the only part of rank_monitor the agent uses. It spawns `ft_launcher.rank_monitor.server`
 with subprocess (never fork: the agent has threads) in its own session, talks to it over a
 socketpair (JSON lines), and maps the shared-memory record for section statistics and a rank's
 workload control requests (read), and to tell the rank why and until when it is being stopped
@@ -20,11 +20,11 @@ import time
 import uuid
 from typing import Dict, List, Optional
 
-from rank_monitor import shm_layout as L
-from rank_monitor.json_channel import JsonLineChannel
-from rank_monitor.config import FaultToleranceConfig
+from ft_launcher.rank_monitor import shm_layout as L
+from ft_launcher.rank_monitor.json_channel import JsonLineChannel
+from ft_launcher.rank_monitor.config import FaultToleranceConfig
+from ft_launcher.rank_monitor.own_modules import module_command
 
-_PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class MonitorStartError(RuntimeError):
@@ -92,14 +92,12 @@ class MonitorHandle:
                                 f"ft_launcher_{os.getpid()}_{uuid.uuid4().hex[:8]}_local{local_rank}")
         stack_template = os.path.join(os.path.abspath(run_dir), f"stack_local{local_rank}_{{pid}}.txt")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        cmd = [sys.executable, "-m", "rank_monitor.server", "--fd", str(theirs.fileno()),
-               "--local-rank", str(local_rank), "--shm", shm_path, "--stack-template", stack_template,
-               "--config", cfg.to_json(), "--parent-pid", str(os.getpid())]
+        cmd = module_command("ft_launcher.rank_monitor.server", [
+            "--fd", str(theirs.fileno()), "--local-rank", str(local_rank), "--shm", shm_path,
+            "--stack-template", stack_template, "--config", cfg.to_json(), "--parent-pid", str(os.getpid())])
         try:
             proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], start_new_session=True,
-                                    stdin=subprocess.DEVNULL, env=env, close_fds=True)
+                                    stdin=subprocess.DEVNULL, close_fds=True)
         finally:
             theirs.close()
         handle = cls(local_rank, cfg, run_dir, proc, ours, shm_path, stack_template)

@@ -1,6 +1,6 @@
 """The rank monitor process: one per local rank slot, deadline-driven hang detection.
 
-`python -m rank_monitor.server --fd N --local-rank N --shm PATH --stack-template T --config JSON`
+`python -m ft_launcher.rank_monitor.server --fd N --local-rank N --shm PATH --stack-template T --config JSON`
 Started once by the agent (through MonitorHandle) and kept across rank restarts. It creates the
 shared-memory record the rank writes into, reads it every min(workload_check_interval, 0.05) s or
 at the nearest deadline, and on an expired section / out-of-section / heartbeat timeout:
@@ -32,11 +32,11 @@ import sys
 import time
 from typing import List, Optional
 
-from rank_monitor import flight_recorder as FR
-from rank_monitor import shm_layout as L
-from rank_monitor.json_channel import JsonLineChannel
-from rank_monitor.config import FaultToleranceConfig
-from rank_monitor.proc_title import set_title
+from ft_launcher.rank_monitor import flight_recorder as FR
+from ft_launcher.rank_monitor import shm_layout as L
+from ft_launcher.rank_monitor.json_channel import JsonLineChannel
+from ft_launcher.rank_monitor.config import FaultToleranceConfig
+from ft_launcher.rank_monitor.proc_title import set_title
 
 _mono = time.monotonic_ns
 log = logging.getLogger("rank_monitor")
@@ -468,7 +468,7 @@ class Server:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rank_monitor.server")
+    parser = argparse.ArgumentParser(prog="python -m ft_launcher.rank_monitor.server")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--local-rank", type=int, required=True)
     parser.add_argument("--shm", required=True)

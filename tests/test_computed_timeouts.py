@@ -7,9 +7,9 @@ import os
 import pytest
 
 from conftest import SCRIPTS, read_events
-from rank_monitor import ft_state_file
-from rank_monitor.config import FaultToleranceConfig
-from rank_monitor.timeout_calc import Observation, apply, combine_all, compute
+from ft_launcher.rank_monitor import ft_state_file
+from ft_launcher.rank_monitor.config import FaultToleranceConfig
+from ft_launcher.rank_monitor.timeout_calc import Observation, apply, combine_all, compute
 
 
 def cfg(**kw):

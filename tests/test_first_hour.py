@@ -136,7 +136,7 @@ def test_version_and_a_grouped_help_with_one_spelling_a_default_and_a_line_per_f
 
     sys.path.insert(0, ROOT)
     from ft_launcher import __version__
-    from rank_monitor.config import FIELD_NAMES
+    from ft_launcher.rank_monitor.config import FIELD_NAMES
 
     env = dict(os.environ, PYTHONPATH=ROOT)
     version = subprocess.run([sys.executable, "-m", "ft_launcher", "--version"], env=env, capture_output=True,

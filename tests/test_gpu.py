@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from agent import gpu_memory
-from agent.health_checks import HealthChecks
+from ft_launcher.agent import gpu_memory
+from ft_launcher.agent.health_checks import HealthChecks
 from conftest import EXAMPLE, SCRIPTS, read_events
-from rank_monitor.config import FaultToleranceConfig
+from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")

@@ -12,7 +12,7 @@ import pytest
 from conftest import SCRIPTS
 from test_config import write
 from ft_launcher.cli import UsageError, launch_config, parse_nproc
-from rank_monitor.config import ConfigError, FaultToleranceConfig, MB_IGNORED, megatron_bridge_aliases
+from ft_launcher.rank_monitor.config import ConfigError, FaultToleranceConfig, MB_IGNORED, megatron_bridge_aliases
 
 ENV_DUMP = f"{SCRIPTS}/env_dump.py"
 CFG_DUMP = f"{SCRIPTS}/ft_cfg_dump.py"

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from conftest import SCRIPTS, read_events, wait_for
-from rank_monitor import ft_state_file
-from rank_monitor.timeout_calc import Observation
+from ft_launcher.rank_monitor import ft_state_file
+from ft_launcher.rank_monitor.timeout_calc import Observation
 
 nvrx_ft = pytest.importorskip("nvidia_resiliency_ext.fault_tolerance", reason="pip install -e '.[test]' installs it")
 from nvidia_resiliency_ext.fault_tolerance.data import HeartbeatTimeouts, SectionTimeouts  # noqa: E402

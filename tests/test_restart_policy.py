@@ -11,11 +11,11 @@ import threading
 
 import pytest
 
-from agent.launch_config import LaunchConfig
-from agent.rendezvous import JobStore, RoundProtocol
-from agent.restart_policy import NODE_FAILURE_LIMIT, RoundFacts, Verdict
-from agent.round_types import NodeInfo
-from rank_monitor.config import FaultToleranceConfig
+from ft_launcher.agent.launch_config import LaunchConfig
+from ft_launcher.agent.rendezvous import JobStore, RoundProtocol
+from ft_launcher.agent.restart_policy import NODE_FAILURE_LIMIT, RoundFacts, Verdict
+from ft_launcher.agent.round_types import NodeInfo
+from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
 NODES = ["node-a", "node-b", "node-c"]
 # One store for the module, each job under its own run id. A process that holds ~24 open client

@@ -4,8 +4,8 @@ import subprocess
 
 import pytest
 
-from agent import slurm_env
-from agent.slurm_env import SlurmInfo, expand_hostlist, slurm_info
+from ft_launcher.agent import slurm_env
+from ft_launcher.agent.slurm_env import SlurmInfo, expand_hostlist, slurm_info
 
 
 @pytest.mark.parametrize(

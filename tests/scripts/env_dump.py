@@ -21,7 +21,7 @@ record["allreduce"] = t.item()
 record["argv"] = sys.argv[1:]
 record.update({k: v for k, v in os.environ.items() if k.startswith(("SLURM_", "SLURMD_"))})
 record.update({k: v for k, v in os.environ.items() if k.startswith(("TORCH_NCCL_", "TORCH_FR_", "CUDA_VISIBLE"))})
-record["agent_origin"] = importlib.util.find_spec("agent").origin
+record["agent_origin"] = importlib.util.find_spec("ft_launcher.agent").origin
 out = os.path.join(sys.argv[1], f"rank_{os.environ['RANK']}.json")
 with open(out, "w") as fh:
     json.dump(record, fh)

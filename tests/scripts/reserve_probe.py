@@ -1,13 +1,15 @@
 """Rank script for the warm-reserve tests: records how it was started, so a rank that a warm
 reserve became can be compared with a cold one.
 
-    reserve_probe.py OUT_DIR [--fail-rank R --go FILE] [--hold FILE] [--slow-lib] [extra args]
+    reserve_probe.py OUT_DIR [--fail-rank R --go FILE] [--hold FILE] [--slow-lib] [--user-modules]
+                     [extra args]
 
 Writes OUT_DIR/identity_<rank>_<cycle>.json (pid, argv, __name__, __file__, sys.path[0], cwd and
 the launcher's variables) and prints one line to stdout and one to stderr. In cycle 0, rank R
 waits for FILE to exist, then exits 1 (the test's restart, at a moment the test chooses). In
 later cycles every rank waits for the --hold file, if given, then exits 0. --slow-lib imports
-tests/warm_lib/slowwarm (instant in a rank, 600 s in a reserve).
+tests/warm_lib/slowwarm (instant in a rank, 600 s in a reserve). --user-modules imports the user's
+own `agent` and `rank_monitor` (beside the script) and records their WHO.
 """
 import json
 import os
@@ -37,8 +39,15 @@ if "--slow-lib" in sys.argv:
 
 names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
          "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "FT_TEST_TOKEN")
+user_modules = None
+if "--user-modules" in sys.argv:
+    import agent
+    import rank_monitor
+
+    user_modules = [agent.WHO, rank_monitor.WHO]
+
 identity = {"pid": os.getpid(), "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0],
-            "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in names}}
+            "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in names}, "user_modules": user_modules}
 with ft.section("step"):  # the import record is written here
     tmp = os.path.join(out_dir, f".identity_{rank}_{cycle}")
     with open(tmp, "w") as fh:
