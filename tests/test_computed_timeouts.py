@@ -95,17 +95,33 @@ def test_state_round_trips_and_megatron_shape_loads_only_what_was_computed(tmp_p
     assert ft_state_file.load(path, warn=print).timeouts == {"section:step": 7.0, "out_of_section": 20.0}
 
 
+CORRUPT_FORMS = [
+    b'{"current_timeouts": {"section": {"step": 12',                       # truncated JSON
+    b'{"format_version": 99, "current_timeouts": {}}',                      # unknown version
+    b'{"current_timeouts": {"section": {"step": -1}}}',                     # negative seconds
+    bytes(range(256))[::-1] * 2,                                            # random bytes, not UTF-8
+    b'\xff\xfe{"current_timeouts": {}}',                                    # a UTF-16 BOM
+    b"[" * 100_000,                                                         # deeper than the parser goes
+    b'{"current_timeouts": {"section": {"section": {"step": NaN}}}}',       # not a number of seconds
+    b'{"current_timeouts": {"section": {"section": {"step": 1e400}}}}',     # infinite
+    b'{"current_timeouts": {}, "observations": [1, 2]}',                   # wrong types inside
+    b'{"current_timeouts": {}, "observations": {"section:step": {"count": 1e400, "max": 1}}}',
+    b'{"current_timeouts": {}, "observations": {"section:step": {"count": 3, "max": "slow"}}}',
+    b'{"current_timeouts": {}, "config": 5}',
+    b'{"current_timeouts": {}, "updated": [1]}',
+]
+
+
 def test_corrupt_file_is_set_aside_with_one_warning(tmp_path):
     path = tmp_path / "ft_state.json"
-    for text in ('{"current_timeouts": {"section": {"step": 12', '{"format_version": 99, "current_timeouts": {}}',
-                 '{"current_timeouts": {"section": {"step": -1}}}'):
-        path.write_text(text)
+    for data in CORRUPT_FORMS:
+        path.write_bytes(data)
         warnings = []
-        assert ft_state_file.load(str(path), warn=warnings.append) is None
-        assert len(warnings) == 1 and "kept aside" in warnings[0]
+        assert ft_state_file.load(str(path), warn=warnings.append) is None, data[:60]
+        assert len(warnings) == 1 and "kept aside" in warnings[0] and "\n" not in warnings[0], data[:60]
         assert not path.exists()
     kept = [p for p in os.listdir(tmp_path) if ".corrupt-" in p]
-    assert len(kept) == 3  # nothing silently lost
+    assert len(kept) == len(CORRUPT_FORMS)  # nothing silently lost
 
 
 def _writer(path, tag, count):
@@ -196,12 +212,14 @@ def test_two_jobs_computing_into_one_file_leave_one_valid_file(launcher, tmp_pat
 
 def test_a_corrupt_state_file_is_set_aside_and_the_job_runs_on_configured_timeouts(launcher, tmp_path):
     state = tmp_path / "ft_state.json"
-    state.write_text('{"current_timeouts": {"section": {"step": 0.0')
+    garbage = bytes(range(256))[::-1] * 2   # random bytes: not even UTF-8
+    state.write_bytes(garbage)
     _, err = _finish(_job(launcher, tmp_path, "run", state))
+    assert "Traceback" not in err
     warnings = [l for l in err.splitlines() if "unreadable" in l]
     assert len(warnings) == 1 and "kept aside as" in warnings[0] and "configured timeouts" in warnings[0]
     aside = [p for p in os.listdir(tmp_path) if p.startswith("ft_state.json.corrupt-")]
-    assert len(aside) == 1 and (tmp_path / aside[0]).read_text().startswith('{"current_timeouts"')
+    assert len(aside) == 1 and (tmp_path / aside[0]).read_bytes() == garbage
     assert ft_state_file.load(str(state), warn=lambda m: pytest.fail(m)) is not None  # a fresh, valid file
 
 
