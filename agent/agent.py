@@ -831,7 +831,7 @@ class NodeAgent:
                 self.events.event(
                     "hang", f"rank {report.get('rank')} hang detected: {_hang_place(report)} "
                     f"elapsed {report.get('elapsed', 0):.2f}s > timeout {report.get('timeout', 0):g}s "
-                    f"-> monitor is stopping it; stack dump: {report.get('stack_file')}",
+                    f"-> monitor is stopping it; {_dump_words(report)}",
                     rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"})
             elif kind == "stack_dump":  # follows its hang report once the rank has written it
                 self.events.event("stack_dump", None, rank=report.get("rank"), cycle=report.get("cycle"),
@@ -875,6 +875,13 @@ class NodeAgent:
                 {"kind": "monitor_died", "pid": old.pid, "cycle": self.events.cycle})
             os.killpg(rank.pid, signal.SIGKILL)
         return handle
+
+
+def _dump_words(report: dict) -> str:
+    """Where the hung rank's stack dump goes, or why there is none."""
+    if report.get("stack_file"):
+        return f"stack dump: {report['stack_file']}"
+    return "no stack dump (the rank never used ft_launcher's client, so it has no dump handler)"
 
 
 def _hang_place(report: dict) -> str:

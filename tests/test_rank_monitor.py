@@ -204,3 +204,14 @@ def test_a_stalled_monitor_is_replaced_and_its_rank_restarted(launcher, tmp_path
     assert events(logs, "monitor_died")[0]["detail"]["local_rank"] == 0
     assert len(events(logs, "cycle_start")) == 2 and events(logs)[-1]["kind"] == "job_complete"
     assert not psutil.pid_exists(monitor.pid) or monitor.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_hang_in_a_rank_without_the_client_says_there_is_no_stack_dump(launcher, tmp_path):
+    """A script that never uses ft_launcher's API has no dump handler: the hang line says so,
+    instead of 'stack dump: None'."""
+    res = launcher.run(["--standalone", "--nproc-per-node", "1", "--max-restarts", "0", "--log-dir", tmp_path / "logs",
+                        "--ft-rank-out-of-section-timeout", "1", os.path.join(SCRIPTS, "plain_hang.py"), "30"],
+                       timeout=60)
+    line = next(l for l in res.stderr.splitlines() if "hang detected" in l)
+    assert "out of section" in line and "None" not in line and "no stack dump" in line, line
+    assert events(tmp_path / "logs", "hang")[0]["detail"]["stack_file"] is None
