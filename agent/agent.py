@@ -149,6 +149,7 @@ class NodeAgent:
                 self.learner = TimeoutLearner(self.cfg.ft, default_state_path(self.cfg.ft, self.cfg.log_dir),
                                               self.events)
                 self.failover = StoreFailover(self.cfg, self.store, self.proto, self.me, self.say, self.learner)
+                self.flight.on_request = lambda cycle: self.learner.freeze(self.monitors, cycle)
                 self._warn_if_hangs_undetectable()
                 if heartbeat_warning(os.environ, self.cfg.ft):
                     self.say(heartbeat_warning(os.environ, self.cfg.ft))
@@ -412,6 +413,7 @@ class NodeAgent:
         self.flight.start_cycle(self.store, rnd, self.me.node_id,
                                 lambda: [(r.local_rank, r.rank) for r in self.group.ranks])
         self._apply_timeouts(self.learner.load())
+        self.learner.begin_cycle(rnd.number)
         self._restartable_declared = False
         in_place = self._restart_points(rnd, previous)
         for local_rank in range(cfg.nproc_per_node):
@@ -683,6 +685,7 @@ class NodeAgent:
 
     def _fail(self, rnd: Round, reason: dict) -> Verdict:
         reason.setdefault("node_id", self.me.node_id)
+        self.learner.freeze(self.monitors)   # what the ranks do from now on is no observation
         self.progress.poll(self.proto, rnd.number, self.monitors)   # this node's last steps count too
         if reason.get("kind") == "failure" and self.cfg.ft.straggler_exclude and rnd.spares:
             slow = [n for n in rnd.active if self.proto.exists(f"slow/{n.node_id}")][: len(rnd.spares)]
@@ -710,6 +713,8 @@ class NodeAgent:
 
     def _interrupted(self, rnd: Round) -> Verdict:
         verdict = self.proto.verdict(rnd.number)
+        if verdict.kind != "complete":
+            self.learner.freeze(self.monitors)
         if verdict.kind == "shutdown":
             self.status.cycle_end()
             self._signal = self._signal or int(verdict.signal or signal.SIGTERM)
@@ -826,6 +831,7 @@ class NodeAgent:
         for report in monitor.read_reports():
             kind = report.get("kind")
             if kind == "hang":
+                self.learner.freeze(self.monitors)   # before the dump request lets any hung rank resume
                 self.flight.hang(report)   # every rank of the job dumps its trace before the monitor acts
                 self._pending_reports.setdefault(local_rank, []).append(report)
                 self.events.event(

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import SCRIPTS, read_events
+from conftest import EXAMPLE, SCRIPTS, read_events
 from rank_monitor import ft_state_file
 from rank_monitor.config import FaultToleranceConfig
 from rank_monitor.timeout_calc import Observation, apply, combine_all, compute
@@ -238,3 +238,32 @@ def test_a_megatron_state_file_is_loaded_and_enforced(launcher, tmp_path):
     assert res.returncode == 0, res.stderr
     hang = read_events(tmp_path / "logs", "hang")
     assert len(hang) == 1 and hang[0]["detail"]["section"] == "step" and hang[0]["detail"]["timeout"] == 1.5
+
+
+def _example(launcher, tmp_path, name, *fault):
+    """The README's example job, learning with a 3 s floor, its step timeout 4 s at the start."""
+    state = tmp_path / f"{name}.json"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", tmp_path / name,
+                        "--ft-calc-ft-timeouts", "true", "--ft-calc-timeout-floor", "3",
+                        "--ft-rank-section-timeouts", "setup:30,step:4,checkpointing:10", "--ft-state-path", state,
+                        *fault, EXAMPLE, "--steps", "150", "--step-time", "0.02", "--ckpt-dir", tmp_path / f"ckpt_{name}"],
+                       timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(state.read_text()), res.stderr
+
+
+def test_a_caught_hang_teaches_the_timeouts_nothing(launcher, tmp_path):
+    """The hung occurrence (here a SIGSTOPped rank, resumed by its monitor for the stack dump, so
+    that it does close the section), and what its peer finished only once it was resumed, must not
+    loosen the next run's detection: the job with the hang persists what the job without it does."""
+    plain, _ = _example(launcher, tmp_path, "plain")
+    hung, err = _example(launcher, tmp_path, "hung", "--ft-simulate-fault", "true", "--ft-simulated-fault-type",
+                         "rank_hung", "--ft-simulated-fault-base-delay", "4")
+    hang = read_events(tmp_path / "hung", "hang")
+    assert hang and hang[0]["detail"]["section"] == "step", err   # its peer, waiting in 'step' too, may follow
+    elapsed = hang[0]["detail"]["elapsed"]   # >= 3 s: the step timeout, learned or configured
+    assert hung["observations"]["section:step"]["max"] < elapsed / 2
+    # the interval across the hang is no heartbeat observation (the longest real one: setup, ~1-2 s)
+    assert hung["observations"]["heartbeat:subsequent"]["max"] < elapsed
+    step = lambda state: state["current_timeouts"]["section"]["section"]["step"]  # noqa: E731
+    assert "section:step" in hung["computed"] and step(hung) == step(plain) == 3.0
