@@ -30,7 +30,7 @@ import socket
 import tempfile
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait as futures_wait
 from typing import Dict, List, Optional
 
 from rank_monitor import shm_layout
@@ -128,11 +128,15 @@ class NodeAgent:
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.watchdog = OrphanWatchdog()
+        # What the agent leaves on disk if it is SIGKILLed: its monitors' records, its stack-dump dir
+        self.watchdog.remove_matching_at_exit(MonitorHandle.record_pattern(os.getpid()))
+        if not self.cfg.log_dir:
+            self.watchdog.tidy_at_exit(self._run_dir)
         self.output = RankOutput()
         set_wake_fd(self._wake_w)   # an in-process restartable rank that raised wakes us through it
         self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog)  # before monitors, reserves
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
-        monitor_starts = self._start_monitors(pool)
+        monitor_starts = self._monitor_starts = self._start_monitors(pool)
         self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
         # torch loads here, while the monitors start: their start-up costs the launch nothing
         with warnings.catch_warnings():  # torch's import-time warnings say nothing about this job
@@ -196,8 +200,11 @@ class NodeAgent:
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
             watcher.stop(wait=self.cfg.conf("keep_alive_interval") + 1.0)
-        for handle in self.monitors:
-            handle.stop()
+        starts = getattr(self, "_monitor_starts", [])
+        futures_wait(starts)   # each start is bounded (MonitorHandle.start's ready timeout)
+        started = [f.result() for f in starts if not f.cancelled() and f.exception() is None]
+        for handle in self.monitors + [h for h in started if h not in self.monitors]:
+            handle.stop()   # also those started before the store or another monitor failed
             self.watchdog.forget(handle.pid)
         pool.shutdown(wait=True)
         self.watchdog.close()

@@ -463,10 +463,11 @@ class Server:
                 self.read_channel()
 
     def close(self) -> None:
-        try:
-            os.unlink(self.shm_path)
-        except OSError:
-            pass
+        for path in (self.shm_path, L.env_file(self.shm_path)):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def main(argv=None) -> int:
