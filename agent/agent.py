@@ -455,6 +455,7 @@ class NodeAgent:
             self.say(f"simulated fault planned: {plan.kind} in rank {plan.rank} (drawn from seed "
                      f"{cfg.ft.simulated_fault_seed}) {plan.delay:.2f}s after start")
         verdict = None
+        self._deferred_restart: Optional[list] = []   # the restart line waits for the ranks' last words
         try:
             verdict = self._supervise(rnd)
             return verdict
@@ -473,6 +474,9 @@ class NodeAgent:
                 monitor.rank_stopped()
             self._mark_stopping(shm_layout.STOP_RESTART, cfg.workers_stop_timeout, skip=keep)
             self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout, keep=[k[1] for k in keep.values()])
+            deferred, self._deferred_restart = self._deferred_restart, None
+            for args, fields in deferred or []:   # after the stopped ranks' output (their tracebacks)
+                self.events.event(*args, **fields)
             self._carried = keep
             kept = {id(k[1]) for k in keep.values()}   # alive: their GPU memory stays theirs
             self.health.dead_pids = [r.pid for r in self.group.ranks if id(r) not in kept]
@@ -755,11 +759,15 @@ class NodeAgent:
         if verdict.restart:
             head = "restarting all ranks" if not verdict.in_process else "restarting in place"
             tail = "" if not verdict.in_process else f": {verdict.rung_words()}"
-            self.events.event("restart", f"{head}: cycle {verdict.next_round} "
-                              f"(restart {verdict.restarts_used}/{self.cfg.max_restarts}){tail}",
-                              next_cycle=verdict.next_round, restarts_used=verdict.restarts_used,
-                              rung=verdict.rung, replace_ranks=verdict.replace_ranks,
-                              replace_nodes=verdict.replace_nodes)
+            args = ("restart", f"{head}: cycle {verdict.next_round} "
+                    f"(restart {verdict.restarts_used}/{self.cfg.max_restarts}){tail}")
+            fields = dict(next_cycle=verdict.next_round, restarts_used=verdict.restarts_used,
+                          rung=verdict.rung, replace_ranks=verdict.replace_ranks,
+                          replace_nodes=verdict.replace_nodes)
+            if getattr(self, "_deferred_restart", None) is not None:   # said once this cycle's ranks are stopped
+                self._deferred_restart.append((args, fields))
+            else:
+                self.events.event(*args, **fields)
         return verdict
 
     def _finish_job(self, rnd: Round) -> None:
