@@ -22,6 +22,7 @@ job fell below its minimum, or this node was replaced as the store host; 93
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import secrets
 import selectors
@@ -207,6 +208,11 @@ class NodeAgent:
             handle.stop()   # also those started before the store or another monitor failed
             self.watchdog.forget(handle.pid)
         pool.shutdown(wait=True)
+        for marker in glob.glob(shm_layout.warned_prefix(os.getpid()) + "*"):   # the ranks' said-once marks
+            try:
+                os.unlink(marker)
+            except OSError:
+                pass
         self.watchdog.close()
         MonitorHandle.tidy_run_dir(self._run_dir, remove_if_empty=not self.cfg.log_dir)
         signal.set_wakeup_fd(-1)

@@ -24,6 +24,13 @@ ENV_SHM = "FT_RANK_MONITOR_SHM"                # path of the shared-memory file
 ENV_STACK_FILE = "FT_RANK_MONITOR_STACK_FILE"  # stack-dump file template, "{pid}" replaced
 ENV_CONFIG = "FT_RANK_MONITOR_CONFIG"          # JSON: timeouts the rank was started with
 ENV_LOCAL_RANK = "FT_RANK_MONITOR_LOCAL_RANK"
+ENV_WARNED = "FT_LAUNCHER_WARNED"              # path prefix of the agent's said-once markers
+
+
+def warned_prefix(agent_pid: int) -> str:
+    """Where the ranks of agent `agent_pid` mark a warning as said (one empty file per warning),
+    so that each is said once per agent, not once per rank process; under the records' name."""
+    return os.path.join(default_shm_dir(), f"ft_launcher_{agent_pid}_warned_")
 
 MAGIC = 0x46544C4D4F4E3031  # "FTLMON01"
 VERSION = 4

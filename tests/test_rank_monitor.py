@@ -215,3 +215,17 @@ def test_a_hang_in_a_rank_without_the_client_says_there_is_no_stack_dump(launche
     line = next(l for l in res.stderr.splitlines() if "hang detected" in l)
     assert "out of section" in line and "None" not in line and "no stack dump" in line, line
     assert events(tmp_path / "logs", "hang")[0]["detail"]["stack_file"] is None
+
+
+def test_a_rank_warning_is_said_once_per_agent_not_per_cycle(launcher, tmp_path):
+    """'setup' and 'checkpointing' have no timeout here: each is said once, though rank 0 runs
+    them again in the cycle after the failure (a new process)."""
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                        "--ft-rank-section-timeouts", "step:30", os.path.join(ROOT, "examples", "ddp_train.py"),
+                        "--steps", "30", "--ckpt-every", "10", "--fail-at-step", "25", "--fail-rank", "1",
+                        "--ckpt-dir", tmp_path / "ckpt"], timeout=90)
+    assert res.returncode == 0 and "resumed from step 20 (cycle 1)" in res.stdout, res.stderr
+    said = [l for l in res.stderr.splitlines() if "FtSectionWarning" in l]
+    assert len([l for l in said if "'setup'" in l]) == 1, said
+    assert len([l for l in said if "'checkpointing'" in l]) == 1, said
+
