@@ -45,6 +45,7 @@ from .gpu_env import heartbeat_warning
 from .health_checks import HealthChecks
 from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host, too_few_left
 from .progress import ProgressTracker
+from .section_use import SectionUse
 from .stragglers import StragglerWatch
 from .job_status import JobStatus
 from .timeout_learning import TimeoutLearner, default_state_path
@@ -160,6 +161,7 @@ class NodeAgent:
                     self.say(heartbeat_warning(os.environ, self.cfg.ft))
                 self.progress = ProgressTracker(self.cfg.ft.max_no_progress_cycles)
                 self.stragglers = StragglerWatch(self.cfg.ft, self.events)
+                self.section_use = SectionUse(self.events)
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
                 self._start_watcher()
                 self.monitors = [f.result() for f in monitor_starts]
@@ -450,6 +452,7 @@ class NodeAgent:
             if monitor:
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
         self._ranks_started()
+        self.section_use.cycle_start()
         self.status.cycle_start(rnd, restarts, self.group, self.monitors)
         self.reserves.fill()
         plan = None
@@ -592,6 +595,7 @@ class NodeAgent:
                     elif isinstance(key.data, tuple):
                         self._collect_reports(key.data[1], sel)
                 self.status.sample()
+                self.section_use.poll(self.monitors, self.cfg.ft)
                 self._check_signal(rnd)
                 self._check_monitors_tick()
                 self.reserves.maintain()

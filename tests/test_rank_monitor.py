@@ -229,3 +229,14 @@ def test_a_rank_warning_is_said_once_per_agent_not_per_cycle(launcher, tmp_path)
     assert len([l for l in said if "'setup'" in l]) == 1, said
     assert len([l for l in said if "'checkpointing'" in l]) == 1, said
 
+
+def test_section_timeouts_for_a_script_without_sections_are_said_to_protect_nothing(launcher, tmp_path):
+    """A script that never enters a section, under --ft-rank-section-timeouts step:2: one line
+    (per agent, not per rank) says that the section timeouts do nothing for it."""
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--log-dir", tmp_path / "logs",
+                        "--ft-rank-section-timeouts", "step:2", os.path.join(SCRIPTS, "plain_hang.py"), "12"],
+                       timeout=60)
+    assert res.returncode == 0, res.stderr
+    said = [l for l in res.stderr.splitlines() if "no rank on this node has entered a section" in l]
+    assert len(said) == 1 and "step 2 s" in said[0] and "nothing finds a hang outside them" in said[0], res.stderr
+    assert len(events(tmp_path / "logs", "no_section_entered")) == 1
