@@ -22,6 +22,7 @@ job fell below its minimum, or this node was replaced as the store host; 93
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import secrets
 import selectors
@@ -30,7 +31,7 @@ import socket
 import tempfile
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait as futures_wait
 from typing import Dict, List, Optional
 
 from ft_launcher.rank_monitor import shm_layout
@@ -44,6 +45,7 @@ from .gpu_env import heartbeat_warning
 from .health_checks import HealthChecks
 from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host, too_few_left
 from .progress import ProgressTracker
+from .section_use import SectionUse
 from .stragglers import StragglerWatch
 from .job_status import JobStatus
 from .timeout_learning import TimeoutLearner, default_state_path
@@ -128,11 +130,15 @@ class NodeAgent:
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.watchdog = OrphanWatchdog()
+        # What the agent leaves on disk if it is SIGKILLed: its monitors' records, its stack-dump dir
+        self.watchdog.remove_matching_at_exit(MonitorHandle.record_pattern(os.getpid()))
+        if not self.cfg.log_dir:
+            self.watchdog.tidy_at_exit(self._run_dir)
         self.output = RankOutput()
         set_wake_fd(self._wake_w)   # an in-process restartable rank that raised wakes us through it
         self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog)  # before monitors, reserves
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
-        monitor_starts = self._start_monitors(pool)
+        monitor_starts = self._monitor_starts = self._start_monitors(pool)
         self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
         # torch loads here, while the monitors start: their start-up costs the launch nothing
         with warnings.catch_warnings():  # torch's import-time warnings say nothing about this job
@@ -149,11 +155,13 @@ class NodeAgent:
                 self.learner = TimeoutLearner(self.cfg.ft, default_state_path(self.cfg.ft, self.cfg.log_dir),
                                               self.events)
                 self.failover = StoreFailover(self.cfg, self.store, self.proto, self.me, self.say, self.learner)
+                self.flight.on_request = lambda cycle: self.learner.freeze(self.monitors, cycle)
                 self._warn_if_hangs_undetectable()
                 if heartbeat_warning(os.environ, self.cfg.ft):
                     self.say(heartbeat_warning(os.environ, self.cfg.ft))
                 self.progress = ProgressTracker(self.cfg.ft.max_no_progress_cycles)
                 self.stragglers = StragglerWatch(self.cfg.ft, self.events)
+                self.section_use = SectionUse(self.events)
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
                 self._start_watcher()
                 self.monitors = [f.result() for f in monitor_starts]
@@ -195,10 +203,18 @@ class NodeAgent:
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
             watcher.stop(wait=self.cfg.conf("keep_alive_interval") + 1.0)
-        for handle in self.monitors:
-            handle.stop()
+        starts = getattr(self, "_monitor_starts", [])
+        futures_wait(starts)   # each start is bounded (MonitorHandle.start's ready timeout)
+        started = [f.result() for f in starts if not f.cancelled() and f.exception() is None]
+        for handle in self.monitors + [h for h in started if h not in self.monitors]:
+            handle.stop()   # also those started before the store or another monitor failed
             self.watchdog.forget(handle.pid)
         pool.shutdown(wait=True)
+        for marker in glob.glob(shm_layout.warned_prefix(os.getpid()) + "*"):   # the ranks' said-once marks
+            try:
+                os.unlink(marker)
+            except OSError:
+                pass
         self.watchdog.close()
         MonitorHandle.tidy_run_dir(self._run_dir, remove_if_empty=not self.cfg.log_dir)
         signal.set_wakeup_fd(-1)
@@ -412,6 +428,7 @@ class NodeAgent:
         self.flight.start_cycle(self.store, rnd, self.me.node_id,
                                 lambda: [(r.local_rank, r.rank) for r in self.group.ranks])
         self._apply_timeouts(self.learner.load())
+        self.learner.begin_cycle(rnd.number)
         self._restartable_declared = False
         in_place = self._restart_points(rnd, previous)
         for local_rank in range(cfg.nproc_per_node):
@@ -435,6 +452,7 @@ class NodeAgent:
             if monitor:
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
         self._ranks_started()
+        self.section_use.cycle_start()
         self.status.cycle_start(rnd, restarts, self.group, self.monitors)
         self.reserves.fill()
         plan = None
@@ -446,6 +464,7 @@ class NodeAgent:
             self.say(f"simulated fault planned: {plan.kind} in rank {plan.rank} (drawn from seed "
                      f"{cfg.ft.simulated_fault_seed}) {plan.delay:.2f}s after start")
         verdict = None
+        self._deferred_restart: Optional[list] = []   # the restart line waits for the ranks' last words
         try:
             verdict = self._supervise(rnd)
             return verdict
@@ -464,6 +483,9 @@ class NodeAgent:
                 monitor.rank_stopped()
             self._mark_stopping(shm_layout.STOP_RESTART, cfg.workers_stop_timeout, skip=keep)
             self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout, keep=[k[1] for k in keep.values()])
+            deferred, self._deferred_restart = self._deferred_restart, None
+            for args, fields in deferred or []:   # after the stopped ranks' output (their tracebacks)
+                self.events.event(*args, **fields)
             self._carried = keep
             kept = {id(k[1]) for k in keep.values()}   # alive: their GPU memory stays theirs
             self.health.dead_pids = [r.pid for r in self.group.ranks if id(r) not in kept]
@@ -573,6 +595,7 @@ class NodeAgent:
                     elif isinstance(key.data, tuple):
                         self._collect_reports(key.data[1], sel)
                 self.status.sample()
+                self.section_use.poll(self.monitors, self.cfg.ft)
                 self._check_signal(rnd)
                 self._check_monitors_tick()
                 self.reserves.maintain()
@@ -683,6 +706,7 @@ class NodeAgent:
 
     def _fail(self, rnd: Round, reason: dict) -> Verdict:
         reason.setdefault("node_id", self.me.node_id)
+        self.learner.freeze(self.monitors)   # what the ranks do from now on is no observation
         self.progress.poll(self.proto, rnd.number, self.monitors)   # this node's last steps count too
         if reason.get("kind") == "failure" and self.cfg.ft.straggler_exclude and rnd.spares:
             slow = [n for n in rnd.active if self.proto.exists(f"slow/{n.node_id}")][: len(rnd.spares)]
@@ -710,6 +734,8 @@ class NodeAgent:
 
     def _interrupted(self, rnd: Round) -> Verdict:
         verdict = self.proto.verdict(rnd.number)
+        if verdict.kind != "complete":
+            self.learner.freeze(self.monitors)
         if verdict.kind == "shutdown":
             self.status.cycle_end()
             self._signal = self._signal or int(verdict.signal or signal.SIGTERM)
@@ -743,11 +769,15 @@ class NodeAgent:
         if verdict.restart:
             head = "restarting all ranks" if not verdict.in_process else "restarting in place"
             tail = "" if not verdict.in_process else f": {verdict.rung_words()}"
-            self.events.event("restart", f"{head}: cycle {verdict.next_round} "
-                              f"(restart {verdict.restarts_used}/{self.cfg.max_restarts}){tail}",
-                              next_cycle=verdict.next_round, restarts_used=verdict.restarts_used,
-                              rung=verdict.rung, replace_ranks=verdict.replace_ranks,
-                              replace_nodes=verdict.replace_nodes)
+            args = ("restart", f"{head}: cycle {verdict.next_round} "
+                    f"(restart {verdict.restarts_used}/{self.cfg.max_restarts}){tail}")
+            fields = dict(next_cycle=verdict.next_round, restarts_used=verdict.restarts_used,
+                          rung=verdict.rung, replace_ranks=verdict.replace_ranks,
+                          replace_nodes=verdict.replace_nodes)
+            if getattr(self, "_deferred_restart", None) is not None:   # said once this cycle's ranks are stopped
+                self._deferred_restart.append((args, fields))
+            else:
+                self.events.event(*args, **fields)
         return verdict
 
     def _finish_job(self, rnd: Round) -> None:
@@ -826,12 +856,13 @@ class NodeAgent:
         for report in monitor.read_reports():
             kind = report.get("kind")
             if kind == "hang":
+                self.learner.freeze(self.monitors)   # before the dump request lets any hung rank resume
                 self.flight.hang(report)   # every rank of the job dumps its trace before the monitor acts
                 self._pending_reports.setdefault(local_rank, []).append(report)
                 self.events.event(
                     "hang", f"rank {report.get('rank')} hang detected: {_hang_place(report)} "
                     f"elapsed {report.get('elapsed', 0):.2f}s > timeout {report.get('timeout', 0):g}s "
-                    f"-> monitor is stopping it; stack dump: {report.get('stack_file')}",
+                    f"-> monitor is stopping it; {_dump_words(report)}",
                     rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"})
             elif kind == "stack_dump":  # follows its hang report once the rank has written it
                 self.events.event("stack_dump", None, rank=report.get("rank"), cycle=report.get("cycle"),
@@ -875,6 +906,13 @@ class NodeAgent:
                 {"kind": "monitor_died", "pid": old.pid, "cycle": self.events.cycle})
             os.killpg(rank.pid, signal.SIGKILL)
         return handle
+
+
+def _dump_words(report: dict) -> str:
+    """Where the hung rank's stack dump goes, or why there is none."""
+    if report.get("stack_file"):
+        return f"stack dump: {report['stack_file']}"
+    return "no stack dump (the rank never used ft_launcher's client, so it has no dump handler)"
 
 
 def _hang_place(report: dict) -> str:

@@ -79,6 +79,9 @@ class FlightRecorder:
         self._cycle: Optional[_Cycle] = None
         self._cycles: List[_Cycle] = []
         self._analyses: List[threading.Thread] = []
+        # Called with the cycle's number (on the cycle's thread) when a dump is requested, before
+        # this node's part is done and so before any hung rank is resumed (computed timeouts).
+        self.on_request: Optional[Callable[[int], None]] = None
         if not self.enabled:
             say("flight recorder off (TORCH_FR_BUFFER_SIZE=0): a hang is reported with Python stacks only")
             return
@@ -252,6 +255,11 @@ class _Cycle(threading.Thread):
             return
         request = json.loads(raw)
         started = time.monotonic()
+        if self.owner.on_request is not None:
+            try:
+                self.owner.on_request(self.number)
+            except Exception:  # noqa: BLE001 - the dump goes on whatever this hook does
+                pass
         dumps, skipped = self._dump_local()
         for rank, data in dumps.items():
             self.s.set(self.k(f"dump/{rank}"), data)

@@ -2,15 +2,18 @@
 (ranks, their children, monitors) the moment the agent dies, however it dies.
 
 The agent writes `+PGID` / `-PGID` lines into the watchdog's stdin as it starts and reaps
-process groups, and `!PATH` for a scratch directory of its own. When that pipe reaches end-of-file
-(the kernel closes it when the agent exits, SIGKILL included), every group still registered gets
-SIGKILL and every such directory still there is removed. The watchdog runs in its own
+process groups, `!PATH` for a scratch file or directory of its own, `*PATTERN` for files named by
+a glob pattern (its monitors' shared-memory records), and `?PATH` for a directory that is removed
+only if nothing but empty files is in it (the stack-dump directory: a dump is kept). When that
+pipe reaches end-of-file (the kernel closes it when the agent exits, SIGKILL included), every
+group still registered gets SIGKILL and every such path still there is removed. The watchdog runs in its own
 session and ignores SIGINT/SIGTERM/SIGHUP, so a signal aimed at the agent's terminal or process
 group cannot take it out first. Started as a fresh interpreter
 (rank_monitor.own_modules.module_command), not a fork of a threaded agent.
 """
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
@@ -26,11 +29,15 @@ def main() -> None:
     from ft_launcher.rank_monitor.proc_title import set_title
 
     set_title(f"ft_launcher: orphan_watchdog agent_pid={os.getppid()}")
-    groups, dirs = set(), set()
+    groups, dirs, patterns, tidy = set(), set(), set(), set()
     for line in sys.stdin.buffer:
         text = line.strip().decode(errors="replace")
         if text.startswith("!/"):
             dirs.add(text[1:])
+        elif text.startswith("*/"):
+            patterns.add(text[1:])
+        elif text.startswith("?/"):
+            tidy.add(text[1:])
         elif len(text) > 1 and text[1:].isdigit():
             (groups.add if text[0] == "+" else groups.discard)(int(text[1:]))
     for pgid in groups:  # EOF: the agent is gone
@@ -39,8 +46,41 @@ def main() -> None:
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    for pattern in patterns:   # after the kill: no monitor is left to write them again
+        dirs.update(glob.glob(pattern))
     for path in dirs:
+        _remove(path)
+    for path in tidy:
+        _tidy(path)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _tidy(path: str) -> None:
+    """Remove the empty files in `path`, then `path` itself if that left it empty."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        full = os.path.join(path, name)
+        try:
+            if os.path.isfile(full) and os.path.getsize(full) == 0:
+                os.unlink(full)
+        except OSError:
+            pass
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 class OrphanWatchdog:
@@ -65,8 +105,16 @@ class OrphanWatchdog:
         self._send(f"-{pgid}\n")
 
     def remove_at_exit(self, path: str) -> None:
-        """Remove the directory `path` when the agent is gone, however it ends."""
+        """Remove the file or directory `path` when the agent is gone, however it ends."""
         self._send(f"!{os.path.abspath(path)}\n")
+
+    def remove_matching_at_exit(self, pattern: str) -> None:
+        """Remove the files matching the glob `pattern` when the agent is gone."""
+        self._send(f"*{os.path.abspath(pattern)}\n")
+
+    def tidy_at_exit(self, path: str) -> None:
+        """When the agent is gone: remove the empty files in directory `path`, and `path` if empty."""
+        self._send(f"?{os.path.abspath(path)}\n")
 
     def close(self) -> None:
         """Normal exit: every group is already reaped; let the watchdog end."""

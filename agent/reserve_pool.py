@@ -157,6 +157,8 @@ class ReservePool:
                        "restart starts it cold")
             self.per_slot = 0
         self.dir = tempfile.mkdtemp(prefix="ft_launcher_reserves_") if self.per_slot else None
+        if self.dir:
+            watchdog.remove_at_exit(self.dir)   # also when the agent is SIGKILLed
 
     @property
     def enabled(self) -> bool:

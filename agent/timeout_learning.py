@@ -6,11 +6,23 @@ up, maxima take the maximum), applies the rule of rank_monitor.timeout_calc, log
 writes ft_state.json atomically and publishes the timeouts with a version number. Every agent
 applies a new version to its monitors at once, so the running job is protected by the learned
 values, and the next cycle and the next job start from the file.
+
+What counts as an observation (the README's rule): a failed cycle contributes what its ranks had
+completed when the failure became known, nothing after. A monitor that finds its rank hung
+freezes that rank's statistics before it resumes or signals it (shm_layout.freeze_stats), so the
+hung occurrence never counts, even where it closes after all (a SIGSTOPped rank resumed for its
+stack dump, a SIGTERM handler that leaves the section). Each agent freezes its node's view of the
+cycle (`freeze`) when it learns of a failure: its monitor's hang report, the job's flight-recorder
+request (before any hung rank is resumed), a rank's death, another node's failure. So the peers
+that waited for the hung or dead rank, and finish their section or interval only once it is
+resumed or gone, add nothing. A new incarnation starts its intervals afresh, so no interval
+spans a restart.
 """
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Dict, List, Optional
 
@@ -55,6 +67,9 @@ class TimeoutLearner:
         self.past: Dict[str, Observation] = {}      # this node, cycles already over
         self.version_seen = 0
         self._next_publish = 0.0
+        self.cycle: Optional[int] = None
+        self._frozen: Optional[Dict[str, Observation]] = None   # this cycle's, as of its failure
+        self._lock = threading.Lock()   # freeze may come from the flight-recorder thread
 
     # ---- start and restart ----------------------------------------------------------------
     def load(self) -> FaultToleranceConfig:
@@ -83,8 +98,30 @@ class TimeoutLearner:
     def due(self) -> bool:
         return self.enabled and time.monotonic() >= self._next_publish
 
+    def begin_cycle(self, number: int) -> None:
+        with self._lock:
+            self.cycle, self._frozen = number, None
+
+    def freeze(self, monitors: list, cycle: Optional[int] = None) -> None:
+        """The cycle has failed (or another node's has): from now on its observations are those
+        of this moment. Later calls change nothing; one about another cycle is ignored."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if self._frozen is not None or (cycle is not None and cycle != self.cycle):
+                return
+            try:
+                self._frozen = self._current(monitors)
+            except ValueError:   # a record released under us (a monitor being replaced): none then
+                self._frozen = {}
+
+    @staticmethod
+    def _current(monitors: list) -> Dict[str, Observation]:
+        return combine_all(observations_from_stats(m.section_stats()) for m in monitors)
+
     def local_observations(self, monitors: list) -> Dict[str, Observation]:
-        current = combine_all(observations_from_stats(m.section_stats()) for m in monitors)
+        with self._lock:
+            current = self._frozen if self._frozen is not None else self._current(monitors)
         return combine_all([self.past, current])
 
     def publish(self, proto, monitors: list) -> None:
@@ -96,6 +133,8 @@ class TimeoutLearner:
         """Fold this cycle's observations in before the monitors serve new incarnations."""
         if self.enabled:
             self.past = self.local_observations(monitors)
+        with self._lock:
+            self.cycle, self._frozen = None, None
 
     def compute_as_writer(self, proto, node_ids: List[str], ranks: int) -> None:
         raw = proto.get_many([f"obs/{n}" for n in node_ids if proto.exists(f"obs/{n}")])

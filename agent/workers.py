@@ -17,7 +17,7 @@ import subprocess
 import time
 from typing import Dict, List, Optional
 
-from ft_launcher.rank_monitor import inprocess
+from ft_launcher.rank_monitor import inprocess, shm_layout
 
 from .flight_recorder import recorder_env
 from .gpu_env import nccl_env
@@ -85,6 +85,7 @@ def slot_env(cfg: LaunchConfig, local_rank: int) -> Dict[str, str]:
         "PYTHONUNBUFFERED": env.get("PYTHONUNBUFFERED", "1"),
     })
     env[inprocess.ENV_GRANULARITY] = cfg.ft.restart_granularity
+    env[shm_layout.ENV_WARNED] = shm_layout.warned_prefix(os.getpid())   # a rank's warnings: once per agent
     env[inprocess.ENV_EMPTY_CUDA_CACHE] = "1" if cfg.ft.empty_cuda_cache else "0"
     if _WAKE_FD is not None:
         env[inprocess.ENV_WAKE_FD] = str(_WAKE_FD)

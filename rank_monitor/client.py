@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import faulthandler
 import functools
+import hashlib
 import json
 import os
 import signal
@@ -57,6 +58,15 @@ def _warn(key, message: str) -> None:
     if key in _warned:
         return
     _warned.add(key)
+    prefix = os.environ.get(L.ENV_WARNED)
+    if prefix:   # once per agent: the first of its ranks (any cycle) to create the marker says it
+        marker = prefix + hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return
+        except OSError:
+            pass
     try:
         with warnings.catch_warnings(record=True) as caught:  # the filters stay the caller's
             warnings.warn(message, FtSectionWarning, stacklevel=4)

@@ -29,14 +29,16 @@ configured value in someone's file must not override this job's configuration. F
 flat `section` map of ft_launcher 0.1, where every value was computed) still loads.
 
 Writing is atomic (temp file in the same directory, fsync, rename, directory fsync) under a
-`filelock` lock, so concurrent writers on a shared filesystem never leave a torn file. A corrupt,
-truncated or unknown-version file is renamed aside with one warning and the job runs on its
-configured timeouts.
+`filelock` lock, so concurrent writers on a shared filesystem never leave a torn file. A file
+that is not a valid state (not UTF-8, truncated or too deeply nested JSON, a value of the wrong
+type or not finite anywhere, an unknown version) is renamed aside with one warning and the job
+runs on its configured timeouts.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 import time
@@ -96,7 +98,7 @@ def to_current_timeouts(computed: Timeouts, others: Timeouts) -> dict:
 def _seconds(value, where: str) -> Optional[float]:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise StateFormatError(f"{where} is not a positive number of seconds: {value!r}")
     return float(value)
 
@@ -156,11 +158,18 @@ def from_current_timeouts(current, computed_keys=None, legacy: bool = False) -> 
     return computed, others
 
 
+def _number(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise StateFormatError(f"{where} is not a number >= 0: {value!r}")
+    return float(value)
+
+
 def parse(data) -> FtState:
+    """The state in a decoded JSON document; StateFormatError for anything that is not one."""
     if not isinstance(data, dict):
         raise StateFormatError("not a JSON object")
     version = data.get("format_version")   # none in the files NVRx and Megatron write
-    if version is not None and version not in READABLE_VERSIONS:
+    if version is not None and (isinstance(version, bool) or version not in READABLE_VERSIONS):
         raise StateFormatError(f"format_version {version!r}, this ft_launcher reads "
                                f"{', '.join(map(str, READABLE_VERSIONS))}")
     keys = data.get("computed") if version == FORMAT_VERSION else None
@@ -168,32 +177,43 @@ def parse(data) -> FtState:
         raise StateFormatError(f"computed is not a list of timeout names: {keys!r}")
     state = FtState()
     state.timeouts, state.others = from_current_timeouts(data.get(CURRENT_TIMEOUTS), keys, legacy=version == 1)
-    for key, obs in (data.get("observations") or {}).items():
-        try:
-            state.observations[key] = Observation(int(obs["count"]), float(obs["max"]), float(obs.get("when", 0)))
-        except (TypeError, KeyError, ValueError):
-            raise StateFormatError(f"observation {key!r} is malformed") from None
-    state.config = data.get("config") or {}
-    state.updated = float(data.get("updated") or 0)
+    observations = data.get("observations") or {}
+    if not isinstance(observations, dict):
+        raise StateFormatError("observations is not an object")
+    for key, obs in observations.items():
+        if not isinstance(obs, dict) or "count" not in obs or "max" not in obs:
+            raise StateFormatError(f"observation {key!r} is malformed")
+        count = _number(obs["count"], f"observation {key!r} count")
+        if count != int(count):
+            raise StateFormatError(f"observation {key!r} count is not a whole number: {obs['count']!r}")
+        state.observations[key] = Observation(int(count), _number(obs["max"], f"observation {key!r} max"),
+                                              _number(obs.get("when", 0), f"observation {key!r} when"))
+    config = data.get("config") or {}
+    if not isinstance(config, dict):
+        raise StateFormatError("config is not an object")
+    state.config = config
+    state.updated = _number(data.get("updated") or 0, "updated")
     return state
 
 
 def load(path: str, warn: Callable[[str], None]) -> Optional[FtState]:
-    """The state in `path`, or None (missing, or set aside as unreadable with one warning)."""
+    """The state in `path`, or None (missing, or set aside as unreadable with one warning).
+    Unreadable is anything but a valid state: bytes that are not UTF-8, JSON that is truncated or
+    nested beyond the parser's depth, a value of the wrong type anywhere."""
     try:
         with FileLock(path + ".lock", timeout=30):
             try:
-                with open(path) as fh:
-                    text = fh.read()
+                with open(path, "rb") as fh:
+                    raw = fh.read()
             except FileNotFoundError:
                 return None
             try:
-                return parse(json.loads(text))
-            except (ValueError, StateFormatError) as exc:
+                return parse(json.loads(raw.decode("utf-8")))
+            except (ValueError, StateFormatError, RecursionError) as exc:   # UnicodeDecodeError is a ValueError
                 aside = _aside_name(path)
                 os.rename(path, aside)
-                warn(f"{path} is unreadable ({str(exc).splitlines()[0]}): kept aside as {aside}; "
-                     f"running on the configured timeouts")
+                reason = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+                warn(f"{path} is unreadable ({reason}): kept aside as {aside}; running on the configured timeouts")
                 return None
     except OSError as exc:
         warn(f"cannot read {path}: {exc}; running on the configured timeouts")

@@ -143,10 +143,16 @@ class MonitorHandle:
             self._words.release()
             self._mm.close()
             self._words = self._mm = None
-        try:
-            os.unlink(self.shm_path)
-        except OSError:
-            pass
+        for path in (self.shm_path, L.env_file(self.shm_path)):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    @staticmethod
+    def record_pattern(agent_pid: int) -> str:
+        """A glob matching every shared-memory file the monitors of agent `agent_pid` create."""
+        return os.path.join(L.default_shm_dir(), f"ft_launcher_{agent_pid}_*")
 
     def alive(self) -> bool:
         return not self._stopped and not self._chan.eof and self.proc.poll() is None

@@ -267,6 +267,7 @@ class Server:
             self._drop_inc()
             self.inc = Incarnation(int(msg["pid"]), int(msg.get("rank", -1)), int(msg.get("cycle", 0)),
                                    int(msg.get("start_ns") or _mono()))
+            self.words[L.H_FROZEN_NS] = 0
             self.words[L.H_START_NS] = self.inc.start_ns
             log.debug("local_rank=%s: watching rank %s pid %s cycle %s", self.local_rank,
                       self.inc.rank, self.inc.pid, self.inc.cycle)
@@ -417,6 +418,7 @@ class Server:
             "open_sections": self._open_sections(inc),
             "time": time.time(),
         }
+        L.freeze_stats(self.mm, w)   # before the rank can be resumed: the hang is no observation
         # The agent logs the operator's line for this report; here only for debugging.
         log.debug("local_rank=%s: rank %s (pid %s, cycle %s) hung: %s%s after %.3fs (timeout %ss)",
                     self.local_rank, inc.rank, inc.pid, inc.cycle, exp["reason"],
@@ -461,10 +463,11 @@ class Server:
                 self.read_channel()
 
     def close(self) -> None:
-        try:
-            os.unlink(self.shm_path)
-        except OSError:
-            pass
+        for path in (self.shm_path, L.env_file(self.shm_path)):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from typing import Dict, Optional, Tuple
 
 # ---- environment passed to the rank -------------------------------------------------------------
@@ -23,9 +24,16 @@ ENV_SHM = "FT_RANK_MONITOR_SHM"                # path of the shared-memory file
 ENV_STACK_FILE = "FT_RANK_MONITOR_STACK_FILE"  # stack-dump file template, "{pid}" replaced
 ENV_CONFIG = "FT_RANK_MONITOR_CONFIG"          # JSON: timeouts the rank was started with
 ENV_LOCAL_RANK = "FT_RANK_MONITOR_LOCAL_RANK"
+ENV_WARNED = "FT_LAUNCHER_WARNED"              # path prefix of the agent's said-once markers
+
+
+def warned_prefix(agent_pid: int) -> str:
+    """Where the ranks of agent `agent_pid` mark a warning as said (one empty file per warning),
+    so that each is said once per agent, not once per rank process; under the records' name."""
+    return os.path.join(default_shm_dir(), f"ft_launcher_{agent_pid}_warned_")
 
 MAGIC = 0x46544C4D4F4E3031  # "FTLMON01"
-VERSION = 3
+VERSION = 4
 
 # ---- header words -------------------------------------------------------------------------------
 H_MAGIC = 0
@@ -65,6 +73,8 @@ H_IP_FAIL_NS = 31       # when the rank's function raised (monotonic ns); 0: it 
 H_IP_REQUEST = 32       # agent: leave the function, to run again as this cycle (then IN_PLACE_SIGNAL)
 H_IP_GO = 33            # agent: run the function again as this cycle (its environment: the env file)
 H_IP_TEXT_LEN = 34      # bytes of the exception's one-line summary in the text area
+H_FROZEN_NS = 35        # monitor: when it found this incarnation hung; its statistics are then those
+                        # copied into the frozen area at that moment (0: live)
 HEADER_WORDS = 40
 
 # ---- per-section slot words ---------------------------------------------------------------------
@@ -100,7 +110,8 @@ REQUEST_OFFSET = NAMES_OFFSET + MAX_SLOTS * NAME_BYTES
 REQUEST_BYTES = 512
 IP_TEXT_OFFSET = REQUEST_OFFSET + REQUEST_BYTES
 IP_TEXT_BYTES = 512
-SIZE = IP_TEXT_OFFSET + IP_TEXT_BYTES
+FROZEN_OFFSET = IP_TEXT_OFFSET + IP_TEXT_BYTES   # a copy of the words, taken when a hang is found
+SIZE = FROZEN_OFFSET + WORDS * 8
 
 
 def slot_base(index: int) -> int:
@@ -203,33 +214,53 @@ def write_name(mm: mmap.mmap, words: memoryview, index: int, data: bytes) -> Non
     words[slot_base(index) + S_NAMELEN] = len(data)
 
 
+def freeze_stats(mm: mmap.mmap, words: memoryview) -> None:
+    """Monitor side, when it finds the rank hung and before it resumes or signals it: from now on
+    read_stats gives this incarnation's statistics as they are at this moment. Nothing the rank
+    does after (the hung occurrence closing when a SIGSTOPped rank is resumed for its stack dump,
+    a SIGTERM handler closing sections, a last heartbeat) is ever an observation."""
+    mm[FROZEN_OFFSET:FROZEN_OFFSET + WORDS * 8] = mm[0:WORDS * 8]
+    words[H_FROZEN_NS] = time.monotonic_ns()   # after the copy: a reader that sees it reads a whole copy
+
+
 def read_stats(mm: mmap.mmap, words: memoryview) -> Dict[str, dict]:
     """This incarnation's observations (seconds): {"sections": {name: {count, max, ...}},
     "out_of_section": {count, max}, "heartbeat": {"initial": {count, max}, "subsequent": {...}}}.
 
     Empty while the record holds no current data: no rank is running (the monitor zeroes
     H_START_NS when the rank stops), or the new incarnation's client has not attached yet (the
-    words still hold the previous incarnation's numbers, which were already collected)."""
+    words still hold the previous incarnation's numbers, which were already collected). Once the
+    monitor has found the rank hung, the numbers of that moment (freeze_stats): the live words are
+    read first and H_FROZEN_NS after, so a read that finds it 0 was taken before the hang's
+    detection, when the rank could not yet have been resumed."""
     start = words[H_START_NS]
     if not start or words[H_ATTACH_NS] < start:
         return {}
+    stats = _stats(mm, words, words, start)
+    if words[H_FROZEN_NS]:
+        frozen = memoryview(bytes(mm[FROZEN_OFFSET:FROZEN_OFFSET + WORDS * 8])).cast("q")   # a copy: no export
+        stats = _stats(mm, words, frozen, start)
+    return stats
+
+
+def _stats(mm: mmap.mmap, names: memoryview, w: memoryview, start: int) -> Dict[str, dict]:
     sections: Dict[str, dict] = {}
-    for i in range(max(0, min(words[H_NSLOTS], MAX_SLOTS))):
+    for i in range(max(0, min(w[H_NSLOTS], MAX_SLOTS))):
         b = slot_base(i)
-        sections[read_name(mm, words, i)] = {
-            "count": words[b + S_CLOSES],
-            "max": words[b + S_MAX_NS] / 1e9,
-            "last": words[b + S_LAST_NS] / 1e9,
-            "total": words[b + S_TOTAL_NS] / 1e9,
-            "open": bool(words[b + S_OPEN]),
+        sections[read_name(mm, names, i)] = {
+            "count": w[b + S_CLOSES],
+            "max": w[b + S_MAX_NS] / 1e9,
+            "last": w[b + S_LAST_NS] / 1e9,
+            "total": w[b + S_TOTAL_NS] / 1e9,
+            "open": bool(w[b + S_OPEN]),
         }
-    first, beats = words[H_HB_FIRST_NS], words[H_HB_COUNT]
+    first, beats = w[H_HB_FIRST_NS], w[H_HB_COUNT]
     return {
         "sections": sections,
-        "out_of_section": {"count": words[H_OOS_COUNT], "max": words[H_OOS_MAX_NS] / 1e9},
+        "out_of_section": {"count": w[H_OOS_COUNT], "max": w[H_OOS_MAX_NS] / 1e9},
         "heartbeat": {
             "initial": {"count": 1 if first else 0, "max": max(0, first - start) / 1e9 if first else 0.0},
-            "subsequent": {"count": max(0, beats - 1), "max": words[H_HB_MAX_NS] / 1e9},
+            "subsequent": {"count": max(0, beats - 1), "max": w[H_HB_MAX_NS] / 1e9},
         },
     }
 

@@ -3,13 +3,16 @@ prove with psutil that nothing they started outlives the test.
 
 Every process a test launches carries FT_TEST_TOKEN=<unique> in its environment; ranks,
 monitors, watchdogs and grandchildren inherit it, so even an orphan reparented to init is
-found. Zombies count as gone (this machine's PID 1 reaps late).
+found. Zombies count as gone (this machine's PID 1 reaps late). Files count too: whatever of ours
+(`ft_launcher*`) appeared in /dev/shm or the temp dir during the test and is still there once its
+processes are gone is a leak (tests that start processes run one at a time, under the lock).
 """
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -56,6 +59,25 @@ def monitor_of(agent_pid, local_rank):
         except psutil.NoSuchProcess:
             continue
     return None
+
+
+def node_tree(pid):
+    """An agent and every process under it but its orphan watchdog: what a test kills to lose a
+    node. The watchdog is spared so that it clears this machine's /dev/shm and temp dir of the
+    lost agent's files, as a lost machine's vanish with it."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for proc in procs:
+        try:
+            if "orphan_watchdog" not in " ".join(proc.cmdline()):
+                out.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 def free_port() -> int:
@@ -125,9 +147,27 @@ class Launcher:
                 proc.communicate()
 
 
+# What our processes may leave on purpose: --redirects without --log-dir keeps the logs it names.
+KEPT = ("ft_launcher_logs_",)
+
+
+def ours_on_disk():
+    """Paths of ours in /dev/shm and the temp dir: monitor records, their restart files, the
+    reserves', flight recorder's and stack dumps' scratch directories."""
+    found = set()
+    for where in {"/dev/shm", tempfile.gettempdir()}:
+        try:
+            names = os.listdir(where)
+        except OSError:
+            continue
+        found.update(os.path.join(where, n) for n in names if n.startswith("ft_launcher") and not n.startswith(KEPT))
+    return found
+
+
 @pytest.fixture
 def launcher(tmp_path):
     token = uuid.uuid4().hex
+    before = ours_on_disk()
     helper = Launcher(token, tmp_path)
     yield helper
     helper.cleanup()
@@ -135,3 +175,5 @@ def launcher(tmp_path):
     for proc in left:
         proc.kill()
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
+    leaked = sorted(ours_on_disk() - before)
+    assert not leaked, f"files left behind in /dev/shm or the temp dir: {leaked}"

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import SCRIPTS, read_events
+from conftest import EXAMPLE, SCRIPTS, read_events
 from ft_launcher.rank_monitor import ft_state_file
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 from ft_launcher.rank_monitor.timeout_calc import Observation, apply, combine_all, compute
@@ -95,17 +95,33 @@ def test_state_round_trips_and_megatron_shape_loads_only_what_was_computed(tmp_p
     assert ft_state_file.load(path, warn=print).timeouts == {"section:step": 7.0, "out_of_section": 20.0}
 
 
+CORRUPT_FORMS = [
+    b'{"current_timeouts": {"section": {"step": 12',                       # truncated JSON
+    b'{"format_version": 99, "current_timeouts": {}}',                      # unknown version
+    b'{"current_timeouts": {"section": {"step": -1}}}',                     # negative seconds
+    bytes(range(256))[::-1] * 2,                                            # random bytes, not UTF-8
+    b'\xff\xfe{"current_timeouts": {}}',                                    # a UTF-16 BOM
+    b"[" * 100_000,                                                         # deeper than the parser goes
+    b'{"current_timeouts": {"section": {"section": {"step": NaN}}}}',       # not a number of seconds
+    b'{"current_timeouts": {"section": {"section": {"step": 1e400}}}}',     # infinite
+    b'{"current_timeouts": {}, "observations": [1, 2]}',                   # wrong types inside
+    b'{"current_timeouts": {}, "observations": {"section:step": {"count": 1e400, "max": 1}}}',
+    b'{"current_timeouts": {}, "observations": {"section:step": {"count": 3, "max": "slow"}}}',
+    b'{"current_timeouts": {}, "config": 5}',
+    b'{"current_timeouts": {}, "updated": [1]}',
+]
+
+
 def test_corrupt_file_is_set_aside_with_one_warning(tmp_path):
     path = tmp_path / "ft_state.json"
-    for text in ('{"current_timeouts": {"section": {"step": 12', '{"format_version": 99, "current_timeouts": {}}',
-                 '{"current_timeouts": {"section": {"step": -1}}}'):
-        path.write_text(text)
+    for data in CORRUPT_FORMS:
+        path.write_bytes(data)
         warnings = []
-        assert ft_state_file.load(str(path), warn=warnings.append) is None
-        assert len(warnings) == 1 and "kept aside" in warnings[0]
+        assert ft_state_file.load(str(path), warn=warnings.append) is None, data[:60]
+        assert len(warnings) == 1 and "kept aside" in warnings[0] and "\n" not in warnings[0], data[:60]
         assert not path.exists()
     kept = [p for p in os.listdir(tmp_path) if ".corrupt-" in p]
-    assert len(kept) == 3  # nothing silently lost
+    assert len(kept) == len(CORRUPT_FORMS)  # nothing silently lost
 
 
 def _writer(path, tag, count):
@@ -196,12 +212,14 @@ def test_two_jobs_computing_into_one_file_leave_one_valid_file(launcher, tmp_pat
 
 def test_a_corrupt_state_file_is_set_aside_and_the_job_runs_on_configured_timeouts(launcher, tmp_path):
     state = tmp_path / "ft_state.json"
-    state.write_text('{"current_timeouts": {"section": {"step": 0.0')
+    garbage = bytes(range(256))[::-1] * 2   # random bytes: not even UTF-8
+    state.write_bytes(garbage)
     _, err = _finish(_job(launcher, tmp_path, "run", state))
+    assert "Traceback" not in err
     warnings = [l for l in err.splitlines() if "unreadable" in l]
     assert len(warnings) == 1 and "kept aside as" in warnings[0] and "configured timeouts" in warnings[0]
     aside = [p for p in os.listdir(tmp_path) if p.startswith("ft_state.json.corrupt-")]
-    assert len(aside) == 1 and (tmp_path / aside[0]).read_text().startswith('{"current_timeouts"')
+    assert len(aside) == 1 and (tmp_path / aside[0]).read_bytes() == garbage
     assert ft_state_file.load(str(state), warn=lambda m: pytest.fail(m)) is not None  # a fresh, valid file
 
 
@@ -220,3 +238,32 @@ def test_a_megatron_state_file_is_loaded_and_enforced(launcher, tmp_path):
     assert res.returncode == 0, res.stderr
     hang = read_events(tmp_path / "logs", "hang")
     assert len(hang) == 1 and hang[0]["detail"]["section"] == "step" and hang[0]["detail"]["timeout"] == 1.5
+
+
+def _example(launcher, tmp_path, name, *fault):
+    """The README's example job, learning with a 3 s floor, its step timeout 4 s at the start."""
+    state = tmp_path / f"{name}.json"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", tmp_path / name,
+                        "--ft-calc-ft-timeouts", "true", "--ft-calc-timeout-floor", "3",
+                        "--ft-rank-section-timeouts", "setup:30,step:4,checkpointing:10", "--ft-state-path", state,
+                        *fault, EXAMPLE, "--steps", "150", "--step-time", "0.02", "--ckpt-dir", tmp_path / f"ckpt_{name}"],
+                       timeout=120)
+    assert res.returncode == 0, res.stderr
+    return json.loads(state.read_text()), res.stderr
+
+
+def test_a_caught_hang_teaches_the_timeouts_nothing(launcher, tmp_path):
+    """The hung occurrence (here a SIGSTOPped rank, resumed by its monitor for the stack dump, so
+    that it does close the section), and what its peer finished only once it was resumed, must not
+    loosen the next run's detection: the job with the hang persists what the job without it does."""
+    plain, _ = _example(launcher, tmp_path, "plain")
+    hung, err = _example(launcher, tmp_path, "hung", "--ft-simulate-fault", "true", "--ft-simulated-fault-type",
+                         "rank_hung", "--ft-simulated-fault-base-delay", "4")
+    hang = read_events(tmp_path / "hung", "hang")
+    assert hang and hang[0]["detail"]["section"] == "step", err   # its peer, waiting in 'step' too, may follow
+    elapsed = hang[0]["detail"]["elapsed"]   # >= 3 s: the step timeout, learned or configured
+    assert hung["observations"]["section:step"]["max"] < elapsed / 2
+    # the interval across the hang is no heartbeat observation (the longest real one: setup, ~1-2 s)
+    assert hung["observations"]["heartbeat:subsequent"]["max"] < elapsed
+    step = lambda state: state["current_timeouts"]["section"]["section"]["step"]  # noqa: E731
+    assert "section:step" in hung["computed"] and step(hung) == step(plain) == 3.0

@@ -24,7 +24,7 @@ import time
 import psutil
 import pytest
 
-from conftest import LAUNCHER, ROOT, SCRIPTS, read_events, wait_for
+from conftest import LAUNCHER, ROOT, SCRIPTS, node_tree, read_events, wait_for
 from test_fault_matrix import HOLD_STEP, Job, References, progress
 
 HOLD = 4.0
@@ -179,7 +179,7 @@ def test_active_world_size_a_warm_reserve_node_takes_over_a_lost_node(launcher, 
              "the reserve node's warm reserves")
     wait_for(lambda: in_phase(job, 3, "step"), 60, "rank 3 in the held step")
     victim = job.agents[1]                 # node 1 (ranks 2, 3): its agent and ranks are killed
-    for proc in [psutil.Process(victim.pid)] + psutil.Process(victim.pid).children(recursive=True):
+    for proc in node_tree(victim.pid):
         proc.kill()
     results, _ = job.wait(bound=180)
     assert [code for i, (code, _, _) in enumerate(results) if i != 1] == [0, 0], results[0][2][-3000:]

@@ -194,3 +194,18 @@ def test_redirects_keep_console_clean_and_filter_selects_ranks(launcher, tmp_pat
                         ENV_DUMP, tmp_path])
     assert res.returncode == 0
     assert "[rank 1] hello from rank 1" in res.stdout and "hello from rank 0" not in res.stdout
+
+
+def test_a_cycles_rank_tracebacks_come_before_the_restart_line(launcher, tmp_path):
+    """The operator reads the cause before the action: rank 1 crashes in 'step' (exit 1 at once),
+    rank 0 then fails in its collective and prints a traceback; it (teed, and without a log dir
+    written straight to the console) is out before 'restarting all ranks: cycle 1'."""
+    for name, extra in (("teed", ["--log-dir", tmp_path / "logs"]), ("direct", [])):
+        res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *extra, EXAMPLE,
+                            "--steps", "20", "--fail-at-step", "10", "--fail-rank", "1",
+                            "--ckpt-dir", tmp_path / f"ckpt_{name}"], timeout=90)
+        assert res.returncode == 0, res.stderr
+        lines = res.stderr.splitlines()
+        restart = next(i for i, l in enumerate(lines) if "restarting all ranks: cycle 1" in l)
+        tracebacks = [i for i, l in enumerate(lines) if "Traceback (most recent call last)" in l]
+        assert tracebacks and max(tracebacks) < restart, (name, res.stderr[-4000:])

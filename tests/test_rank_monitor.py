@@ -204,3 +204,39 @@ def test_a_stalled_monitor_is_replaced_and_its_rank_restarted(launcher, tmp_path
     assert events(logs, "monitor_died")[0]["detail"]["local_rank"] == 0
     assert len(events(logs, "cycle_start")) == 2 and events(logs)[-1]["kind"] == "job_complete"
     assert not psutil.pid_exists(monitor.pid) or monitor.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_hang_in_a_rank_without_the_client_says_there_is_no_stack_dump(launcher, tmp_path):
+    """A script that never uses ft_launcher's API has no dump handler: the hang line says so,
+    instead of 'stack dump: None'."""
+    res = launcher.run(["--standalone", "--nproc-per-node", "1", "--max-restarts", "0", "--log-dir", tmp_path / "logs",
+                        "--ft-rank-out-of-section-timeout", "1", os.path.join(SCRIPTS, "plain_hang.py"), "30"],
+                       timeout=60)
+    line = next(l for l in res.stderr.splitlines() if "hang detected" in l)
+    assert "out of section" in line and "None" not in line and "no stack dump" in line, line
+    assert events(tmp_path / "logs", "hang")[0]["detail"]["stack_file"] is None
+
+
+def test_a_rank_warning_is_said_once_per_agent_not_per_cycle(launcher, tmp_path):
+    """'setup' and 'checkpointing' have no timeout here: each is said once, though rank 0 runs
+    them again in the cycle after the failure (a new process)."""
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                        "--ft-rank-section-timeouts", "step:30", os.path.join(ROOT, "examples", "ddp_train.py"),
+                        "--steps", "30", "--ckpt-every", "10", "--fail-at-step", "25", "--fail-rank", "1",
+                        "--ckpt-dir", tmp_path / "ckpt"], timeout=90)
+    assert res.returncode == 0 and "resumed from step 20 (cycle 1)" in res.stdout, res.stderr
+    said = [l for l in res.stderr.splitlines() if "FtSectionWarning" in l]
+    assert len([l for l in said if "'setup'" in l]) == 1, said
+    assert len([l for l in said if "'checkpointing'" in l]) == 1, said
+
+
+def test_section_timeouts_for_a_script_without_sections_are_said_to_protect_nothing(launcher, tmp_path):
+    """A script that never enters a section, under --ft-rank-section-timeouts step:2: one line
+    (per agent, not per rank) says that the section timeouts do nothing for it."""
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--log-dir", tmp_path / "logs",
+                        "--ft-rank-section-timeouts", "step:2", os.path.join(SCRIPTS, "plain_hang.py"), "12"],
+                       timeout=60)
+    assert res.returncode == 0, res.stderr
+    said = [l for l in res.stderr.splitlines() if "no rank on this node has entered a section" in l]
+    assert len(said) == 1 and "step 2 s" in said[0] and "nothing finds a hang outside them" in said[0], res.stderr
+    assert len(events(tmp_path / "logs", "no_section_entered")) == 1

@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from conftest import SCRIPTS, free_port, read_events, wait_for
+from conftest import SCRIPTS, free_port, node_tree, read_events, wait_for
 from test_fault_matrix import HOLD_STEP, STEPS, Job, References, progress
 
 FAILOVER_TO_STEPPING = 6.0  # goal: store host SIGKILL -> every remaining rank stepping again
@@ -32,12 +32,7 @@ def reference(tmp_path_factory):
     return References(tmp_path_factory)
 
 
-def _tree(pid):
-    try:
-        root = psutil.Process(pid)
-        return [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
+_tree = node_tree   # a node's processes, its orphan watchdog spared (conftest)
 
 
 def _with_spare(launcher, tmp_path, script_args=()):

@@ -179,7 +179,7 @@ def test_a_hot_spare_node_keeps_warm_reserves_and_takes_over_with_them(launcher,
     """--nnodes 1:2: the spare parks with warm reserves; when the training node dies, the spare's
     ranks start from them."""
     from test_fault_matrix import _listening
-    from conftest import free_port
+    from conftest import free_port, node_tree
 
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     port = free_port()
@@ -198,7 +198,7 @@ def test_a_hot_spare_node_keeps_warm_reserves_and_takes_over_with_them(launcher,
                           if e["node"] == spare_node}) == 2 or spare.poll() is not None,
              READY_WITHIN, "the spare's reserves")
     wait_for(lambda: (ckpt / "ckpt.pt").exists(), 60, "a checkpoint")
-    for p in [psutil.Process(trainer.pid), *psutil.Process(trainer.pid).children(recursive=True)]:
+    for p in node_tree(trainer.pid):
         p.kill()  # the training node is lost: agent, monitors, ranks, reserves
     trainer.communicate()
     wait_for(lambda: len(started(logs, 1)) == 2 or spare.poll() is not None, 60, "the spare training")
