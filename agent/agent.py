@@ -49,6 +49,7 @@ from .job_status import JobStatus
 from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
+from .process_wait import Unkillable, kill_and_wait
 from .rank_output import RankOutput
 from . import inprocess_ranks
 from .reserve_pool import ReservePool
@@ -128,7 +129,7 @@ class NodeAgent:
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.watchdog = OrphanWatchdog()
-        self.output = RankOutput()
+        self.output = RankOutput(self.events.disk_warning)
         set_wake_fd(self._wake_w)   # an in-process restartable rank that raised wakes us through it
         self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog)  # before monitors, reserves
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
@@ -178,13 +179,18 @@ class NodeAgent:
                 return self._job_stopped(exc.code)
             except NoRestart as exc:
                 return self._no_restart(exc.reason, exc.node_only)
+            except Unkillable as exc:
+                return self._unkillable(exc)
         finally:
             self._teardown(pool)
 
     def _teardown(self, pool) -> None:
         group = getattr(self, "group", None)
         if group is not None:
-            group.stop(signal.SIGKILL, 1.0)
+            try:
+                group.stop(signal.SIGKILL, 1.0)
+            except Unkillable as exc:   # found on the way out: the exit code stands, the line is said
+                self.events.event("rank_unkillable", f"error: {exc}", ranks=exc.ranks)
         self._drop_carried(None)
         reserves = getattr(self, "reserves", None)
         if reserves is not None:
@@ -334,6 +340,21 @@ class NodeAgent:
             self.events.event("job_stopped_no_restart", f"error: {reason} -> the job stops without a restart: "
                               f"exiting {code}", reason=reason, exitcode=code)
         return code
+
+    def _unkillable(self, exc: Unkillable) -> int:
+        """A rank SIGKILL did not end (agent.process_wait): this node leaves the job (exit
+        no_restart_exit_code), unless a signal is already ending it (then its code stands)."""
+        self.events.event("rank_unkillable", None, ranks=exc.ranks)
+        if self._signal_handled and self._signal:
+            self.say(f"error: {exc}")
+            return self._job_stopped(128 + self._signal)
+        try:
+            self._leave_job(str(exc))
+        except NoRestart as left:
+            return self._no_restart(left.reason, node_only=True)
+        except RendezvousError:   # the store is gone too: leave all the same
+            pass
+        return self._no_restart(str(exc), node_only=True)
 
     def _leave_job(self, reason: str) -> None:
         """This node leaves the job (ExcludeThisNode, a failed health check): mark it, keep the store
@@ -515,22 +536,26 @@ class NodeAgent:
             self.events.event("inprocess_timeout", f"rank {rank.rank} (pid {rank.pid}) {what}; its slot "
                               f"starts afresh", rank=rank.rank, pid=rank.pid, exited=gone,
                               waited=round(time.monotonic() - asked, 3))
-            killpg(rank.pid, signal.SIGKILL)
-            rank.proc.wait()
+            if not kill_and_wait(rank.proc):
+                rank.unkillable = True
+                raise Unkillable([(rank.rank, rank.pid)])
             (previous or self.group).reap(rank)
         return adopted
 
     def _drop_carried(self, why: Optional[str]) -> None:
         """Ranks asked to restart in place that will not be adopted: kill them."""
         carried, self._carried = self._carried, {}
+        stuck = []
         for _, rank, _ in carried.values():
             if why:
                 self.say(f"rank {rank.rank} (pid {rank.pid}) will not restart in place: {why}")
-            killpg(rank.pid, signal.SIGKILL)
-            try:
-                rank.proc.wait(timeout=5)
-            except Exception:  # noqa: BLE001 - the orphan watchdog still has it
-                pass
+            if not kill_and_wait(rank.proc):   # the orphan watchdog still has it
+                rank.unkillable = True
+                stuck.append((rank.rank, rank.pid))
+        if stuck and why:
+            raise Unkillable(stuck)
+        if stuck:   # on the way out: the exit code stands, the line is said
+            self.events.event("rank_unkillable", f"error: {Unkillable(stuck)}", ranks=stuck)
 
     def _in_process_news(self, rnd: Round) -> Optional[Verdict]:
         """Declare this node restartable once all its ranks run under ft.restartable; report a
