@@ -402,10 +402,20 @@ class RoundProtocol:
                 self._call(self.s.set, self.k("round"), str(number + 1))
         return self.verdict(number)
 
-    def verdict(self, number: int, timeout: float = 60.0) -> Verdict:
+    def verdict(self, number: int) -> Verdict:
+        """The verdict of interrupted round `number`. Its decider writes it just after winning
+        the interrupt; if that node dies in between, the wait ends after close_timeout with one
+        line naming it (RendezvousError: exit 1)."""
         key = self.k(f"r{number}/verdict")
+        timeout = self.cfg.conf("close_timeout")
         if not self.store.wait_key(self.s, key, timeout):
-            raise RendezvousError(f"round {number} was interrupted but no verdict came")
+            try:
+                who = json.loads(self.get(f"r{number}/interrupt")).get("node_id") or "another node"
+            except (RendezvousError, ValueError, AttributeError):
+                who = "another node"
+            raise RendezvousError(
+                f"round {number} was interrupted by {who}, but its verdict did not come within "
+                f"close_timeout={timeout:g}s (the deciding node died before writing it?) -> exiting 1")
         return Verdict.from_json(self._call(self.s.get, key))
 
     def interrupted(self, number: int) -> bool:

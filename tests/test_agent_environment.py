@@ -12,6 +12,7 @@
   The agent used to wait for it forever; now it says so in one line and leaves the job (93).
 """
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import SCRIPTS, read_events, wait_for
+from conftest import SCRIPTS, free_port, read_events, wait_for
 
 FREEZER = "/sys/fs/cgroup/freezer"
 
@@ -158,3 +159,53 @@ def test_a_rank_sigkill_cannot_end_makes_its_node_leave_in_one_line(launcher, tm
     assert "Traceback" not in err, err[-3000:]
     assert read_events(logs, "rank_unkillable")[0]["detail"]["ranks"] == [[0, stuck]]
     assert read_events(logs, "node_left")
+
+
+def test_a_verdict_that_never_comes_ends_the_wait_after_close_timeout(launcher, tmp_path):
+    """The deciding node won the round's interrupt and died before writing the verdict (here:
+    the test writes the interrupt of a node that does not exist). Each agent waits close_timeout,
+    not a hard-coded 60 s, and exits 1 with one line naming the node."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    logs, out = tmp_path / "logs", tmp_path / "ranks"
+    args = ["--nnodes", 2, "--nproc-per-node", 1, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "vd",
+            "--rdzv-conf", "join_timeout=30,last_call_timeout=1,close_timeout=2", "--ft-warm-reserves", 0,
+            "--log-dir", logs, os.path.join(SCRIPTS, "cycle_sleeper.py"), out, 600]
+    agents = [launcher.start(args, extra_env={"GROUP_RANK": "0"})]
+    wait_for(lambda: read_events(logs, "cycle_start") or agents[0].poll() is not None or _listening(port), 30,
+             "the store host to listen")
+    agents.append(launcher.start(args, extra_env={"GROUP_RANK": "1"}))
+    wait_for(lambda: all((out / f"rank_{r}.txt").exists() for r in (0, 1)), 60, "both nodes to run their ranks")
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    store.compare_set("ft/vd/r0/interrupt", "",
+                      json.dumps({"kind": "failure", "what": "a fault", "node_id": "gone-node", "reporter": "x"}))
+    started = time.monotonic()
+    errs = []
+    for agent in agents:
+        try:
+            _, err = agent.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            _, err = agent.communicate()
+            pytest.fail(f"an agent still waits for the verdict:\n{err[-3000:]}")
+        errs.append(err)
+    del store
+    assert time.monotonic() - started < 15
+    for agent, err in zip(agents, errs):
+        assert agent.returncode == 1, err[-3000:]
+        lines = [line for line in err.splitlines() if "close_timeout=2s" in line]
+        assert len(lines) == 1 and "interrupted by gone-node" in lines[0] and "exiting 1" in lines[0], err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+
+
+def _listening(port):
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
