@@ -220,7 +220,7 @@ class NodeAgent:
                                                                    node_id=node.node_id))
         self.watcher.fence_members = self.failover.memory.members()
         self.watcher.late_joiners = self.failover.memory.late
-        self.watcher.s.add(self.store.key(f"alive/{self.me.node_id}"), 1)
+        self.proto._call(self.watcher.s.add, self.store.key(f"alive/{self.me.node_id}"), 1)   # a lost store: StoreLost
         self.watcher.start()
 
     def _cycles_failing_over(self) -> int:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import errno
 import json
 import os
 import secrets
@@ -84,8 +85,16 @@ def is_local_address(host: str) -> bool:
     return False
 
 
-def _is_addr_in_use(exc: Exception) -> bool:
-    return "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower()
+def _port_taken(host: str, port: int) -> bool:
+    """After torch could not listen on `port`: whether something else holds it (EADDRINUSE on a
+    bind of our own), told by errno, since torch's DistNetworkError carries none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 class JobStore:
@@ -117,7 +126,7 @@ class JobStore:
                 self.port = self.server.port
                 self.is_host = True
             except (DistNetworkError, RuntimeError) as exc:
-                if not _is_addr_in_use(exc):
+                if not _port_taken(self.host if not cfg.standalone else "127.0.0.1", self.port):
                     raise RendezvousError(f"cannot host the rendezvous store on port {self.port}: "
                                           f"{str(exc).splitlines()[0]}") from None
                 if cfg.is_host:
@@ -458,7 +467,7 @@ class _Liveness:
         self.next_check = now + 0.25
         joined_ids = {n.node_id for n in self.proto._nodes(number, joined)}
         missing = [i for i in self.expected if i not in joined_ids]
-        counts = present_values(self.proto.s, [self.proto.k(f"alive/{i}") for i in missing])
+        counts = self.proto._call(present_values, self.proto.s, [self.proto.k(f"alive/{i}") for i in missing])
         dead = 0
         for node_id, count in zip(missing, counts):
             last, since = self.seen.get(node_id, (None, now))
