@@ -51,7 +51,7 @@ from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .process_wait import Unkillable, kill_and_wait
 from .rank_output import RankOutput
-from . import inprocess_ranks
+from . import inprocess_ranks, store_threads
 from .reserve_pool import ReservePool
 from .restart_policy import RoundFacts, Verdict
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
@@ -200,7 +200,9 @@ class NodeAgent:
             flight.close()
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
-            watcher.stop(wait=self.cfg.conf("keep_alive_interval") + 1.0)
+            watcher.stop()
+        # this watcher, those replaced by a failover, abandoned connects (agent.store_threads)
+        store_threads.join_all(self.cfg.conf("keep_alive_interval") + 1.0)
         for handle in self.monitors:
             handle.stop()
             self.watchdog.forget(handle.pid)

@@ -18,6 +18,7 @@ import time
 from typing import Dict, List, Optional
 
 from rank_monitor import inprocess
+from rank_monitor.pdeathsig import set_pdeathsig
 
 from .flight_recorder import recorder_env
 from .gpu_env import nccl_env
@@ -38,10 +39,7 @@ def set_wake_fd(fd: int) -> None:
     _WAKE_FD = fd
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec (fallback only)
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+_set_pdeathsig = set_pdeathsig   # runs in the child between fork and exec (fallback only)
 
 
 @dataclasses.dataclass

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 
@@ -230,3 +231,16 @@ def test_a_store_lost_during_the_liveness_check_is_a_store_loss_not_a_traceback(
     liveness = _Liveness(proto, [NodeInfo(node_id="peer", host="127.0.0.1", order_key=None, nproc=1)])
     with pytest.raises(StoreLost, match="lost the rendezvous store at 127.0.0.1"):
         liveness.alive_count(0, 0, time.monotonic())
+
+
+def test_a_thread_stuck_in_a_store_call_does_not_abort_the_exit(launcher):
+    """torch aborts a process whose daemon thread comes back from a store call during interpreter
+    exit (SIGABRT: 134, where the agent meant 0, 1 or 93). The agent's exit goes past such a
+    thread (agent.store_threads); the plain exit is checked to abort, so the fault is real."""
+    script = os.path.join(SCRIPTS, "stuck_store_exit.py")
+    env = launcher.env({"TORCH_CPP_LOG_LEVEL": "ERROR"})
+    plain = subprocess.run([sys.executable, script, "plain"], env=env, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == -signal.SIGABRT, plain.stderr[-3000:]
+    assert "terminate called without an active exception" in plain.stderr
+    safe = subprocess.run([sys.executable, script, "safe"], env=env, capture_output=True, text=True, timeout=60)
+    assert safe.returncode == 7, safe.stderr[-3000:]
