@@ -16,7 +16,8 @@ cycle's environment at its restart point instead of being replaced by a new proc
 
 Exit codes: 0 all ranks succeeded; 1 the restart budget is spent, the rendezvous failed, the
 job fell below its minimum, or this node was replaced as the store host; 93
-(no_restart_exit_code) the job stopped for good or this node left it (agent.no_restart);
+(no_restart_exit_code) the job stopped for good or this node left it (agent.no_restart; a rank
+that SIGKILL does not end, agent.process_wait, makes its node leave);
 128+N terminated by signal N (forwarded to the ranks first).
 """
 from __future__ import annotations
