@@ -90,7 +90,7 @@ def is_local_address(host: str) -> bool:
 def _port_taken(host: str, port: int) -> bool:
     """After torch could not listen on `port`: whether something else holds it (EADDRINUSE on a
     bind of our own), told by errno, since torch's DistNetworkError carries none."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
