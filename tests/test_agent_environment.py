@@ -41,6 +41,15 @@ def _ranks(agent_pid):
     return found
 
 
+def _finish(proc, timeout, stuck):
+    """`proc`'s stderr once it has ended; the test fails (saying `stuck`) after `timeout` s."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"{stuck}:\n{proc.communicate()[1][-3000:]}")
+
+
 @contextlib.contextmanager
 def _tmpfs(path, options):
     os.makedirs(path, exist_ok=True)
@@ -91,12 +100,7 @@ def test_a_failing_log_disk_costs_one_warning_line_not_the_job(launcher, tmp_pat
         elif fault == "removed":
             shutil.rmtree(logs)
         _ranks(proc.pid)[0].kill()   # a failure: the restart writes events, a cycle dir, rank logs
-        try:
-            _, err = proc.communicate(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-            pytest.fail(f"the agent did not finish with its log disk {fault}:\n{err[-3000:]}")
+        err = _finish(proc, 40, f"the agent did not finish with its log disk {fault}")
     assert proc.returncode == 0, err[-3000:]
     assert "job complete" in err and "Traceback" not in err, err[-3000:]
     warnings = [line for line in err.splitlines() if "warning:" in line]
@@ -146,12 +150,7 @@ def test_a_rank_sigkill_cannot_end_makes_its_node_leave_in_one_line(launcher, tm
     with _frozen(stuck):
         assert psutil.Process(stuck).status() == psutil.STATUS_DISK_SLEEP
         os.kill(other, signal.SIGKILL)   # a failure: the agent stops rank 0 to restart
-        try:
-            _, err = proc.communicate(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-            pytest.fail(f"the agent is stuck waiting for a rank in state D:\n{err[-3000:]}")
+        err = _finish(proc, 40, "the agent is stuck waiting for a rank in state D")
     code = 93
     assert proc.returncode == code, err[-3000:]
     lines = [line for line in err.splitlines() if "after SIGKILL" in line]
@@ -184,15 +183,7 @@ def test_a_verdict_that_never_comes_ends_the_wait_after_close_timeout(launcher, 
     store.compare_set("ft/vd/r0/interrupt", "",
                       json.dumps({"kind": "failure", "what": "a fault", "node_id": "gone-node", "reporter": "x"}))
     started = time.monotonic()
-    errs = []
-    for agent in agents:
-        try:
-            _, err = agent.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            _, err = agent.communicate()
-            pytest.fail(f"an agent still waits for the verdict:\n{err[-3000:]}")
-        errs.append(err)
+    errs = [_finish(agent, 20, "an agent still waits for the verdict") for agent in agents]
     del store
     assert time.monotonic() - started < 15
     for agent, err in zip(agents, errs):

@@ -98,7 +98,8 @@ class SleeperJob:
         return [(int(c), float(t)) for c, _, t in (line.split() for line in path.read_text().splitlines())]
 
 
-def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_path):
+def _sleepers_with_spare(launcher, tmp_path):
+    """Two trainers running cycle_sleeper.py and a hot spare; agent 0 hosts the store."""
     job = SleeperJob(launcher, tmp_path, "2:3")
     job.start(0)
     job.start(1)
@@ -106,6 +107,11 @@ def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_pat
     job.start(2)
     wait_for(lambda: read_events(job.logs, "spare_waiting"), 30, "the third agent to wait as a spare")
     wait_for(lambda: len(read_events(job.logs, "spare_joined")) == 2, 10, "the trainers to see the spare")
+    return job
+
+
+def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_path):
+    job = _sleepers_with_spare(launcher, tmp_path)
     killed_at = time.time()
     for proc in _tree(job.agents[0].pid):
         proc.kill()
@@ -129,13 +135,7 @@ def test_store_host_paused_for_good_the_survivors_end_with_their_own_code(launch
     and finish. Their first watcher is still inside a torch store call to the paused host, which
     never returns; the agent used to abort at interpreter exit (SIGABRT, 'terminate called
     without an active exception') instead of exiting 0."""
-    job = SleeperJob(launcher, tmp_path, "2:3")
-    job.start(0)
-    job.start(1)
-    wait_for(lambda: job.rows(0) and job.rows(1), 60, "two nodes to run their ranks")
-    job.start(2)
-    wait_for(lambda: read_events(job.logs, "spare_waiting"), 30, "the third agent to wait as a spare")
-    wait_for(lambda: len(read_events(job.logs, "spare_joined")) == 2, 10, "the trainers to see the spare")
+    job = _sleepers_with_spare(launcher, tmp_path)
     paused = _tree(job.agents[0].pid)
     for proc in paused:
         proc.send_signal(signal.SIGSTOP)
