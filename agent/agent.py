@@ -303,6 +303,11 @@ class NodeAgent:
                 self.proto.interrupt(rnd.number, {"kind": "shutdown", "signal": sig, "node_id": self.me.node_id})
             except RendezvousError:
                 pass
+        self._shut_down(rnd, sig)
+
+    def _shut_down(self, rnd: Optional[Round], sig: int) -> None:
+        """The job ends by signal `sig`: tell the ranks why, stop them (SIGKILL after
+        term_timeout), leave the round, raise Shutdown(128 + sig)."""
         group = getattr(self, "group", None)
         if group is not None:
             self._mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
@@ -743,10 +748,7 @@ class NodeAgent:
             self._signal = self._signal or int(verdict.signal or signal.SIGTERM)
             self._signal_handled = True
             self.say(f"another node is shutting down the job ({signal.Signals(self._signal).name})")
-            self._mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
-            self.group.stop(self._signal, self.cfg.term_timeout)
-            self._leave(rnd)
-            raise Shutdown(128 + self._signal)
+            self._shut_down(rnd, self._signal)
         if verdict.kind == "complete":
             self._finish_job(rnd)
             return verdict
