@@ -16,7 +16,8 @@ cycle's environment at its restart point instead of being replaced by a new proc
 
 Exit codes: 0 all ranks succeeded; 1 the restart budget is spent, the rendezvous failed, the
 job fell below its minimum, or this node was replaced as the store host; 93
-(no_restart_exit_code) the job stopped for good or this node left it (agent.no_restart);
+(no_restart_exit_code) the job stopped for good or this node left it (agent.no_restart; a rank
+that SIGKILL does not end, agent.process_wait, makes its node leave);
 128+N terminated by signal N (forwarded to the ranks first).
 """
 from __future__ import annotations
@@ -51,8 +52,9 @@ from .job_status import JobStatus
 from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
+from .process_wait import Unkillable, kill_and_wait
 from .rank_output import RankOutput
-from . import inprocess_ranks
+from . import inprocess_ranks, store_threads
 from .reserve_pool import ReservePool
 from .restart_policy import RoundFacts, Verdict
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
@@ -134,7 +136,7 @@ class NodeAgent:
         self.watchdog.remove_matching_at_exit(MonitorHandle.record_pattern(os.getpid()))
         if not self.cfg.log_dir:
             self.watchdog.tidy_at_exit(self._run_dir)
-        self.output = RankOutput()
+        self.output = RankOutput(self.events.disk_warning)
         set_wake_fd(self._wake_w)   # an in-process restartable rank that raised wakes us through it
         self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog)  # before monitors, reserves
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
@@ -186,13 +188,18 @@ class NodeAgent:
                 return self._job_stopped(exc.code)
             except NoRestart as exc:
                 return self._no_restart(exc.reason, exc.node_only)
+            except Unkillable as exc:
+                return self._unkillable(exc)
         finally:
             self._teardown(pool)
 
     def _teardown(self, pool) -> None:
         group = getattr(self, "group", None)
         if group is not None:
-            group.stop(signal.SIGKILL, 1.0)
+            try:
+                group.stop(signal.SIGKILL, 1.0)
+            except Unkillable as exc:   # found on the way out: the exit code stands, the line is said
+                self.events.event("rank_unkillable", f"error: {exc}", ranks=exc.ranks)
         self._drop_carried(None)
         reserves = getattr(self, "reserves", None)
         if reserves is not None:
@@ -202,7 +209,9 @@ class NodeAgent:
             flight.close()
         watcher = getattr(self, "watcher", None)
         if watcher is not None:
-            watcher.stop(wait=self.cfg.conf("keep_alive_interval") + 1.0)
+            watcher.stop()
+        # this watcher, those replaced by a failover, abandoned connects (agent.store_threads)
+        store_threads.join_all(self.cfg.conf("keep_alive_interval") + 1.0)
         starts = getattr(self, "_monitor_starts", [])
         futures_wait(starts)   # each start is bounded (MonitorHandle.start's ready timeout)
         started = [f.result() for f in starts if not f.cancelled() and f.exception() is None]
@@ -230,7 +239,7 @@ class NodeAgent:
                                                                    node_id=node.node_id))
         self.watcher.fence_members = self.failover.memory.members()
         self.watcher.late_joiners = self.failover.memory.late
-        self.watcher.s.add(self.store.key(f"alive/{self.me.node_id}"), 1)
+        self.proto._call(self.watcher.s.add, self.store.key(f"alive/{self.me.node_id}"), 1)   # a lost store: StoreLost
         self.watcher.start()
 
     def _cycles_failing_over(self) -> int:
@@ -310,6 +319,11 @@ class NodeAgent:
                 self.proto.interrupt(rnd.number, {"kind": "shutdown", "signal": sig, "node_id": self.me.node_id})
             except RendezvousError:
                 pass
+        self._shut_down(rnd, sig)
+
+    def _shut_down(self, rnd: Optional[Round], sig: int) -> None:
+        """The job ends by signal `sig`: tell the ranks why, stop them (SIGKILL after
+        term_timeout), leave the round, raise Shutdown(128 + sig)."""
         group = getattr(self, "group", None)
         if group is not None:
             self._mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
@@ -350,6 +364,21 @@ class NodeAgent:
             self.events.event("job_stopped_no_restart", f"error: {reason} -> the job stops without a restart: "
                               f"exiting {code}", reason=reason, exitcode=code)
         return code
+
+    def _unkillable(self, exc: Unkillable) -> int:
+        """A rank SIGKILL did not end (agent.process_wait): this node leaves the job (exit
+        no_restart_exit_code), unless a signal is already ending it (then its code stands)."""
+        self.events.event("rank_unkillable", None, ranks=exc.ranks)
+        if self._signal_handled and self._signal:
+            self.say(f"error: {exc}")
+            return self._job_stopped(128 + self._signal)
+        try:
+            self._leave_job(str(exc))
+        except NoRestart as left:
+            return self._no_restart(left.reason, node_only=True)
+        except RendezvousError:   # the store is gone too: leave all the same
+            pass
+        return self._no_restart(str(exc), node_only=True)
 
     def _leave_job(self, reason: str) -> None:
         """This node leaves the job (ExcludeThisNode, a failed health check): mark it, keep the store
@@ -537,22 +566,26 @@ class NodeAgent:
             self.events.event("inprocess_timeout", f"rank {rank.rank} (pid {rank.pid}) {what}; its slot "
                               f"starts afresh", rank=rank.rank, pid=rank.pid, exited=gone,
                               waited=round(time.monotonic() - asked, 3))
-            killpg(rank.pid, signal.SIGKILL)
-            rank.proc.wait()
+            if not kill_and_wait(rank.proc):
+                rank.unkillable = True
+                raise Unkillable([(rank.rank, rank.pid)])
             (previous or self.group).reap(rank)
         return adopted
 
     def _drop_carried(self, why: Optional[str]) -> None:
         """Ranks asked to restart in place that will not be adopted: kill them."""
         carried, self._carried = self._carried, {}
+        stuck = []
         for _, rank, _ in carried.values():
             if why:
                 self.say(f"rank {rank.rank} (pid {rank.pid}) will not restart in place: {why}")
-            killpg(rank.pid, signal.SIGKILL)
-            try:
-                rank.proc.wait(timeout=5)
-            except Exception:  # noqa: BLE001 - the orphan watchdog still has it
-                pass
+            if not kill_and_wait(rank.proc):   # the orphan watchdog still has it
+                rank.unkillable = True
+                stuck.append((rank.rank, rank.pid))
+        if stuck and why:
+            raise Unkillable(stuck)
+        if stuck:   # on the way out: the exit code stands, the line is said
+            self.events.event("rank_unkillable", f"error: {Unkillable(stuck)}", ranks=stuck)
 
     def _in_process_news(self, rnd: Round) -> Optional[Verdict]:
         """Declare this node restartable once all its ranks run under ft.restartable; report a
@@ -741,10 +774,7 @@ class NodeAgent:
             self._signal = self._signal or int(verdict.signal or signal.SIGTERM)
             self._signal_handled = True
             self.say(f"another node is shutting down the job ({signal.Signals(self._signal).name})")
-            self._mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
-            self.group.stop(self._signal, self.cfg.term_timeout)
-            self._leave(rnd)
-            raise Shutdown(128 + self._signal)
+            self._shut_down(rnd, self._signal)
         if verdict.kind == "complete":
             self._finish_job(rnd)
             return verdict

@@ -7,6 +7,10 @@ Errors and warnings start like the command line's own, so one pattern finds them
     ft_launcher: error: rank 1 on node 0 ... restart budget spent (1/1 restarts used) [node=0 cycle=1]
 Each JSONL record is written with one `write` on an O_APPEND descriptor, so several agents
 sharing a log directory never interleave within a line.
+
+The log directory's disk can fail (full, read-only, removed) while the job runs: a write there
+that fails, here or in another part of the agent (rank logs, the status file), costs what it
+wrote, never the job. `disk_warning` says so in one warning line for the whole run.
 """
 from __future__ import annotations
 
@@ -24,7 +28,9 @@ class EventLog:
         self.cycle: Optional[int] = None
         self._stream = stream if stream is not None else sys.stderr
         self._fd = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()        # the console stream
+        self._fd_lock = threading.Lock()     # events.jsonl (never held while taking _lock)
+        self._disk_warned = False
         self.path = events_path
         self.listeners: list = []  # callables given each record (metrics, status), log dir or not
         if events_path:
@@ -64,13 +70,26 @@ class EventLog:
         if self._fd is None:
             return
         data = (json.dumps(record, default=str) + "\n").encode()
-        with self._lock:
+        failure = None
+        with self._fd_lock:
             try:
-                os.write(self._fd, data)
+                if self._fd is not None:
+                    os.write(self._fd, data)
             except OSError as exc:
-                self.say(f"cannot append to {self.path}: {exc}")
+                failure = exc
+        if failure is not None:   # said outside the lock: say() takes the stream's
+            self.disk_warning(f"cannot append to {self.path}", failure)
+
+    def disk_warning(self, what: str, exc: OSError) -> None:
+        """A write to the log directory failed: one warning line for the whole run."""
+        with self._fd_lock:
+            first, self._disk_warned = not self._disk_warned, True
+        if first:
+            self.say(f"warning: {what} ({exc.strerror or exc}): output and events that cannot be "
+                     f"written to the log directory are lost; the job goes on")
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        with self._fd_lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None

@@ -225,10 +225,12 @@ class _Cycle(threading.Thread):
         self.served.wait(FR.HOLD_SECONDS)
 
     def run(self) -> None:
+        from torch.distributed import DistNetworkError   # torch is loaded by now (a store exists)
+
         try:
             self._run()
         except Exception as exc:  # noqa: BLE001 - never the job's end: say it and let monitors go on
-            if "closed" not in str(exc).lower():
+            if not isinstance(exc, DistNetworkError):   # a store gone at the cycle's end: nothing to say
                 self.owner.say(f"warning: flight-recorder dump in cycle {self.number} failed: "
                                f"{str(exc).splitlines()[0] if str(exc) else repr(exc)}")
         finally:
@@ -241,15 +243,18 @@ class _Cycle(threading.Thread):
     def _run(self) -> None:
         import datetime
 
+        from torch.distributed import DistNetworkError, DistStoreError
+
         while True:
             if self.halt.is_set():
                 return
             try:
                 self.s.wait([self.k("request")], datetime.timedelta(seconds=WAIT_SLICE))
                 break
-            except Exception as exc:  # noqa: BLE001 - a timeout: wait again; a lost store: stop
-                if "timeout" not in str(exc).lower():
-                    return
+            except DistStoreError:   # a timeout: wait again
+                continue
+            except DistNetworkError:   # a lost store: stop
+                return
         raw = self.s.get(self.k("request")).decode()
         if raw == CLOSED:
             return

@@ -219,6 +219,4 @@ class JobStatus:
                 json.dump(data, fh)
             os.replace(tmp, self.path)
         except OSError as exc:
-            if not getattr(self, "_warned", False):
-                self._warned = True
-                self.events.say(f"warning: cannot write the status file {self.path}: {exc}")
+            self.events.disk_warning(f"cannot write the status file {self.path}", exc)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Optional
 
+from .keepalive import SilenceWatch
+
 
 class NoRestart(Exception):
     """The job (or this node's part in it) ends here: exit with the no-restart code."""
@@ -53,7 +55,7 @@ def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callabl
     """An excluded node that hosts the store keeps it up until every other agent has gone quiet
     (its keep-alive counter stopped for `silent_limit` s) or `give_up` s have passed. Ends early
     (returns) on a signal."""
-    seen: dict = {}
+    silence = SilenceWatch(silent_limit)
     deadline = time.monotonic() + give_up
     while time.monotonic() < deadline and not stop():
         now = time.monotonic()
@@ -67,13 +69,7 @@ def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callabl
             counts = proto.get_many([f"alive/{i}" for i in ids])
         except Exception:  # noqa: BLE001 - nobody left to serve
             return
-        quiet = 0
-        for node_id, count in zip(ids, counts):
-            last, since = seen.get(node_id, (None, now))
-            if count != last:
-                seen[node_id] = (count, now)
-            elif now - since > silent_limit:
-                quiet += 1
+        quiet = sum(silence.silent(node_id, count, now) for node_id, count in zip(ids, counts))
         if ids and quiet == len(ids):
             return
         time.sleep(0.25)

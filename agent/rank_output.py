@@ -4,6 +4,11 @@ Captured streams come through pipes that one reader thread serves for all ranks:
 line is written to the rank's file `<log_dir>/cycle_<c>/rank_<r>.log` and, when teed, to the
 agent's stdout as `[rank N] line`. Streams that are neither captured nor filtered out are
 inherited directly (no thread, no copy).
+
+The log files live on a disk that can fail (full, read-only, removed): a file that cannot be
+opened sends the rank's captured streams to the console instead, a write that fails drops the
+data; either way the rank runs on, and `warn` (the event log's disk warning: one line for the
+run) is told.
 """
 from __future__ import annotations
 
@@ -12,11 +17,12 @@ import selectors
 import subprocess
 import sys
 import threading
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 
 class RankOutput:
-    def __init__(self) -> None:
+    def __init__(self, warn: Optional[Callable[[str, OSError], None]] = None) -> None:
+        self.warn = warn or (lambda what, exc: None)
         self._sel = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -32,7 +38,9 @@ class RankOutput:
         `log_file`; a teed one goes there too and to the console as `[rank N] line`. `show`
         False (--local-ranks-filter) keeps a rank off the console.
         """
-        fh = open(log_file, "ab", buffering=0) if log_file and (capture | tee) else None
+        fh = self.open_log(log_file) if log_file and (capture | tee) else None
+        if log_file and (capture | tee) and fh is None:
+            capture = 0   # the file cannot be had: the console gets what it would have got
         args, sinks = [], []
         for bit, console in ((1, sys.stdout), (2, sys.stderr)):
             to_file = fh is not None and bool((capture | tee) & bit)
@@ -48,6 +56,16 @@ class RankOutput:
                                       console=console if to_console else None,
                                       prefix=f"[rank {rank}] ".encode(), rest=b"")))
         return args[0], args[1], ((sinks, fh) if sinks or fh else None)
+
+    def open_log(self, path: str):
+        """`path` opened for appending (its directory made if missing), or None when the disk
+        refuses (then the rank's output goes to the console)."""
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            return open(path, "ab", buffering=0)
+        except OSError as exc:
+            self.warn(f"cannot open the rank log {path} (the rank's output goes to the console)", exc)
+            return None
 
     def attach(self, handle) -> None:
         """After Popen: start reading the pipes (and close our copies of the write ends)."""
@@ -114,7 +132,9 @@ class RankOutput:
         sinks, old = handle
         if old is None:
             return handle
-        new = open(log_file, "ab", buffering=0)
+        new = self.open_log(log_file)
+        if new is None:
+            return handle   # it goes on in the old cycle's file
         with self._lock:
             for _, sink in sinks:
                 if sink["file"] is old:

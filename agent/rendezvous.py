@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import errno
 import json
 import os
 import secrets
@@ -53,6 +54,8 @@ from typing import Callable, Dict, List, Optional
 
 from torch.distributed import DistNetworkError, DistStoreError, TCPStore
 
+from . import store_threads
+from .keepalive import SilenceWatch
 from .launch_config import LaunchConfig
 from .no_restart import NoRestart, too_few_left
 from .restart_policy import RestartPolicy, RoundFacts, Verdict
@@ -84,8 +87,16 @@ def is_local_address(host: str) -> bool:
     return False
 
 
-def _is_addr_in_use(exc: Exception) -> bool:
-    return "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower()
+def _port_taken(host: str, port: int) -> bool:
+    """After torch could not listen on `port`: whether something else holds it (EADDRINUSE on a
+    bind of our own), told by errno, since torch's DistNetworkError carries none."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 class JobStore:
@@ -117,7 +128,7 @@ class JobStore:
                 self.port = self.server.port
                 self.is_host = True
             except (DistNetworkError, RuntimeError) as exc:
-                if not _is_addr_in_use(exc):
+                if not _port_taken(self.host if not cfg.standalone else "127.0.0.1", self.port):
                     raise RendezvousError(f"cannot host the rendezvous store on port {self.port}: "
                                           f"{str(exc).splitlines()[0]}") from None
                 if cfg.is_host:
@@ -155,28 +166,15 @@ class JobStore:
     def new_client(self, timeout: Optional[datetime.timedelta] = None, label: Optional[str] = None) -> TCPStore:
         """A separate connection (each thread uses its own)."""
         timeout = timeout or _td(self.cfg.conf("read_timeout"))
-        box: list = []
-
-        def connect():
-            try:
-                box.append(TCPStore(self.host, self.port, is_master=False, timeout=timeout))
-            except Exception as exc:  # noqa: BLE001 - reported below as one line
-                box.append(exc)
-
-        thread = threading.Thread(target=connect, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self.HANDSHAKE_LIMIT
-        while not box and time.monotonic() < deadline:
-            self.check_stop()
-            thread.join(min(WAIT_SLICE, max(0.0, deadline - time.monotonic())))
-        if not box:
+        client = connect_client(self.host, self.port, timeout, self.HANDSHAKE_LIMIT, self.check_stop)
+        if client is None:
             raise RendezvousError(
                 f"port {self.port} on {self.host} is in use by another program that is not a "
                 f"rendezvous store (pick another {self._port_flag()} port)")
-        if isinstance(box[0], Exception):
+        if isinstance(client, Exception):
             raise RendezvousError(f"cannot reach the rendezvous store at {self.host}:{self.port}: "
-                                  f"{str(box[0]).splitlines()[0]}")
-        return _counted(box[0], label or "other")
+                                  f"{str(client).splitlines()[0]}")
+        return _counted(client, label or "other")
 
     def key(self, name: str) -> str:
         return self.prefix + name
@@ -207,6 +205,29 @@ class JobStore:
 
     def _port_flag(self) -> str:
         return "--master-port" if self.cfg.rdzv_backend == "static" else "--rdzv-endpoint"
+
+
+def connect_client(host: str, port: int, timeout: datetime.timedelta, within: float,
+                   check_stop: Optional[Callable[[], None]] = None):
+    """A TCPStore client of host:port; the exception torch raised; or None when none came within
+    `within` s (a listener that is not a store, a host that stopped answering). torch's connect
+    is not interruptible and can block for good, so it runs in a thread of agent.store_threads;
+    `check_stop` (which raises to end the wait) is asked between slices."""
+    box: list = []
+
+    def connect():
+        try:
+            box.append(TCPStore(host, port, is_master=False, timeout=timeout))
+        except Exception as exc:  # noqa: BLE001 - the caller says it in one line or moves on
+            box.append(exc)
+
+    thread = store_threads.start(connect, "ft-store-connect")
+    deadline = time.monotonic() + within
+    while not box and time.monotonic() < deadline:
+        if check_stop is not None:
+            check_stop()
+        thread.join(min(WAIT_SLICE, max(0.0, deadline - time.monotonic())))
+    return box[0] if box else None
 
 
 class RoundProtocol:
@@ -402,10 +423,20 @@ class RoundProtocol:
                 self._call(self.s.set, self.k("round"), str(number + 1))
         return self.verdict(number)
 
-    def verdict(self, number: int, timeout: float = 60.0) -> Verdict:
+    def verdict(self, number: int) -> Verdict:
+        """The verdict of interrupted round `number`. Its decider writes it just after winning
+        the interrupt; if that node dies in between, the wait ends after close_timeout with one
+        line naming it (RendezvousError: exit 1)."""
         key = self.k(f"r{number}/verdict")
+        timeout = self.cfg.conf("close_timeout")
         if not self.store.wait_key(self.s, key, timeout):
-            raise RendezvousError(f"round {number} was interrupted but no verdict came")
+            try:
+                who = json.loads(self.get(f"r{number}/interrupt")).get("node_id") or "another node"
+            except (RendezvousError, ValueError, AttributeError):
+                who = "another node"
+            raise RendezvousError(
+                f"round {number} was interrupted by {who}, but its verdict did not come within "
+                f"close_timeout={timeout:g}s (the deciding node died before writing it?) -> exiting 1")
         return Verdict.from_json(self._call(self.s.get, key))
 
     def interrupted(self, number: int) -> bool:
@@ -437,8 +468,7 @@ class _Liveness:
     def __init__(self, proto: "RoundProtocol", expected: List[NodeInfo]):
         self.proto = proto
         self.expected = {n.node_id: n for n in expected}
-        self.silent_limit = proto.cfg.conf("keep_alive_interval") * proto.cfg.conf("keep_alive_max_attempt")
-        self.seen: dict = {}
+        self.silence = SilenceWatch(proto.cfg.conf("keep_alive_interval") * proto.cfg.conf("keep_alive_max_attempt"))
         self.next_check = 0.0
         self.count = len(expected)
 
@@ -448,14 +478,8 @@ class _Liveness:
         self.next_check = now + 0.25
         joined_ids = {n.node_id for n in self.proto._nodes(number, joined)}
         missing = [i for i in self.expected if i not in joined_ids]
-        counts = present_values(self.proto.s, [self.proto.k(f"alive/{i}") for i in missing])
-        dead = 0
-        for node_id, count in zip(missing, counts):
-            last, since = self.seen.get(node_id, (None, now))
-            if count != last:
-                self.seen[node_id] = (count, now)
-            elif now - since > self.silent_limit:
-                dead += 1
+        counts = self.proto._call(present_values, self.proto.s, [self.proto.k(f"alive/{i}") for i in missing])
+        dead = sum(self.silence.silent(node_id, count, now) for node_id, count in zip(missing, counts))
         self.count = len(self.expected) - dead
         return self.count
 
@@ -474,6 +498,7 @@ class RoundWatcher(threading.Thread):
                  fence: Optional[Callable[[], Optional[str]]] = None,
                  on_late_joiner: Optional[Callable[[NodeInfo], None]] = None):
         super().__init__(name="ft-round-watcher", daemon=True)
+        store_threads.track(self)   # joined (bounded) when the agent ends, even once replaced
         self.s = store.new_client(label="watcher")
         self.store = store
         self.me = me
@@ -515,7 +540,7 @@ class RoundWatcher(threading.Thread):
             self._round = rnd
             self.dead_peers = []
             self._known_joined = len(rnd.active) + len(rnd.spares) if rnd is not None else 0
-        self._seen = {}
+        self._silence = SilenceWatch(self.max_silent)
 
     def stop(self, wait: float = 0.0) -> None:
         """Stop; with `wait`, give the thread that long to leave its store call. A daemon thread
@@ -527,7 +552,7 @@ class RoundWatcher(threading.Thread):
 
     def run(self) -> None:
         alive_key = self.store.key(f"alive/{self.me.node_id}")
-        self._seen = {}
+        self._silence = SilenceWatch(self.max_silent)
         next_beat = 0.0
         while not self._halt.is_set():
             try:
@@ -573,13 +598,7 @@ class RoundWatcher(threading.Thread):
         if not peers:
             return
         counts = present_values(self.s, [self.store.key(f"alive/{n.node_id}") for n in peers])
-        dead = []
-        for node, count in zip(peers, counts):
-            last_count, since = self._seen.get(node.node_id, (None, now))
-            if count != last_count:
-                self._seen[node.node_id] = (count, now)
-            elif now - since > self.max_silent:
-                dead.append(node)
+        dead = [node for node, count in zip(peers, counts) if self._silence.silent(node.node_id, count, now)]
         if dead and self.fence is not None and self.store.is_host and now >= self._next_fence:
             self._next_fence = now + self.interval
             where = self.fence()

@@ -31,14 +31,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import socket
-import threading
 import time
 from typing import Callable, List, Optional, Tuple
 
 from torch.distributed import DistNetworkError, TCPStore
 
 from .launch_config import LaunchConfig
-from .rendezvous import JobStore, RoundProtocol
+from .rendezvous import JobStore, RoundProtocol, connect_client
 from .round_types import NodeInfo, Round, StoreLost, StoreReplaced
 
 FENCE_PROBES = 4  # successors a returning host probes for a store that took over
@@ -226,20 +225,7 @@ class StoreFailover:
 
 
 def _client(host: str, port: int, within: float, timeout: float) -> Optional[TCPStore]:
-    """A TCPStore client, or None when none is made within `within` s (a listener that is not a
-    store, or a host that stopped answering): torch's connect is not interruptible, so it runs
-    in a daemon thread."""
-    box: list = []
-
-    def connect():
-        try:
-            box.append(TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout)))
-        except Exception as exc:  # noqa: BLE001 - the caller moves on to the next candidate
-            box.append(exc)
-
-    thread = threading.Thread(target=connect, daemon=True)
-    thread.start()
-    thread.join(within)
-    if box and not isinstance(box[0], Exception):
-        return box[0]
-    return None
+    """A TCPStore client, or None when none is made within `within` s (the caller moves on to
+    the next candidate)."""
+    client = connect_client(host, port, datetime.timedelta(seconds=timeout), within)
+    return None if client is None or isinstance(client, Exception) else client

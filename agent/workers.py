@@ -18,11 +18,13 @@ import time
 from typing import Dict, List, Optional
 
 from ft_launcher.rank_monitor import inprocess, shm_layout
+from ft_launcher.rank_monitor.pdeathsig import set_pdeathsig
 
 from .flight_recorder import recorder_env
 from .gpu_env import nccl_env
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
+from .process_wait import Unkillable, kill_and_wait
 from .rank_output import RankOutput
 
 _SETPRIV = shutil.which("setpriv")
@@ -37,10 +39,7 @@ def set_wake_fd(fd: int) -> None:
     _WAKE_FD = fd
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec (fallback only)
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+_set_pdeathsig = set_pdeathsig   # runs in the child between fork and exec (fallback only)
 
 
 @dataclasses.dataclass
@@ -54,6 +53,7 @@ class Rank:
     warm: bool = False                  # an activated warm reserve, not a fresh interpreter
     in_place: bool = False              # restarted in its own process (rank_monitor.inprocess)
     exitcode: Optional[int] = None
+    unkillable: bool = False            # still alive after SIGKILL (agent.process_wait)
 
     @property
     def pid(self) -> int:
@@ -139,11 +139,7 @@ class WorkerGroup:
         from agent.reserve_pool) when one is given and takes, else spawn a fresh interpreter.
         Either way the output is wired now, for this cycle's log file."""
         cfg = self.cfg
-        log_file = None
-        if cfg.log_dir:
-            cycle_dir = os.path.join(cfg.log_dir, f"cycle_{cycle}")
-            os.makedirs(cycle_dir, exist_ok=True)
-            log_file = os.path.join(cycle_dir, f"rank_{rank}.log")
+        log_file = os.path.join(cfg.log_dir, f"cycle_{cycle}", f"rank_{rank}.log") if cfg.log_dir else None
         show = cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter
         stdout, stderr, handle = self.output.plan(
             rank, cfg.capture.get(local_rank, 0), cfg.tee.get(local_rank, 0), show, log_file)
@@ -167,10 +163,9 @@ class WorkerGroup:
         """Take over a rank of the previous cycle that restarts in place, as global rank
         `global_rank`; its captured output goes on in this cycle's log file."""
         rank.rank, rank.start_ns, rank.in_place, rank.warm = global_rank, time.monotonic_ns(), True, False
-        if self.cfg.log_dir:
-            cycle_dir = os.path.join(self.cfg.log_dir, f"cycle_{cycle}")
-            os.makedirs(cycle_dir, exist_ok=True)
-            rank.output = self.output.redirect(rank.output, os.path.join(cycle_dir, f"rank_{global_rank}.log"))
+        if self.cfg.log_dir:   # the directory is made (or its failure said) by RankOutput
+            rank.output = self.output.redirect(
+                rank.output, os.path.join(self.cfg.log_dir, f"cycle_{cycle}", f"rank_{global_rank}.log"))
         self.ranks.append(rank)
         return rank
 
@@ -193,20 +188,26 @@ class WorkerGroup:
 
     def stop(self, sig: int, grace: float, keep=()) -> None:
         """Send `sig` to every running rank's group but those in `keep`; SIGKILL those still there
-        after `grace`."""
+        after `grace`. Raises Unkillable (agent.process_wait) for ranks SIGKILL does not end;
+        they are not waited for again."""
         kept = {id(r) for r in keep}
-        running = [r for r in self.running() if id(r) not in kept]
+        running = [r for r in self.running() if id(r) not in kept and not r.unkillable]
         for r in running:
             killpg(r.pid, signal.SIGCONT)
             killpg(r.pid, sig)
         deadline = time.monotonic() + grace
+        stuck = []
         for r in running:
             try:
                 r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                killpg(r.pid, signal.SIGKILL)
-                r.proc.wait()
+                if not kill_and_wait(r.proc):
+                    r.unkillable = True
+                    stuck.append((r.rank, r.pid))
+                    continue
             self.reap(r)
+        if stuck:
+            raise Unkillable(stuck)
 
 
 def killpg(pgid: int, sig: int) -> None:

@@ -484,18 +484,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except MetricsUnavailable as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return 2
+    from ft_launcher.agent import store_threads
     from ft_launcher.agent.agent import NodeAgent
     from ft_launcher.agent.events import EventLog
 
     events = EventLog(os.path.join(cfg.log_dir, "events.jsonl") if cfg.log_dir else None)
     try:
-        return NodeAgent(cfg, events, metrics).run()
+        code = NodeAgent(cfg, events, metrics).run()
     except KeyboardInterrupt:
-        return 130
+        code = 130
     finally:
         events.close()
         if metrics is not None:
             metrics.close()
+    return store_threads.exit_past_stuck(code)   # a thread stuck in torch's store code would abort the exit
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ heartbeat or out-of-section hang still says where the rank was.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from ft_launcher.rank_monitor import flight_recorder as FR
 from ft_launcher.rank_monitor import shm_layout as L
 from ft_launcher.rank_monitor.json_channel import JsonLineChannel
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
+from ft_launcher.rank_monitor.pdeathsig import set_pdeathsig
 from ft_launcher.rank_monitor.proc_title import set_title
 
 _mono = time.monotonic_ns
@@ -45,13 +45,7 @@ STACK_TEXT_LIMIT = 64 * 1024
 CATCHABLE_NEVER = (int(signal.SIGKILL), int(signal.SIGSTOP))
 
 
-def _set_pdeathsig() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+_set_pdeathsig = set_pdeathsig
 
 
 def _pidfd(pid: int) -> Optional[int]:

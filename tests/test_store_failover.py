@@ -93,7 +93,8 @@ class SleeperJob:
         return [(int(c), float(t)) for c, _, t in (line.split() for line in path.read_text().splitlines())]
 
 
-def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_path):
+def _sleepers_with_spare(launcher, tmp_path):
+    """Two trainers running cycle_sleeper.py and a hot spare; agent 0 hosts the store."""
     job = SleeperJob(launcher, tmp_path, "2:3")
     job.start(0)
     job.start(1)
@@ -101,6 +102,11 @@ def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_pat
     job.start(2)
     wait_for(lambda: read_events(job.logs, "spare_waiting"), 30, "the third agent to wait as a spare")
     wait_for(lambda: len(read_events(job.logs, "spare_joined")) == 2, 10, "the trainers to see the spare")
+    return job
+
+
+def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_path):
+    job = _sleepers_with_spare(launcher, tmp_path)
     killed_at = time.time()
     for proc in _tree(job.agents[0].pid):
         proc.kill()
@@ -117,6 +123,32 @@ def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_pat
     assert {(e["detail"]["port"], e["detail"]["generation"]) for e in failovers} == {(job.port + 1, 1)}
     assert "generation 1 of the store at" in outs[0] and "(hosted here)" in outs[0], outs[0][-3000:]
     assert "(restart 1/1)" in outs[1], outs[1][-3000:]
+
+
+def test_store_host_paused_for_good_the_survivors_end_with_their_own_code(launcher, tmp_path):
+    """The store host is paused (SIGSTOP) and stays paused: the survivor and the spare fail over
+    and finish. Their first watcher is still inside a torch store call to the paused host, which
+    never returns; the agent used to abort at interpreter exit (SIGABRT, 'terminate called
+    without an active exception') instead of exiting 0."""
+    job = _sleepers_with_spare(launcher, tmp_path)
+    paused = _tree(job.agents[0].pid)
+    for proc in paused:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        outs = []
+        for proc in job.agents[1:]:
+            _, err = proc.communicate(timeout=60)
+            outs.append(err)
+    finally:
+        for proc in paused:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        job.agents[0].communicate()
+    assert [p.returncode for p in job.agents[1:]] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert not any("terminate called" in o for o in outs), "\n".join(o[-3000:] for o in outs)
+    assert len(read_events(job.logs, "store_failover")) == 2
 
 
 @pytest.mark.slow
