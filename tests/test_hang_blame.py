@@ -203,7 +203,7 @@ def test_the_flight_recorder_blames_the_ranks_that_never_entered_the_stuck_colle
     assert found["culprits"] == [1]
     # nothing pending, or everyone in it: no finding
     assert from_flight_recorder({0: _dump([4]), 1: _dump([4])}, 2) is None
-    assert from_flight_recorder({0: _dump([5], pending=5), 1: _dump([5], pending=5)}, 2) is None
+    assert from_flight_recorder({0: _dump([5], 5, "[0, 1]"), 1: _dump([5], 5, "[0, 1]")}, 2) is None
     assert from_flight_recorder({0: b"not a pickle"}, 2) is None
 
 
