@@ -852,10 +852,12 @@ class NodeAgent:
                 self.flight.hang(report)   # every rank of the job dumps its trace before the monitor acts
                 self.blame.on_hang(local_rank, report)   # and the agents decide who hung (agent.hang_blame)
                 self._pending_reports.setdefault(local_rank, []).append(report)
+                held = ("its monitor holds it until the agents decide who hung" if self._restartable_declared
+                        else "monitor is stopping it")
                 self.events.event(
                     "hang", f"rank {report.get('rank')} hang detected: {_hang_place(report)} "
                     f"elapsed {report.get('elapsed', 0):.2f}s > timeout {report.get('timeout', 0):g}s "
-                    f"-> monitor is stopping it; stack dump: {report.get('stack_file')}",
+                    f"-> {held}; stack dump: {report.get('stack_file')}",
                     rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"})
             elif kind == "stack_dump":  # follows its hang report once the rank has written it
                 self.blame.on_stack(report)
