@@ -40,6 +40,7 @@ from typing import Callable, Dict, List, Optional, Set
 BLAME_WAIT = 0.6    # seconds after the deciding agent's first hang report until it decides regardless
 STACK_WAIT = 0.4    # seconds a late hang report (stack evidence) waits for its rank's stack
 POLL = 0.005        # seconds between looks at the evidence while a verdict is pending
+GIVE_UP = 3.0       # seconds after which nobody polls any more (the monitors have long stopped their ranks)
 
 _FRAME = re.compile(r'File "([^"]+)", line \d+ in (\S+)')
 
@@ -163,8 +164,8 @@ class HangBlame:
     @property
     def pending(self) -> bool:
         """A verdict is awaited, or known but not yet told to a monitor: poll every POLL s."""
-        return self.number is not None and self.first is not None and (
-            self.verdict is None or len(self.told) < len(self.hung))
+        return (self.number is not None and self.first is not None and time.monotonic() < self.first + GIVE_UP
+                and (self.verdict is None or len(self.told) < len(self.hung)))
 
     def tick(self, monitors, ranks, final: bool = False) -> None:
         """Decide (the deciding agent) or read the verdict, and tell this node's monitors.
