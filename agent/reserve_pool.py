@@ -5,11 +5,8 @@ milliseconds instead of starting a cold interpreter.
 The pool starts `warm_reserves` per slot once the slot's first rank has reached its first `step`
 (so warming never competes with the job's launch, and the reserve imports what that rank
 imported), or ARM_AFTER seconds after the agent started for a script without a `step` section,
-or at once on a hot spare; it replaces each one that is used, and never waits for one: `take` hands out a ready
-reserve, else one still warming (an early failure: the reserve started at the first step has done
-part of what a cold process would do, and a cold process would compete with it for the CPU), else
-nothing and the caller spawns cold. A warming reserve taken is raised to the agent's priority at
-once and runs the script when its warm-up ends (its activation waits in its socket). A reserve that dies or does not become ready
+or at once on a hot spare; it replaces each one that is used, and never waits for one: `take` hands out a reserve only if it
+has said it is ready, else the caller spawns cold. A reserve that dies or does not become ready
 within `warm_reserve_timeout` is killed, reported and replaced, and is never activated; after
 three such losses in a row a slot stops trying, with one line saying why.
 
@@ -91,12 +88,7 @@ class Reserve:
 
     def activate(self, env: Dict[str, str], stdout, stderr, title: str) -> Optional[subprocess.Popen]:
         """Hand it the rank's environment and output; returns its process, or None (then the
-        caller spawns cold and this reserve is gone). A reserve still warming gets the agent's
-        priority now and reads the activation once warm; its socket stays open until then (it
-        exits if its ready message finds the socket closed): the pool closes it (`settle`)."""
-        warming = self.ready is None
-        if warming:
-            _raise_priority(self.pid)
+        caller spawns cold and this reserve is gone)."""
         fds, opened = [], []
         for fd, own in ((stdout, 1), (stderr, 2)):
             if fd is None:
@@ -113,30 +105,12 @@ class Reserve:
             socket.send_fds(self.sock, [payload], fds)
             return self.proc
         except OSError:
-            warming = False
             return None
         finally:
             for fd in opened:
                 os.close(fd)
-            if not warming:
-                self.sock.close()
-                _remove(self.log_path)
-
-    def settle(self) -> bool:
-        """An activated reserve that was warming: once it has said it is ready (and so read, or is
-        about to read, its activation) or died, close our end. True when done."""
-        if self.ready is None and self.alive():
-            try:
-                data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return False
-            except OSError:
-                data = b""
-            self.ready = {"kind": "ready"} if data else {}
-        self.sock.close()
-        _remove(self.log_path)
-        _remove(self.covered_path)
-        return True
+            self.sock.close()
+            _remove(self.log_path)
 
     def last_words(self) -> str:
         try:
@@ -179,7 +153,6 @@ class ReservePool:
         self._next_check = 0.0
         self._arm_at = time.monotonic() + ARM_AFTER
         self._told_priority = False
-        self._handed: List[Reserve] = []   # activated while warming: their sockets close once they are ready
         if self.per_slot and cfg.entry_kind == "program":
             events.say("warm reserves off: --no-python runs a program, not a Python script, so every "
                        "restart starts it cold")
@@ -253,7 +226,6 @@ class ReservePool:
         if not self.enabled or now < self._next_check:
             return
         self._next_check = now + MAINTAIN_EVERY
-        self._handed = [r for r in self._handed if not r.settle()]
         self._check(now)
         self.fill()
 
@@ -304,31 +276,19 @@ class ReservePool:
 
     # ---- using one ----------------------------------------------------------------------------
     def take(self, local_rank: int) -> Optional[Reserve]:
-        """A ready reserve of this slot (a current one first), else the one warming longest,
-        removed from the pool; None if there is none: the caller starts cold, it never waits."""
+        """A ready reserve of this slot (a current one first), removed from the pool; None if
+        none is ready: the caller starts cold, it never waits."""
         if not self.enabled:
             return None
         self._check(time.monotonic())  # no replacements started here: the caller fills after activating
-        alive = [r for r in self.slots[local_rank] if r.alive()]
-        ready = [r for r in alive if r.ready is not None]
-        if ready:
-            reserve = max(ready, key=self._is_current)
-        elif alive:
-            reserve = min(alive, key=lambda r: r.started)
-            self._handed.append(reserve)
-            self.events.event("reserve_taken_warming", f"local rank {local_rank}: no warm reserve is ready yet; "
-                              f"taking the one warming for {time.monotonic() - reserve.started:.1f}s (at full "
-                              f"priority) rather than starting a second, cold process", local_rank=local_rank,
-                              pid=reserve.pid, warming=round(time.monotonic() - reserve.started, 3))
-        else:
+        ready = [r for r in self.slots[local_rank] if r.ready is not None and r.alive()]
+        if not ready:
             return None
+        reserve = max(ready, key=self._is_current)
         self.slots[local_rank].remove(reserve)
         return reserve
 
     def close(self) -> None:
-        for reserve in self._handed:   # ranks now: the group stops them
-            reserve.settle()
-        self._handed = []
         everyone = [r for reserves in self.slots.values() for r in reserves]
         for reserve in everyone:  # all at once: each takes ~0.1 s to release its memory
             reserve.kill()
@@ -338,20 +298,6 @@ class ReservePool:
             reserves.clear()
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _raise_priority(pid: int) -> None:
-    """Every thread of `pid` to the agent's own priority (a warming reserve runs at nice +10)."""
-    try:
-        base = os.getpriority(os.PRIO_PROCESS, 0)
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, base)
-        except OSError:
-            pass
 
 
 def _mtime(path: str) -> Optional[int]:
