@@ -38,10 +38,12 @@ from typing import Dict, List, Optional
 from ft_launcher.rank_monitor import shm_layout
 from ft_launcher.rank_monitor.monitor_handle import MonitorHandle, MonitorStartError
 from ft_launcher.rank_monitor.peer_sockets import ENV_JOB_ADDRS
+from ft_launcher.rank_monitor.server import ENV_HANG_VERDICT
 
 from .events import EventLog
 from .fault_injection import FaultInjector
 from .flight_recorder import FlightRecorder
+from .hang_blame import POLL as BLAME_POLL, HangBlame
 from .gpu_env import heartbeat_warning
 from .health_checks import HealthChecks
 from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host, too_few_left
@@ -139,6 +141,8 @@ class NodeAgent:
         self.output = RankOutput(self.events.disk_warning)
         set_wake_fd(self._wake_w)   # an in-process restartable rank that raised wakes us through it
         self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog)  # before monitors, reserves
+        self.blame = HangBlame(self.events)
+        os.environ[ENV_HANG_VERDICT] = "1"   # our monitors hold a hung rank for the blame verdict
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         monitor_starts = self._monitor_starts = self._start_monitors(pool)
         self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
@@ -456,6 +460,9 @@ class NodeAgent:
         self.watcher.watch(rnd)
         self.flight.start_cycle(self.store, rnd, self.me.node_id,
                                 lambda: [(r.local_rank, r.rank) for r in self.group.ranks])
+        self.blame.start_cycle(self.store, rnd.number, rnd.world_size, self.me.node_id, self.flight.enabled,
+                               lambda: self.proto.policy.in_place_possible(self._facts(rnd)),
+                               lambda: [r.rank for r in self.group.ranks])
         self._apply_timeouts(self.learner.load())
         self.learner.begin_cycle(rnd.number)
         self._restartable_declared = False
@@ -499,6 +506,7 @@ class NodeAgent:
             return verdict
         finally:
             keep = self._request_in_place(rnd, verdict)   # first: they leave their step while we go on
+            self.blame.end_cycle()
             # a flight-recorder dump in progress ends before any rank is stopped
             self.flight.end_cycle(store_ok=not self.watcher.store_lost)
             self.status.cycle_end()
@@ -528,10 +536,17 @@ class NodeAgent:
         if verdict is None or not verdict.in_process or rnd.group_rank is None:
             return {}
         keep, now = {}, time.monotonic()
-        # a rank whose monitor found it hung is being stopped by that monitor: it is replaced
+        # a rank whose monitor found it hung is being stopped by that monitor: it is replaced,
+        # unless the hang blame found it only waited on the rank that hung (agent.hang_blame)
+        for monitor in self.monitors:
+            report = monitor.pending_hang(rnd.number)
+            if report is not None:
+                self.blame.on_hang(monitor.local_rank, report)
+        self.blame.tick(self.monitors, self.group.ranks, final=True)
         hung = {lr for lr, reports in self._pending_reports.items()
                 if any(r.get("kind") == "hang" and r.get("cycle") == rnd.number for r in reports)}
         hung |= {m.local_rank for m in self.monitors if m.reported_hang(rnd.number)}
+        hung -= self.blame.released()
         for rank in self.group.ranks:
             if rank.exitcode is None and rank.local_rank not in hung and verdict.keeps(rank.rank, self.me.node_id):
                 monitor = self.monitors[rank.local_rank]
@@ -616,6 +631,8 @@ class NodeAgent:
             while True:
                 due = self.injector.seconds_until_due(time.monotonic_ns())
                 wait = self.cfg.monitor_interval if due is None else min(due, self.cfg.monitor_interval)
+                if self.blame.pending:   # a hang verdict is awaited: look at the evidence often
+                    wait = min(wait, BLAME_POLL)
                 ready = sel.select(timeout=min(wait, self.status.poll_interval() or wait))
                 if due is not None and self.injector.seconds_until_due(time.monotonic_ns()) == 0:
                     self._inject_fault()
@@ -627,6 +644,7 @@ class NodeAgent:
                             pass
                     elif isinstance(key.data, tuple):
                         self._collect_reports(key.data[1], sel)
+                self.blame.tick(self.monitors, self.group.ranks)
                 self.status.sample()
                 self.section_use.poll(self.monitors, self.cfg.ft)
                 self._check_signal(rnd)
@@ -728,12 +746,17 @@ class NodeAgent:
         if hangs:
             hang = hangs[-1]
             what = (f"rank {rank.rank} on {node} hung in {_hang_place(hang)} for {hang.get('elapsed', 0):.2f}s "
-                    f"(timeout {hang.get('timeout', 0):g}s) and was stopped by its monitor")
+                    f"(timeout {hang.get('timeout', 0):g}s) and was stopped by its monitor"
+                    + self.blame.words(rank.rank))
             return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code, "hang": hang}
         if lost:
             what = (f"rank {rank.rank} on {node} was stopped because its monitor (pid {lost[-1]['pid']}) died: "
                     f"it restarts under the new monitor")
             return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code, "monitor_died": lost[-1]}
+        if self.blame.blamed(rank.local_rank):
+            what = f"rank {rank.rank} on {node} hung and was killed by its agent" + self.blame.words(rank.rank)
+            return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code,
+                    "hang_blame": self.blame.verdict}
         what = f"rank {rank.rank} on {node} {describe_exit(code)}"
         return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code}
 
@@ -888,13 +911,17 @@ class NodeAgent:
             if kind == "hang":
                 self.learner.freeze(self.monitors)   # before the dump request lets any hung rank resume
                 self.flight.hang(report)   # every rank of the job dumps its trace before the monitor acts
+                self.blame.on_hang(local_rank, report)   # and the agents decide who hung (agent.hang_blame)
                 self._pending_reports.setdefault(local_rank, []).append(report)
+                held = ("its monitor holds it until the agents decide who hung" if self._restartable_declared
+                        else "monitor is stopping it")
                 self.events.event(
                     "hang", f"rank {report.get('rank')} hang detected: {_hang_place(report)} "
                     f"elapsed {report.get('elapsed', 0):.2f}s > timeout {report.get('timeout', 0):g}s "
-                    f"-> monitor is stopping it; {_dump_words(report)}",
+                    f"-> {held}; {_dump_words(report)}",
                     rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"})
             elif kind == "stack_dump":  # follows its hang report once the rank has written it
+                self.blame.on_stack(report)
                 self.events.event("stack_dump", None, rank=report.get("rank"), cycle=report.get("cycle"),
                                   stack_file=report.get("stack_file"), stack=report.get("stack"))
             elif kind == "monitor_died":

@@ -165,6 +165,10 @@ class RestartPolicy:
                              f"without progress: a hot spare takes its place")
         return verdict
 
+    def in_place_possible(self, facts: RoundFacts) -> bool:
+        """Would a failure of round `facts.number` restart in place now (agent.hang_blame asks)?"""
+        return self._in_process_allowed(facts)
+
     def _in_process_allowed(self, facts: RoundFacts) -> bool:
         if self.granularity == "job":
             return False

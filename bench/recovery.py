@@ -9,6 +9,10 @@ Measures, on the example DDP job (gloo, checkpoint every 5 steps, 50 ms per step
               torchrun has no hang detection, so it has no figure here
   raise       SIGUSR1 to rank 1, whose step then raises an exception (ddp_train --raise-on USR1);
               from the raise (the time the example writes) -> every rank stepping again
+  early       SIGKILL to rank 1 EARLY_S after every rank's first step (no reserve is ready yet)
+              -> every rank stepping again; torchrun in the same run
+The in-place hang (hang-inplace) also counts the runs in which every victim (the ranks not
+SIGSTOPped) kept its process (hang blame, agent/hang_blame.py).
 ft_launcher runs with its default warm reserves (the fault is injected once every slot's reserve
 is warm, as in a job that has run for more than a few seconds), for comparison with
 `--ft-warm-reserves 0` (every restart cold), and with the training function under
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import Job, ratio, recovered, repeat, summary  # noqa: E402
 
 STEP_TIMEOUT = 2.0
+EARLY_S = 0.25
 
 
 def script_args(ckpt_every=5, in_place=False):
@@ -60,6 +65,19 @@ def _read_time(path: str):
         return None
 
 
+def _victims_kept(job: Job, nproc: int) -> bool:
+    """Every rank but rank 1 restarted in place with its cycle-0 pid (ranks_started events)."""
+    path = os.path.join(job.dir, "logs", "events.jsonl")
+    pids = {}
+    with open(path) as fh:
+        for line in fh:
+            event = json.loads(line)
+            if event["kind"] == "ranks_started":
+                for r in event["detail"]["ranks"]:
+                    pids.setdefault(event["cycle"], {})[r["rank"]] = (r["pid"], r.get("in_place", False))
+    return all(pids.get(1, {}).get(r) == (pids[0][r][0], True) for r in range(nproc) if r != 1)
+
+
 def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, stats: dict = None,
                      in_place: bool = False):
     """-> (launch seconds, recovery seconds or None)."""
@@ -76,6 +94,18 @@ def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, s
         if fault == "none":
             ok = True
             return launch, None
+        if fault == "early":   # before any reserve is ready: SIGKILL rank 1 EARLY_S after the first step
+            pid = job.rank_pid(1)
+            time.sleep(max(0.0, first + EARLY_S - time.time()))
+            t0 = time.time()
+            os.kill(pid, signal.SIGKILL)
+            try:
+                back = job.wait_for(lambda: job.all_stepping(nproc, 1, after=t0), 60, "all ranks stepping again")
+            except RuntimeError as exc:
+                print(f"  {kind}: did not recover: {exc}", flush=True)
+                return launch, None
+            ok = True
+            return launch, back - t0
         job.wait_for(lambda: all(len(r) >= 12 for r in job.progress().values()) and len(job.progress()) == nproc,
                      60, "12 steps")
         if kind == "ft_launcher" and reserves:
@@ -95,6 +125,8 @@ def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, s
         except RuntimeError as exc:  # the launcher gave up: no recovery figure, say why
             print(f"  {kind}: did not recover: {exc}", flush=True)
             return launch, None
+        if fault == "hang" and in_place and stats is not None:
+            stats.setdefault("victims_kept", []).append(_victims_kept(job, nproc))
         ok = True
         return launch, back - t0
     finally:
@@ -105,6 +137,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--only", default=None, help="comma-separated runs to measure, e.g. "
+                   "torchrun:kill,ft_launcher:hang-inplace,torchrun:early,ft_launcher:early")
     args = p.parse_args()
     launch_and_fault("ft_launcher", args.nproc, "none")  # warm the page cache (torch import)
     launch_and_fault("torchrun", args.nproc, "none")
@@ -113,10 +147,20 @@ def main() -> None:
             ("ft_launcher", "kill", True), ("ft_launcher", "hang", True), ("ft_launcher", "raise", True),
             ("ft_launcher", "kill-cold", False), ("ft_launcher", "hang-cold", False),
             ("ft_launcher", "kill-inplace", True), ("ft_launcher", "hang-inplace", True),
-            ("ft_launcher", "raise-inplace", True))
+            ("ft_launcher", "raise-inplace", True), ("torchrun", "early", True), ("ft_launcher", "early", True))
+    if args.only:
+        wanted = set(args.only.split(","))
+        runs = tuple(r for r in runs if f"{r[0]}:{r[1]}" in wanted)
     results = repeat(runs, args.reps, lambda run: launch_and_fault(
         run[0], args.nproc, run[1].split("-")[0], run[2], stats, in_place=run[1].endswith("-inplace")))
     print(f"\n{args.nproc} ranks, {args.reps} repetitions, {os.cpu_count()} cores")
+    for kind, fault in (("torchrun", "launch"), ("ft_launcher", "launch")):
+        results.setdefault((kind, fault), [])
+    for kind, fault, _ in ((k, f, 0) for k in ("torchrun", "ft_launcher") for f in (
+            "kill", "raise", "hang", "kill-cold", "hang-cold", "kill-inplace", "hang-inplace", "raise-inplace",
+            "early")):
+        results.setdefault((kind, fault), [])
+        results.setdefault((kind, fault, "failed"), [])
     print(f"launch -> first step      torchrun    {summary(results[('torchrun', 'launch')])}")
     print(f"                          ft_launcher {summary(results[('ft_launcher', 'launch')])}"
           f"   ratio {ratio(results[('ft_launcher', 'launch')], results[('torchrun', 'launch')])}")
@@ -137,7 +181,18 @@ def main() -> None:
         hang = results[("ft_launcher", fault)]
         print(f"                          ft_launcher {summary(hang)}"
               + (f"   = T + {statistics.median(hang) - STEP_TIMEOUT:.2f} s" if hang else "") + f"  ({label})")
-    if stats:
+    hang, kill = results[("ft_launcher", "hang-inplace")], results[("ft_launcher", "kill-inplace")]
+    if hang:
+        kept = stats.get("victims_kept", [])
+        print(f"in place: kill -> stepping {summary(kill)}; hang in step -> stepping "
+              f"T + {statistics.median(hang) - STEP_TIMEOUT:.2f} s (victims kept their process in "
+              f"{sum(kept)}/{len(kept)} runs)")
+    print(f"kill {EARLY_S:g} s after the first step     torchrun    {summary(results[('torchrun', 'early')])}"
+          f"   {recovered(results, 'torchrun', 'early', args.reps)}")
+    print(f"                          ft_launcher {summary(results[('ft_launcher', 'early')])}"
+          f"   {recovered(results, 'ft_launcher', 'early', args.reps)}"
+          f"   ratio {ratio(results[('ft_launcher', 'early')], results[('torchrun', 'early')])}")
+    if stats.get("warm_s"):
         print(f"warm reserve: ready {statistics.median(stats['warm_s']):.1f} s after launch (median), "
               f"RSS {statistics.median(stats['rss_mb']):.0f} MB per slot "
               f"(min {min(stats['rss_mb']):.0f}, max {max(stats['rss_mb']):.0f})")

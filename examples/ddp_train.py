@@ -52,6 +52,8 @@ def parse_args():
     p.add_argument("--restartable", action="store_true",
                    help="run the training function under ft_launcher.restartable: on a failure the healthy "
                         "ranks restart in their own process")
+    p.add_argument("--hang-in", default=None, metavar="PHASE",
+                   help="--fail-rank hangs (sleeps for an hour, no heartbeat) in PHASE at --hold-step (cycle 0)")
     p.add_argument("--cuda-hang-in", default=None, metavar="PHASE",
                    help="--fail-rank gets stuck in a CUDA kernel that never ends in PHASE (--device cuda)")
     args = p.parse_args()
@@ -72,6 +74,7 @@ class Hooks:
         self.raise_in = args.raise_in if me else None
         self.exit0_in = args.exit0_in if me else None
         self.cuda_hang_in = args.cuda_hang_in if me else None
+        self.hang_in = args.hang_in if me else None
         self.step = args.hold_step
 
     def at(self, phase, step=None):
@@ -82,6 +85,9 @@ class Hooks:
         if self.exit0_in == phase:
             print(f"exiting 0 early in {phase}", flush=True)
             os._exit(0)
+        if self.hang_in == phase:
+            print(f"hanging in {phase}", flush=True)
+            time.sleep(3600)
         if self.cuda_hang_in == phase:   # a kernel that spins for ~forever, then wait for it
             print(f"stuck in a CUDA kernel in {phase}", flush=True)
             torch.cuda._sleep(1 << 62)

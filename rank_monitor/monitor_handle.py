@@ -181,6 +181,11 @@ class MonitorHandle:
     def rank_stopped(self) -> None:
         self._tell({"op": "rank_stopped"})
 
+    def hang_verdict(self, pid: int, kill: bool) -> None:
+        """The verdict on the hang this monitor reported for `pid` (agent.hang_blame): stop the
+        rank (it hung) or release it (it only waited on the rank that hung)."""
+        self._tell({"op": "hang_verdict", "pid": int(pid), "kill": bool(kill)})
+
     def update_config(self, cfg: FaultToleranceConfig) -> None:
         self.cfg = cfg
         self._tell({"op": "config", "cfg": cfg.to_json()})
@@ -207,6 +212,12 @@ class MonitorHandle:
         if not self._stopped:
             self._pending.extend(m for m in self._chan.receive() if m.get("kind") != "ready")
         return any(m.get("kind") == "hang" and m.get("cycle") == cycle for m in self._pending)
+
+    def pending_hang(self, cycle: int) -> Optional[dict]:
+        """The hang report of `cycle` that read_reports has not handed out yet, if any (consumes nothing)."""
+        if not self.reported_hang(cycle):
+            return None
+        return next(m for m in self._pending if m.get("kind") == "hang" and m.get("cycle") == cycle)
 
     def stalled_for(self) -> float:
         """Seconds since the monitor's loop last ticked (it ticks at least once a second)."""

@@ -9,11 +9,19 @@ the agent says the job's ranks have dumped their flight-recorder traces (only wh
 turned those dumps on), asks the rank for a stack dump (only if the rank installed the
 handler), then SIGCONT + the termination signal to the rank's process group, SIGKILL after the
 grace if that signal is catchable. It then stops enforcing until the agent announces the next
-incarnation. It exits when the agent's control channel closes, and dies with the agent
+incarnation.
+
+Hang blame: when the agent asks for it (`FT_LAUNCHER_HANG_VERDICT=1` in the monitor's
+environment), the monitor does not stop the rank after the stack dump but holds it for the
+agent's verdict (agent.hang_blame): `{"op": "hang_verdict", "pid", "kill"}` either stops it as
+above (the rank hung) or releases it (it only waited on the rank that hung: it restarts in place,
+and this monitor leaves it alone). Without a verdict within VERDICT_HOLD seconds of the hang, or
+once the agent's channel closes, the monitor stops the rank as before. It exits when the agent's control channel closes, and dies with the agent
 (PR_SET_PDEATHSIG).
 
 Control channel: JSON lines over a socketpair. Agent -> monitor: {"op": "rank_started", pid,
-rank, cycle, start_ns} | {"op": "rank_stopped"} | {"op": "config", "cfg": json} | {"op": "stop"}.
+rank, cycle, start_ns} | {"op": "rank_stopped"} | {"op": "config", "cfg": json} | {"op": "stop"} |
+{"op": "hang_verdict", pid, kill}.
 Monitor -> agent: {"kind": "ready"}, {"kind": "hang", ...}, {"kind": "stack_dump", ...}. A hang
 report names the expired timeout (reason, section) and the sections open at that moment, so a
 heartbeat or out-of-section hang still says where the rank was.
@@ -42,6 +50,10 @@ _mono = time.monotonic_ns
 log = logging.getLogger("rank_monitor")
 
 STACK_TEXT_LIMIT = 64 * 1024
+ENV_HANG_VERDICT = "FT_LAUNCHER_HANG_VERDICT"
+# Seconds after a hang is found until a monitor holding the rank for the agent's verdict stops it
+# regardless (the agent decides within agent.hang_blame.BLAME_WAIT, well inside this).
+VERDICT_HOLD = 1.0
 CATCHABLE_NEVER = (int(signal.SIGKILL), int(signal.SIGSTOP))
 
 
@@ -104,6 +116,9 @@ class Incident:
         self.handler_pid, self.handler_sig, self.stack_path = handler_pid, handler_sig, stack_path
         self.phase = "dump"
         self.deadline = 0
+        self.found_ns = _mono()
+        self.verdict: Optional[bool] = None   # the agent's: True stop the rank, False release it
+        self.hold = os.environ.get(ENV_HANG_VERDICT) == "1"
         self.last_size = -1
         self.stable_since = 0
         self.baseline = 0
@@ -149,7 +164,22 @@ class Incident:
             except (ProcessLookupError, PermissionError):
                 pass
         self.stack_path = None
-        self._terminate()
+        self._after_dump()
+
+    def _after_dump(self) -> None:
+        """Stop the rank, or hold it for the agent's verdict (hang blame) when the agent asked."""
+        if not self.hold or self.verdict is True:
+            self._terminate()
+        elif self.verdict is False:
+            self._release()
+        else:
+            self.phase = "verdict"
+            self.deadline = max(self.found_ns + int(VERDICT_HOLD * 1e9), _mono() + 50_000_000)
+
+    def _release(self) -> None:
+        log.debug("local_rank=%s: rank pid %s released: it waited on the rank that hung",
+                  self.server.local_rank, self.inc.pid)
+        self.phase = "done"
 
     def _dump_size(self) -> int:
         try:
@@ -170,7 +200,7 @@ class Incident:
         rep.update(kind="stack_dump", stack_file=self.stack_path if complete else None,
                    complete=complete, stack=text)
         self.server.send(rep)
-        self._terminate()
+        self._after_dump()
 
     def _terminate(self) -> None:
         cfg = self.server.cfg
@@ -191,6 +221,15 @@ class Incident:
     # ---- driven by the loop --------------------------------------------------------------
     def step(self) -> None:
         now = _mono()
+        if self.phase == "verdict":
+            if self.verdict is False:
+                self._release()
+            elif self.verdict is True or self.inc.exited() or now >= self.deadline or not self.server.running:
+                if self.verdict is None and not self.inc.exited():
+                    log.info("local_rank=%s: no verdict on hung rank pid %s within %gs: stopping it",
+                             self.server.local_rank, self.inc.pid, VERDICT_HOLD)
+                self._terminate()
+            return
         if self.phase == "flight":
             if os.path.exists(self.done_file) or self.inc.exited() or now >= self.deadline:
                 self._begin_dump()
@@ -218,7 +257,7 @@ class Incident:
                 self.phase = "done"
 
     def wake_at(self) -> int:
-        if self.phase in ("dump", "flight"):
+        if self.phase in ("dump", "flight", "verdict"):
             return min(self.deadline, _mono() + 10_000_000)
         return self.deadline
 
@@ -273,6 +312,10 @@ class Server:
             self.cfg = FaultToleranceConfig.from_json(cfg if isinstance(cfg, str) else json.dumps(cfg))
         elif op == "stop":
             self.running = False
+        elif op == "hang_verdict":
+            for incident in self.incidents:
+                if incident.inc.pid == int(msg["pid"]):
+                    incident.verdict = bool(msg.get("kill", True))
         else:
             log.warning("local_rank=%s: unknown control op %r", self.local_rank, op)
 
@@ -455,6 +498,15 @@ class Server:
                 continue
             if self.chan in readable:
                 self.read_channel()
+        self._stop_held()
+
+    def _stop_held(self) -> None:
+        """The agent is gone (or asked us to stop): a hung rank still held is stopped now."""
+        for incident in self.incidents:
+            if incident.phase in ("flight", "dump", "verdict") and incident.verdict is not False \
+                    and not incident.inc.exited():
+                incident._signal_group(signal.SIGCONT)
+                incident._signal_group(signal.SIGKILL)
 
     def close(self) -> None:
         for path in (self.shm_path, L.env_file(self.shm_path)):

@@ -1,0 +1,221 @@
+"""Hang blame end to end (agent/hang_blame.py): one rank hangs, its peers wait on it in a collective
+and their monitors fire too; the agents tell culprit from victims and only the culprit is replaced.
+
+examples/ddp_train.py under `ft.restartable`, real agents, monitors and ranks (test_fault_matrix's
+Job). The hang: rank `--fail-rank` sleeps for an hour in a phase (ddp_train --hang-in), or the
+test SIGSTOPs it while it steps. Then:
+- the job ends with exactly the model of a fault-free run, after one in-place restart;
+- every victim kept its process (cycle 1 reports it in place with its cycle-0 pid), the culprit's
+  slot got a new process;
+- one `hang_blame` event names the culprit, the victims and the evidence that decided;
+- the failure line names the culprit and says the others were waiting on it.
+"""
+import os
+import signal
+
+import pytest
+
+from conftest import wait_for
+from test_fault_matrix import HOLD_STEP, Job, References, progress
+from test_inprocess_restart import started
+
+T = 3.0
+TIMEOUTS = ["--ft-rank-section-timeouts", f"setup:15,step:{T:g},checkpointing:{T:g}"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return References(tmp_path_factory)
+
+
+def run_hang(launcher, tmp_path, topology, how, phase, env=None):
+    culprit = 1 if topology == "1x2" else 3
+    job_args = ["--restartable", "--fail-rank", culprit]
+    if phase == "step":   # a step without a checkpoint after it: the victims wait in DDP's all-reduce
+        job_args += ["--hold-step", HOLD_STEP + 1]
+    if how == "sleep":
+        job_args += ["--hang-in", phase]
+    job = Job(launcher, tmp_path, topology, TIMEOUTS, job_args)
+    if env:
+        job.pet = dict(env, GROUP_RANK="0") if job.nodes == 1 else None
+        assert job.nodes == 1, "env only for 1x2 here"
+    job.launch()
+    if how == "sigstop":   # stopped wherever it is inside a step after the held one
+        wait_for(lambda: any(c == 0 and s >= HOLD_STEP + 2 for c, s, _ in progress(job.prog, culprit)), 90,
+                 f"rank {culprit} stepping", interval=0.01)
+        pid = started(job.events(), 0)[culprit][0]
+        os.kill(pid, signal.SIGSTOP)
+    return job, culprit
+
+
+def check_blame(job, reference, culprit, evidence):
+    results, elapsed = job.wait()
+    errors = "\n".join(r[2][-4000:] for r in results)
+    assert all(code == 0 for code, _, _ in results), errors
+    assert job.final()["checksum"] == reference.checksum(job.topology), "the restart changed the model"
+    evs = job.events()
+    restarts = [e for e in evs if e["kind"] == "restart"]
+    assert restarts and {(e["detail"]["rung"], e["detail"]["next_cycle"]) for e in restarts} == {("in_process", 1)}
+    victims = [r for r in range(job.world) if r != culprit]
+    before, after = started(evs, 0), started(evs, 1)
+    for rank in victims:
+        assert after[rank] == (before[rank][0], True), f"victim {rank} did not keep its process: {before} -> {after}"
+    assert after[culprit][0] != before[culprit][0] and not after[culprit][1], after
+    blame = [e for e in evs if e["kind"] == "hang_blame"]
+    assert len(blame) == 1, blame
+    d = blame[0]["detail"]
+    assert d["culprits"] == [culprit] and d["victims"] == victims and d["evidence"] == evidence, d
+    failure = [e for e in evs if e["kind"] == "failure"][0]
+    assert failure["rank"] == culprit
+    assert "waiting on it" in failure["detail"]["what"], failure
+    assert any("waiting on it" in err for _, _, err in results)
+    hangs = {e["rank"] for e in evs if e["kind"] == "hang" and e["cycle"] == 0}
+    print(f"\n{job.topology}: monitors fired for {sorted(hangs)}; {d}; {elapsed:.1f}s")
+    return evs, hangs
+
+
+def _cases():
+    default = {("sleep", "step", "1x2")}
+    for how, phase, topology in [("sleep", "step", "1x2"), ("sleep", "step", "2x2"), ("sigstop", "step", "1x2"),
+                                 ("sigstop", "step", "2x2"), ("sleep", "checkpointing", "1x2"),
+                                 ("sleep", "checkpointing", "2x2")]:
+        marks = () if (how, phase, topology) in default else (pytest.mark.slow,)
+        yield pytest.param(how, phase, topology, marks=marks, id=f"{how}-{phase}-{topology}")
+
+
+@pytest.mark.parametrize("how,phase,topology", list(_cases()))
+def test_only_the_rank_that_hung_is_replaced(launcher, tmp_path, reference, how, phase, topology):
+    job, culprit = run_hang(launcher, tmp_path, topology, how, phase)
+    evs, hangs = check_blame(job, reference, culprit, "flight recorder")
+    if how == "sleep" and phase == "step":
+        # the victims' monitors fired too (they entered the next step ~20 ms after the culprit
+        # began to sleep, well inside the time the dumps take): they were released, not killed
+        assert len(hangs) >= 2, hangs
+
+
+def test_without_the_flight_recorder_the_stacks_decide(launcher, tmp_path, reference):
+    job, culprit = run_hang(launcher, tmp_path, "1x2", "sleep", "step", env={"TORCH_FR_BUFFER_SIZE": "0"})
+    check_blame(job, reference, culprit, "stacks")
+
+
+@pytest.mark.slow
+def test_a_hang_in_setup_is_told_by_the_stacks(launcher, tmp_path, reference):
+    # before init_process_group completes there is no collective to record: the victims' stacks
+    # wait inside torch.distributed (the rendezvous), the culprit's does not
+    job, culprit = run_hang(launcher, tmp_path, "1x2", "sleep", "setup")
+    check_blame(job, reference, culprit, "stacks")
+
+
+# ---- the monitor's hold, without an agent's verdict ------------------------------------------
+def _held_rank(launcher, tmp_path, monkeypatch):
+    """A monitor with hang blame on (no agent: the test holds its channel) and a rank that hangs in
+    'step' (1 s timeout): returns (handle, rank process, monotonic time of the hang report)."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT, SCRIPTS
+    from ft_launcher.rank_monitor.config import FaultToleranceConfig
+    from ft_launcher.rank_monitor.monitor_handle import MonitorHandle
+    from ft_launcher.rank_monitor.server import ENV_HANG_VERDICT
+
+    monkeypatch.setenv(ENV_HANG_VERDICT, "1")
+    monkeypatch.setenv("FT_TEST_TOKEN", launcher.token)   # the fixture finds anything left behind
+    cfg = FaultToleranceConfig()
+    cfg.rank_section_timeouts = {"setup": 20.0, "step": 1.0, "checkpointing": 20.0}
+    handle = MonitorHandle.start(0, cfg, str(tmp_path / "run"))
+    (tmp_path / "out").mkdir()
+    env = launcher.env(dict(handle.rank_env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                                           TORCHELASTIC_RESTART_COUNT="0"))
+    rank = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "monitored_rank.py"), str(tmp_path / "out"),
+                             "--fault", "step", "--rank", "0"], env=env, cwd=ROOT, start_new_session=True)
+    handle.rank_started(rank.pid, 0, 0, time.monotonic_ns())
+    reports = []
+    try:
+        wait_for(lambda: reports.extend(handle.read_reports()) or any(r.get("kind") == "hang" for r in reports),
+                 30, "the hang report", interval=0.005)
+    except BaseException:
+        rank.kill()
+        rank.wait()
+        handle.stop()
+        raise
+    return handle, rank, time.monotonic()
+
+
+def test_a_held_rank_is_stopped_when_no_verdict_comes(launcher, tmp_path, monkeypatch):
+    import time
+
+    from ft_launcher.rank_monitor.server import VERDICT_HOLD
+
+    handle, rank, reported = _held_rank(launcher, tmp_path, monkeypatch)
+    try:
+        rank.wait(timeout=10)
+        held = time.monotonic() - reported
+        assert VERDICT_HOLD - 0.2 <= held <= VERDICT_HOLD + 0.5, held   # held for a verdict, then stopped
+    finally:
+        rank.kill()
+        rank.wait()
+        handle.stop()
+
+
+def test_a_released_rank_is_left_alone_and_an_agent_gone_stops_a_held_one(launcher, tmp_path, monkeypatch):
+    import subprocess
+    import time
+
+    handle, rank, _ = _held_rank(launcher, tmp_path, monkeypatch)
+    try:
+        handle.hang_verdict(rank.pid, kill=False)
+        with pytest.raises(subprocess.TimeoutExpired):
+            rank.wait(timeout=2.5)   # well past the hold: released, the monitor does not stop it
+    finally:
+        rank.kill()
+        rank.wait()
+        handle.stop()
+    # a monitor whose agent is gone stops the rank it holds at once, verdict or not
+    (tmp_path / "b").mkdir()
+    handle, rank, reported = _held_rank(launcher, tmp_path / "b", monkeypatch)
+    try:
+        handle.stop()
+        rank.wait(timeout=5)
+        assert time.monotonic() - reported < 0.6
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+# ---- the evidence, as pure functions ---------------------------------------------------------
+def _dump(seqs, pending=None, ranks="[0, 1, 2]", group=("0", "default_pg")):
+    import pickle
+
+    entries = [{"process_group": group, "collective_seq_id": s, "profiling_name": "gloo:all_reduce",
+                "state": "scheduled", "retired": s != pending, "is_p2p": False} for s in seqs]
+    return pickle.dumps({"pg_config": {group[0]: {"name": group[0], "ranks": ranks}}, "entries": entries})
+
+
+def test_the_flight_recorder_blames_the_ranks_that_never_entered_the_stuck_collective():
+    from ft_launcher.agent.hang_blame import from_flight_recorder
+
+    dumps = {0: _dump([4, 5], pending=5), 1: _dump([4]), 2: _dump([4, 5], pending=5)}
+    found = from_flight_recorder(dumps, 3)
+    assert (found["culprits"], found["victims"], found["sequence"]) == ([1], [0, 2], 5)
+    # a rank without a dump (stopped) never entered it either
+    found = from_flight_recorder({0: _dump([4, 5], pending=5), 2: _dump([4, 5], pending=5)}, 3)
+    assert found["culprits"] == [1]
+    # nothing pending, or everyone in it: no finding
+    assert from_flight_recorder({0: _dump([4]), 1: _dump([4])}, 2) is None
+    assert from_flight_recorder({0: _dump([5], 5, "[0, 1]"), 1: _dump([5], 5, "[0, 1]")}, 2) is None
+    assert from_flight_recorder({0: b"not a pickle"}, 2) is None
+
+
+def test_a_stack_waits_inside_a_collective_or_not():
+    from ft_launcher.agent.hang_blame import stack_waits
+
+    def dump(*frames):
+        return ('Thread 0x1 (most recent call first):\n  File "/x/rank_monitor/flight_recorder.py", line 89 in _serve\n\n'
+                "Current thread 0x2 (most recent call first):\n"
+                + "".join(f'  File "{f}", line 1 in {fn}\n' for f, fn in frames) + "\n")
+
+    assert stack_waits(dump(("/v/torch/distributed/distributed_c10d.py", "all_reduce"), ("/t/train.py", "main")))
+    assert stack_waits(dump(("/v/torch/autograd/graph.py", "_engine_run_backward"), ("/t/train.py", "main")))
+    assert stack_waits(dump(("/t/train.py", "at"), ("/t/train.py", "main"))) is False
+    assert stack_waits("") is None and stack_waits("no frames") is None
