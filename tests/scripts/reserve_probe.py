@@ -41,8 +41,8 @@ names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "
          "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "FT_TEST_TOKEN")
 user_modules = None
 if "--user-modules" in sys.argv:
-    import ft_launcher.agent
-    import ft_launcher.rank_monitor
+    import agent
+    import rank_monitor
 
     user_modules = [agent.WHO, rank_monitor.WHO]
 
