@@ -340,6 +340,22 @@ def entrypoint(args) -> List[str]:
     return [sys.executable, "-u", script] + rest
 
 
+def _hooked_entrypoint(args, ft) -> List[str]:
+    """The rank's command; with install_exception_hook, through rank_monitor.excepthook."""
+    command = entrypoint(args)
+    if not ft.install_exception_hook:
+        return command
+    if args.no_python:
+        print(f"{PROG}: install_exception_hook: --no-python runs no Python of ours first; the hook is "
+              "not installed (a rank's exit code still reports its failure)", file=sys.stderr)
+        return command
+    from ft_launcher.rank_monitor import excepthook
+    from ft_launcher.rank_monitor.own_modules import package_parent
+
+    return excepthook.command(entry_kind(args), command, args.training_script,
+                              list(args.training_script_args), package_parent())
+
+
 def entry_kind(args) -> str:
     """How the cold command runs the target (see LaunchConfig.entry_kind)."""
     if args.no_python:
@@ -478,7 +494,7 @@ def _launch_config(args, origins):
         except ValueError:
             raise UsageError(f"--local-ranks-filter: expected e.g. 0,1, got {args.local_ranks_filter!r}") from None
     return LaunchConfig(
-        min_nodes=low, max_nodes=high, nproc_per_node=nproc, entrypoint=entrypoint(args),
+        min_nodes=low, max_nodes=high, nproc_per_node=nproc, entrypoint=_hooked_entrypoint(args, ft),
         rdzv_backend=backend, rdzv_host=host, rdzv_port=port, rdzv_id=run_id, rdzv_conf=rdzv_conf,
         is_host=is_host, order_key=order_key, standalone=args.standalone, max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval, role=args.role, log_dir=log_dir, capture=capture, tee=tee,

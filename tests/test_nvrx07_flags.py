@@ -171,3 +171,41 @@ def test_every_key_is_either_built_or_has_its_line():
             assert key not in nvrx_flags.KEY_NOTES
         else:
             assert key in FaultToleranceConfig.__dataclass_fields__
+
+
+# ---- built: --ft-install-exception-hook -------------------------------------------------------
+from conftest import SCRIPTS, read_events  # noqa: E402
+
+RAISE_RANK = os.path.join(SCRIPTS, "raise_rank.py")
+
+
+def test_exception_hook_reports_a_plain_scripts_uncaught_exception_at_raise_time(launcher, tmp_path):
+    logs = tmp_path / "logs"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
+                        "--ft-install-exception-hook", "true", "--ft-warm-reserves", "0", RAISE_RANK, "1"],
+                       timeout=120)
+    assert res.returncode == 0, res.stderr
+    failures = read_events(logs, "failure")
+    assert len(failures) == 1, failures
+    detail = failures[0]["detail"]
+    assert failures[0]["rank"] == 1 and detail["exception"].startswith("ValueError: boom in rank 1 at step 5 at raise_rank.py:")
+    assert "rank 1 on node 0" in res.stdout + res.stderr and "raised ValueError: boom in rank 1" in res.stdout + res.stderr
+    assert "Traceback" in res.stderr and 'raise_rank.py", line' in res.stderr   # Python's traceback, from the script's frame
+    assert "runpy" not in res.stderr
+    for rank in (0, 1):   # the script ran as `python raise_rank.py` would run it
+        assert f"rank {rank} path0={SCRIPTS} name=__main__" in res.stdout
+        assert f"rank {rank} done in cycle 1" in res.stdout
+
+
+def test_nvrx07_client_calls_work_and_the_hook_follows_the_jobs_config(launcher, tmp_path):
+    logs = tmp_path / "logs"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
+                        "--ft-install-exception-hook", "true", "--ft-gpu-memory-reclaim-timeout", "7",
+                        "--ft-rank-section-timeouts", "step:60", os.path.join(SCRIPTS, "nvrx07_client.py")],
+                       timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" in res.stdout + res.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} initialized=True warmup=3 hook=True reclaim=7.0" in res.stdout
+    failure, = read_events(logs, "failure")
+    assert failure["rank"] == 1 and failure["detail"]["exception"].startswith("RuntimeError: client rank fails")
