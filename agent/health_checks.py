@@ -89,7 +89,7 @@ class HealthChecks:
         self.say = say
         self._told: set = set()
         self.dead_pids: List[int] = []    # the last cycle's rank processes (set by the agent)
-        self.release_wait = gpu_memory.RELEASE_WAIT
+        self.release_wait = ft.gpu_memory_reclaim_timeout   # NVRx 0.7's keys (agent.gpu_memory)
         self.nvml_query = gpu_memory.nvml_query   # NVML's process lists (None without NVML)
 
     def gpu_release(self) -> Optional[str]:
@@ -101,7 +101,8 @@ class HealthChecks:
         if query is None:
             return None
         try:
-            held = gpu_memory.wait_released(pids, query, self.release_wait)
+            held = gpu_memory.wait_released(pids, query, self.release_wait, self.ft.gpu_memory_poll_interval,
+                                            self.ft.gpu_memory_tolerance_mb)
         finally:
             try:
                 import pynvml
