@@ -101,11 +101,9 @@ FT_HELP = {
     "gpu_memory_tolerance_mb": "a dead rank's process still listed with at most this many MB counts as gone",
     "gpu_memory_poll_interval": "seconds between looks at the GPUs while waiting for their memory",
     "install_exception_hook": "report a rank's uncaught exception to the launcher at raise time (true/false)",
-    "checkpoint_iteration_file": "a file holding the last checkpoint's iteration: progress is its growth",
-    "min_progress_iterations": "growth of the checkpoint iteration that counts as progress",
-    "cycle_info_dir": "write cycle_info.<job>.<attempt>.<cycle> JSON files and a .current link here",
     "storage_healthcheck_path": "paths (comma-separated) that must be readable before each rendezvous",
     # NVRx 0.7's keys without a meaning here: accepted, one line says what does their job (nvrx_flags)
+    "checkpoint_iteration_file": None, "min_progress_iterations": None, "cycle_info_dir": None,
     "num_warmup_iterations": None, "enable_nic_healthcheck": None, "enable_dist_storage_healthcheck": None,
     "link_state_path_template": None, "skip_section_response": None, "segment": None,
     "numa_bind_strict": None, "check_remaining_processes": None, "attribution_endpoint": None,

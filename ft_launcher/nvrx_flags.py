@@ -51,6 +51,11 @@ CFG_PATH_SPELLINGS = ("--ft-cfg_path", "--fault-tol-cfg-path")
 
 # fault-tolerance keys with no effect here -> what does their job (None: nothing to say)
 KEY_NOTES = {
+    "cycle_info_dir": "no cycle_info files are written here (NVRX_CURRENT_CYCLE_INFO is not set); each "
+                      "cycle's start, ranks and nodes are events in <--log-dir>/events.jsonl",
+    "checkpoint_iteration_file": "progress is measured by completed `step` sections (max_no_progress_cycles), "
+                                 "not by this file",
+    "min_progress_iterations": "progress is one completed `step` section in a cycle (max_no_progress_cycles)",
     "num_warmup_iterations": "section and out-of-section timeouts apply from the first step here; give a "
                              "longer first section (e.g. setup) or use calc_ft_timeouts",
     "enable_nic_healthcheck": None,

@@ -11,8 +11,8 @@ number) and its constructors `from_kwargs`, `from_yaml_file`, `from_args`, plus 
 NVRx's keys that mean nothing here (`node_health_check_interval`, `restart_check_interval`,
 `enable_nic_monitor`, `pci_topo_file`, `link_down_path_template`, and of NVRx 0.7's keys those
 listed after `num_warmup_iterations`) and Megatron-Bridge's `enable_ft_package` are accepted and
-have no effect. NVRx 0.7's gpu_memory_*, install_exception_hook, checkpoint_iteration_file,
-min_progress_iterations, cycle_info_dir and storage_healthcheck_path have their meaning here.
+have no effect. NVRx 0.7's gpu_memory_*, install_exception_hook and storage_healthcheck_path have
+their meaning here.
 
 Megatron-Bridge's `InProcessRestartConfig` names are accepted too, under `fault_tolerance:` or in
 an `inprocess_restart:` section of the same file (`megatron_bridge_aliases`): those with a meaning
@@ -122,15 +122,12 @@ class FaultToleranceConfig:
     gpu_memory_poll_interval: float = 0.05
     # A rank's uncaught exception is reported to the launcher at raise time (rank_monitor.excepthook).
     install_exception_hook: bool = False
-    # Progress by the checkpoint iteration (agent.progress): a cycle made progress when the integer
-    # in this file grew by at least min_progress_iterations.
-    checkpoint_iteration_file: Optional[str] = None
-    min_progress_iterations: int = 1
-    # Per-cycle JSON files and a .current link (agent.cycle_info); ranks get NVRX_CURRENT_CYCLE_INFO.
-    cycle_info_dir: Optional[str] = None
     # Comma-separated paths that must exist and be readable before each rendezvous (health checks).
     storage_healthcheck_path: Optional[str] = None
     # Accepted from NVRx 0.7, no effect here (ft_launcher/nvrx_flags.py says what does their job).
+    checkpoint_iteration_file: Optional[str] = None
+    min_progress_iterations: int = 1
+    cycle_info_dir: Optional[str] = None
     num_warmup_iterations: int = 5
     enable_nic_healthcheck: bool = True
     enable_dist_storage_healthcheck: bool = False
