@@ -183,18 +183,23 @@ class JobStatus:
         self._write(exit_code=code)
         try:   # a finished job is read from its log dir; the runtime dir lists running agents only
             os.unlink(self.registry)
+            os.rmdir(os.path.dirname(self.registry))   # the last agent leaves no empty dir behind
         except OSError:
             pass
 
     def _register(self) -> None:
         """Link this agent's status file into the runtime dir (once)."""
         self._registered = True
-        try:
-            os.makedirs(os.path.dirname(self.registry), mode=0o700, exist_ok=True)
-            if self.path:
-                os.symlink(self.path, self.registry)
-        except OSError:
-            pass
+        for _ in range(3):   # another agent may remove the dir as it leaves, between our two calls
+            try:
+                os.makedirs(os.path.dirname(self.registry), mode=0o700, exist_ok=True)
+                if self.path:
+                    os.symlink(self.path, self.registry)
+                return
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return
 
     # ---- views ----------------------------------------------------------------------------
     def step_seconds(self) -> Dict[int, float]:
