@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     ft.description = ("hang detection and simulated faults; also a fault_tolerance: section in --ft-cfg-path "
                       "(flags win). Each flag is also accepted with underscores and as --ft-param-<key>.")
     _GROUP_OF["ft-cfg-path"] = "fault tolerance"
-    _flag(p, "ft-cfg-path", *nvrx_flags.CFG_PATH_SPELLINGS, default=None,
-          help="YAML with a fault_tolerance: section (at any nesting level)")
+    _flag(p, "ft-cfg-path", default=None, help="YAML with a fault_tolerance: section (at any nesting level)")
+    p.add_argument(*nvrx_flags.CFG_PATH_SPELLINGS, dest="ft_cfg_path", default=None, help=argparse.SUPPRESS)
     nvrx_flags.add_flags(p)
     defaults = FaultToleranceConfig()
     for key in FIELD_NAMES:

@@ -409,7 +409,9 @@ def test_status_with_no_argument_finds_this_users_running_jobs(launcher, tmp_pat
 
     def shown():
         res = run_cli(["status"], cwd=elsewhere, env_extra=env)
-        return res if res.returncode == 0 and res.stdout.count(" step ") >= 2 else None
+        ok = (res.returncode == 0 and res.stdout.count("1 agent(s), 1 rank(s)") == 2
+              and len(re.findall(r"  step {2,}", res.stdout)) == 2)   # each job's rank row in `step`
+        return res if ok else None
 
     wait_for(shown, 90, "both jobs stepping in a bare `ft_launcher status`")
     res = shown()
