@@ -729,8 +729,9 @@ class NodeAgent:
         ft = self.cfg.ft
         if not (ft.simulate_fault or ft.calc_ft_timeouts or ft.ft_state_path
                 or any(v for v in ft.timeout_keys().values())):
-            self.say("hang detection is off: no section or heartbeat timeout is configured "
-                     "(e.g. --ft-rank-section-timeouts step:180)")
+            self.say("hang detection is off: no section or heartbeat timeout is configured; turn it on with "
+                     "--ft-rank-section-timeouts setup:600,step:180 (seconds per ft.section), "
+                     "--ft-rank-heartbeat-timeout SECONDS (ft.heartbeat) or --ft-calc-ft-timeouts true")
         if ft.simulate_fault and ft.simulated_fault_type != "rank_killed" and not any(
                 v for v in ft.timeout_keys().values()):
             self.say("warning: simulated rank_hung faults need a section or heartbeat timeout to be "

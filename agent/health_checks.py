@@ -5,7 +5,8 @@
   ECC errors. Without NVML (no driver, no package: a CPU node) the check is skipped, and the agent
   says so once.
 - The log directory and the checkpoint directory (`checkpoint_dir`) take a new file, and have at
-  least `min_free_disk_gb` GB free.
+  least `min_free_disk_gb` GB free; each path of `storage_healthcheck_path` (NVRx 0.7's key,
+  comma-separated) exists and is readable.
 
 - Before the ranks start again after a cycle (cold or warm), the previous cycle's rank processes
   are gone from every GPU (agent.gpu_memory, bounded): a GPU that still holds one fails the check
@@ -89,7 +90,7 @@ class HealthChecks:
         self.say = say
         self._told: set = set()
         self.dead_pids: List[int] = []    # the last cycle's rank processes (set by the agent)
-        self.release_wait = gpu_memory.RELEASE_WAIT
+        self.release_wait = ft.gpu_memory_reclaim_timeout   # NVRx 0.7's keys (agent.gpu_memory)
         self.nvml_query = gpu_memory.nvml_query   # NVML's process lists (None without NVML)
 
     def gpu_release(self) -> Optional[str]:
@@ -101,7 +102,8 @@ class HealthChecks:
         if query is None:
             return None
         try:
-            held = gpu_memory.wait_released(pids, query, self.release_wait)
+            held = gpu_memory.wait_released(pids, query, self.release_wait, self.ft.gpu_memory_poll_interval,
+                                            self.ft.gpu_memory_tolerance_mb)
         finally:
             try:
                 import pynvml
@@ -135,4 +137,14 @@ class HealthChecks:
             failure = check_directory(what, path, ft.min_free_disk_gb)
             if failure:
                 return failure
-        return None
+        return check_storage_paths(ft.storage_healthcheck_path)
+
+
+def check_storage_paths(paths: Optional[str]) -> Optional[str]:
+    """NVRx 0.7's storage_healthcheck_path: each comma-separated path exists and is readable."""
+    for path in filter(None, (p.strip() for p in (paths or "").split(","))):
+        if not os.path.exists(path):
+            return f"storage_healthcheck_path: {path} does not exist"
+        if not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
+            return f"storage_healthcheck_path: {path} is not readable"
+    return None

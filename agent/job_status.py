@@ -8,7 +8,11 @@ path does nothing more for it.
 - Status file: `<log dir>/status/<host>-<agent pid>.json`, rewritten (temp file + rename) about
   once a second while ranks run, and a last time with the agent's exit code. `ft_launcher status
   LOGDIR` reads these; under SLURM the log dir on a shared filesystem holds one per node. No log
-  dir, no status file.
+  dir: the status file lives in the runtime dir below instead.
+- Runtime dir: `<temp dir>/ft_launcher-jobs-<uid>/<host>-<agent pid>.json` (mode 0700), one entry
+  per running agent of this user on this machine: a link to the log dir's status file, or the
+  status file itself without a log dir. `ft_launcher status` with no argument reads it. The agent
+  removes its entry when it exits; an entry whose agent is gone (SIGKILL) is removed by the reader.
 - `stepping` (once per node and cycle): when every local rank has entered `step` for the first
   time in the cycle: each rank's first-step time, and `after_failure`, the seconds since this node
   first heard of the failure (a hang, failure or restart event) that ended the latest earlier cycle.
@@ -33,6 +37,14 @@ FIRST_STEP_POLL = 0.02     # seconds between samples until every local rank has 
 FIRST_STEP_FAST_FOR = 30.0  # ... within this long of the cycle's start (then at the agent's own pace)
 
 
+def runtime_dir() -> str:
+    """Where this user's running agents on this machine register (FT_LAUNCHER_RUNTIME_DIR overrides)."""
+    import tempfile
+
+    return os.environ.get("FT_LAUNCHER_RUNTIME_DIR") or os.path.join(
+        tempfile.gettempdir(), f"ft_launcher-jobs-{os.getuid()}")
+
+
 def mono_to_wall(ns: int, now_wall: float, now_ns: int) -> float:
     return now_wall - (now_ns - ns) / 1e9
 
@@ -44,6 +56,8 @@ class JobStatus:
         self.host = socket.gethostname()
         self.path = (os.path.join(cfg.log_dir, STATUS_DIR, f"{self.host}-{os.getpid()}.json")
                      if cfg.log_dir else None)
+        self.registry = os.path.join(runtime_dir(), f"{self.host}-{os.getpid()}.json")
+        self._registered = False
         self.started = time.time()
         self.state = "starting"
         self.cycle: Optional[int] = None
@@ -167,6 +181,25 @@ class JobStatus:
     def finish(self, code: int) -> None:
         self.state, self.group = "finished", None
         self._write(exit_code=code)
+        try:   # a finished job is read from its log dir; the runtime dir lists running agents only
+            os.unlink(self.registry)
+            os.rmdir(os.path.dirname(self.registry))   # the last agent leaves no empty dir behind
+        except OSError:
+            pass
+
+    def _register(self) -> None:
+        """Link this agent's status file into the runtime dir (once)."""
+        self._registered = True
+        for _ in range(3):   # another agent may remove the dir as it leaves, between our two calls
+            try:
+                os.makedirs(os.path.dirname(self.registry), mode=0o700, exist_ok=True)
+                if self.path:
+                    os.symlink(self.path, self.registry)
+                return
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return
 
     # ---- views ----------------------------------------------------------------------------
     def step_seconds(self) -> Dict[int, float]:
@@ -210,13 +243,16 @@ class JobStatus:
             "section_totals": self.section_totals(),
         }
         self.snapshot = data
-        if not self.path:
+        if not self._registered and self.state != "finished":
+            self._register()
+        path = self.path or (self.registry if self.state != "finished" else None)
+        if not path:
             return
-        tmp = f"{self.path}.tmp"
+        tmp = f"{path}.tmp"
         try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "w") as fh:
                 json.dump(data, fh)
-            os.replace(tmp, self.path)
+            os.replace(tmp, path)
         except OSError as exc:
-            self.events.disk_warning(f"cannot write the status file {self.path}", exc)
+            self.events.disk_warning(f"cannot write the status file {path}", exc)

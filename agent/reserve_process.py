@@ -74,6 +74,10 @@ def main(argv: List[str]) -> None:
     os.environ.update(msg["env"])
     _show_environ(msg["env"])
     set_title(msg.get("title") or target)
+    if os.environ.get("FT_LAUNCHER_EXCEPTION_HOOK") == "1":   # install_exception_hook (rank_monitor.excepthook)
+        from ft_launcher.rank_monitor import excepthook
+
+        excepthook.install()
     _run(kind, target, args)
 
 

@@ -87,6 +87,8 @@ def slot_env(cfg: LaunchConfig, local_rank: int) -> Dict[str, str]:
     env[inprocess.ENV_GRANULARITY] = cfg.ft.restart_granularity
     env[shm_layout.ENV_WARNED] = shm_layout.warned_prefix(os.getpid())   # a rank's warnings: once per agent
     env[inprocess.ENV_EMPTY_CUDA_CACHE] = "1" if cfg.ft.empty_cuda_cache else "0"
+    if cfg.ft.install_exception_hook:
+        env["FT_LAUNCHER_EXCEPTION_HOOK"] = "1"   # a warm reserve installs rank_monitor.excepthook
     if _WAKE_FD is not None:
         env[inprocess.ENV_WAKE_FD] = str(_WAKE_FD)
     env.update(recorder_env(env))   # torch's flight recorder, for the job's dump on a hang

@@ -53,7 +53,8 @@ def parse_args():
                    help="run the training function under ft_launcher.restartable: on a failure the healthy "
                         "ranks restart in their own process")
     p.add_argument("--hang-in", default=None, metavar="PHASE",
-                   help="--fail-rank hangs (sleeps for an hour, no heartbeat) in PHASE at --hold-step (cycle 0)")
+                   help="--fail-rank hangs in PHASE at --hold-step (cycle 0 only): it sleeps, no heartbeat, "
+                        "until the launcher's monitor finds it")
     p.add_argument("--cuda-hang-in", default=None, metavar="PHASE",
                    help="--fail-rank gets stuck in a CUDA kernel that never ends in PHASE (--device cuda)")
     args = p.parse_args()
@@ -85,9 +86,10 @@ class Hooks:
         if self.exit0_in == phase:
             print(f"exiting 0 early in {phase}", flush=True)
             os._exit(0)
-        if self.hang_in == phase:
-            print(f"hanging in {phase}", flush=True)
-            time.sleep(3600)
+        if self.hang_in == phase:   # a real hang: only a section or heartbeat timeout finds it
+            print(f"rank {args_rank()} hangs in {phase} at step {step} (simulated)", flush=True)
+            while True:
+                time.sleep(3600)
         if self.cuda_hang_in == phase:   # a kernel that spins for ~forever, then wait for it
             print(f"stuck in a CUDA kernel in {phase}", flush=True)
             torch.cuda._sleep(1 << 62)
@@ -99,6 +101,10 @@ class Hooks:
                 time.sleep(0.1)
             if self.raise_in == phase:   # with --hold in the same phase: raise once the hold is over
                 raise RuntimeError(f"simulated exception in {phase}")
+
+
+def args_rank():
+    return int(os.environ.get("RANK", 0))
 
 
 def batch(seed, step, rank):

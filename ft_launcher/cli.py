@@ -17,7 +17,7 @@ import uuid
 import warnings
 from typing import Dict, List, Optional, Sequence
 
-from ft_launcher import __version__
+from ft_launcher import __version__, nvrx_flags
 from ft_launcher.rank_monitor.config import FIELD_NAMES, ConfigError, FaultToleranceConfig
 
 PROG = "ft_launcher"
@@ -96,7 +96,21 @@ FT_HELP = {
     # NVRx's and Megatron-Bridge's keys that mean nothing here: accepted, not shown
     "node_health_check_interval": None, "restart_check_interval": None, "enable_nic_monitor": None,
     "pci_topo_file": None, "link_down_path_template": None, "enable_ft_package": None,
+    # NVRx 0.7's keys with a meaning here
+    "gpu_memory_reclaim_timeout": "seconds a restart waits for the GPUs to free a dead rank's memory",
+    "gpu_memory_tolerance_mb": "a dead rank's process still listed with at most this many MB counts as gone",
+    "gpu_memory_poll_interval": "seconds between looks at the GPUs while waiting for their memory",
+    "install_exception_hook": "report a rank's uncaught exception to the launcher at raise time (true/false)",
+    "storage_healthcheck_path": "paths (comma-separated) that must be readable before each rendezvous",
+    # NVRx 0.7's keys without a meaning here: accepted, one line says what does their job (nvrx_flags)
+    "checkpoint_iteration_file": None, "min_progress_iterations": None, "cycle_info_dir": None,
+    "num_warmup_iterations": None, "enable_nic_healthcheck": None, "enable_dist_storage_healthcheck": None,
+    "link_state_path_template": None, "skip_section_response": None, "segment": None,
+    "numa_bind_strict": None, "check_remaining_processes": None, "attribution_endpoint": None,
+    "attribution_stop_action": None, "attribution_export_url": None, "segment_health_check_dir": None,
 }
+# NVRx's own spellings of some keys
+FT_KEY_ALIASES = {"storage_healthcheck_path": ("--ft-storage-health-check-path", "--ft_storage_health_check_path")}
 
 
 def _group(parser, title: str):
@@ -166,11 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
                       "(flags win). Each flag is also accepted with underscores and as --ft-param-<key>.")
     _GROUP_OF["ft-cfg-path"] = "fault tolerance"
     _flag(p, "ft-cfg-path", default=None, help="YAML with a fault_tolerance: section (at any nesting level)")
+    p.add_argument(*nvrx_flags.CFG_PATH_SPELLINGS, dest="ft_cfg_path", default=None, help=argparse.SUPPRESS)
+    nvrx_flags.add_flags(p)
     defaults = FaultToleranceConfig()
     for key in FIELD_NAMES:
         dashed = key.replace("_", "-")
         spellings = list(dict.fromkeys([f"--ft-{dashed}", f"--ft-{key}", f"--ft-param-{key}", f"--ft-param-{dashed}"]
-                                       + ([f"--{dashed}", f"--{key}"] if key.startswith("ft_") else [])))
+                                       + ([f"--{dashed}", f"--{key}"] if key.startswith("ft_") else [f"--ft_{key}"])
+                                       + list(FT_KEY_ALIASES.get(key, ()))))
         shown = f"--{dashed}" if key.startswith("ft_") else spellings[0]  # --ft-state-path
         default = getattr(defaults, key)
         if key == "rank_termination_signal":
@@ -321,6 +338,22 @@ def entrypoint(args) -> List[str]:
     return [sys.executable, "-u", script] + rest
 
 
+def _hooked_entrypoint(args, ft) -> List[str]:
+    """The rank's command; with install_exception_hook, through rank_monitor.excepthook."""
+    command = entrypoint(args)
+    if not ft.install_exception_hook:
+        return command
+    if args.no_python:
+        print(f"{PROG}: install_exception_hook: --no-python runs no Python of ours first; the hook is "
+              "not installed (a rank's exit code still reports its failure)", file=sys.stderr)
+        return command
+    from ft_launcher.rank_monitor import excepthook
+    from ft_launcher.rank_monitor.own_modules import package_parent
+
+    return excepthook.command(entry_kind(args), command, args.training_script,
+                              list(args.training_script_args), package_parent())
+
+
 def entry_kind(args) -> str:
     """How the cold command runs the target (see LaunchConfig.entry_kind)."""
     if args.no_python:
@@ -378,6 +411,12 @@ def launch_config(argv: Sequence[str]):
         raise UsageError(origins.blame(str(exc))) from None
 
 
+def _keys_set(ft_cli, ft) -> set:
+    """Fault-tolerance keys given on the command line or set away from their default (a file)."""
+    defaults = FaultToleranceConfig()
+    return set(ft_cli) | {k for k in nvrx_flags.KEY_NOTES if getattr(ft, k) != getattr(defaults, k)}
+
+
 def _launch_config(args, origins):
     from ft_launcher.agent.launch_config import LaunchConfig
     from ft_launcher.ft_config_loading import build_ft_config
@@ -430,6 +469,8 @@ def _launch_config(args, origins):
         ft = build_ft_config(args.ft_cfg_path, ft_cli, warn=lambda m: print(f"{PROG}: warning: {m}", file=sys.stderr))
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
+    for line in nvrx_flags.notes(args) + nvrx_flags.key_notes(_keys_set(ft_cli, ft)):
+        print(f"{PROG}: {line}", file=sys.stderr)
     capture = parse_stream_map("--redirects", args.redirects, nproc)
     tee = parse_stream_map("--tee", args.tee, nproc)
     log_dir = args.log_dir
@@ -451,7 +492,7 @@ def _launch_config(args, origins):
         except ValueError:
             raise UsageError(f"--local-ranks-filter: expected e.g. 0,1, got {args.local_ranks_filter!r}") from None
     return LaunchConfig(
-        min_nodes=low, max_nodes=high, nproc_per_node=nproc, entrypoint=entrypoint(args),
+        min_nodes=low, max_nodes=high, nproc_per_node=nproc, entrypoint=_hooked_entrypoint(args, ft),
         rdzv_backend=backend, rdzv_host=host, rdzv_port=port, rdzv_id=run_id, rdzv_conf=rdzv_conf,
         is_host=is_host, order_key=order_key, standalone=args.standalone, max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval, role=args.role, log_dir=log_dir, capture=capture, tee=tee,

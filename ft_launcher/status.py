@@ -3,6 +3,11 @@ in their log dirs (`<log dir>/status/<host>-<pid>.json`, rewritten about once a 
 agent.job_status). Under SLURM the log dir is on a shared filesystem, so any login node can read
 every node's file; with one log dir per node, name them all.
 
+With no LOGDIR it shows every job this user runs on this machine: each running agent registers in
+a per-user runtime dir (agent.job_status.runtime_dir: a link to its log dir's status file, or the
+file itself when the job has no --log-dir); entries of agents that are gone are removed. With none
+running, it reads the current dir as a log dir.
+
 Prints the job (nodes, ranks, cycle, restarts used of the budget, timeouts in effect) and one line
 per rank: node, host, pid, its innermost open section and the time in it, the time since its last
 heartbeat, steps completed in this cycle. Exit 0 when a job was shown (running or finished), 1
@@ -47,6 +52,40 @@ def read_status_files(dirs: Sequence[str]) -> List[dict]:
                           f"--log-dir there?)", code=1)
     newest = max(d.get("started", 0) for d in found)
     return [d for d in found if d["time"] >= newest - 1.0]
+
+
+def running_jobs() -> List[List[dict]]:
+    """This user's running agents on this machine, grouped by job (newest first)."""
+    from ft_launcher.agent.job_status import runtime_dir
+
+    jobs: dict = {}
+    for path in sorted(glob.glob(os.path.join(runtime_dir(), "*.json"))):
+        pid = os.path.basename(path)[:-len(".json")].rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:   # the agent was killed before it could remove its entry
+                os.unlink(path)
+            except OSError:
+                pass
+            continue
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            continue   # mid-rename, or the log dir is gone
+        if isinstance(data, dict) and "time" in data:
+            data["_path"] = os.path.realpath(path)
+            jobs.setdefault(data.get("rdzv_id"), []).append(data)
+    return sorted(jobs.values(), key=lambda agents: -max(a.get("started", 0) for a in agents))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def _secs(value) -> str:
@@ -107,10 +146,20 @@ def main(argv: Sequence[str]) -> int:
 
     parser = _Parser(prog=PROG, description="What a running job is doing, from its agents' status files "
                      "(<log dir>/status/*.json; the job must run with --log-dir).")
-    parser.add_argument("log_dirs", nargs="*", default=["."], metavar="LOGDIR",
-                        help="the job's --log-dir (several: one per node); default the current dir")
+    parser.add_argument("log_dirs", nargs="*", metavar="LOGDIR",
+                        help="the job's --log-dir (several: one per node); default: every job this user "
+                             "runs on this machine, else the current dir")
     try:
         args = parser.parse_args(list(argv))
+        if not args.log_dirs:
+            jobs = running_jobs()
+            if jobs:
+                print("\n\n".join(render(agents) for agents in jobs))
+                return 0
+            if not glob.glob(os.path.join("status", "*.json")):
+                raise StatusError("no running job of this user on this machine, and no status/*.json in the "
+                                  "current dir (ft_launcher status LOGDIR reads a job's --log-dir)", code=1)
+            args.log_dirs = ["."]
         print(render(read_status_files(args.log_dirs)))
         return 0
     except UsageError as exc:

@@ -596,14 +596,23 @@ class RankMonitorClient:
         self.logger = logging.getLogger("RankMonitorClient")
 
     # ---- lifecycle ----------------------------------------------------------------------
-    def init_workload_monitoring(self) -> None:
+    def init_workload_monitoring(self, num_warmup_iters: Optional[int] = None) -> None:
+        """Attach to the rank's monitor. `num_warmup_iters` (NVRx 0.7) is accepted and kept in
+        `self.num_warmup_iters`: timeouts apply from the first step here. With the job's
+        install_exception_hook on, an uncaught exception is reported at raise time
+        (rank_monitor.excepthook)."""
         if self.is_initialized:
             raise RankMonitorClientError("RankMonitorClient is already initialized")
         import socket
 
         from ft_launcher.rank_monitor.nvrx_types import RankInfo
 
+        self.num_warmup_iters = num_warmup_iters
         self._initialized = self._att.ensure()
+        if self._initialized and self._att.config.get("cfg", {}).get("install_exception_hook"):
+            from ft_launcher.rank_monitor import excepthook
+
+            excepthook.install()
         self.rank_info = RankInfo(int(os.environ.get("RANK", -1)), int(os.environ.get("LOCAL_RANK", -1)),
                                   socket.gethostname(), os.getpid())
 

@@ -9,8 +9,10 @@ a one-line message naming the key and the source of the bad value.
 names and types (`rank_termination_signal` a `signal.Signals`, `log_level` a logging level
 number) and its constructors `from_kwargs`, `from_yaml_file`, `from_args`, plus `to_yaml_file`.
 NVRx's keys that mean nothing here (`node_health_check_interval`, `restart_check_interval`,
-`enable_nic_monitor`, `pci_topo_file`, `link_down_path_template`) and Megatron-Bridge's
-`enable_ft_package` are accepted and have no effect.
+`enable_nic_monitor`, `pci_topo_file`, `link_down_path_template`, and of NVRx 0.7's keys those
+listed after `num_warmup_iterations`) and Megatron-Bridge's `enable_ft_package` are accepted and
+have no effect. NVRx 0.7's gpu_memory_*, install_exception_hook and storage_healthcheck_path have
+their meaning here.
 
 Megatron-Bridge's `InProcessRestartConfig` names are accepted too, under `fault_tolerance:` or in
 an `inprocess_restart:` section of the same file (`megatron_bridge_aliases`): those with a meaning
@@ -110,6 +112,34 @@ class FaultToleranceConfig:
     pci_topo_file: Optional[str] = None
     link_down_path_template: Optional[str] = None
     enable_ft_package: bool = False
+    # NVRx 0.7's keys (nvidia-resiliency-ext 0.7.0, fault_tolerance/config.py). With a meaning here:
+    # GPU memory after a kill (agent.gpu_memory): wait at most gpu_memory_reclaim_timeout s,
+    # polling every gpu_memory_poll_interval s, until no GPU lists a dead rank's process holding
+    # more than gpu_memory_tolerance_mb MB (ours wait 10 s and poll at 0.05 s by default, NVRx
+    # 50 s and 2 s).
+    gpu_memory_reclaim_timeout: float = 10.0
+    gpu_memory_tolerance_mb: float = 512.0
+    gpu_memory_poll_interval: float = 0.05
+    # A rank's uncaught exception is reported to the launcher at raise time (rank_monitor.excepthook).
+    install_exception_hook: bool = False
+    # Comma-separated paths that must exist and be readable before each rendezvous (health checks).
+    storage_healthcheck_path: Optional[str] = None
+    # Accepted from NVRx 0.7, no effect here (ft_launcher/nvrx_flags.py says what does their job).
+    checkpoint_iteration_file: Optional[str] = None
+    min_progress_iterations: int = 1
+    cycle_info_dir: Optional[str] = None
+    num_warmup_iterations: int = 5
+    enable_nic_healthcheck: bool = True
+    enable_dist_storage_healthcheck: bool = False
+    link_state_path_template: Optional[str] = None
+    skip_section_response: bool = True
+    segment: Optional[int] = None
+    numa_bind_strict: bool = True
+    check_remaining_processes: bool = False
+    attribution_endpoint: Optional[str] = None
+    attribution_stop_action: Optional[str] = None
+    attribution_export_url: Optional[str] = None
+    segment_health_check_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         # NVRx's types whatever the caller passed ("SIGTERM", 15, "debug", 10)
@@ -491,6 +521,12 @@ def _name(key: str, value: Any, source: str) -> str:
     return text
 
 
+def _optional_str(key: str, value: Any, source: str) -> Optional[str]:
+    if value is None or str(value).strip().lower() in NULL_WORDS:
+        return None
+    return str(value).strip()
+
+
 def _int(key: str, value: Any, source: str) -> int:
     number = _number(key, value, source)
     if number != int(number):
@@ -600,6 +636,26 @@ _PARSERS = {
     "pci_topo_file": lambda k, v, s: None if v is None else str(v),
     "link_down_path_template": lambda k, v, s: None if v is None else str(v),
     "enable_ft_package": _bool,
+    "gpu_memory_reclaim_timeout": _number,
+    "gpu_memory_tolerance_mb": _number,
+    "gpu_memory_poll_interval": _positive,
+    "install_exception_hook": _bool,
+    "checkpoint_iteration_file": _optional_str,
+    "min_progress_iterations": lambda k, v, s: _int(k, v, s),
+    "cycle_info_dir": _optional_str,
+    "storage_healthcheck_path": _optional_str,
+    "num_warmup_iterations": lambda k, v, s: _int(k, v, s),
+    "enable_nic_healthcheck": _bool,
+    "enable_dist_storage_healthcheck": _bool,
+    "link_state_path_template": _optional_str,
+    "skip_section_response": _bool,
+    "segment": _positive_int_or_null,
+    "numa_bind_strict": _bool,
+    "check_remaining_processes": _bool,
+    "attribution_endpoint": _optional_str,
+    "attribution_stop_action": _optional_str,
+    "attribution_export_url": _optional_str,
+    "segment_health_check_dir": _optional_str,
 }
 
 

@@ -208,3 +208,20 @@ def test_a_gpu_that_keeps_a_dead_ranks_memory_fails_the_nodes_health_check(launc
     assert len(cycle0) == 2   # no rank of cycle 1 was started
     assert (f"error: this node leaves the job: health check failed on this node: GPU 0 still holds the "
             f"memory of dead rank process(es) {cycle0[0]}, {cycle0[1]} after 10s") in res.stderr
+
+
+def test_gpu_memory_reclaim_timeout_and_tolerance_are_configurable(launcher, tmp_path):
+    """NVRx 0.7's --ft-gpu-memory-reclaim-timeout bounds the wait; with --ft-gpu-memory-tolerance-mb
+    above what a dead rank's process still holds (the stand-in lists 1024 MB), it counts as gone."""
+    start = time.monotonic()
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                        "--ft-gpu-memory-reclaim-timeout", "1", "--ft-gpu-memory-poll-interval", "0.2", GPU_RANK],
+                       timeout=120, extra_env=fake_nvml_env(tmp_path / "a", "stuck") if (tmp_path / "a").mkdir() is None else None)
+    assert res.returncode == 93, res.stderr
+    assert "still holds the memory of dead rank process(es)" in res.stderr and "after 1s" in res.stderr
+    assert time.monotonic() - start < 60
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                        "--ft-gpu-memory-tolerance-mb", "2048", GPU_RANK],
+                       timeout=120, extra_env=fake_nvml_env(tmp_path / "b", "stuck") if (tmp_path / "b").mkdir() is None else None)
+    assert res.returncode == 0, res.stderr
+    assert "rank 1 done in cycle 1" in res.stdout and "still holds" not in res.stderr

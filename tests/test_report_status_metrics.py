@@ -391,3 +391,39 @@ def test_report_renders_in_a_headless_browser(kill_and_hang_job):
     green = ((abs(pixels[:, :, 0] - 0x2c / 255) < 0.03) & (abs(pixels[:, :, 1] - 0xa0 / 255) < 0.03)
              & (abs(pixels[:, :, 2] - 0x2c / 255) < 0.03)).sum()
     assert green > 5000, green
+
+
+def test_status_with_no_argument_finds_this_users_running_jobs(launcher, tmp_path):
+    """Two jobs of this user (one with --log-dir, one without) are both shown by a bare
+    `ft_launcher status` run from another dir; once they end, it says no job runs (exit 1), and
+    their runtime entries are gone."""
+    runtime = tmp_path / "runtime"
+    env = {"FT_LAUNCHER_RUNTIME_DIR": str(runtime)}
+    job = ["--standalone", "--nproc-per-node", "1", "--ft-rank-section-timeouts", "setup:60,step:30", EXAMPLE,
+           "--steps", "2000", "--step-time", "0.05"]
+    procs = [launcher.start(["--rdzv-id", "with_logs", "--log-dir", tmp_path / "logs"] + job
+                            + ["--ckpt-dir", tmp_path / "ckpt_a"], extra_env=env),
+             launcher.start(["--rdzv-id", "no_logs"] + job + ["--ckpt-dir", tmp_path / "ckpt_b"], extra_env=env)]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+
+    def shown():
+        res = run_cli(["status"], cwd=elsewhere, env_extra=env)
+        ok = (res.returncode == 0 and res.stdout.count("1 agent(s), 1 rank(s)") == 2
+              and len(re.findall(r"  step {2,}", res.stdout)) == 2)   # each job's rank row in `step`
+        return res if ok else None
+
+    wait_for(shown, 90, "both jobs stepping in a bare `ft_launcher status`")
+    res = shown()
+    assert "job 'with_logs': running; 1 agent(s), 1 rank(s)" in res.stdout, res.stdout
+    assert "job 'no_logs': running; 1 agent(s), 1 rank(s)" in res.stdout, res.stdout
+    assert str(tmp_path / "logs" / "status") in res.stdout and str(runtime) in res.stdout
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        p.wait(timeout=60)
+    assert not runtime.exists()   # the last agent removed the emptied dir
+    res = run_cli(["status"], cwd=elsewhere, env_extra=env)
+    assert res.returncode == 1 and res.stderr.startswith("ft_launcher: error: no running job of this user"), res.stderr
+    res = run_cli(["status", tmp_path / "logs"], cwd=elsewhere, env_extra=env)   # a finished job: from its log dir
+    assert res.returncode == 0 and "job 'with_logs': finished" in res.stdout, res.stdout
