@@ -7,8 +7,12 @@ Works on a finished job and on a running one: a last line still being written is
 running cycle's time in `step` comes from the agents' status files (agent.job_status).
 
 What it computes:
-- goodput: seconds every rank spent in completed `step` sections (the agents' `cycle_summary`
-  events) over world size x wall time (first cycle start to the job's end, or now);
+- goodput: seconds every rank spent in completed `step` sections that were never redone, over
+  world size x wall time (first cycle start to the job's end, or now). A cycle followed by a
+  restart keeps only its steps up to its last completed `checkpointing` section (the job resumes
+  from there and does the rest again; agent.job_status.kept_work); the `cycle_summary` events
+  carry each rank's step count and seconds at that checkpoint. Hung time, restarts, start-up and
+  checkpointing are loss: no `step` completes in them;
 - per incident (a cycle that ended in a failure): which rank, what happened (simulated fault,
   hang, exit status), who noticed (its monitor, or the agent from the exit status or a lost
   peer, or the rank itself for an exception raised under `ft_launcher.restartable`) after how
@@ -144,7 +148,9 @@ class Job:
     incidents: List[Incident]
     step_seconds: Dict[int, float]        # rank -> seconds in completed steps
     timeout_changes: List[dict]
-    goodput: float
+    goodput: float                        # useful step seconds over world size x wall time
+    useful_seconds: Dict[int, float]      # rank -> seconds in completed steps never redone
+    redone: Dict[int, list]               # rank -> [steps, seconds] done again after a restart
 
 
 def _by_kind(events, *kinds):
@@ -218,25 +224,10 @@ def analyse(dirs: Sequence[str], events: List[dict], statuses: List[dict], notes
     for number in sorted({e["cycle"] for e in _by_kind(events, "failure") if e["cycle"] is not None}):
         incidents.append(_incident(number, events, cycles, max_restarts))
 
-    # goodput: completed steps of ended cycles, plus the running cycle from the status files
-    step_seconds: Dict[int, float] = {}
-    summarised = set()
-    for e in _by_kind(events, "cycle_summary"):
-        for r, info in (e["detail"].get("ranks") or {}).items():
-            summarised.add((e["cycle"], int(r)))
-            total = ((info.get("sections") or {}).get("step") or {}).get("total", 0.0)
-            step_seconds[int(r)] = step_seconds.get(int(r), 0.0) + float(total)
-    for s in statuses:
-        if s.get("state") != "running":
-            continue
-        for row in s.get("ranks") or []:
-            if (s.get("cycle"), row["rank"]) in summarised:
-                continue
-            total = ((row.get("sections") or {}).get("step") or {}).get("total", 0.0)
-            step_seconds[row["rank"]] = step_seconds.get(row["rank"], 0.0) + float(total)
+    step_seconds, useful, redone = _goodput_parts(events, statuses, cycles, ended_ok=not ended or state == "complete")
     world = max([c["world_size"] for c in cycles.values()] + [len(step_seconds), 1])
     wall = max(1e-9, end - start)
-    goodput = sum(step_seconds.values()) / (world * wall)
+    goodput = sum(useful.values()) / (world * wall)
 
     changes = []
     for e in _by_kind(events, "timeout_computed", "timeouts_loaded"):
@@ -250,7 +241,47 @@ def analyse(dirs: Sequence[str], events: List[dict], statuses: List[dict], notes
                                 "why": "loaded from ft_state.json"})
     nodes = sorted({e["node"] for e in starts}, key=str)
     return Job(list(dirs), events, notes, start, end, state, run_id, nodes, world, max_restarts, cycles,
-               lanes, bars, incidents, step_seconds, changes, goodput)
+               lanes, bars, incidents, step_seconds, changes, goodput, useful, redone)
+
+
+def _goodput_parts(events: List[dict], statuses: List[dict], cycles: Dict[int, dict], ended_ok: bool):
+    """({rank: seconds in completed steps}, {rank: of them, seconds in steps never redone},
+    {rank: [steps, seconds] redone}). A cycle that a later cycle follows (a restart), or the last
+    one of a failed or stopped job, keeps only its steps up to its last checkpoint
+    (agent.job_status.kept_work); the last cycle of a complete or running job keeps every step."""
+    from agent.job_status import kept_work
+
+    per_cycle: Dict[int, Dict[int, dict]] = {}
+    for e in _by_kind(events, "cycle_summary"):
+        for r, info in (e["detail"].get("ranks") or {}).items():
+            step = (info.get("sections") or {}).get("step") or {}
+            per_cycle.setdefault(e["cycle"], {})[int(r)] = {
+                "steps": int(step.get("count", 0)), "step_total": float(step.get("total", 0.0)),
+                "at_checkpoint": info.get("at_checkpoint")}
+    for s in statuses:  # the running cycle: from the status files
+        if s.get("state") != "running" or s.get("cycle") is None:
+            continue
+        for row in s.get("ranks") or []:
+            if row["rank"] in per_cycle.get(s["cycle"], {}):
+                continue
+            step = (row.get("sections") or {}).get("step") or {}
+            per_cycle.setdefault(s["cycle"], {})[row["rank"]] = {
+                "steps": int(step.get("count", 0)), "step_total": float(step.get("total", 0.0)), "at_checkpoint": None}
+    last = max(list(cycles) + list(per_cycle), default=None)
+    step_seconds: Dict[int, float] = {}
+    useful: Dict[int, float] = {}
+    redone: Dict[int, list] = {}
+    for number, ranks in sorted(per_cycle.items()):
+        kept = ({r: (w["steps"], w["step_total"]) for r, w in ranks.items()} if number == last and ended_ok
+                else kept_work(ranks))
+        for rank, w in ranks.items():
+            steps, seconds = kept[rank]
+            step_seconds[rank] = step_seconds.get(rank, 0.0) + w["step_total"]
+            useful[rank] = useful.get(rank, 0.0) + seconds
+            acc = redone.setdefault(rank, [0, 0.0])
+            acc[0] += w["steps"] - steps
+            acc[1] += max(0.0, w["step_total"] - seconds)
+    return step_seconds, useful, redone
 
 
 def _num(value) -> str:
@@ -349,12 +380,20 @@ def incident_line(job: Job, inc: Incident) -> str:
             + (f"\n    {inc.flight_recorder}" if inc.flight_recorder else ""))
 
 
+def goodput_words(job: Job) -> str:
+    """What goodput counted and what it left out, in rank-seconds."""
+    wall = job.end - job.start
+    steps, secs = sum(r[0] for r in job.redone.values()), sum(r[1] for r in job.redone.values())
+    return (f"steps never redone {sum(job.useful_seconds.values()):.1f} rank-s of {job.world_size * wall:.1f} "
+            f"rank-s; time in step {sum(job.step_seconds.values()):.1f} rank-s, of which {steps} step"
+            f"{'s' if steps != 1 else ''} ({secs:.1f} rank-s) redone after restarting from a checkpoint")
+
+
 def console_summary(job: Job, output: str) -> str:
     wall = job.end - job.start
     lines = [f"job {job.run_id!r}: {job.state}; {len(job.nodes)} node(s), {job.world_size} rank(s), "
              f"{len(job.cycles)} cycle(s), wall {wall:.1f} s",
-             f"goodput {job.goodput * 100:.1f}% (time in step {sum(job.step_seconds.values()):.1f} rank-s of "
-             f"{job.world_size * wall:.1f} rank-s)"]
+             f"goodput {job.goodput * 100:.1f}% ({goodput_words(job)})"]
     lines.append(f"incidents: {len(job.incidents)}")
     lines += ["  " + incident_line(job, inc) for inc in job.incidents]
     if job.timeout_changes:
@@ -364,6 +403,21 @@ def console_summary(job: Job, output: str) -> str:
     lines += job.notes
     lines.append(f"report: {output}")
     return "\n".join(lines)
+
+
+def _hung_spans(job: Job, index: dict) -> List[Tuple[float, float, int]]:
+    """(from, to, lane) for every hang: from the hung section's entry to the end of the rank's bar."""
+    spans = []
+    for h in _by_kind(job.events, "hang"):
+        y = index.get((h["node"], h.get("rank")))
+        bar = next((b for b in job.bars if (b["node"], b["rank"], b["cycle"]) == (h["node"], h.get("rank"), h["cycle"])),
+                   None)
+        if y is None or bar is None:
+            continue
+        since = h["time"] - float(h["detail"].get("elapsed") or 0.0)
+        if since < bar["end"]:
+            spans.append((since, bar["end"], y))
+    return spans
 
 
 def timeline_png(job: Job) -> bytes:
@@ -394,6 +448,8 @@ def timeline_png(job: Job) -> bytes:
             if bar.get("steps"):
                 ax.text((first + bar["end"]) / 2 - t0, y, f"{bar['steps']} step{'s' if bar['steps'] != 1 else ''}", fontsize=7, color="white",
                         ha="center", va="center", clip_on=True)
+    for since, end, y in _hung_spans(job, index):  # a hung rank is not stepping: from its section's entry
+        ax.barh(y, end - since, left=since - t0, height=0.55, color="#ff7f0e", edgecolor="none")
     for i, (number, c) in enumerate(sorted(job.cycles.items())):  # labels alternate in height
         ax.axvline(c["start"] - t0, color="#555555", lw=0.8, ls=":")
         ax.text(c["start"] - t0, len(lanes) - 0.45 + 0.25 * (i % 2), f" cycle {number}", fontsize=8, va="bottom",
@@ -419,6 +475,7 @@ def timeline_png(job: Job) -> bytes:
     ax.set_xlabel("seconds since the first cycle started")
     ax.grid(axis="x", alpha=0.3)
     handles = [Patch(color="#c7c7c7", label="starting (no step yet)"), Patch(color="#2ca02c", label="stepping"),
+               Patch(color="#ff7f0e", label="hung (no step completes)"),
                Patch(color="#d62728", alpha=0.2, label="downtime (fault -> all stepping)"),
                Line2D([], [], marker="X", color="#d62728", ls="", label="fault injected"),
                Line2D([], [], marker="v", color="#ff7f0e", ls="", label="hang detected"),
@@ -451,8 +508,9 @@ def render_html(job: Job, png: bytes) -> str:
            f"<style>{_CSS}</style></head><body>",
            f"<h1>ft_launcher report: job {e(job.run_id)}</h1>",
            f"<p class='big' id='goodput'>goodput {job.goodput * 100:.1f}%</p>",
-           f"<p>time in <code>step</code>: {sum(job.step_seconds.values()):.1f} rank-seconds of "
-           f"{job.world_size} ranks x {wall:.1f} s wall time.</p>",
+           f"<p id='goodput-parts'>{e(goodput_words(job))} ({job.world_size} ranks x {wall:.1f} s wall time). "
+           "Goodput counts completed <code>step</code> sections that were never redone: steps after a "
+           "cycle's last <code>checkpointing</code> section are done again after a restart.</p>",
            "<table id='summary'>" + "".join(f"<tr><th>{e(str(k))}</th><td>{e(str(v))}</td></tr>" for k, v in rows)
            + "</table>",
            "<h2>Timeline</h2>",
@@ -481,9 +539,12 @@ def render_html(job: Job, png: bytes) -> str:
         out.append(f"<tr><td>{number}</td><td>+{c['start'] - job.start:.1f} s</td><td>+{c['end'] - job.start:.1f} s</td>"
                    f"<td>{c['world_size']}</td><td>{e(stepping)}</td></tr>")
     out.append("</table><h2>Time in step per rank</h2><table id='ranks'><tr><th>rank</th><th>seconds in step</th>"
-               "<th>share of wall time</th></tr>")
+               "<th>steps redone (seconds)</th><th>seconds in steps never redone</th><th>share of wall time</th></tr>")
     for rank, secs in sorted(job.step_seconds.items()):
-        out.append(f"<tr><td>{rank}</td><td class='num'>{secs:.1f}</td><td class='num'>{secs / max(wall, 1e-9) * 100:.1f}%</td></tr>")
+        steps, lost = job.redone.get(rank, [0, 0.0])
+        kept = job.useful_seconds.get(rank, 0.0)
+        out.append(f"<tr><td>{rank}</td><td class='num'>{secs:.1f}</td><td class='num'>{steps} ({lost:.1f})</td>"
+                   f"<td class='num'>{kept:.1f}</td><td class='num'>{kept / max(wall, 1e-9) * 100:.1f}%</td></tr>")
     out.append("</table><h2>Timeout changes</h2>")
     if job.timeout_changes:
         out.append("<table id='timeouts'><tr><th>cycle</th><th>timeout</th><th>old</th><th>new</th><th>why</th></tr>")
