@@ -34,6 +34,7 @@ import json
 import os
 import sys
 import time
+import urllib.parse
 from typing import Dict, List, Optional, Sequence, Tuple
 
 PROG = "ft_launcher report"
@@ -298,18 +299,13 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     rank = failure.get("rank")
     hang_timeout = None
     if hangs:
-        h = hangs[0]
+        h = _blamed_hang(failure, hangs)
         hd = h["detail"]
         rank = h.get("rank") if h.get("rank") is not None else rank
-        place = f"section '{hd['section']}'" if hd.get("section") else str(hd.get("reason", "?")).replace("_", " ")
-        hung = sorted({x.get("rank") for x in hangs if x["time"] - h["time"] < 1.0}, key=str)
-        what = (f"rank {hung[0]} hung in {place}" if len(hung) == 1
-                else f"ranks {', '.join(map(str, hung))} hung in {place}")
+        what, noticed = _hang_words(h)
         detect = h["time"]
-        started = detect - float(hd.get("elapsed") or 0.0)
+        started = detect - float(hd.get("elapsed") or 0.0)  # the monitor's clock: the section's entry
         hang_timeout = hd.get("timeout")
-        noticed = (f"{'its rank monitor' if len(hung) == 1 else 'their rank monitors'} ({place} open "
-                   f"{float(hd.get('elapsed') or 0):.2f} s > timeout {_num(hang_timeout)} s)")
     elif d.get("dead_nodes"):
         what, detect, started = d.get("what", "a node stopped answering"), failure["time"], failure["time"]
         noticed = f"the agent on node {failure['node']} (the peer's keep-alives stopped)"
@@ -324,10 +320,11 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     if faults:
         f = faults[0]
         cause = f"simulated {f['detail'].get('fault')} injected into rank {f.get('rank')}"
-        fault_time = f["time"]
-        if not hangs:
+        if not hangs:  # a hang is timed as its monitor timed it: from the hung section's entry
+            fault_time = f["time"]
             what = d.get("what", what)
-        rank = f.get("rank") if f.get("rank") is not None else rank  # the rank the fault hit
+        if rank is None:
+            rank = f.get("rank")  # the rank the fault hit
     elif hangs:
         cause = "a hang"
     restarts = _by_kind(mine, "restart")
@@ -351,6 +348,22 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     found = _by_kind(mine, "flight_recorder")
     return Incident(number, rank, failure["node"], what, cause, noticed, fault_time, detect, action, dumps,
                     recovered, hang_timeout, found[0]["detail"].get("summary") if found else None)
+
+
+def _blamed_hang(failure: dict, hangs: List[dict]) -> dict:
+    """The hang the agent's failure event (its console line) names, else the first one."""
+    blamed = (failure["detail"].get("hang") or {}).get("rank", failure.get("rank"))
+    return next((h for h in hangs if h.get("rank") == blamed and h["node"] == failure["node"]), hangs[0])
+
+
+def _hang_words(hang: dict) -> Tuple[str, str]:
+    """(what happened, who noticed) for the blamed hang, in the words and numbers of its event."""
+    hd = hang["detail"]
+    place = f"section '{hd['section']}'" if hd.get("section") else str(hd.get("reason", "?")).replace("_", " ")
+    what = f"rank {hang.get('rank')} hung in {place}"
+    noticed = (f"its rank monitor ({place} open {float(hd.get('elapsed') or 0):.2f} s > timeout "
+               f"{_num(hd.get('timeout'))} s)")
+    return what, noticed
 
 
 def _restart_words(restart: dict) -> str:
@@ -495,7 +508,21 @@ td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}th{ba
 .num{text-align:right}.big{font-size:20px;font-weight:bold}code{background:#f4f4f4}"""
 
 
-def render_html(job: Job, png: bytes) -> str:
+def _stack_link(path: str, dirs: Sequence[str], out_dir: Optional[str]) -> str:
+    """A stack dump as a link relative to the report's folder: the recorded path, or the file of
+    that name in one of the log dirs (a log dir copied or moved since). A bare name when neither
+    exists or the report's folder is unknown."""
+    e = html.escape
+    found = next((c for c in [path] + [os.path.join(d, os.path.basename(path)) for d in dirs] if os.path.isfile(c)),
+                 None)
+    if found is None or out_dir is None:
+        return e(os.path.basename(path))
+    href = os.path.relpath(os.path.abspath(found), os.path.abspath(out_dir))
+    return f"<a href='{e(urllib.parse.quote(href))}'>{e(os.path.basename(path))}</a>"
+
+
+def render_html(job: Job, png: bytes, out_dir: Optional[str] = None) -> str:
+    """The page; `out_dir` (the folder the page is written to) makes stack dumps relative links."""
     e = html.escape
     wall = job.end - job.start
     rows = [("job", job.run_id), ("state", job.state), ("log dirs", ", ".join(job.dirs)),
@@ -527,7 +554,7 @@ def render_html(job: Job, png: bytes) -> str:
                 f"<tr class='incident'><td>{inc.cycle}</td><td class='num'>+{inc.fault_time - job.start:.1f} s</td>"
                 f"<td>{e(str(inc.rank))} (node {e(str(inc.node))})</td><td>{e(inc.what)}</td><td>{e(inc.cause)}</td>"
                 f"<td>{e(inc.noticed_by)}</td><td class='num detected'>{inc.detected_after:.2f} s</td>"
-                f"<td>{'<br>'.join(e(os.path.basename(p)) for p in inc.stack_dumps) or '-'}</td>"
+                f"<td class='stacks'>{'<br>'.join(_stack_link(p, job.dirs, out_dir) for p in inc.stack_dumps) or '-'}</td>"
                 f"<td class='flight-recorder'>{e(inc.flight_recorder or '-')}</td><td>{e(inc.action)}</td><td class='num recovery'>{_fmt(inc.recovery)}</td></tr>")
         out.append("</table>")
     else:
@@ -581,7 +608,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         events, statuses, notes = load(args.log_dirs)
         job = analyse(args.log_dirs, events, statuses, notes)
-        page = render_html(job, timeline_png(job))
+        page = render_html(job, timeline_png(job), os.path.dirname(os.path.abspath(output)))
         try:
             with open(output, "w") as fh:
                 fh.write(page)

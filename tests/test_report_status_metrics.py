@@ -471,3 +471,40 @@ def test_goodput_counts_only_steps_never_redone(launcher, tmp_path):
     redone = job.redone[0][0] + job.redone[1][0]
     assert f"goodput {job.goodput * 100:.1f}%" in res.stdout and f"{redone} steps (" in res.stdout, res.stdout
 
+
+def test_incident_of_a_simulated_hang_says_what_the_console_says(launcher, tmp_path):
+    """A simulated rank_hung: the incident names the rank the agent blamed on its console line (and
+    the rank column agrees), 'noticed after' is the monitor's own measure (the hung section's time
+    open, as in the same line), and the stack dumps are links, relative to the report, that open."""
+    logs = tmp_path / "logs"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
+                        "--ft-rank-section-timeouts", "setup:60,step:2,checkpointing:20",
+                        "--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_hung",
+                        "--ft-simulated-fault-rank", "1", "--ft-simulated-fault-base-delay", "4",
+                        EXAMPLE, "--steps", "300", "--step-time", 0.02, "--ckpt-dir", tmp_path / "ck"], timeout=150)
+    assert res.returncode == 0, res.stderr[-3000:]
+    failure = read_events(logs, "failure")[0]
+    blamed = failure["rank"]
+    hang = next(h for h in read_events(logs, "hang") if h["rank"] == blamed)
+    assert f"rank {blamed} on node 0 (127.0.0.1) hung in section 'step'" in res.stderr  # the console's blame
+    out = tmp_path / "out"
+    out.mkdir()
+    rep = run_cli(["report", logs, "-o", out / "report.html"], cwd=tmp_path)
+    assert rep.returncode == 0, rep.stderr
+    page = (out / "report.html").read_text()
+    parsed = _Tables()
+    parsed.feed(page)
+    (row,) = [r["cells"] for r in parsed.tables["incidents"] if r["class"] == "incident"]
+    elapsed = f"{hang['detail']['elapsed']:.2f} s"
+    assert row[2] == f"{blamed} (node 0)" and row[3] == f"rank {blamed} hung in section 'step'", row
+    assert f"open {elapsed} > timeout 2 s" in row[5] and row[6] == elapsed, row
+    line = next(l for l in rep.stdout.splitlines() if l.startswith("  cycle 0"))
+    assert f"rank {blamed} hung" in line and f"open {elapsed} > timeout 2 s) after {elapsed};" in line, line
+    # stack dumps: links relative to the report's folder, to the dump files in the log dir
+    cell = re.search(r"<td class='stacks'>(.*?)</td>", page).group(1)
+    hrefs = re.findall(r"<a href='([^']+)'>", cell)
+    dumps = {os.path.basename(e["detail"]["stack_file"]) for e in read_events(logs, "stack_dump")}
+    assert hrefs and {os.path.basename(h) for h in hrefs} == dumps, cell
+    for href in hrefs:
+        assert not os.path.isabs(href) and href.startswith("../logs/")
+        assert os.path.isfile(os.path.join(out, href))
