@@ -115,9 +115,9 @@ def test_module_in_the_cwd_and_master_addr_passed_through(launcher, tmp_path):
     (tmp_path / "localmod.py").write_text(
         "import os\nprint('ENV', os.environ['RANK'], os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'], flush=True)\n")
     port = __import__("conftest").free_port()
+    env = launcher.env({"PYTHONPATH": ROOT})  # no empty entry (the cwd) on the launcher's own path
     res = subprocess.run([command, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                          "-m", "localmod"], cwd=tmp_path, env=launcher.env(), capture_output=True, text=True,
-                         timeout=90)
+                          "-m", "localmod"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = sorted(l.split()[1:] for l in res.stdout.splitlines() if "ENV" in l)
     assert [r[0] for r in rows] == ["0", "1"], res.stdout
