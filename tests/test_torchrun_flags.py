@@ -113,13 +113,13 @@ def test_module_in_the_cwd_and_master_addr_passed_through(launcher, tmp_path):
     if not os.path.isfile(command):
         pytest.skip("no installed ft_launcher command beside this python")
     (tmp_path / "localmod.py").write_text(
-        "import os\nprint('ENV', os.environ['RANK'], os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'], flush=True)\n")
+        "import os\nopen('env_' + os.environ['RANK'], 'w').write(os.environ['MASTER_ADDR'] + ' ' + os.environ['MASTER_PORT'])\n")
     port = __import__("conftest").free_port()
     env = launcher.env({"PYTHONPATH": ROOT})  # no empty entry (the cwd) on the launcher's own path
     res = subprocess.run([command, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
                           "-m", "localmod"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = sorted(l.split()[1:] for l in res.stdout.splitlines() if "ENV" in l)
+    rows = sorted([p.name[4:]] + p.read_text().split() for p in tmp_path.glob("env_*"))  # two ranks' lines interleave
     assert [r[0] for r in rows] == ["0", "1"], res.stdout
     assert {r[1] for r in rows} == {"127.0.0.1"}, rows   # as given (it was this host's FQDN, e.g. localhost)
     assert len({r[2] for r in rows}) == 1  # one worker store per cycle (a free port, not --master-port: README)
