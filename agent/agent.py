@@ -114,6 +114,16 @@ class NodeAgent:
         """What the rendezvous waits ask between slices: a signal nobody has acted on yet."""
         return None if self._signal_handled else self._signal
 
+    def _master_host(self) -> str:
+        """MASTER_ADDR the ranks get from this node (round rank 0): with the static backend, the
+        --master-addr the user gave when it names this node (torchrun passes it through), else this
+        node's address (torchrun: --local-addr or the FQDN)."""
+        from .rendezvous import is_local_address
+
+        if self.cfg.rdzv_backend == "static" and not self.cfg.standalone and is_local_address(self.cfg.rdzv_host):
+            return self.cfg.rdzv_host
+        return self.me.host
+
     def _node_info(self) -> NodeInfo:
         host = self.cfg.local_addr or ("127.0.0.1" if self.cfg.standalone else socket.getfqdn())
         node_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -130,7 +140,7 @@ class NodeAgent:
 
     def _run(self) -> int:
         self.say(self.cfg.summary())
-        for sig in FORWARDED_SIGNALS:
+        for sig in self.cfg.signals or FORWARDED_SIGNALS:
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.watchdog = OrphanWatchdog()
@@ -441,7 +451,7 @@ class NodeAgent:
 
             worker_store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=cfg.conf("read_timeout")))
-            master = (self.me.host, worker_store.port)
+            master = (self._master_host(), worker_store.port)
             self.proto.publish_worker_store(rnd.number, *master)
         else:
             master = self.proto.worker_store(rnd.number)

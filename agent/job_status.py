@@ -19,8 +19,16 @@ path does nothing more for it.
   Until then the agent samples every 20 ms (for the first 30 s of a cycle; then at its own
   `--monitor-interval`), so a first-step time is exact or late by at most one sample.
 - `cycle_summary` (once per node and cycle, when it ends): per rank, the cycle's completed
-  sections (count, total and max seconds) and the first-step time; the cycle's wall seconds.
-  `ft_launcher report` computes goodput (time in `step` over wall time) from these.
+  sections (count, total and max seconds), the first-step time, and `at_checkpoint` (the `step`
+  count and seconds as the rank's last `checkpointing` section closed); the cycle's wall seconds.
+  `ft_launcher report` computes goodput from these.
+
+Goodput (here, in the status file and the Prometheus gauge; the report uses the same rule, see
+kept_work): seconds in completed `step` sections that survived, over ranks x wall time. A cycle
+that ends the job complete, or is still running, keeps all its steps; a cycle followed by a
+restart (or ending a failed or stopped job) keeps only the steps done before its last completed
+`checkpointing` section, since the job resumes from that checkpoint and redoes the rest. Hung
+time, restarts and start-up never count (no `step` closes then).
 """
 from __future__ import annotations
 
@@ -29,6 +37,8 @@ import os
 import socket
 import time
 from typing import Dict, Optional
+
+from ft_launcher.rank_monitor.shm_layout import CHECKPOINT_SECTION as CHECKPOINT
 
 STATUS_DIR = "status"
 STEP = "step"
@@ -47,6 +57,25 @@ def runtime_dir() -> str:
 
 def mono_to_wall(ns: int, now_wall: float, now_ns: int) -> float:
     return now_wall - (now_ns - ns) / 1e9
+
+
+def kept_work(ranks: Dict[int, dict]) -> Dict[int, tuple]:
+    """{rank: (steps kept, step seconds kept)} of a cycle that ended in a restart, from each rank's
+    {"steps", "step_total", "at_checkpoint": {"steps", "step_total"} or None}. The job resumes at
+    the latest checkpoint any rank completed (the cycle's resume point); a rank that closed its
+    own `checkpointing` there keeps exactly its step time up to it, another rank (one that does not
+    enter the section) keeps the same share of its steps at its mean step time."""
+    marks = [r["at_checkpoint"]["steps"] for r in ranks.values() if r.get("at_checkpoint")]
+    resume = max(marks, default=0)
+    out = {}
+    for rank, r in ranks.items():
+        at, count, total = r.get("at_checkpoint"), int(r.get("steps") or 0), float(r.get("step_total") or 0.0)
+        if at and at["steps"] == resume:
+            out[rank] = (resume, float(at["step_total"]))
+        else:
+            kept = min(resume, count)
+            out[rank] = (kept, total * kept / count if count else 0.0)
+    return out
 
 
 class JobStatus:
@@ -75,6 +104,9 @@ class JobStatus:
         self._last_sample = 0.0
         self._ranks: list = []                        # last sampled rank rows
         self.past_sections: Dict[tuple, list] = {}    # (rank, section) -> [count, total] of ended cycles
+        self.kept: Dict[int, float] = {}              # rank -> step seconds of ended cycles that survived
+        self.redone: Dict[int, list] = {}             # rank -> [steps, seconds] redone after a restart
+        self._tail: Dict[int, tuple] = {}             # the last ended cycle's steps after its checkpoint
         self.snapshot: dict = {}                      # read by the metrics thread (replaced, never mutated)
         events.listeners.append(self._on_event)
         self._write()
@@ -98,6 +130,7 @@ class JobStatus:
         self.restarts_used, self.group, self.monitors = restarts_used, group, monitors
         self.cycle_started = time.time()
         self._first_step, self._stepping_sent = {}, False
+        self._settle_tail(kept=False)  # a new cycle: the last one's steps after its checkpoint are redone
         self.sample(force=True)
 
     def poll_interval(self) -> Optional[float]:
@@ -132,6 +165,9 @@ class JobStatus:
                     row["heartbeat_age"] = round(max(0, now_ns - live["hb_last_ns"]) / 1e9, 3)
                 row["sections"] = {k: {"count": v["closes"], "total": round(v["total"], 6), "max": round(v["max"], 6)}
                                    for k, v in live["sections"].items()}
+                at = (live["sections"].get(CHECKPOINT) or {}).get("at_close")
+                if at and live["sections"][CHECKPOINT]["closes"]:
+                    row["at_checkpoint"] = {"steps": at["steps"], "step_total": round(at["step_total"], 6)}
                 step = live["sections"].get(STEP)
                 if step:
                     row["steps"] = step["closes"]
@@ -167,18 +203,44 @@ class JobStatus:
             entry = {"sections": row["sections"]}
             if row["rank"] in self._first_step:
                 entry["first_step"] = round(self._first_step[row["rank"]], 6)
+            if row.get("at_checkpoint"):
+                entry["at_checkpoint"] = row["at_checkpoint"]
             ranks[str(row["rank"])] = entry
             for name, stats in row["sections"].items():
                 acc = self.past_sections.setdefault((row["rank"], name), [0, 0.0])
                 acc[0] += stats["count"]
                 acc[1] += stats["total"]
+        self._end_cycle_work()
         self.events.event("cycle_summary", None, wall=round(time.time() - self.cycle_started, 3),
                           started=round(self.cycle_started, 6), ranks=ranks)
         self.group, self._ranks = None, []
         self.state = "restarting"
         self._write()
 
+    def _end_cycle_work(self) -> None:
+        """Split the ending cycle's step time: up to the checkpoint it survives; the rest waits in
+        _tail until the job completes (kept) or restarts (redone)."""
+        work = {}
+        for row in self._ranks:
+            step = row["sections"].get(STEP) or {}
+            work[row["rank"]] = {"steps": step.get("count", 0), "step_total": step.get("total", 0.0),
+                                 "at_checkpoint": row.get("at_checkpoint")}
+        for rank, (steps, seconds) in kept_work(work).items():
+            self.kept[rank] = self.kept.get(rank, 0.0) + seconds
+            self._tail[rank] = (work[rank]["steps"] - steps, max(0.0, work[rank]["step_total"] - seconds))
+
+    def _settle_tail(self, kept: bool) -> None:
+        for rank, (steps, seconds) in self._tail.items():
+            if kept:
+                self.kept[rank] = self.kept.get(rank, 0.0) + seconds
+            else:
+                acc = self.redone.setdefault(rank, [0, 0.0])
+                acc[0] += steps
+                acc[1] += seconds
+        self._tail = {}
+
     def finish(self, code: int) -> None:
+        self._settle_tail(kept=code == 0)  # a complete job keeps its last cycle's every step
         self.state, self.group = "finished", None
         self._write(exit_code=code)
         try:   # a finished job is read from its log dir; the runtime dir lists running agents only
@@ -211,6 +273,19 @@ class JobStatus:
                 out[row["rank"]] = out.get(row["rank"], 0.0) + step["total"]
         return out
 
+    def useful_step_seconds(self) -> Dict[int, float]:
+        """Per local rank: seconds in `step` that survived (the goodput rule in the docstring):
+        kept steps of ended cycles, the last ended cycle's steps after its checkpoint until a
+        restart says they are redone, and every completed step of the running cycle."""
+        out = dict(self.kept)
+        for rank, (_, seconds) in self._tail.items():
+            out[rank] = out.get(rank, 0.0) + seconds
+        for row in self._ranks:
+            step = row["sections"].get(STEP)
+            if step:
+                out[row["rank"]] = out.get(row["rank"], 0.0) + step["total"]
+        return out
+
     def section_totals(self) -> list:
         """[{rank, section, count, total}] over the job so far: ended cycles plus the running one."""
         acc = {key: list(value) for key, value in self.past_sections.items()}
@@ -229,7 +304,7 @@ class JobStatus:
     def _write(self, exit_code: Optional[int] = None) -> None:
         now = time.time()
         self._last_write = now
-        steps = self.step_seconds()
+        steps = self.useful_step_seconds()
         wall = max(1e-9, now - self.started)
         data = {
             "format": 1, "time": round(now, 3), "host": self.host, "pid": os.getpid(),
@@ -239,6 +314,8 @@ class JobStatus:
             "cycle_started": self.cycle_started, "restarts_used": self.restarts_used,
             "max_restarts": self.cfg.max_restarts, "timeouts": self._timeouts(), "ranks": self._ranks,
             "goodput": round(sum(steps.values()) / (len(steps) * wall), 4) if steps else 0.0,
+            "useful_step_seconds": {str(r): round(v, 6) for r, v in sorted(steps.items())},
+            "redone_steps": {str(r): {"steps": v[0], "seconds": round(v[1], 6)} for r, v in sorted(self.redone.items())},
             "metrics_port": getattr(self.cfg, "metrics_port", None),
             "section_totals": self.section_totals(),
         }

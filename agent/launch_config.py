@@ -6,7 +6,7 @@ fault-tolerance YAML; the agent only reads it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
@@ -59,6 +59,7 @@ class LaunchConfig:
     # Nodes that train when ft.active_world_size is set (active_world_size / nproc_per_node, 1 to
     # max_nodes); the other nodes stand by as warm spares. None: every node trains.
     active_nodes: Optional[int] = None
+    signals: Tuple[int, ...] = ()         # --signals-to-handle: forwarded, then the job stops; (): the agent's own
 
     def conf(self, key: str) -> float:
         return float(self.rdzv_conf.get(key, RDZV_CONF_DEFAULTS[key]))

@@ -7,7 +7,8 @@ Nothing here runs on a rank. Metrics (every series labelled by this node's host)
 - `ft_launcher_restarts_total`, `ft_launcher_failures_total`, `ft_launcher_hangs_total`
 - `ft_launcher_recovery_seconds` (histogram): a failure noticed by this node -> its ranks stepping again
 - `ft_launcher_section_seconds{section,rank}` (summary: `_sum` and `_count` of completed sections)
-- `ft_launcher_goodput_ratio`: seconds in `step` over the agent's wall time (mean of local ranks)
+- `ft_launcher_goodput_ratio`: seconds in `step` that survived (steps redone after a restart from
+  a checkpoint left out; agent.job_status) over the agent's wall time (mean of local ranks)
 - `ft_launcher_cycle`, `ft_launcher_restarts_used`, `ft_launcher_section_timeout_seconds{section}`
 """
 from __future__ import annotations
@@ -88,7 +89,7 @@ class _SnapshotCollector:
         for row in snap.get("section_totals", []):
             sections.add_metric([host, row["section"], str(row["rank"])], row["count"], row["total"])
         yield sections
-        goodput = GaugeMetricFamily("ft_launcher_goodput_ratio", "seconds in step over wall time (local ranks)",
+        goodput = GaugeMetricFamily("ft_launcher_goodput_ratio", "seconds in steps never redone over wall time (local ranks)",
                                     labels=["host"])
         goodput.add_metric([host], float(snap.get("goodput", 0.0)))
         yield goodput

@@ -48,10 +48,29 @@ class _Parser(argparse.ArgumentParser):
 _GROUPS = {
     "nodes and rendezvous": ("nnodes", "nproc-per-node", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf",
                              "standalone", "node-rank", "master-addr", "master-port", "local-addr"),
-    "restarts and stopping": ("max-restarts", "term-timeout", "workers-stop-timeout", "monitor-interval"),
+    "restarts and stopping": ("max-restarts", "term-timeout", "workers-stop-timeout", "monitor-interval",
+                              "shutdown-timeout", "signals-to-handle"),
     "what each rank runs": ("module", "no-python", "run-path", "role", "start-method"),
     "logs and console": ("log-dir", "redirects", "tee", "local-ranks-filter", "metrics-port"),
+    "torchrun flags this launcher does differently (each says how when used)": (
+        "event-log-handler", "logs-specs", "duplicate-stdout-filters", "duplicate-stderr-filters", "numa-binding",
+        "virtual-local-rank"),
 }
+# torchrun 2.13 flags ft_launcher takes but does not act on as torchrun does: one line each, said
+# when the flag is given a value other than torchrun's default (flag dest -> (default, the line)).
+TORCHRUN_NOTES = {
+    "event_log_handler": ("null", "torch's event handlers are not called; ft_launcher writes its events to "
+                                  "<log dir>/events.jsonl (--log-dir)"),
+    "logs_specs": (None, "no LogsSpecs plugin is loaded; ft_launcher lays out rank logs itself (--log-dir, "
+                         "--redirects, --tee)"),
+    "duplicate_stdout_filters": ("", "lines are not duplicated to a filtered file; with --log-dir every rank's "
+                                     "output is in its log files (grep them)"),
+    "duplicate_stderr_filters": ("", "lines are not duplicated to a filtered file; with --log-dir every rank's "
+                                     "output is in its log files (grep them)"),
+    "numa_binding": (None, "ranks are not bound to CPUs near their GPU; bind them yourself (e.g. numactl in "
+                           "--no-python mode)"),
+}
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode values
 _GROUP_OF = {name: title for title, names in _GROUPS.items() for name in names}
 
 # One line per fault-tolerance key (the README's table says more).
@@ -151,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                        f"{PROG} status [LOGDIR...] (what a running job is doing); each takes --help")
     _flag(p, "nnodes", default=None, help="N or MIN:MAX; nodes past MIN wait as hot spares (default 1, SLURM_NNODES under SLURM)")
     _flag(p, "nproc-per-node", default="1", help="ranks per node: an int, cpu, gpu or auto")
-    _flag(p, "rdzv-backend", default=None, choices=["c10d", "static"], help="rendezvous backend (default static, c10d with --rdzv-endpoint or SLURM)")
+    _flag(p, "rdzv-backend", default=None, help="c10d or static (default static, c10d with --rdzv-endpoint or SLURM); "
+          "etcd and etcd-v2 are a one-line error")
     _flag(p, "rdzv-endpoint", default="", help="HOST[:PORT] of the rendezvous store (default port 29400)")
     _flag(p, "rdzv-id", default=None, help="job id shared by all nodes (default SLURM_JOB_ID or 'none')")
     _flag(p, "rdzv-conf", default="", help="k=v,... : join_timeout, last_call_timeout, close_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_max_attempt")
@@ -174,6 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "local-addr", default=None, help="address the other nodes reach this node at")
     _flag(p, "term-timeout", type=float, default=30.0, help="seconds ranks get after SIGTERM/SIGINT before SIGKILL")
     _flag(p, "workers-stop-timeout", type=float, default=15.0, help="seconds ranks get to stop at a restart before SIGKILL")
+    # torchrun 2.13's other flags: shutdown-timeout and signals-to-handle act; the rest say how we differ
+    _flag(p, "shutdown-timeout", type=int, default=None, help="torchrun's name for --term-timeout (--term-timeout wins when both are given)")
+    _flag(p, "signals-to-handle", default=None, help="signals forwarded to the ranks, then the job stops "
+          "(default SIGTERM,SIGINT,SIGHUP; torchrun's also has SIGQUIT)")
+    _flag(p, "event-log-handler", default="null", help="accepted: events go to <log dir>/events.jsonl")
+    _flag(p, "logs-specs", default=None, help="accepted: ft_launcher lays out rank logs itself")
+    _flag(p, "duplicate-stdout-filters", default="", help="accepted, not acted on: grep the --log-dir files")
+    _flag(p, "duplicate-stderr-filters", default="", help="accepted, not acted on: grep the --log-dir files")
+    _flag(p, "numa-binding", default=None, choices=NUMA_MODES, help="accepted, not acted on: ranks are not bound to CPUs")
+    _flag(p, "virtual-local-rank", action="store_true", help="not supported: one-line error (ranks see every GPU)")
     p.add_argument("--version", action="version", version=f"{PROG} {__version__}", help="print the version and exit")
     ft = _group(p, "fault tolerance")
     ft.description = ("hang detection and simulated faults; also a fault_tolerance: section in --ft-cfg-path "
@@ -217,6 +247,44 @@ def parse_nnodes(text: str) -> tuple:
     if low < 1 or high < low:
         raise UsageError(f"--nnodes: need 1 <= MIN <= MAX, got {text!r}")
     return low, high
+
+
+def parse_backend(text: Optional[str]) -> Optional[str]:
+    if text is None or text in ("c10d", "static"):
+        return text
+    if text in ("etcd", "etcd-v2"):
+        raise UsageError(f"--rdzv-backend: {text} is not supported: ft_launcher has no etcd rendezvous; its agents host their own "
+                         "store: use --rdzv-backend c10d --rdzv-endpoint NODE0_HOST:PORT (or --standalone)")
+    raise UsageError(f"--rdzv-backend: expected c10d or static, got {text!r}")
+
+
+def parse_signals(text: Optional[str]) -> tuple:
+    """--signals-to-handle SIGTERM,SIGUSR1,... (names, with or without SIG, or numbers)."""
+    if text is None:
+        return ()
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
+        try:
+            sig = signal.Signals(int(item)) if item.isdigit() else signal.Signals[name]
+        except (KeyError, ValueError):
+            raise UsageError(f"--signals-to-handle: unknown signal {item!r}") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            raise UsageError(f"--signals-to-handle: {sig.name} cannot be handled")
+        out.append(int(sig))
+    if not out:
+        raise UsageError("--signals-to-handle: expected e.g. SIGTERM,SIGINT,SIGUSR1")
+    return tuple(dict.fromkeys(out))
+
+
+def torchrun_notes(args) -> None:
+    """One line for each torchrun flag given that ft_launcher takes but handles its own way."""
+    if args.virtual_local_rank:
+        raise UsageError("--virtual-local-rank is not supported: every rank sees every GPU of its node and "
+                         "LOCAL_RANK is its index there (torch.cuda.set_device(LOCAL_RANK))")
+    for dest, (default, line) in TORCHRUN_NOTES.items():
+        if getattr(args, dest) not in (default, None):
+            print(f"{PROG}: note: --{dest.replace('_', '-')}: {line}", file=sys.stderr)
 
 
 def parse_rdzv_conf(text: str) -> Dict[str, object]:
@@ -321,10 +389,13 @@ def entrypoint(args) -> List[str]:
     if args.module:
         import importlib.util
 
+        sys.path.insert(0, os.getcwd())  # `python -m` (how each rank runs it) looks in the cwd first
         try:
             found = importlib.util.find_spec(script.split(".")[0]) is not None
         except (ImportError, ValueError):
             found = False
+        finally:
+            sys.path.remove(os.getcwd())
         if not found:
             raise UsageError(f"module not found: {script}")
         return [sys.executable, "-u", "-m", script] + rest
@@ -423,7 +494,11 @@ def _launch_config(args, origins):
 
     slurm = _slurm()
     nproc = parse_nproc(args.nproc_per_node)
-    backend = args.rdzv_backend
+    backend = parse_backend(args.rdzv_backend)
+    signals = parse_signals(args.signals_to_handle)
+    torchrun_notes(args)
+    if args.shutdown_timeout is not None and origins.of("term_timeout") is None:
+        args.term_timeout = float(args.shutdown_timeout)
     order_key: Optional[int] = None
     store_here: Optional[bool] = None  # whether this node hosts the store, when SLURM says so
     if args.standalone:
@@ -499,7 +574,8 @@ def _launch_config(args, origins):
         local_ranks_filter=ranks_filter, local_addr=args.local_addr, term_timeout=args.term_timeout,
         workers_stop_timeout=args.workers_stop_timeout, ft=ft, entry_kind=entry_kind(args),
         entry_target=args.training_script, entry_args=list(args.training_script_args),
-        origins=origins.describe(args, slurm), metrics_port=args.metrics_port, active_nodes=active_nodes)
+        origins=origins.describe(args, slurm), metrics_port=args.metrics_port, active_nodes=active_nodes,
+        signals=signals)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

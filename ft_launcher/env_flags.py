@@ -34,8 +34,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 PREFIX = "PET_"
 _TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")
 # torchrun flags ft_launcher does not have: their variables are ignored with a warning that says so.
-TORCHRUN_ONLY = ("EVENT_LOG_HANDLER", "DUPLICATE_STDOUT_FILTERS", "DUPLICATE_STDERR_FILTERS",
-                 "SIGNALS_TO_HANDLE", "SHUTDOWN_TIMEOUT", "VIRTUAL_LOCAL_RANK")
+# None since every torchrun 2.13 flag is one of ours (ft_launcher.cli.TORCHRUN_NOTES says how some differ).
+TORCHRUN_ONLY: Tuple[str, ...] = ()
 
 
 class EnvFlagError(ValueError):

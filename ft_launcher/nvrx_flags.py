@@ -19,13 +19,13 @@ _ATTRIBUTION = ("no attribution service here: each failure's cause (rank, sectio
 _LOG_SERVER = "no gRPC log server here: " + _LOGS
 
 # flag (dashed, without --) -> (argparse kwargs, the line printed when it is given; None: silent)
+# (--logs-specs is torchrun's flag, which NVRx passes on: cli.TORCHRUN_NOTES takes it)
 FLAGS: Dict[str, tuple] = {
     "ft-restart-policy": (dict(choices=["any-failed", "min-healthy"]),
                           "restarts happen on any failure (any-failed); --nnodes MIN:MAX keeps hot spares, "
                           "restart_granularity chooses what restarts"),
     "ft-ignore-missing-cfg": (dict(action="store_true"), None),   # no config is ever required here
     "ft-rdzv-impl": (dict(choices=["barrier"]), None),             # our rounds are a barrier on the TCPStore
-    "logs-specs": ({}, _LOGS),
     "ft-per-cycle-applog-prefix": ({}, _LOGS),
     "ft-nvrx-logfile": ({}, _LOGS),
     "ft-enable-log-server": ({}, _LOG_SERVER),

@@ -7,8 +7,12 @@ Works on a finished job and on a running one: a last line still being written is
 running cycle's time in `step` comes from the agents' status files (agent.job_status).
 
 What it computes:
-- goodput: seconds every rank spent in completed `step` sections (the agents' `cycle_summary`
-  events) over world size x wall time (first cycle start to the job's end, or now);
+- goodput: seconds every rank spent in completed `step` sections that were never redone, over
+  world size x wall time (first cycle start to the job's end, or now). A cycle followed by a
+  restart keeps only its steps up to its last completed `checkpointing` section (the job resumes
+  from there and does the rest again; agent.job_status.kept_work); the `cycle_summary` events
+  carry each rank's step count and seconds at that checkpoint. Hung time, restarts, start-up and
+  checkpointing are loss: no `step` completes in them;
 - per incident (a cycle that ended in a failure): which rank, what happened (simulated fault,
   hang, exit status), who noticed (its monitor, or the agent from the exit status or a lost
   peer, or the rank itself for an exception raised under `ft_launcher.restartable`) after how
@@ -30,6 +34,7 @@ import json
 import os
 import sys
 import time
+import urllib.parse
 from typing import Dict, List, Optional, Sequence, Tuple
 
 PROG = "ft_launcher report"
@@ -144,7 +149,9 @@ class Job:
     incidents: List[Incident]
     step_seconds: Dict[int, float]        # rank -> seconds in completed steps
     timeout_changes: List[dict]
-    goodput: float
+    goodput: float                        # useful step seconds over world size x wall time
+    useful_seconds: Dict[int, float]      # rank -> seconds in completed steps never redone
+    redone: Dict[int, list]               # rank -> [steps, seconds] done again after a restart
 
 
 def _by_kind(events, *kinds):
@@ -218,25 +225,10 @@ def analyse(dirs: Sequence[str], events: List[dict], statuses: List[dict], notes
     for number in sorted({e["cycle"] for e in _by_kind(events, "failure") if e["cycle"] is not None}):
         incidents.append(_incident(number, events, cycles, max_restarts))
 
-    # goodput: completed steps of ended cycles, plus the running cycle from the status files
-    step_seconds: Dict[int, float] = {}
-    summarised = set()
-    for e in _by_kind(events, "cycle_summary"):
-        for r, info in (e["detail"].get("ranks") or {}).items():
-            summarised.add((e["cycle"], int(r)))
-            total = ((info.get("sections") or {}).get("step") or {}).get("total", 0.0)
-            step_seconds[int(r)] = step_seconds.get(int(r), 0.0) + float(total)
-    for s in statuses:
-        if s.get("state") != "running":
-            continue
-        for row in s.get("ranks") or []:
-            if (s.get("cycle"), row["rank"]) in summarised:
-                continue
-            total = ((row.get("sections") or {}).get("step") or {}).get("total", 0.0)
-            step_seconds[row["rank"]] = step_seconds.get(row["rank"], 0.0) + float(total)
+    step_seconds, useful, redone = _goodput_parts(events, statuses, cycles, ended_ok=not ended or state == "complete")
     world = max([c["world_size"] for c in cycles.values()] + [len(step_seconds), 1])
     wall = max(1e-9, end - start)
-    goodput = sum(step_seconds.values()) / (world * wall)
+    goodput = sum(useful.values()) / (world * wall)
 
     changes = []
     for e in _by_kind(events, "timeout_computed", "timeouts_loaded"):
@@ -250,7 +242,47 @@ def analyse(dirs: Sequence[str], events: List[dict], statuses: List[dict], notes
                                 "why": "loaded from ft_state.json"})
     nodes = sorted({e["node"] for e in starts}, key=str)
     return Job(list(dirs), events, notes, start, end, state, run_id, nodes, world, max_restarts, cycles,
-               lanes, bars, incidents, step_seconds, changes, goodput)
+               lanes, bars, incidents, step_seconds, changes, goodput, useful, redone)
+
+
+def _goodput_parts(events: List[dict], statuses: List[dict], cycles: Dict[int, dict], ended_ok: bool):
+    """({rank: seconds in completed steps}, {rank: of them, seconds in steps never redone},
+    {rank: [steps, seconds] redone}). A cycle that a later cycle follows (a restart), or the last
+    one of a failed or stopped job, keeps only its steps up to its last checkpoint
+    (agent.job_status.kept_work); the last cycle of a complete or running job keeps every step."""
+    from ft_launcher.agent.job_status import kept_work
+
+    per_cycle: Dict[int, Dict[int, dict]] = {}
+    for e in _by_kind(events, "cycle_summary"):
+        for r, info in (e["detail"].get("ranks") or {}).items():
+            step = (info.get("sections") or {}).get("step") or {}
+            per_cycle.setdefault(e["cycle"], {})[int(r)] = {
+                "steps": int(step.get("count", 0)), "step_total": float(step.get("total", 0.0)),
+                "at_checkpoint": info.get("at_checkpoint")}
+    for s in statuses:  # the running cycle: from the status files
+        if s.get("state") != "running" or s.get("cycle") is None:
+            continue
+        for row in s.get("ranks") or []:
+            if row["rank"] in per_cycle.get(s["cycle"], {}):
+                continue
+            step = (row.get("sections") or {}).get("step") or {}
+            per_cycle.setdefault(s["cycle"], {})[row["rank"]] = {
+                "steps": int(step.get("count", 0)), "step_total": float(step.get("total", 0.0)), "at_checkpoint": None}
+    last = max(list(cycles) + list(per_cycle), default=None)
+    step_seconds: Dict[int, float] = {}
+    useful: Dict[int, float] = {}
+    redone: Dict[int, list] = {}
+    for number, ranks in sorted(per_cycle.items()):
+        kept = ({r: (w["steps"], w["step_total"]) for r, w in ranks.items()} if number == last and ended_ok
+                else kept_work(ranks))
+        for rank, w in ranks.items():
+            steps, seconds = kept[rank]
+            step_seconds[rank] = step_seconds.get(rank, 0.0) + w["step_total"]
+            useful[rank] = useful.get(rank, 0.0) + seconds
+            acc = redone.setdefault(rank, [0, 0.0])
+            acc[0] += w["steps"] - steps
+            acc[1] += max(0.0, w["step_total"] - seconds)
+    return step_seconds, useful, redone
 
 
 def _num(value) -> str:
@@ -267,18 +299,13 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     rank = failure.get("rank")
     hang_timeout = None
     if hangs:
-        h = hangs[0]
+        h = _blamed_hang(failure, hangs)
         hd = h["detail"]
         rank = h.get("rank") if h.get("rank") is not None else rank
-        place = f"section '{hd['section']}'" if hd.get("section") else str(hd.get("reason", "?")).replace("_", " ")
-        hung = sorted({x.get("rank") for x in hangs if x["time"] - h["time"] < 1.0}, key=str)
-        what = (f"rank {hung[0]} hung in {place}" if len(hung) == 1
-                else f"ranks {', '.join(map(str, hung))} hung in {place}")
+        what, noticed = _hang_words(h)
         detect = h["time"]
-        started = detect - float(hd.get("elapsed") or 0.0)
+        started = detect - float(hd.get("elapsed") or 0.0)  # the monitor's clock: the section's entry
         hang_timeout = hd.get("timeout")
-        noticed = (f"{'its rank monitor' if len(hung) == 1 else 'their rank monitors'} ({place} open "
-                   f"{float(hd.get('elapsed') or 0):.2f} s > timeout {_num(hang_timeout)} s)")
     elif d.get("dead_nodes"):
         what, detect, started = d.get("what", "a node stopped answering"), failure["time"], failure["time"]
         noticed = f"the agent on node {failure['node']} (the peer's keep-alives stopped)"
@@ -293,10 +320,11 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     if faults:
         f = faults[0]
         cause = f"simulated {f['detail'].get('fault')} injected into rank {f.get('rank')}"
-        fault_time = f["time"]
-        if not hangs:
+        if not hangs:  # a hang is timed as its monitor timed it: from the hung section's entry
+            fault_time = f["time"]
             what = d.get("what", what)
-        rank = f.get("rank") if f.get("rank") is not None else rank  # the rank the fault hit
+        if rank is None:
+            rank = f.get("rank")  # the rank the fault hit
     elif hangs:
         cause = "a hang"
     restarts = _by_kind(mine, "restart")
@@ -320,6 +348,22 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     found = _by_kind(mine, "flight_recorder")
     return Incident(number, rank, failure["node"], what, cause, noticed, fault_time, detect, action, dumps,
                     recovered, hang_timeout, found[0]["detail"].get("summary") if found else None)
+
+
+def _blamed_hang(failure: dict, hangs: List[dict]) -> dict:
+    """The hang the agent's failure event (its console line) names, else the first one."""
+    blamed = (failure["detail"].get("hang") or {}).get("rank", failure.get("rank"))
+    return next((h for h in hangs if h.get("rank") == blamed and h["node"] == failure["node"]), hangs[0])
+
+
+def _hang_words(hang: dict) -> Tuple[str, str]:
+    """(what happened, who noticed) for the blamed hang, in the words and numbers of its event."""
+    hd = hang["detail"]
+    place = f"section '{hd['section']}'" if hd.get("section") else str(hd.get("reason", "?")).replace("_", " ")
+    what = f"rank {hang.get('rank')} hung in {place}"
+    noticed = (f"its rank monitor ({place} open {float(hd.get('elapsed') or 0):.2f} s > timeout "
+               f"{_num(hd.get('timeout'))} s)")
+    return what, noticed
 
 
 def _restart_words(restart: dict) -> str:
@@ -349,12 +393,20 @@ def incident_line(job: Job, inc: Incident) -> str:
             + (f"\n    {inc.flight_recorder}" if inc.flight_recorder else ""))
 
 
+def goodput_words(job: Job) -> str:
+    """What goodput counted and what it left out, in rank-seconds."""
+    wall = job.end - job.start
+    steps, secs = sum(r[0] for r in job.redone.values()), sum(r[1] for r in job.redone.values())
+    return (f"steps never redone {sum(job.useful_seconds.values()):.1f} rank-s of {job.world_size * wall:.1f} "
+            f"rank-s; time in step {sum(job.step_seconds.values()):.1f} rank-s, of which {steps} step"
+            f"{'s' if steps != 1 else ''} ({secs:.1f} rank-s) redone after restarting from a checkpoint")
+
+
 def console_summary(job: Job, output: str) -> str:
     wall = job.end - job.start
     lines = [f"job {job.run_id!r}: {job.state}; {len(job.nodes)} node(s), {job.world_size} rank(s), "
              f"{len(job.cycles)} cycle(s), wall {wall:.1f} s",
-             f"goodput {job.goodput * 100:.1f}% (time in step {sum(job.step_seconds.values()):.1f} rank-s of "
-             f"{job.world_size * wall:.1f} rank-s)"]
+             f"goodput {job.goodput * 100:.1f}% ({goodput_words(job)})"]
     lines.append(f"incidents: {len(job.incidents)}")
     lines += ["  " + incident_line(job, inc) for inc in job.incidents]
     if job.timeout_changes:
@@ -364,6 +416,21 @@ def console_summary(job: Job, output: str) -> str:
     lines += job.notes
     lines.append(f"report: {output}")
     return "\n".join(lines)
+
+
+def _hung_spans(job: Job, index: dict) -> List[Tuple[float, float, int]]:
+    """(from, to, lane) for every hang: from the hung section's entry to the end of the rank's bar."""
+    spans = []
+    for h in _by_kind(job.events, "hang"):
+        y = index.get((h["node"], h.get("rank")))
+        bar = next((b for b in job.bars if (b["node"], b["rank"], b["cycle"]) == (h["node"], h.get("rank"), h["cycle"])),
+                   None)
+        if y is None or bar is None:
+            continue
+        since = h["time"] - float(h["detail"].get("elapsed") or 0.0)
+        if since < bar["end"]:
+            spans.append((since, bar["end"], y))
+    return spans
 
 
 def timeline_png(job: Job) -> bytes:
@@ -394,6 +461,8 @@ def timeline_png(job: Job) -> bytes:
             if bar.get("steps"):
                 ax.text((first + bar["end"]) / 2 - t0, y, f"{bar['steps']} step{'s' if bar['steps'] != 1 else ''}", fontsize=7, color="white",
                         ha="center", va="center", clip_on=True)
+    for since, end, y in _hung_spans(job, index):  # a hung rank is not stepping: from its section's entry
+        ax.barh(y, end - since, left=since - t0, height=0.55, color="#ff7f0e", edgecolor="none")
     for i, (number, c) in enumerate(sorted(job.cycles.items())):  # labels alternate in height
         ax.axvline(c["start"] - t0, color="#555555", lw=0.8, ls=":")
         ax.text(c["start"] - t0, len(lanes) - 0.45 + 0.25 * (i % 2), f" cycle {number}", fontsize=8, va="bottom",
@@ -419,6 +488,7 @@ def timeline_png(job: Job) -> bytes:
     ax.set_xlabel("seconds since the first cycle started")
     ax.grid(axis="x", alpha=0.3)
     handles = [Patch(color="#c7c7c7", label="starting (no step yet)"), Patch(color="#2ca02c", label="stepping"),
+               Patch(color="#ff7f0e", label="hung (no step completes)"),
                Patch(color="#d62728", alpha=0.2, label="downtime (fault -> all stepping)"),
                Line2D([], [], marker="X", color="#d62728", ls="", label="fault injected"),
                Line2D([], [], marker="v", color="#ff7f0e", ls="", label="hang detected"),
@@ -438,7 +508,21 @@ td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}th{ba
 .num{text-align:right}.big{font-size:20px;font-weight:bold}code{background:#f4f4f4}"""
 
 
-def render_html(job: Job, png: bytes) -> str:
+def _stack_link(path: str, dirs: Sequence[str], out_dir: Optional[str]) -> str:
+    """A stack dump as a link relative to the report's folder: the recorded path, or the file of
+    that name in one of the log dirs (a log dir copied or moved since). A bare name when neither
+    exists or the report's folder is unknown."""
+    e = html.escape
+    found = next((c for c in [path] + [os.path.join(d, os.path.basename(path)) for d in dirs] if os.path.isfile(c)),
+                 None)
+    if found is None or out_dir is None:
+        return e(os.path.basename(path))
+    href = os.path.relpath(os.path.abspath(found), os.path.abspath(out_dir))
+    return f"<a href='{e(urllib.parse.quote(href))}'>{e(os.path.basename(path))}</a>"
+
+
+def render_html(job: Job, png: bytes, out_dir: Optional[str] = None) -> str:
+    """The page; `out_dir` (the folder the page is written to) makes stack dumps relative links."""
     e = html.escape
     wall = job.end - job.start
     rows = [("job", job.run_id), ("state", job.state), ("log dirs", ", ".join(job.dirs)),
@@ -451,8 +535,9 @@ def render_html(job: Job, png: bytes) -> str:
            f"<style>{_CSS}</style></head><body>",
            f"<h1>ft_launcher report: job {e(job.run_id)}</h1>",
            f"<p class='big' id='goodput'>goodput {job.goodput * 100:.1f}%</p>",
-           f"<p>time in <code>step</code>: {sum(job.step_seconds.values()):.1f} rank-seconds of "
-           f"{job.world_size} ranks x {wall:.1f} s wall time.</p>",
+           f"<p id='goodput-parts'>{e(goodput_words(job))} ({job.world_size} ranks x {wall:.1f} s wall time). "
+           "Goodput counts completed <code>step</code> sections that were never redone: steps after a "
+           "cycle's last <code>checkpointing</code> section are done again after a restart.</p>",
            "<table id='summary'>" + "".join(f"<tr><th>{e(str(k))}</th><td>{e(str(v))}</td></tr>" for k, v in rows)
            + "</table>",
            "<h2>Timeline</h2>",
@@ -469,7 +554,7 @@ def render_html(job: Job, png: bytes) -> str:
                 f"<tr class='incident'><td>{inc.cycle}</td><td class='num'>+{inc.fault_time - job.start:.1f} s</td>"
                 f"<td>{e(str(inc.rank))} (node {e(str(inc.node))})</td><td>{e(inc.what)}</td><td>{e(inc.cause)}</td>"
                 f"<td>{e(inc.noticed_by)}</td><td class='num detected'>{inc.detected_after:.2f} s</td>"
-                f"<td>{'<br>'.join(e(os.path.basename(p)) for p in inc.stack_dumps) or '-'}</td>"
+                f"<td class='stacks'>{'<br>'.join(_stack_link(p, job.dirs, out_dir) for p in inc.stack_dumps) or '-'}</td>"
                 f"<td class='flight-recorder'>{e(inc.flight_recorder or '-')}</td><td>{e(inc.action)}</td><td class='num recovery'>{_fmt(inc.recovery)}</td></tr>")
         out.append("</table>")
     else:
@@ -481,9 +566,12 @@ def render_html(job: Job, png: bytes) -> str:
         out.append(f"<tr><td>{number}</td><td>+{c['start'] - job.start:.1f} s</td><td>+{c['end'] - job.start:.1f} s</td>"
                    f"<td>{c['world_size']}</td><td>{e(stepping)}</td></tr>")
     out.append("</table><h2>Time in step per rank</h2><table id='ranks'><tr><th>rank</th><th>seconds in step</th>"
-               "<th>share of wall time</th></tr>")
+               "<th>steps redone (seconds)</th><th>seconds in steps never redone</th><th>share of wall time</th></tr>")
     for rank, secs in sorted(job.step_seconds.items()):
-        out.append(f"<tr><td>{rank}</td><td class='num'>{secs:.1f}</td><td class='num'>{secs / max(wall, 1e-9) * 100:.1f}%</td></tr>")
+        steps, lost = job.redone.get(rank, [0, 0.0])
+        kept = job.useful_seconds.get(rank, 0.0)
+        out.append(f"<tr><td>{rank}</td><td class='num'>{secs:.1f}</td><td class='num'>{steps} ({lost:.1f})</td>"
+                   f"<td class='num'>{kept:.1f}</td><td class='num'>{kept / max(wall, 1e-9) * 100:.1f}%</td></tr>")
     out.append("</table><h2>Timeout changes</h2>")
     if job.timeout_changes:
         out.append("<table id='timeouts'><tr><th>cycle</th><th>timeout</th><th>old</th><th>new</th><th>why</th></tr>")
@@ -520,7 +608,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         events, statuses, notes = load(args.log_dirs)
         job = analyse(args.log_dirs, events, statuses, notes)
-        page = render_html(job, timeline_png(job))
+        page = render_html(job, timeline_png(job), os.path.dirname(os.path.abspath(output)))
         try:
             with open(output, "w") as fh:
                 fh.write(page)

@@ -216,7 +216,7 @@ class _Attachment:
                 if sec is not None:
                     return sec
             self.ensure()
-            sec = _Section(name)
+            sec = (_CheckpointSection if name == L.CHECKPOINT_SECTION else _Section)(name)
             self.sections[name] = sec
             sec._bind(self)
             if name == "step":  # once: what this rank imported, for the warm reserve of its slot
@@ -465,6 +465,28 @@ class _Section:
 
     def __repr__(self) -> str:
         return f"<ft_launcher section {self.name!r}>"
+
+
+class _CheckpointSection(_Section):
+    """The checkpoint section (`checkpointing`): as it closes, it also notes how many `step`
+    sections had closed and their total time, the work a restart from this checkpoint keeps (the
+    launcher's goodput). Only this section pays for it; every other section is a plain _Section."""
+
+    __slots__ = ()
+
+    def __exit__(self, exc_type=None, exc=None, tb=None):
+        w = self._w
+        if w is None or self._depth:
+            return _Section.__exit__(self, exc_type, exc, tb)
+        b = self._b
+        closes = w[b + 3]
+        _Section.__exit__(self, exc_type, exc, tb)
+        step = _ATT.slots.get(L.STEP_SECTION)
+        if w[b + 3] != closes and step is not None:
+            s = L.slot_base(step)
+            w[b + L.S_AT_STEP_TOTAL_NS] = w[s + 6]   # the step slot's S_TOTAL_NS
+            w[b + L.S_AT_STEP_CLOSES] = w[s + 3]     # ... and S_CLOSES
+        return False
 
 
 assert (L.S_OPEN, L.S_ENTER_NS, L.S_ENTERS, L.S_CLOSES, L.S_MAX_NS, L.S_LAST_NS, L.S_TOTAL_NS) == (0, 1, 2, 3, 4, 5, 6)

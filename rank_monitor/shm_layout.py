@@ -87,7 +87,13 @@ S_LAST_NS = 5
 S_TOTAL_NS = 6
 S_TIMEOUT = 7           # override, same encoding as H_TO_*
 S_NAMELEN = 8
+# The checkpoint section's slot only (CHECKPOINT_SECTION): the `step` section's closes and total ns
+# as this section last closed, i.e. the steps a restart from that checkpoint keeps (goodput).
+S_AT_STEP_CLOSES = 9
+S_AT_STEP_TOTAL_NS = 10
 SLOT_WORDS = 16
+CHECKPOINT_SECTION = "checkpointing"   # NVRx's name for the section that saves a checkpoint
+STEP_SECTION = "step"
 MAX_SLOTS = 64
 NAME_BYTES = 128        # per slot, in the name table after the words
 
@@ -268,7 +274,9 @@ def _stats(mm: mmap.mmap, names: memoryview, w: memoryview, start: int) -> Dict[
 def read_live(mm: mmap.mmap, words: memoryview) -> Optional[dict]:
     """What a rank is doing now, for the agent's status and metrics (read-only, never on the rank's
     path): {"start_ns", "hb_last_ns" (0: none yet), "open": [(name, enter_ns), ...] innermost last,
-    "sections": {name: {"enters", "closes", "enter_ns", "total", "max"}}} (monotonic ns, seconds).
+    "sections": {name: {"enters", "closes", "enter_ns", "total", "max"}}} (monotonic ns, seconds);
+    the checkpoint section's entry also has "at_close": {"steps", "step_total"}, the `step`
+    section's closes and total seconds when it last closed.
     None while no incarnation's data is current (see read_stats)."""
     start = words[H_START_NS]
     if not start or words[H_ATTACH_NS] < start:
@@ -281,6 +289,9 @@ def read_live(mm: mmap.mmap, words: memoryview) -> Optional[dict]:
         enter_ns = words[b + S_ENTER_NS]
         sections[name] = {"enters": words[b + S_ENTERS], "closes": words[b + S_CLOSES], "enter_ns": enter_ns,
                           "total": words[b + S_TOTAL_NS] / 1e9, "max": words[b + S_MAX_NS] / 1e9}
+        if name == CHECKPOINT_SECTION:
+            sections[name]["at_close"] = {"steps": words[b + S_AT_STEP_CLOSES],
+                                          "step_total": words[b + S_AT_STEP_TOTAL_NS] / 1e9}
         if words[b + S_OPEN]:
             opened.append((name, enter_ns))
     opened.sort(key=lambda item: item[1])

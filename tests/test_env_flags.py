@@ -92,7 +92,8 @@ BAD_PET = [
     ({"PET_NNODES": "two"}, "PET_NNODES (for --nnodes): expected N or MIN:MAX, got 'two'"),
     ({"PET_NNODES": "3:1"}, "PET_NNODES (for --nnodes): need 1 <= MIN <= MAX"),
     ({"PET_MAX_RESTARTS": "many"}, "PET_MAX_RESTARTS: expected an integer for --max-restarts, got 'many'"),
-    ({"PET_RDZV_BACKEND": "etcd"}, "PET_RDZV_BACKEND: expected one of c10d, static for --rdzv-backend"),
+    ({"PET_RDZV_BACKEND": "etcd"}, "PET_RDZV_BACKEND (for --rdzv-backend): etcd is not supported: ft_launcher has no etcd"),
+    ({"PET_RDZV_BACKEND": "zk"}, "PET_RDZV_BACKEND (for --rdzv-backend): expected c10d or static, got 'zk'"),
     ({"PET_STANDALONE": "maybe"}, "PET_STANDALONE: expected 1 or 0"),
     ({"PET_FT_SAFETY_FACTOR": "big"}, "PET_FT_SAFETY_FACTOR: safety_factor must be a number, got 'big'"),
 ]
@@ -113,5 +114,5 @@ def test_command_line_beats_pet_in_a_real_job_and_a_typo_is_named(launcher, tmp_
     assert res.returncode == 0, res.stderr
     assert sorted(p.name for p in tmp_path.glob("rank_*.json")) == ["rank_0.json"]
     assert "ft_launcher: warning: PET_NNODE is not a launcher flag; ignored (did you mean PET_NNODES?)" in res.stderr
-    assert "ft_launcher: warning: PET_SHUTDOWN_TIMEOUT: torchrun's flag is not supported by ft_launcher" in res.stderr
+    assert "PET_SHUTDOWN_TIMEOUT" not in res.stderr  # torchrun's flag, now ours (--term-timeout's twin)
     assert "1 rank per node, a local store on a free port (from --standalone)" in first_agent_line(res.stderr)

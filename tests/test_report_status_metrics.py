@@ -159,17 +159,22 @@ def test_report_of_a_kill_and_a_hang(kill_and_hang_job):
     assert [s["cycle"] for s in summaries] == [0, 1, 2]
     step_total = sum(r["sections"].get("step", {}).get("total", 0) for s in summaries for r in s["detail"]["ranks"].values())
     wall = read_events(logs, "job_complete")[0]["time"] - min(e["time"] for e in read_events(logs, "cycle_start"))
-    assert goodput == pytest.approx(step_total / (2 * wall), abs=0.001)
-    steps_done = {}  # the ranks' own count of completed steps, per cycle
+    # goodput leaves out the steps redone after each restart (those after the cycle's last checkpoint)
+    from ft_launcher import report
+    job = report.analyse([logs], *report.load([logs]))
+    redone = sum(r[1] for r in job.redone.values())
+    assert goodput == pytest.approx((step_total - redone) / (2 * wall), abs=0.001)
+    steps_done, distinct = {}, set()  # the ranks' own count of completed steps, per cycle; steps never redone
     for name in os.listdir(tmp / "progress"):
         for line in open(tmp / "progress" / name):
             key = (int(line.split()[0]), int(name.split("_")[1].split(".")[0]))
             steps_done[key] = steps_done.get(key, 0) + 1
+            distinct.add((key[1], int(line.split()[1])))
     for s in summaries:
         for rank, info in s["detail"]["ranks"].items():
             counted = info["sections"].get("step", {}).get("count", 0)
             assert abs(counted - steps_done.get((s["cycle"], int(rank)), 0)) <= 1  # a stop may land between
-    assert 0 < sum(steps_done.values()) * STEP_TIME / (2 * wall) <= goodput < 1
+    assert 0 < len(distinct) * STEP_TIME / (2 * wall) <= goodput < step_total / (2 * wall)
 
     # the console: one screen, the same facts
     lines = res.stdout.splitlines()
@@ -427,3 +432,115 @@ def test_status_with_no_argument_finds_this_users_running_jobs(launcher, tmp_pat
     assert res.returncode == 1 and res.stderr.startswith("ft_launcher: error: no running job of this user"), res.stderr
     res = run_cli(["status", tmp_path / "logs"], cwd=elsewhere, env_extra=env)   # a finished job: from its log dir
     assert res.returncode == 0 and "job 'with_logs': finished" in res.stdout, res.stdout
+
+
+def _progress_steps(progress_dir):
+    """{rank: [(cycle, step, time)]} from the ranks' own progress lines (written after each step)."""
+    out = {}
+    for name in os.listdir(progress_dir):
+        rank = int(name.split("_")[1].split(".")[0])
+        with open(os.path.join(progress_dir, name)) as fh:
+            out[rank] = [(int(c), int(s), float(t)) for c, s, t in (l.split() for l in fh if l.strip())]
+    return out
+
+
+def test_goodput_counts_only_steps_never_redone(launcher, tmp_path):
+    """Goodput = seconds in completed `step` sections never redone / (ranks x wall time). A fault-free
+    job: its whole time in step. A job whose rank 0 dies in step 137 (checkpoint every 50): the 36
+    steps 101-136 of cycle 0 are done again after resuming from step 100, so they and the downtime are
+    loss; the report, the status file (what `status` and /metrics serve) say the same numbers."""
+    from ft_launcher import report
+
+    step_time = 0.02
+    common = ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+              "--ft-rank-section-timeouts", "setup:60,step:10,checkpointing:20"]
+    # fault-free: goodput is the time in step
+    res = launcher.run(common + ["--log-dir", tmp_path / "ok", EXAMPLE, "--steps", "60", "--step-time", step_time,
+                                 "--ckpt-every", "25", "--ckpt-dir", tmp_path / "ck_ok"], timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    job = report.analyse([tmp_path / "ok"], *report.load([tmp_path / "ok"]))
+    assert job.redone == {0: [0, 0.0], 1: [0, 0.0]}
+    assert job.useful_seconds == job.step_seconds
+    assert job.goodput == pytest.approx(sum(job.step_seconds.values()) / (2 * (job.end - job.start)), rel=1e-9)
+
+    # a failure in step 137: resumed from the checkpoint of step 100
+    logs, progress = tmp_path / "bad", tmp_path / "progress"
+    res = launcher.run(common + ["--log-dir", logs, EXAMPLE, "--steps", "160", "--step-time", step_time,
+                                 "--ckpt-every", "50", "--fail-at-step", "137", "--ckpt-dir", tmp_path / "ck",
+                                 "--progress-dir", progress], timeout=150)
+    assert res.returncode == 0, res.stderr[-3000:]
+    done = _progress_steps(progress)
+    for rank, rows in done.items():  # the ranks' own record: 1-136 in cycle 0, 101-160 in cycle 1
+        assert [s for c, s, _ in rows if c == 0] == list(range(1, 137))
+        assert [s for c, s, _ in rows if c == 1] == list(range(101, 161))
+    job = report.analyse([logs], *report.load([logs]))
+    summaries = {e["cycle"]: e["detail"]["ranks"] for e in read_events(logs, "cycle_summary")}
+    for rank in (0, 1):
+        steps, seconds = job.redone[rank]
+        # rank 0 died in step 137; rank 1's step 137 may have ended too (by the exception its
+        # all-reduce raised) before the agent stopped it
+        assert steps == 36 or (rank == 1 and steps == 37), (rank, steps)
+        ended = {s: t for c, s, t in done[rank] if c == 0}
+        # 36 steps of at least step_time each, within the ranks' own clock from step 100 to 136
+        assert 36 * step_time <= seconds
+        if rank == 0:
+            assert seconds <= ended[136] - ended[100] + 0.01
+        total = sum(summaries[c][str(rank)]["sections"]["step"]["total"] for c in (0, 1))
+        assert job.step_seconds[rank] == pytest.approx(total, abs=1e-6)
+        assert job.useful_seconds[rank] == pytest.approx(total - seconds, abs=1e-6)
+        assert summaries[0][str(rank)]["at_checkpoint"]["steps"] == 100
+    wall = job.end - job.start
+    assert job.goodput == pytest.approx(sum(job.useful_seconds.values()) / (2 * wall), rel=1e-9)
+    # the downtime is loss too: no step completes between the failure and cycle 1's first step
+    failure = read_events(logs, "failure")[0]["time"]
+    stepping = [e for e in read_events(logs, "stepping") if e["cycle"] == 1][0]["detail"]["last_first_step"]
+    assert job.goodput <= (sum(job.useful_seconds.values())) / (2 * (wall - (stepping - failure))) - 1e-4
+    # status and Prometheus serve the agent's own count: the same useful seconds and redone steps
+    (status,) = [json.load(open(logs / "status" / f)) for f in os.listdir(logs / "status")]
+    for rank in (0, 1):
+        assert status["useful_step_seconds"][str(rank)] == pytest.approx(job.useful_seconds[rank], abs=1e-5)
+        assert status["redone_steps"][str(rank)]["steps"] == job.redone[rank][0]
+    assert status["goodput"] == pytest.approx(sum(job.useful_seconds.values()) / (2 * (status["time"] - status["started"])),
+                                              abs=1e-4)
+    res = run_cli(["report", logs], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    redone = job.redone[0][0] + job.redone[1][0]
+    assert f"goodput {job.goodput * 100:.1f}%" in res.stdout and f"{redone} steps (" in res.stdout, res.stdout
+
+
+def test_incident_of_a_simulated_hang_says_what_the_console_says(launcher, tmp_path):
+    """A simulated rank_hung: the incident names the rank the agent blamed on its console line (and
+    the rank column agrees), 'noticed after' is the monitor's own measure (the hung section's time
+    open, as in the same line), and the stack dumps are links, relative to the report, that open."""
+    logs = tmp_path / "logs"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
+                        "--ft-rank-section-timeouts", "setup:60,step:2,checkpointing:20",
+                        "--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_hung",
+                        "--ft-simulated-fault-rank", "1", "--ft-simulated-fault-base-delay", "4",
+                        EXAMPLE, "--steps", "300", "--step-time", 0.02, "--ckpt-dir", tmp_path / "ck"], timeout=150)
+    assert res.returncode == 0, res.stderr[-3000:]
+    failure = read_events(logs, "failure")[0]
+    blamed = failure["rank"]
+    hang = next(h for h in read_events(logs, "hang") if h["rank"] == blamed)
+    assert f"rank {blamed} on node 0 (127.0.0.1) hung in section 'step'" in res.stderr  # the console's blame
+    out = tmp_path / "out"
+    out.mkdir()
+    rep = run_cli(["report", logs, "-o", out / "report.html"], cwd=tmp_path)
+    assert rep.returncode == 0, rep.stderr
+    page = (out / "report.html").read_text()
+    parsed = _Tables()
+    parsed.feed(page)
+    (row,) = [r["cells"] for r in parsed.tables["incidents"] if r["class"] == "incident"]
+    elapsed = f"{hang['detail']['elapsed']:.2f} s"
+    assert row[2] == f"{blamed} (node 0)" and row[3] == f"rank {blamed} hung in section 'step'", row
+    assert f"open {elapsed} > timeout 2 s" in row[5] and row[6] == elapsed, row
+    line = next(l for l in rep.stdout.splitlines() if l.startswith("  cycle 0"))
+    assert f"rank {blamed} hung" in line and f"open {elapsed} > timeout 2 s) after {elapsed};" in line, line
+    # stack dumps: links relative to the report's folder, to the dump files in the log dir
+    cell = re.search(r"<td class='stacks'>(.*?)</td>", page).group(1)
+    hrefs = re.findall(r"<a href='([^']+)'>", cell)
+    dumps = {os.path.basename(e["detail"]["stack_file"]) for e in read_events(logs, "stack_dump")}
+    assert hrefs and {os.path.basename(h) for h in hrefs} == dumps, cell
+    for href in hrefs:
+        assert not os.path.isabs(href) and href.startswith("../logs/")
+        assert os.path.isfile(os.path.join(out, href))
