@@ -144,10 +144,13 @@ class NodeAgent:
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.watchdog = OrphanWatchdog()
-        # What the agent leaves on disk if it is SIGKILLed: its monitors' records, its stack-dump dir
+        # What the agent leaves on disk if it is SIGKILLed: its monitors' records, its stack-dump dir,
+        # its entry in this user's runtime dir (`ft_launcher status`) and that dir once it is empty
         self.watchdog.remove_matching_at_exit(MonitorHandle.record_pattern(os.getpid()))
         if not self.cfg.log_dir:
             self.watchdog.tidy_at_exit(self._run_dir)
+        self.watchdog.remove_at_exit(self.status.registry)
+        self.watchdog.tidy_at_exit(os.path.dirname(self.status.registry))
         self.output = RankOutput(self.events.disk_warning)
         set_wake_fd(self._wake_w)   # an in-process restartable rank that raised wakes us through it
         self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog)  # before monitors, reserves

@@ -65,22 +65,11 @@ def _remove(path: str) -> None:
 
 
 def _tidy(path: str) -> None:
-    """Remove the empty files in `path`, then `path` itself if that left it empty."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return
-    for name in names:
-        full = os.path.join(path, name)
-        try:
-            if os.path.isfile(full) and os.path.getsize(full) == 0:
-                os.unlink(full)
-        except OSError:
-            pass
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
+    """Remove the stack-dump files no dump was written to in `path`, then `path` if that left it
+    empty (a dump's file stays: the hang line named it)."""
+    from ft_launcher.rank_monitor.monitor_handle import MonitorHandle
+
+    MonitorHandle.tidy_run_dir(path, remove_if_empty=True)
 
 
 class OrphanWatchdog:
@@ -113,7 +102,8 @@ class OrphanWatchdog:
         self._send(f"*{os.path.abspath(pattern)}\n")
 
     def tidy_at_exit(self, path: str) -> None:
-        """When the agent is gone: remove the empty files in directory `path`, and `path` if empty."""
+        """When the agent is gone: remove the empty stack-dump files in directory `path`, and `path`
+        if that left it empty."""
         self._send(f"?{os.path.abspath(path)}\n")
 
     def close(self) -> None:

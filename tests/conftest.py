@@ -9,6 +9,7 @@ processes are gone is a leak (tests that start processes run one at a time, unde
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -151,6 +152,19 @@ class Launcher:
 KEPT = ("ft_launcher_logs_",)
 
 
+def kept_on_purpose(path):
+    """--redirects' logs, and a run dir (no --log-dir) that holds only the stack dumps of a hang:
+    the hang line named them, so they stay for the operator."""
+    if os.path.basename(path).startswith(KEPT):
+        return True
+    try:
+        names = os.listdir(path) if re.fullmatch(r"ft_launcher-\d+", os.path.basename(path)) else []
+        return bool(names) and all(n.startswith("stack_local") and os.path.getsize(os.path.join(path, n)) > 0
+                                   for n in names)
+    except OSError:
+        return False
+
+
 def ours_on_disk():
     """Paths of ours in /dev/shm and the temp dir: monitor records, their restart files, the
     reserves', flight recorder's and stack dumps' scratch directories."""
@@ -160,7 +174,8 @@ def ours_on_disk():
             names = os.listdir(where)
         except OSError:
             continue
-        found.update(os.path.join(where, n) for n in names if n.startswith("ft_launcher") and not n.startswith(KEPT))
+        found.update(p for p in (os.path.join(where, n) for n in names if n.startswith("ft_launcher"))
+                     if not kept_on_purpose(p))
     return found
 
 

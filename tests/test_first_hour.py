@@ -111,8 +111,10 @@ def test_readme_first_command_is_quiet_and_a_rerun_says_the_run_is_finished(laun
     first = open(os.path.join(ROOT, "README.md")).read().split("```bash\n", 1)[1].splitlines()[0]
     args = shlex.split(first.rsplit("&& ", 1)[1])[1:]  # the ft_launcher command, without the program
     args[args.index("examples/ddp_train.py")] = EXAMPLE
+    scratch = tmp_path / "tmpdir"   # the stack dump's run dir (no --log-dir) lands here, not in /tmp
+    scratch.mkdir()
     start = time.monotonic()
-    res = launcher.run(args, timeout=180)  # cwd is tmp_path: the example's ./ckpt lands there
+    res = launcher.run(args, timeout=180, extra_env={"TMPDIR": str(scratch)})  # the example's ./ckpt: tmp_path
     took = time.monotonic() - start
     assert res.returncode == 0, res.stderr
     # The launcher's lines and the script's output, nothing else: no warnings, no source lines, but
@@ -123,9 +125,11 @@ def test_readme_first_command_is_quiet_and_a_rerun_says_the_run_is_finished(laun
     assert "rank 1 hang detected: section 'step' elapsed" in res.stderr and "stack dump: " in res.stderr
     assert "restarting all ranks: cycle 1" in res.stderr and "job complete" in res.stderr
     assert "hang detection is off" not in res.stderr
+    dump = res.stderr.split("stack dump: ", 1)[1].split()[0]
+    assert dump.startswith(str(scratch)) and os.path.getsize(dump) > 0   # kept for the operator: the line names it
     assert took < 60, took
     final = res.stdout.splitlines()[-1]
-    again = launcher.run(args, timeout=180)
+    again = launcher.run(args, timeout=180, extra_env={"TMPDIR": str(scratch)})
     assert again.returncode == 0, again.stderr
     assert "holds a finished run (step 300 of 300): nothing left to train" in again.stdout
     assert again.stdout.splitlines()[-1] == final  # the finished run's loss, not 0.000000

@@ -10,6 +10,8 @@ names or one line says what this launcher does instead.
 """
 import os
 
+import tempfile
+
 import pytest
 import yaml
 
@@ -189,6 +191,12 @@ def test_storage_healthcheck_path_is_checked_before_each_rendezvous(tmp_path):
 
 # ---- built: --ft-install-exception-hook -------------------------------------------------------
 from conftest import SCRIPTS, read_events  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _temp_dir_of_the_test(tmp_path, monkeypatch):
+    """--redirects without --log-dir makes its log dir in the temp dir as the config is built: here, the test's."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 RAISE_RANK = os.path.join(SCRIPTS, "raise_rank.py")
 

@@ -7,10 +7,18 @@ import signal
 import subprocess
 import sys
 
+import tempfile
+
 import pytest
 
 from conftest import ROOT
 from ft_launcher import cli
+
+
+@pytest.fixture(autouse=True)
+def _temp_dir_of_the_test(tmp_path, monkeypatch):
+    """--redirects without --log-dir makes its log dir in the temp dir as the config is built: here, the test's."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 # a sample value per torchrun destination where a generic one would not do
 SAMPLES = {"nnodes": "1", "nproc_per_node": "1", "rdzv_backend": "c10d", "rdzv_endpoint": "127.0.0.1:29411",
