@@ -200,8 +200,11 @@ def test_a_cycles_rank_tracebacks_come_before_the_restart_line(launcher, tmp_pat
     """The operator reads the cause before the action: rank 1 crashes in 'step' (exit 1 at once),
     rank 0 then fails in its collective and prints a traceback; it (teed, and without a log dir
     written straight to the console) is out before 'restarting all ranks: cycle 1'."""
+    # --max-restarts 2: torch 2.13 sometimes aborts a 2-rank DDP gloo process at its exit ('terminate
+    # called without an active exception', seen once here in cycle 1, also without any launcher), which
+    # is not what this test is about
     for name, extra in (("teed", ["--log-dir", tmp_path / "logs"]), ("direct", [])):
-        res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *extra, EXAMPLE,
+        res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", *extra, EXAMPLE,
                             "--steps", "20", "--fail-at-step", "10", "--fail-rank", "1",
                             "--ckpt-dir", tmp_path / f"ckpt_{name}"], timeout=90)
         assert res.returncode == 0, res.stderr
