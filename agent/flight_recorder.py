@@ -85,7 +85,7 @@ class FlightRecorder:
         if not self.enabled:
             say("flight recorder off (TORCH_FR_BUFFER_SIZE=0): a hang is reported with Python stacks only")
             return
-        self.dir = tempfile.mkdtemp(prefix="ft_launcher_fr_")
+        self.dir = tempfile.mkdtemp(prefix=f"ft_launcher_fr_{os.getpid()}_")   # the agent pid: a node-loss test finds it
         if watchdog is not None:
             watchdog.remove_at_exit(self.dir)   # also when the agent is SIGKILLed
         os.environ[FR.ENV_FR_DIR] = self.dir   # monitors and ranks started from now on inherit it

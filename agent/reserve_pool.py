@@ -156,7 +156,7 @@ class ReservePool:
             events.say("warm reserves off: --no-python runs a program, not a Python script, so every "
                        "restart starts it cold")
             self.per_slot = 0
-        self.dir = tempfile.mkdtemp(prefix="ft_launcher_reserves_") if self.per_slot else None
+        self.dir = tempfile.mkdtemp(prefix=f"ft_launcher_reserves_{os.getpid()}_") if self.per_slot else None
         if self.dir:
             watchdog.remove_at_exit(self.dir)   # also when the agent is SIGKILLed
 

@@ -6,12 +6,15 @@ Every test is bounded (subprocess timeouts, bounded polls) and proves with psuti
 it started outlives it: each srun/sbatch carries FT_TEST_TOKEN=<unique> in its environment,
 which SLURM hands to the tasks (the launchers) and they to their ranks and monitors.
 """
+import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -129,6 +132,21 @@ class Job:
             try:
                 p.kill()
             except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(victims, timeout=10)
+        # A lost node's /dev/shm and temp dir go with it; on this one host, remove what its agent held
+        # (every such path carries the agent's pid; its watchdog died with the task)
+        for agent in victims:
+            tmp = tempfile.gettempdir()
+            for pattern in (f"/dev/shm/ft_launcher_{agent.pid}_*", f"{tmp}/ft_launcher-{agent.pid}",
+                            f"{tmp}/ft_launcher_fr_{agent.pid}_*", f"{tmp}/ft_launcher_reserves_{agent.pid}_*",
+                            f"{tmp}/ft_launcher-jobs-*/*-{agent.pid}.json"):
+                for path in glob.glob(pattern):
+                    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+        for runtime in glob.glob(f"{tempfile.gettempdir()}/ft_launcher-jobs-*"):
+            try:
+                os.rmdir(runtime)
+            except OSError:
                 pass
         return victims
 
