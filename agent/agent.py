@@ -619,7 +619,7 @@ class NodeAgent:
 
     def _facts(self, rnd: Round) -> RoundFacts:
         return RoundFacts(rnd.number, [n.node_id for n in rnd.active], [n.node_id for n in rnd.spares],
-                          {n.node_id: n.nproc for n in rnd.active})
+                          {n.node_id: n.nproc for n in rnd.active}, {n.node_id: n.host for n in rnd.active})
 
     def _supervise(self, rnd: Round) -> Verdict:
         sel = selectors.DefaultSelector()
@@ -766,28 +766,20 @@ class NodeAgent:
         reason.setdefault("node_id", self.me.node_id)
         self.learner.freeze(self.monitors)   # what the ranks do from now on is no observation
         self.progress.poll(self.proto, rnd.number, self.monitors)   # this node's last steps count too
-        if reason.get("kind") == "failure" and self.cfg.ft.straggler_exclude and rnd.spares:
-            slow = [n for n in rnd.active if self.proto.exists(f"slow/{n.node_id}")][: len(rnd.spares)]
-            if slow:   # a spare takes the straggler's place at this restart
-                reason["exclude"] = [n.node_id for n in slow]
-                reason["what"] += "; straggling node " + ", ".join(n.host for n in slow) + " is left out"
-        if reason.get("kind") == "failure":
-            pointless = self.progress.stop_reason(self.proto, rnd.number)
-            if pointless:
-                self.events.event("failure", f"{reason['what']}", rank=reason.get("rank"),
-                                  **{k: v for k, v in reason.items() if k not in ("rank",)})
-                verdict = self.proto.interrupt(rnd.number, dict(reason, kind="stop", failure=reason["what"],
-                                                                what=pointless), self._facts(rnd))
-                return self._announce(rnd, verdict)
         early = self._early_exits()
         if early:  # a rank that left early is the likely cause: its peers waited for it
             reason["what"] += (f", after rank{'s' if len(early) > 1 else ''} {', '.join(map(str, early))} "
                                f"exited 0 early and left its peers waiting")
             reason["early_exits"] = early
         verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
-        action = "restarting in place" if verdict.in_process else "stopping all ranks"
-        self.events.event("failure", f"{reason['what']} -> {action}",
-                          rank=reason.get("rank"), **{k: v for k, v in reason.items() if k not in ("rank",)})
+        ours = verdict.detail.get("reporter") == self.proto.token   # decided from this report (agent.restart_policy)
+        if ours and verdict.kind == "stop":   # restarting is pointless: the stop's own line follows
+            line = reason["what"]
+        else:   # with what the policy added (a straggler left out, a node that keeps failing)
+            what = verdict.what if ours else reason["what"]
+            line = f"{what} -> {'restarting in place' if verdict.in_process else 'stopping all ranks'}"
+        self.events.event("failure", line, rank=reason.get("rank"),
+                          **{k: v for k, v in reason.items() if k not in ("rank",)})
         return self._announce(rnd, verdict)
 
     def _interrupted(self, rnd: Round) -> Verdict:
