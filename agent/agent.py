@@ -179,6 +179,7 @@ class NodeAgent:
                                               self.events)
                 self.failover = StoreFailover(self.cfg, self.store, self.proto, self.me, self.say, self.learner)
                 self.flight.on_request = lambda cycle: self.learner.freeze(self.monitors, cycle)
+                self.flight.on_done = lambda cycle: [m.flight_done(cycle) for m in list(self.monitors)]
                 self._warn_if_hangs_undetectable()
                 if heartbeat_warning(os.environ, self.cfg.ft):
                     self.say(heartbeat_warning(os.environ, self.cfg.ft))
