@@ -163,7 +163,7 @@ def test_every_nvrx_only_flag_is_in_the_docs():
         if shown:
             continue
         documented = {_mechanical(s) for s in hidden if _documented(text, s)}
-        missing += [s for s in hidden if _mechanical(s) not in documented]
+        missing += sorted({"--" + _mechanical(s) for s in hidden if _mechanical(s) not in documented})
     assert not missing, f"NVRx flags in no page of docs/ (docs/nvrx-flags.md is where they go): {missing}"
 
 
