@@ -167,6 +167,26 @@ def test_every_nvrx_only_flag_is_in_the_docs():
     assert not missing, f"NVRx flags in no page of docs/ (docs/nvrx-flags.md is where they go): {missing}"
 
 
+def test_every_ft_flag_the_docs_name_is_a_flag():
+    options = {o for a in cli.build_parser()._actions for o in a.option_strings}
+    named = set()
+    for page in PAGES:
+        named |= set(re.findall(r"(?<![\w-])(--ft[-_][a-z0-9_-]*[a-z0-9])(?![\w<-])", _read(page)))
+    assert len(named) > 20
+    assert not sorted(named - options), "--ft-* flags the docs name that the parser does not take"
+
+
+def test_every_flag_in_the_flags_table_is_a_flag():
+    options = {o for a in cli.build_parser()._actions for o in a.option_strings}
+    text = _read(os.path.join(ROOT, "docs", "flags-and-configuration.md")).split("## Flags", 1)[1]
+    named = set()
+    for cell in re.findall(r"^\| ((?:`-[^`]*`(?:, )?)+) \|", text.split("\n## ", 1)[0], re.M):
+        for code in re.findall(r"`([^`]*)`", cell):
+            named |= {w for w in code.split(" ")[0].split("/") if w.startswith("-")}
+    named.discard("--ft-<key>")
+    assert len(named) > 30 and not sorted(named - options), sorted(named - options)
+
+
 def _key_table():
     """key -> (flag, default) from docs/flags-and-configuration.md's table of keys."""
     rows = {}
