@@ -384,6 +384,12 @@ def test_every_relative_link_resolves_to_a_file_and_a_heading():
     # pending: pages another branch writes (docs/live-state.md, docs/nvrx-flags.md), linked ahead
 
 
+def test_the_readme_glossary_has_every_term():
+    glossary = _read(os.path.join(ROOT, "README.md")).split("## Glossary", 1)[1].split("\n## ", 1)[0]
+    for term in ("section", "cycle", "round", "rung", "slot", "reserve", "spare", "incident"):
+        assert f"- **{term}**" in glossary, term
+
+
 def test_every_page_in_docs_is_linked_from_the_readme():
     readme = _read(os.path.join(ROOT, "README.md"))
     for page in DOCS:
