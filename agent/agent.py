@@ -52,6 +52,7 @@ from .section_use import SectionUse
 from .stragglers import StragglerWatch
 from .job_status import JobStatus
 from .monitor_set import MonitorSet
+from .node_state import NodeLife, NodeState
 from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
@@ -80,6 +81,8 @@ class NodeAgent:
         if metrics is not None:
             metrics.attach(events, lambda: self.status.snapshot)
         self.say = events.say
+        self.life = NodeLife(self.say)   # the node's state (agent.node_state), shown by `ft_launcher status`
+        self.life.listeners.append(self.status.on_state)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -139,6 +142,7 @@ class NodeAgent:
             code = self._run()
             return code
         finally:
+            self.life.to(NodeState.FINISHED, f"exit code {code}")
             self.status.finish(code)
 
     def _run(self) -> int:
@@ -267,6 +271,7 @@ class NodeAgent:
             try:
                 return self._cycles(number, expected)
             except StoreLost as exc:  # the store host is gone: move to its successor
+                self.life.to(NodeState.RESTARTING, "the store host was lost")
                 self.events.event("store_lost", None, error=str(exc))
                 number, expected = self.failover.take_over(exc)
                 self._start_watcher()
@@ -281,7 +286,7 @@ class NodeAgent:
             unhealthy = self.health.run()
             if unhealthy:
                 self._leave_job(f"health check failed on this node: {unhealthy}")
-            self.status.rendezvous()
+            self.life.to(NodeState.JOINING, f"round {number}")
             try:
                 rnd = self.proto.join(number, expected)
             except Stopped as exc:
@@ -298,6 +303,7 @@ class NodeAgent:
             except Stopped:  # a signal during one of the round's store waits
                 self._check_signal(rnd)  # tells the other nodes, stops the ranks, raises Shutdown
                 raise
+            self.life.to(NodeState.RESTARTING if verdict.restart else NodeState.STOPPING, verdict.kind)
             if not verdict.restart:
                 self._leave(rnd)
             if verdict.kind == "complete":
@@ -342,6 +348,7 @@ class NodeAgent:
     def _shut_down(self, rnd: Optional[Round], sig: int) -> None:
         """The job ends by signal `sig`: tell the ranks why, stop them (SIGKILL after
         term_timeout), leave the round, raise Shutdown(128 + sig)."""
+        self.life.to(NodeState.STOPPING, f"signal {sig}")
         group = getattr(self, "group", None)
         if group is not None:
             self.monitor_set.mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
@@ -353,6 +360,7 @@ class NodeAgent:
     def _stopped_waiting(self, exc: Stopped, what: str) -> int:
         """A signal (ours or, during a join, another node's) ended a wait: the exit code."""
         self._signal_handled = True
+        self.life.to(NodeState.STOPPING, f"signal {exc.signum} while waiting")
         name = signal.Signals(exc.signum).name
         if exc.by_peer:
             self._signal = self._signal or exc.signum
@@ -372,6 +380,7 @@ class NodeAgent:
     # ---- stopping for good, leaving the job (agent.no_restart) -----------------------------
     def _no_restart(self, reason: str, node_only: bool = False) -> int:
         code = self.cfg.ft.no_restart_exit_code
+        self.life.to(NodeState.STOPPING, reason)
         flight = getattr(self, "flight", None)
         if flight is not None:
             flight.settle()
@@ -386,6 +395,7 @@ class NodeAgent:
     def _unkillable(self, exc: Unkillable) -> int:
         """A rank SIGKILL did not end (agent.process_wait): this node leaves the job (exit
         no_restart_exit_code), unless a signal is already ending it (then its code stands)."""
+        self.life.to(NodeState.STOPPING, "a rank SIGKILL does not end")
         self.events.event("rank_unkillable", None, ranks=exc.ranks)
         if self._signal_handled and self._signal:
             self.say(f"error: {exc}")
@@ -402,6 +412,7 @@ class NodeAgent:
         """This node leaves the job (ExcludeThisNode, a failed health check): mark it, keep the store
         up if it lives here, then end with the no-restart code."""
         self._excluded = reason
+        self.life.to(NodeState.STOPPING, reason)
         mark_excluded(self.proto, self.me.node_id)
         if self.store.is_host and self.cfg.max_nodes > 1:
             self.say("this node hosts the rendezvous store: it leaves training but keeps serving the store "
@@ -441,6 +452,7 @@ class NodeAgent:
     # ---- one round ----------------------------------------------------------------------
     def _run_round(self, rnd: Round) -> Verdict:
         cfg = self.cfg
+        self.life.to(NodeState.RUNNING, f"cycle {rnd.number}")
         worker_store = None
         if rnd.group_rank == 0:
             from torch.distributed import TCPStore
@@ -511,6 +523,8 @@ class NodeAgent:
             verdict = self._supervise(rnd)
             return verdict
         finally:
+            if verdict is not None:   # else whatever raised (a signal, a lost store) has said where we go
+                self.life.to(NodeState.RESTARTING if verdict.restart else NodeState.STOPPING, verdict.kind)
             keep = self._request_in_place(rnd, verdict)   # first: they leave their step while we go on
             self.blame.end_cycle()
             # a flight-recorder dump in progress ends before any rank is stopped
@@ -857,6 +871,7 @@ class NodeAgent:
             pass
 
     def _wait_as_spare(self, rnd: Round) -> Verdict:
+        self.life.to(NodeState.SPARE, f"round {rnd.number}")
         self.say(f"hot spare: {len(rnd.active)} node(s) are training; waiting to be needed")
         self.status.spare(rnd.number)
         self.events.event("spare_waiting", None, active=[n.label() for n in rnd.active])

@@ -116,16 +116,17 @@ class JobStatus:
         if record["kind"] in ("failure", "restart", "hang") and record.get("cycle") is not None:
             self._incidents.setdefault(record["cycle"], record["time"])
 
-    def rendezvous(self) -> None:
-        self.state = "rendezvous"
+    def on_state(self, state) -> None:
+        """The node's state changed (agent.node_state): what `ft_launcher status` shows."""
+        self.state = state.value
         self._write()
 
     def spare(self, cycle: int) -> None:
-        self.state, self.cycle, self.group = "spare", cycle, None
+        self.cycle, self.group = cycle, None
         self._write()
 
     def cycle_start(self, rnd, restarts_used: int, group, monitors) -> None:
-        self.state, self.cycle, self.node = "running", rnd.number, rnd.group_rank
+        self.cycle, self.node = rnd.number, rnd.group_rank
         self.world_size, self.nodes = rnd.world_size, [n.label() for n in rnd.active]
         self.restarts_used, self.group, self.monitors = restarts_used, group, monitors
         self.cycle_started = time.time()
@@ -214,7 +215,6 @@ class JobStatus:
         self.events.event("cycle_summary", None, wall=round(time.time() - self.cycle_started, 3),
                           started=round(self.cycle_started, 6), ranks=ranks)
         self.group, self._ranks = None, []
-        self.state = "restarting"
         self._write()
 
     def _end_cycle_work(self) -> None:

@@ -27,6 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "ddp_train.py")
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 LAUNCHER = [sys.executable, "-m", "ft_launcher"]
+# Every agent a test starts raises on a node-state change its diagram lacks (agent.node_state)
+os.environ["FT_LAUNCHER_STRICT_STATES"] = "1"
 
 
 def read_events(log_dir, kind=None):
