@@ -16,10 +16,15 @@ warnings are not the rank's), and end-of-file on CTRL_FD (the agent dismissed it
 
 Warm-up runs at nice +10 when the priority can be restored at activation (CAP_SYS_NICE or a
 permissive RLIMIT_NICE), so replenishing a reserve does not slow the running ranks; otherwise at
-normal priority, and the ready message says so.
+normal priority, and the ready message says so. The reserve runs in its own session, and where
+the kernel groups tasks by session (sched_autogroup_enabled, the default on most distributions)
+a task's nice only weighs it against the tasks of its own session: so the session's autogroup
+nice (/proc/self/autogroup) is raised by as much, and restored at activation (the agent restores
+both when it takes a reserve still warming).
 """
 from __future__ import annotations
 
+import errno
 import gc
 import importlib
 import json
@@ -27,6 +32,7 @@ import os
 import runpy
 import socket
 import sys
+import threading
 import time
 from typing import List, Optional
 
@@ -193,20 +199,57 @@ def _can_restore_priority(base: int) -> bool:
         return False
 
 
+_group_base: Optional[int] = None   # this session's autogroup nice before warm-up lowered it
+
+
+def autogroup_nice(pid="self") -> Optional[int]:
+    """The nice of `pid`'s session autogroup ("/autogroup-N nice K"), None without autogroups."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as fh:
+            return int(fh.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def set_autogroup_nice(pid, nice: int, tries: int = 1) -> bool:
+    """Write `pid`'s autogroup nice. Without CAP_SYS_ADMIN the kernel takes one such change per
+    0.1 s machine-wide (EAGAIN otherwise): `tries` attempts 20 ms apart."""
+    for attempt in range(tries):
+        try:
+            fd = os.open(f"/proc/{pid}/autogroup", os.O_WRONLY)
+            try:
+                os.write(fd, str(nice).encode())
+                return True
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN:
+                return False
+        if attempt + 1 < tries:
+            time.sleep(0.02)
+    return False
+
+
 def _lower_priority() -> Optional[int]:
-    """Nice +10 while warming, if it can be undone; returns the priority to restore, or None."""
+    """Nice +10 while warming (the thread's and its session's autogroup's), if it can be undone;
+    returns the priority to restore, or None."""
+    global _group_base
     try:
         base = os.getpriority(os.PRIO_PROCESS, 0)
         if not _can_restore_priority(base):
             return None
         os.setpriority(os.PRIO_PROCESS, 0, min(19, base + LOW_PRIORITY))
-        return base
     except OSError:
         return None
+    group = autogroup_nice()
+    if group is not None and set_autogroup_nice("self", min(19, group + LOW_PRIORITY), tries=15):
+        _group_base = group
+    return base
 
 
 def _restore_priority(base: Optional[int]) -> None:
-    """Every thread back to the rank's priority (threads made while warming inherited the nice)."""
+    """Every thread back to the rank's priority (threads made while warming inherited the nice),
+    and the session's autogroup (retried in the background if the kernel says not yet)."""
     if base is None:
         return
     try:
@@ -218,6 +261,8 @@ def _restore_priority(base: Optional[int]) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, base)
         except OSError:
             pass
+    if _group_base is not None and autogroup_nice() != _group_base and not set_autogroup_nice("self", _group_base):
+        threading.Thread(target=set_autogroup_nice, args=("self", _group_base, 100), daemon=True).start()
 
 
 def _rss() -> int:
