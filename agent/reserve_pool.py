@@ -158,7 +158,10 @@ class Reserve:
                 return False
             except OSError:
                 data = b""
-            self.ready = {"kind": "ready"} if data else {}
+            try:
+                self.ready = json.loads(data) if data else {}
+            except ValueError:
+                self.ready = {}
         self.sock.close()
         _remove(self.log_path)
         _remove(self.covered_path)
@@ -319,6 +322,10 @@ class ReservePool:
         """A reserve taken while warming: done once warm (or dead); killed when it is not warm
         HANDED_LIMIT cold starts after it was taken (its rank fails, the agent restarts it)."""
         if reserve.settle():
+            if reserve.ready:   # it became the rank: how long its warm-up took in all
+                self.losses[reserve.local_rank] = 0
+                self.events.event("reserve_ready", None, local_rank=reserve.local_rank, pid=reserve.pid, taken=True,
+                                  **{k: reserve.ready.get(k) for k in ("seconds", "imported", "modules", "rss", "frozen")})
             return True
         limit = max(10.0, HANDED_LIMIT * self.cold_start.get(reserve.local_rank, 5.0))
         if now - reserve.handed < limit:

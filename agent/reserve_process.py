@@ -6,7 +6,7 @@ Started by agent.reserve_pool as `python -u -c <bootstrap> CTRL_FD LOCAL_RANK IM
 COVERED_FILE BUDGET KIND TARGET [ARGS...]` with the slot's stable environment, in its own session, with a
 parent-death signal. It talks to the agent over CTRL_FD, a SOCK_SEQPACKET socket:
 
-    reserve -> agent   {"kind": "ready", "seconds", "imported", "failed", "rss", "low_priority", ...}
+    reserve -> agent   {"kind": "ready", "seconds", "imported", "failed", "rss", "low_priority", "taken", ...}
                        (first writing COVERED_FILE: every module name it has loaded or tried, one a line)
     agent -> reserve   {"op": "activate", "env": {...}, "title": str} + two descriptors: stdout, stderr
 
@@ -58,10 +58,15 @@ def main(argv: List[str]) -> None:
     stats = _warm_up(imports_file, user_code_dir(kind, target), start + float(budget), covered_file)
     # What warm-up made lives as long as the rank: keep it out of every collection, so the rank's
     # garbage collections, and its exit, do not walk torch's objects (exit: 0.8 s -> 0.13 s).
-    gc.collect()
+    # Taken while warming (an early failure: the activation already waits), the rank is late:
+    # skip the full collection first (0.3 s here), a cold rank does not make one either.
+    taken = _activation_waiting(sock)
+    if not taken:
+        gc.collect()
     gc.freeze()
     _send(sock, dict(stats, kind="ready", pid=os.getpid(), seconds=round(time.monotonic() - start, 3),
-                     rss=_rss(), low_priority=base_priority is not None, frozen=gc.get_freeze_count()))
+                     rss=_rss(), low_priority=base_priority is not None, frozen=gc.get_freeze_count(),
+                     taken=taken))
     try:
         data, fds, _, _ = socket.recv_fds(sock, 1 << 22, 2)
         msg = json.loads(data) if data else {}
@@ -113,6 +118,14 @@ def _show_environ(env: dict) -> None:
             ctypes.memmove(start + room, added + b"\0" * (size - len(added)), size)
     except (OSError, ValueError, IndexError, UnicodeError):
         pass
+
+
+def _activation_waiting(sock: socket.socket) -> bool:
+    """Has the agent sent the activation already (peeked, left in the socket with its descriptors)?"""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:   # nothing yet (BlockingIOError), or the agent is gone
+        return False
 
 
 def _send(sock: socket.socket, msg: dict) -> None:
