@@ -177,6 +177,11 @@ def test_a_reserve_stuck_warming_is_not_taken_by_an_early_restart(launcher, tmp_
     assert proc.poll() is None, proc.communicate()
     # stuck for a while: 2 s since the later one started
     time.sleep(max(0.0, max(e["time"] for e in reserves) + 2.0 - time.time()))
+    for e in reserves:   # warming at nice +10, its session's autogroup too (where the kernel has them)
+        if os.path.exists(f"/proc/{e['detail']['pid']}/autogroup") and os.getpriority(os.PRIO_PROCESS,
+                                                                                       e["detail"]["pid"]) >= 10:
+            with open(f"/proc/{e['detail']['pid']}/autogroup") as fh:
+                assert fh.read().split()[-1] == "10", e
     go.touch()
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-3000:]
