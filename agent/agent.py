@@ -503,6 +503,7 @@ class NodeAgent:
             # blamed on it, before the cold rank itself had exited.
             reserve = self.reserves.take(local_rank) if rnd.number > 0 else None
             rank = self.group.start(local_rank, rnd.rank_offset + local_rank, env, rnd.number, reserve)
+            self.reserves.rank_started(local_rank, rank.warm)   # a cold start is timed: the early rung's yardstick
             if monitor:
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
         self._ranks_started()

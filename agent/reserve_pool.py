@@ -5,10 +5,23 @@ milliseconds instead of starting a cold interpreter.
 The pool starts `warm_reserves` per slot once the slot's first rank has reached its first `step`
 (so warming never competes with the job's launch, and the reserve imports what that rank
 imported), or ARM_AFTER seconds after the agent started for a script without a `step` section,
-or at once on a hot spare; it replaces each one that is used, and never waits for one: `take` hands out a reserve only if it
-has said it is ready, else the caller spawns cold. A reserve that dies or does not become ready
-within `warm_reserve_timeout` is killed, reported and replaced, and is never activated; after
-three such losses in a row a slot stops trying, with one line saying why.
+or at once on a hot spare; it replaces each one that is used once the rank started in its place
+has reached its first `step` too (so warming never competes with a restart either; at most
+ARM_AFTER seconds later), and never waits for one: `take` hands out a ready
+reserve, else (an early failure, before one is ready) the one still warming, unless a cold start
+would be sooner, else nothing and the caller spawns cold. A warming reserve has done part of what
+a cold process would do, and a cold process beside it would compete with it for the CPU; taken, it
+is raised to the agent's priority at once and runs the script when its warm-up ends (the
+activation waits in its socket). It is not taken, but reported, killed and replaced, when the
+evidence says it is stuck: it has warmed longer than this slot's last cold rank took from its
+start to its first `step` (measured at launch), or it has used no CPU for STALLED seconds while
+not runnable (asleep in an import); nor (left warming) when the slot's last reserve was lost
+or no cold start of the slot has been measured yet.
+A taken reserve that is still not warm HANDED_LIMIT cold starts later is killed (its rank then
+fails and restarts like any other), so a reserve stuck after it was taken costs a restart, never
+the job. A reserve that dies or does not become ready within `warm_reserve_timeout` is killed,
+reported and replaced, and is never activated; after three such losses in a row a slot stops
+trying, with one line saying why.
 
 A reserve is a rank-to-be like any other: its own session, a parent-death signal, registered
 with the orphan watchdog from the moment it is started. What each slot's rank imported is
@@ -36,14 +49,16 @@ from ft_launcher.rank_monitor.own_modules import code_command
 from .events import EventLog
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
-from .reserve_process import ENV_ROOM
+from .reserve_process import ENV_ROOM, autogroup_nice, set_autogroup_nice
 from .workers import describe_exit, popen_rank_process, slot_env
 
 _BOOT = "from ft_launcher.agent.reserve_process import main\nmain(sys.argv[1:])\n"
 MAX_LOSSES_IN_A_ROW = 3
 ENV_ROOM_BYTES = 32768  # room for the round's variables in the reserve's /proc environ
 MAINTAIN_EVERY = 0.25
-ARM_AFTER = 60.0  # seconds: start reserves for a slot whose rank never records its imports  # seconds between checks of the reserves' health and records
+ARM_AFTER = 60.0  # seconds: start reserves for a slot whose rank never records its imports
+STALLED = 1.0  # seconds without CPU, not runnable: a warming reserve that is asleep (stuck)
+HANDED_LIMIT = 2.0  # a reserve taken while warming must be warm within this many cold starts (at least 10 s)
 
 
 class Reserve:
@@ -61,6 +76,21 @@ class Reserve:
         self.ready: Optional[dict] = None    # its ready message
         self.covered: frozenset = frozenset()  # module names it has loaded or tried
         self.record_mtime = record_mtime     # the import record it was started with
+        self.cpu = -1                        # its CPU ticks when last looked at, and when they last moved
+        self.progressed = self.started
+        self.handed: Optional[float] = None  # when it was taken while still warming
+
+    def look(self, now: float) -> str:
+        """Note whether it has used CPU since the last look; returns its state letter (R, S, D...)."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            state, cpu = fields[0], int(fields[11]) + int(fields[12])   # utime + stime, every thread
+        except (OSError, ValueError, IndexError):
+            return "?"
+        if cpu != self.cpu:
+            self.cpu, self.progressed = cpu, now
+        return state
 
     def poll(self) -> Optional[dict]:
         """Its ready message, the first time it is seen (non-blocking)."""
@@ -87,7 +117,12 @@ class Reserve:
 
     def activate(self, env: Dict[str, str], stdout, stderr, title: str) -> Optional[subprocess.Popen]:
         """Hand it the rank's environment and output; returns its process, or None (then the
-        caller spawns cold and this reserve is gone)."""
+        caller spawns cold and this reserve is gone). A reserve still warming gets the agent's
+        priority now and reads the activation once warm; its socket stays open until then (it
+        exits if its ready message finds the socket closed): the pool closes it (`settle`)."""
+        warming = self.ready is None
+        if warming:
+            _raise_priority(self.pid)
         fds, opened = [], []
         for fd, own in ((stdout, 1), (stderr, 2)):
             if fd is None:
@@ -104,12 +139,33 @@ class Reserve:
             socket.send_fds(self.sock, [payload], fds)
             return self.proc
         except OSError:
+            warming = False
             return None
         finally:
             for fd in opened:
                 os.close(fd)
-            self.sock.close()
-            _remove(self.log_path)
+            if not warming:
+                self.sock.close()
+                _remove(self.log_path)
+
+    def settle(self) -> bool:
+        """An activated reserve that was warming: once it has said it is ready (and so read, or is
+        about to read, its activation) or died, close our end. True when done."""
+        if self.ready is None and self.alive():
+            try:
+                data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False
+            except OSError:
+                data = b""
+            try:
+                self.ready = json.loads(data) if data else {}
+            except ValueError:
+                self.ready = {}
+        self.sock.close()
+        _remove(self.log_path)
+        _remove(self.covered_path)
+        return True
 
     def last_words(self) -> str:
         try:
@@ -152,6 +208,10 @@ class ReservePool:
         self._next_check = 0.0
         self._arm_at = time.monotonic() + ARM_AFTER
         self._told_priority = False
+        self._handed: List[Reserve] = []   # taken while warming: their sockets close once they are ready
+        self._cold_from: Dict[int, float] = {}   # slot -> wall time its cold rank started (until it steps)
+        self._hold: Dict[int, float] = {}        # slot -> wall time its rank started: no new reserve until it steps
+        self.cold_start: Dict[int, float] = {}   # slot -> seconds its last cold rank took to its first step
         if self.per_slot and cfg.entry_kind == "program":
             events.say("warm reserves off: --no-python runs a program, not a Python script, so every "
                        "restart starts it cold")
@@ -184,6 +244,33 @@ class ReservePool:
             cached = self._wanted[reserve.local_rank] = (mtime, frozenset(names))
         return cached[1] <= reserve.covered
 
+    def rank_started(self, local_rank: int, warm: bool) -> None:
+        """A rank was started in this slot: no reserve is started for the slot until it has
+        reached its first `step` (its import record's time); a cold one is timed to it, the
+        yardstick of `take` for a reserve still warming."""
+        if not self.enabled:
+            return
+        self._hold[local_rank] = time.time()
+        if not warm:
+            self._cold_from[local_rank] = self._hold[local_rank]
+
+    def _held(self, local_rank: int) -> bool:
+        began = self._hold.get(local_rank)
+        if began is None:
+            return False
+        mtime = _mtime(self.record_path(local_rank))
+        if (mtime is None or mtime / 1e9 < began) and time.time() < began + ARM_AFTER:
+            return True
+        del self._hold[local_rank]
+        return False
+
+    def _time_cold_starts(self) -> None:
+        for local_rank, began in list(self._cold_from.items()):
+            mtime = _mtime(self.record_path(local_rank))
+            if mtime is not None and mtime / 1e9 >= began:
+                self.cold_start[local_rank] = round(mtime / 1e9 - began, 3)
+                del self._cold_from[local_rank]
+
     # ---- keeping the pool full ----------------------------------------------------------------
     def arm(self) -> None:
         """Start reserves from now on without waiting for a rank's import record (a hot spare)."""
@@ -196,7 +283,7 @@ class ReservePool:
         for local_rank, reserves in self.slots.items():
             if not self.enabled or local_rank in self.disabled:
                 continue
-            if not armed and _mtime(self.record_path(local_rank)) is None:
+            if not armed and _mtime(self.record_path(local_rank)) is None or self._held(local_rank):
                 continue
             for _ in range(self.per_slot - sum(1 for r in reserves if self._is_current(r))):
                 reserves.append(self._start(local_rank))
@@ -227,12 +314,38 @@ class ReservePool:
         if not self.enabled or now < self._next_check:
             return
         self._next_check = now + MAINTAIN_EVERY
+        self._handed = [r for r in self._handed if not self._settle(r, now)]
         self._check(now)
         self.fill()
 
+    def _settle(self, reserve: Reserve, now: float) -> bool:
+        """A reserve taken while warming: done once warm (or dead); killed when it is not warm
+        HANDED_LIMIT cold starts after it was taken (its rank fails, the agent restarts it)."""
+        if reserve.settle():
+            if reserve.ready:   # it became the rank: how long its warm-up took in all
+                self.losses[reserve.local_rank] = 0
+                self.events.event("reserve_ready", None, local_rank=reserve.local_rank, pid=reserve.pid, taken=True,
+                                  **{k: reserve.ready.get(k) for k in ("seconds", "imported", "modules", "rss", "frozen")})
+            return True
+        limit = max(10.0, HANDED_LIMIT * self.cold_start.get(reserve.local_rank, 5.0))
+        if now - reserve.handed < limit:
+            return False
+        words = reserve.last_words()
+        self.events.event("reserve_lost", f"warm reserve for local rank {reserve.local_rank} (pid {reserve.pid}), "
+                          f"taken while warming, was still not warm {now - reserve.handed:.1f}s later -> killed; "
+                          f"its rank fails and restarts" + (f": {words}" if words else ""),
+                          local_rank=reserve.local_rank, pid=reserve.pid, why="not warm after it was taken",
+                          last_words=words, gave_up=False)
+        reserve.kill()
+        reserve.settle()
+        return True
+
     def _check(self, now: float) -> None:
+        self._time_cold_starts()
         for local_rank, reserves in self.slots.items():
             for reserve in list(reserves):
+                if reserve.ready is None:
+                    reserve.look(now)
                 news = reserve.poll()
                 if news is not None:
                     self._on_ready(reserve, news)
@@ -277,19 +390,58 @@ class ReservePool:
 
     # ---- using one ----------------------------------------------------------------------------
     def take(self, local_rank: int) -> Optional[Reserve]:
-        """A ready reserve of this slot (a current one first), removed from the pool; None if
-        none is ready: the caller starts cold, it never waits."""
+        """A ready reserve of this slot (a current one first), else the one warming longest if
+        it is not stuck (see the module docstring), removed from the pool; None otherwise: the
+        caller starts cold, it never waits."""
         if not self.enabled:
             return None
-        self._check(time.monotonic())  # no replacements started here: the caller fills after activating
-        ready = [r for r in self.slots[local_rank] if r.ready is not None and r.alive()]
-        if not ready:
+        now = time.monotonic()
+        self._check(now)  # no replacements started here: the caller fills after activating
+        alive = [r for r in self.slots[local_rank] if r.alive()]
+        ready = [r for r in alive if r.ready is not None]
+        if ready:
+            reserve = max(ready, key=self._is_current)
+        elif alive:
+            reserve = min(alive, key=lambda r: r.started)
+            stuck = self._stuck(reserve, now)
+            if stuck is not None:
+                if stuck:
+                    self._lose(reserve, stuck)
+                return None
+            reserve.handed = now
+            self._handed.append(reserve)
+            self.events.event("reserve_taken_warming", f"local rank {local_rank}: no warm reserve is ready yet; "
+                              f"taking the one warming for {now - reserve.started:.1f}s (a cold start took "
+                              f"{self.cold_start[local_rank]:.1f}s) at full priority rather than starting a "
+                              f"second, cold process", local_rank=local_rank, pid=reserve.pid,
+                              warming=round(now - reserve.started, 3), cold_start=self.cold_start[local_rank])
+        else:
             return None
-        reserve = max(ready, key=self._is_current)
         self.slots[local_rank].remove(reserve)
         return reserve
 
+    def _stuck(self, reserve: Reserve, now: float) -> Optional[str]:
+        """None when a reserve still warming should be taken; why it is stuck (it is then
+        discarded); or "" when it is not taken but left warming: no yardstick (no cold start of
+        the slot measured yet), or the slot's last reserve was lost (died, or never warm)."""
+        cold = self.cold_start.get(reserve.local_rank)
+        if cold is None or self.losses[reserve.local_rank]:   # no yardstick; its predecessor was lost
+            return ""
+        warming = now - reserve.started
+        if warming >= cold:
+            return (f"was still warming after {warming:.1f}s, longer than a cold rank of this slot took to its "
+                    f"first step ({cold:.1f}s): stuck, not taken")
+        state = reserve.look(now)
+        if state not in ("R", "D") and now - reserve.progressed >= STALLED:
+            return (f"has used no CPU for {now - reserve.progressed:.1f}s while warming (asleep, state {state}): "
+                    f"stuck, not taken")
+        return None
+
     def close(self) -> None:
+        for reserve in self._handed:   # ranks now: the group stops them
+            if not reserve.settle():
+                reserve.sock.close()
+        self._handed = []
         everyone = [r for reserves in self.slots.values() for r in reserves]
         for reserve in everyone:  # all at once: each takes ~0.1 s to release its memory
             reserve.kill()
@@ -299,6 +451,23 @@ class ReservePool:
             reserves.clear()
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _raise_priority(pid: int) -> None:
+    """Every thread of `pid` to the agent's own priority, and its session's autogroup to a new
+    session's (a warming reserve runs at nice +10, both; agent.reserve_process)."""
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+        except OSError:
+            pass
+    if autogroup_nice(pid) not in (None, 0):
+        set_autogroup_nice(pid, 0)   # else the reserve itself restores it once warm
 
 
 def _mtime(path: str) -> Optional[int]:

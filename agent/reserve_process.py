@@ -6,7 +6,7 @@ Started by agent.reserve_pool as `python -u -c <bootstrap> CTRL_FD LOCAL_RANK IM
 COVERED_FILE BUDGET KIND TARGET [ARGS...]` with the slot's stable environment, in its own session, with a
 parent-death signal. It talks to the agent over CTRL_FD, a SOCK_SEQPACKET socket:
 
-    reserve -> agent   {"kind": "ready", "seconds", "imported", "failed", "rss", "low_priority", ...}
+    reserve -> agent   {"kind": "ready", "seconds", "imported", "failed", "rss", "low_priority", "taken", ...}
                        (first writing COVERED_FILE: every module name it has loaded or tried, one a line)
     agent -> reserve   {"op": "activate", "env": {...}, "title": str} + two descriptors: stdout, stderr
 
@@ -16,10 +16,15 @@ warnings are not the rank's), and end-of-file on CTRL_FD (the agent dismissed it
 
 Warm-up runs at nice +10 when the priority can be restored at activation (CAP_SYS_NICE or a
 permissive RLIMIT_NICE), so replenishing a reserve does not slow the running ranks; otherwise at
-normal priority, and the ready message says so.
+normal priority, and the ready message says so. The reserve runs in its own session, and where
+the kernel groups tasks by session (sched_autogroup_enabled, the default on most distributions)
+a task's nice only weighs it against the tasks of its own session: so the session's autogroup
+nice (/proc/self/autogroup) is raised by as much, and restored at activation (the agent restores
+both when it takes a reserve still warming).
 """
 from __future__ import annotations
 
+import errno
 import gc
 import importlib
 import json
@@ -27,6 +32,7 @@ import os
 import runpy
 import socket
 import sys
+import threading
 import time
 from typing import List, Optional
 
@@ -52,10 +58,15 @@ def main(argv: List[str]) -> None:
     stats = _warm_up(imports_file, user_code_dir(kind, target), start + float(budget), covered_file)
     # What warm-up made lives as long as the rank: keep it out of every collection, so the rank's
     # garbage collections, and its exit, do not walk torch's objects (exit: 0.8 s -> 0.13 s).
-    gc.collect()
+    # Taken while warming (an early failure: the activation already waits), the rank is late:
+    # skip the full collection first (0.3 s here), a cold rank does not make one either.
+    taken = _activation_waiting(sock)
+    if not taken:
+        gc.collect()
     gc.freeze()
     _send(sock, dict(stats, kind="ready", pid=os.getpid(), seconds=round(time.monotonic() - start, 3),
-                     rss=_rss(), low_priority=base_priority is not None, frozen=gc.get_freeze_count()))
+                     rss=_rss(), low_priority=base_priority is not None, frozen=gc.get_freeze_count(),
+                     taken=taken))
     try:
         data, fds, _, _ = socket.recv_fds(sock, 1 << 22, 2)
         msg = json.loads(data) if data else {}
@@ -107,6 +118,14 @@ def _show_environ(env: dict) -> None:
             ctypes.memmove(start + room, added + b"\0" * (size - len(added)), size)
     except (OSError, ValueError, IndexError, UnicodeError):
         pass
+
+
+def _activation_waiting(sock: socket.socket) -> bool:
+    """Has the agent sent the activation already (peeked, left in the socket with its descriptors)?"""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:   # nothing yet (BlockingIOError), or the agent is gone
+        return False
 
 
 def _send(sock: socket.socket, msg: dict) -> None:
@@ -193,20 +212,57 @@ def _can_restore_priority(base: int) -> bool:
         return False
 
 
+_group_base: Optional[int] = None   # this session's autogroup nice before warm-up lowered it
+
+
+def autogroup_nice(pid="self") -> Optional[int]:
+    """The nice of `pid`'s session autogroup ("/autogroup-N nice K"), None without autogroups."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as fh:
+            return int(fh.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def set_autogroup_nice(pid, nice: int, tries: int = 1) -> bool:
+    """Write `pid`'s autogroup nice. Without CAP_SYS_ADMIN the kernel takes one such change per
+    0.1 s machine-wide (EAGAIN otherwise): `tries` attempts 20 ms apart."""
+    for attempt in range(tries):
+        try:
+            fd = os.open(f"/proc/{pid}/autogroup", os.O_WRONLY)
+            try:
+                os.write(fd, str(nice).encode())
+                return True
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN:
+                return False
+        if attempt + 1 < tries:
+            time.sleep(0.02)
+    return False
+
+
 def _lower_priority() -> Optional[int]:
-    """Nice +10 while warming, if it can be undone; returns the priority to restore, or None."""
+    """Nice +10 while warming (the thread's and its session's autogroup's), if it can be undone;
+    returns the priority to restore, or None."""
+    global _group_base
     try:
         base = os.getpriority(os.PRIO_PROCESS, 0)
         if not _can_restore_priority(base):
             return None
         os.setpriority(os.PRIO_PROCESS, 0, min(19, base + LOW_PRIORITY))
-        return base
     except OSError:
         return None
+    group = autogroup_nice()
+    if group is not None and set_autogroup_nice("self", min(19, group + LOW_PRIORITY), tries=15):
+        _group_base = group
+    return base
 
 
 def _restore_priority(base: Optional[int]) -> None:
-    """Every thread back to the rank's priority (threads made while warming inherited the nice)."""
+    """Every thread back to the rank's priority (threads made while warming inherited the nice),
+    and the session's autogroup (retried in the background if the kernel says not yet)."""
     if base is None:
         return
     try:
@@ -218,6 +274,8 @@ def _restore_priority(base: Optional[int]) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, base)
         except OSError:
             pass
+    if _group_base is not None and autogroup_nice() != _group_base and not set_autogroup_nice("self", _group_base):
+        threading.Thread(target=set_autogroup_nice, args=("self", _group_base, 100), daemon=True).start()
 
 
 def _rss() -> int:

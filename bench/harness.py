@@ -174,4 +174,7 @@ def repeat(runs, reps: int, measure) -> dict:
 
 
 def recovered(results: dict, kind: str, fault: str, reps: int) -> str:
-    return f"recovered {reps - len(results[(kind, fault, 'failed')])}/{reps}"
+    failed = len(results[(kind, fault, "failed")])
+    if not failed and not results[(kind, fault)]:
+        return "not run"
+    return f"recovered {reps - failed}/{reps}"

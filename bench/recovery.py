@@ -10,7 +10,8 @@ Measures, on the example DDP job (gloo, checkpoint every 5 steps, 50 ms per step
   raise       SIGUSR1 to rank 1, whose step then raises an exception (ddp_train --raise-on USR1);
               from the raise (the time the example writes) -> every rank stepping again
   early       SIGKILL to rank 1 EARLY_S after every rank's first step (no reserve is ready yet)
-              -> every rank stepping again; torchrun in the same run
+              -> every rank stepping again; torchrun in the same run; also how each rank of the
+              next cycle started (a reserve taken while still warming, a ready one, or cold)
 The in-place hang (hang-inplace) also counts the runs in which every victim (the ranks not
 SIGSTOPped) kept its process (hang blame, agent/hang_blame.py).
 ft_launcher runs with its default warm reserves (the fault is injected once every slot's reserve
@@ -78,6 +79,22 @@ def _victims_kept(job: Job, nproc: int) -> bool:
     return all(pids.get(1, {}).get(r) == (pids[0][r][0], True) for r in range(nproc) if r != 1)
 
 
+def _cycle1_starts(job: Job) -> str:
+    """How cycle 1's ranks started: 'w' a reserve still warming (taken), 'r' a ready reserve,
+    'c' cold, 'p' in place; one letter per rank."""
+    path = os.path.join(job.dir, "logs", "events.jsonl")
+    taken, ranks = set(), {}
+    with open(path) as fh:
+        for line in fh:
+            event = json.loads(line)
+            if event["kind"] == "reserve_taken_warming":
+                taken.add(event["detail"]["pid"])
+            elif event["kind"] == "ranks_started" and event["cycle"] == 1:
+                ranks = {r["rank"]: r for r in event["detail"]["ranks"]}
+    return "".join("p" if r.get("in_place") else ("w" if r["pid"] in taken else "r") if r["warm"] else "c"
+                   for _, r in sorted(ranks.items()))
+
+
 def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, stats: dict = None,
                      in_place: bool = False):
     """-> (launch seconds, recovery seconds or None)."""
@@ -105,6 +122,8 @@ def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, s
                 print(f"  {kind}: did not recover: {exc}", flush=True)
                 return launch, None
             ok = True
+            if kind == "ft_launcher" and stats is not None:
+                stats.setdefault("early_starts", []).append(_cycle1_starts(job))
             return launch, back - t0
         job.wait_for(lambda: all(len(r) >= 12 for r in job.progress().values()) and len(job.progress()) == nproc,
                      60, "12 steps")
@@ -192,6 +211,9 @@ def main() -> None:
     print(f"                          ft_launcher {summary(results[('ft_launcher', 'early')])}"
           f"   {recovered(results, 'ft_launcher', 'early', args.reps)}"
           f"   ratio {ratio(results[('ft_launcher', 'early')], results[('torchrun', 'early')])}")
+    if stats.get("early_starts"):
+        print(f"early kill, how cycle 1's ranks started (w: reserve taken while warming, r: ready reserve, "
+              f"c: cold): {' '.join(stats['early_starts'])}")
     if stats.get("warm_s"):
         print(f"warm reserve: ready {statistics.median(stats['warm_s']):.1f} s after launch (median), "
               f"RSS {statistics.median(stats['rss_mb']):.0f} MB per slot "

@@ -14,7 +14,8 @@ What it computes:
   carry each rank's step count and seconds at that checkpoint. Hung time, restarts, start-up and
   checkpointing are loss: no `step` completes in them;
 - per incident (a cycle that ended in a failure): which rank, what happened (simulated fault,
-  hang, exit status), who noticed (its monitor, or the agent from the exit status or a lost
+  hang, exit status; for a hang the hang blame decided, the rank that hung and the ranks that
+  were only waiting on it), who noticed (its monitor, or the agent from the exit status or a lost
   peer, or the rank itself for an exception raised under `ft_launcher.restartable`) after how
   long, the stack dumps, the flight recorder's finding on a hang (which collective never
   completed, and who never joined it), what was done (every rank restarted, or the healthy ranks
@@ -298,11 +299,17 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     dumps = [e["detail"].get("stack_file") for e in _by_kind(mine, "stack_dump") if e["detail"].get("stack_file")]
     rank = failure.get("rank")
     hang_timeout = None
+    blame = next((b["detail"] for b in _by_kind(mine, "hang_blame") if b["detail"].get("culprits")), None)
     if hangs:
-        h = _blamed_hang(failure, hangs)
+        h = _blamed_hang(failure, hangs, blame)
         hd = h["detail"]
         rank = h.get("rank") if h.get("rank") is not None else rank
         what, noticed = _hang_words(h)
+        if blame:   # the hang blame named the rank that hung; the others only waited on it
+            if rank not in blame["culprits"]:   # its monitor had not fired: its agent killed it
+                rank = blame["culprits"][0]
+                what = f"rank {rank} hung (killed by its agent on the hang blame before its monitor fired)"
+            what += _waiting_words(blame)
         detect = h["time"]
         started = detect - float(hd.get("elapsed") or 0.0)  # the monitor's clock: the section's entry
         hang_timeout = hd.get("timeout")
@@ -350,10 +357,27 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
                     recovered, hang_timeout, found[0]["detail"].get("summary") if found else None)
 
 
-def _blamed_hang(failure: dict, hangs: List[dict]) -> dict:
-    """The hang the agent's failure event (its console line) names, else the first one."""
+def _blamed_hang(failure: dict, hangs: List[dict], blame: Optional[dict] = None) -> dict:
+    """The hang of the rank the hang blame found hung, else the one the agent's failure event (its
+    console line) names, else the first one."""
+    culprit = next((h for h in hangs if blame and h.get("rank") in blame["culprits"]), None)
+    if culprit is not None:
+        return culprit
     blamed = (failure["detail"].get("hang") or {}).get("rank", failure.get("rank"))
     return next((h for h in hangs if h.get("rank") == blamed and h["node"] == failure["node"]), hangs[0])
+
+
+def _waiting_words(blame: dict) -> str:
+    """'; rank 0 was waiting on it (...)': the victims of a hang blame verdict, and its evidence."""
+    victims = blame.get("victims") or []
+    if not victims:
+        return ""
+    how = ("the flight recorder: they had entered " + str(blame.get("collective", "a collective"))
+           if blame.get("evidence") == "flight recorder" else
+           "their stacks: inside a collective" if blame.get("evidence") == "stacks" else str(blame.get("evidence")))
+    many = len(victims) > 1
+    return (f"; rank{'s' if many else ''} {', '.join(map(str, victims))} {'were' if many else 'was'} waiting on it "
+            f"(by {how})")
 
 
 def _hang_words(hang: dict) -> Tuple[str, str]:

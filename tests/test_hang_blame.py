@@ -8,7 +8,7 @@ test SIGSTOPs it while it steps. Then:
 - every victim kept its process (cycle 1 reports it in place with its cycle-0 pid), the culprit's
   slot got a new process;
 - one `hang_blame` event names the culprit, the victims and the evidence that decided;
-- the failure line names the culprit and says the others were waiting on it.
+- the failure line, and the report's incident, name the culprit and say the others were waiting on it.
 """
 import os
 import signal
@@ -69,6 +69,14 @@ def check_blame(job, reference, culprit, evidence):
     assert failure["rank"] == culprit
     assert "waiting on it" in failure["detail"]["what"], failure
     assert any("waiting on it" in err for _, _, err in results)
+    # the report's incident names the culprit and says the others were waiting on it
+    from ft_launcher import report
+
+    incidents = report.analyse([str(job.logs)], *report.load([str(job.logs)])).incidents
+    assert len(incidents) == 1 and incidents[0].rank == culprit, incidents
+    waiting = f"{'s' if len(victims) > 1 else ''} {', '.join(map(str, victims))} {'were' if len(victims) > 1 else 'was'}"
+    assert incidents[0].what.startswith(f"rank {culprit} hung") and f"; rank{waiting} waiting on it" in incidents[0].what, \
+        incidents[0].what
     hangs = {e["rank"] for e in evs if e["kind"] == "hang" and e["cycle"] == 0}
     print(f"\n{job.topology}: monitors fired for {sorted(hangs)}; {d}; {elapsed:.1f}s")
     return evs, hangs
@@ -219,3 +227,34 @@ def test_a_stack_waits_inside_a_collective_or_not():
     assert stack_waits(dump(("/v/torch/autograd/graph.py", "_engine_run_backward"), ("/t/train.py", "main")))
     assert stack_waits(dump(("/t/train.py", "at"), ("/t/train.py", "main"))) is False
     assert stack_waits("") is None and stack_waits("no frames") is None
+
+
+def test_the_report_names_the_rank_that_hung_even_when_a_victims_monitor_fired_first():
+    """The incident row of a hang the blame decided: the culprit (also one its agent killed
+    before its own monitor fired, so only a victim's hang was reported), and who waited on it."""
+    from ft_launcher import report
+
+    def ev(t, kind, rank=None, cycle=0, **detail):
+        return {"time": 1000.0 + t, "node": "n0", "rank": rank, "cycle": cycle, "kind": kind, "detail": detail}
+
+    hang0 = ev(3.0, "hang", 0, section="step", elapsed=2.0, timeout=2.0)
+    blame = ev(3.5, "hang_blame", culprits=[1], victims=[0], evidence="stacks")
+    restart = ev(3.7, "restart", next_cycle=1, restarts_used=1, rung="in_process", replace_ranks=[],
+                 replace_nodes=[])
+    for failure, what, hangs in (
+            (ev(3.6, "failure", 1, what="rank 1 hung and was killed by its agent", exitcode=-9,
+                hang_blame={"culprits": [1], "victims": [0]}),
+             "rank 1 hung (killed by its agent on the hang blame before its monitor fired)", [hang0]),
+            (ev(3.6, "failure", 1, what="rank 1 hung in section 'step'", exitcode=-9, hang={"rank": 1}),
+             "rank 1 hung in section 'step'", [hang0, ev(3.1, "hang", 1, section="step", elapsed=2.1, timeout=2.0)])):
+        events = [ev(0, "cycle_start", world_size=2), *hangs, blame, failure, restart,
+                  ev(3.8, "cycle_start", cycle=1, world_size=2), ev(4.0, "stepping", cycle=1)]
+        inc = report.analyse(["x"], sorted(events, key=lambda e: e["time"]), [], []).incidents[0]
+        assert inc.rank == 1, inc
+        assert inc.what == what + "; rank 0 was waiting on it (by their stacks: inside a collective)", inc.what
+    # the verdict without evidence blames nobody: the first hang, as before
+    nobody = ev(3.5, "hang_blame", culprits=[], victims=[], evidence="none")
+    events = [ev(0, "cycle_start", world_size=2), hang0, nobody,
+              ev(3.6, "failure", 0, what="rank 0 hung", exitcode=-15, hang={"rank": 0}), restart]
+    inc = report.analyse(["x"], events, [], []).incidents[0]
+    assert inc.rank == 0 and inc.what == "rank 0 hung in section 'step'", inc.what

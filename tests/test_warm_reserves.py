@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import time
 
 import psutil
 import pytest
@@ -150,6 +151,49 @@ def test_reserve_killed_or_stalled_while_warming_is_never_used_and_the_restart_g
     assert not any(r["warm"] for r in used.values()), used
     assert not {r["pid"] for r in used.values()} & (set(lost()) | set(stalled) | set(started_reserves()))
     assert f"warm reserve for local rank 1 (pid {victim}) died while waiting" in stderr
+    # a slot whose last reserve was lost does not trust the next one still warming: it starts cold
+    assert not read_events(logs, "reserve_taken_warming")
+
+
+@pytest.mark.parametrize("evidence", [
+    "longer",                                        # warmed longer than a cold start took
+    pytest.param("asleep", marks=pytest.mark.slow),  # younger than a (long) cold start, but asleep
+])
+def test_a_reserve_stuck_warming_is_not_taken_by_an_early_restart(launcher, tmp_path, evidence):
+    """The early rung (agent.reserve_pool): a restart before any reserve is ready takes the one
+    still warming, unless the evidence says it is stuck: it has warmed longer than a cold rank of
+    its slot took to its first step ("longer": the probe's cold start is well under the 2 s the
+    test waits), or, where the cold start was long (8 s), it has used no CPU for a second while
+    asleep ("asleep"). Every reserve here is stuck importing tests/warm_lib/slowwarm (600 s, the
+    default 120 s warm_reserve_timeout never fires first): each is reported and discarded, and the
+    restart starts cold."""
+    logs, out, go = tmp_path / "logs", tmp_path / "out", tmp_path / "go"
+    out.mkdir()
+    slow = ["--slow-start", 8] if evidence == "asleep" else []
+    proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
+                           PROBE, out, "--fail-rank", 1, "--go", go, "--slow-lib", *slow],
+                          extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT})
+    reserves = wait_for(lambda: read_events(logs, "reserve_started") if len(read_events(logs, "reserve_started")) == 2
+                        or proc.poll() is not None else None, 60, "a reserve per slot")
+    assert proc.poll() is None, proc.communicate()
+    # stuck for a while: 2 s since the later one started
+    time.sleep(max(0.0, max(e["time"] for e in reserves) + 2.0 - time.time()))
+    for e in reserves:   # warming at nice +10, its session's autogroup too (where the kernel has them)
+        if os.path.exists(f"/proc/{e['detail']['pid']}/autogroup") and os.getpriority(os.PRIO_PROCESS,
+                                                                                       e["detail"]["pid"]) >= 10:
+            with open(f"/proc/{e['detail']['pid']}/autogroup") as fh:
+                assert fh.read().split()[-1] == "10", e
+    go.touch()
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert not any(r["warm"] for r in started(logs, 1).values()), started(logs, 1)
+    assert not read_events(logs, "reserve_taken_warming") and not read_events(logs, "reserve_ready")
+    lost = {e["detail"]["pid"]: e["detail"]["why"] for e in read_events(logs, "reserve_lost")}
+    for e in reserves:
+        why = lost.get(e["detail"]["pid"], "")
+        assert "stuck, not taken" in why, (e, lost)
+        assert ("longer than a cold rank of this slot took" if evidence == "longer" else "has used no CPU") in why, why
+    assert "stuck, not taken" in stderr
 
 
 def test_warm_reserves_0_starts_every_rank_cold(launcher, tmp_path):

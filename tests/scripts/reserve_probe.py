@@ -1,14 +1,15 @@
 """Rank script for the warm-reserve tests: records how it was started, so a rank that a warm
 reserve became can be compared with a cold one.
 
-    reserve_probe.py OUT_DIR [--fail-rank R --go FILE] [--hold FILE] [--slow-lib] [--user-modules]
-                     [extra args]
+    reserve_probe.py OUT_DIR [--fail-rank R --go FILE] [--hold FILE] [--slow-lib] [--slow-start S]
+                     [--user-modules] [extra args]
 
 Writes OUT_DIR/identity_<rank>_<cycle>.json (pid, argv, __name__, __file__, sys.path[0], cwd and
 the launcher's variables) and prints one line to stdout and one to stderr. In cycle 0, rank R
 waits for FILE to exist, then exits 1 (the test's restart, at a moment the test chooses). In
 later cycles every rank waits for the --hold file, if given, then exits 0. --slow-lib imports
-tests/warm_lib/slowwarm (instant in a rank, 600 s in a reserve). --user-modules imports the user's
+tests/warm_lib/slowwarm (instant in a rank, 600 s in a reserve). --slow-start S: in cycle 0, S
+seconds before the first `step` (a long cold start). --user-modules imports the user's
 own `agent` and `rank_monitor` (beside the script) and records their WHO.
 """
 import json
@@ -48,6 +49,8 @@ if "--user-modules" in sys.argv:
 
 identity = {"pid": os.getpid(), "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0],
             "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in names}, "user_modules": user_modules}
+if cycle == 0 and arg("--slow-start"):
+    time.sleep(float(arg("--slow-start")))
 with ft.section("step"):  # the import record is written here
     tmp = os.path.join(out_dir, f".identity_{rank}_{cycle}")
     with open(tmp, "w") as fh:
