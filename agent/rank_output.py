@@ -146,17 +146,17 @@ class RankOutput:
         if handle is None:
             return handle
         sinks, old = handle
-        app_old = next((s for _, s in sinks if s.get("app") is not None), None)
-        if applog and app_old is not None:
-            app_new = self.open_log(applog)
+        first = next((s for _, s in sinks if s.get("app") is not None), None)
+        if applog and first is not None:
+            app_old, app_new = first["app"], self.open_log(applog)
             if app_new is not None:
-                width = len(app_old["app_prefix"]) - 2   # the job's size is the same in place
+                width = len(first["app_prefix"]) - 2   # the job's size is the same in place
                 prefix = f"{rank:>{width}}: ".encode()
                 with self._lock:
                     for _, sink in sinks:
-                        if sink.get("app") is app_old["app"]:
+                        if sink.get("app") is app_old:
                             sink["app"], sink["app_prefix"] = app_new, prefix
-                app_old["app"].close()
+                app_old.close()
         if old is None or not log_file:
             return handle
         new = self.open_log(log_file)

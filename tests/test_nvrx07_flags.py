@@ -521,3 +521,21 @@ def test_the_client_runs_nvrx07_keyword_calls_outside_the_launcher(monkeypatch):
         getattr(client, attribute)
     client.load_state_dict(state=client.state_dict())
     client.shutdown_workload_monitoring()
+
+
+def test_a_rank_restarted_in_place_goes_on_in_the_next_cycles_applog(launcher, tmp_path):
+    """ft.restartable, rank 1 raises in step: both ranks restart in their own processes, and what
+    they print from then on goes to job_cycle1.log (agent.rank_output's redirect)."""
+    from test_inprocess_restart import run_faulty, started
+
+    applog = tmp_path / "app" / "job.log"
+    job = run_faulty(launcher, tmp_path, "1x2", "raise", "step", 1,
+                     ft_args=["--ft-per-cycle-applog-prefix", applog, "--ft-warm-reserves", "0"])
+    results, _ = job.wait()
+    assert all(code == 0 for code, _, _ in results), results[0][2][-3000:]
+    after = started(job.events(), 1)
+    assert after[0][1] and after[1][1], after   # both in place
+    cycle0 = (tmp_path / "app" / "job_cycle0.log").read_text()
+    cycle1 = (tmp_path / "app" / "job_cycle1.log").read_text()
+    assert "0: FINAL step=" in cycle1 and "FINAL" not in cycle0, (cycle0[-2000:], cycle1)
+    assert "0: resumed from step" in cycle1 and "1: RuntimeError: simulated exception in step" in cycle0
