@@ -22,7 +22,7 @@ from ft_launcher.rank_monitor.pdeathsig import set_pdeathsig
 
 from .flight_recorder import recorder_env
 from .gpu_env import nccl_env
-from . import nvrx_cycle_info, nvrx_logs
+from . import numa_bind, nvrx_cycle_info, nvrx_logs
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .process_wait import Unkillable, kill_and_wait
@@ -156,6 +156,7 @@ class WorkerGroup:
             if proc is None:
                 proc = popen_rank_process(list(cfg.entrypoint), env, stdout, stderr)
                 self.watchdog.watch(proc.pid)
+            numa_bind.bind(proc.pid, local_rank)   # NVRX_GPUS_PER_NUMA set: its NUMA node's CPUs
         finally:
             for fd in (stdout, stderr):
                 if isinstance(fd, int) and fd >= 0:

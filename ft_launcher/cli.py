@@ -132,7 +132,8 @@ FT_HELP = {
     "check_remaining_processes": "after the ranks stop, name any process of their groups still there",
     # NVRx 0.7's keys without a meaning here: accepted, one line says what does their job (nvrx_flags)
     "num_warmup_iterations": None, "skip_section_response": None,
-    "numa_bind_strict": None, "attribution_endpoint": None,
+    "numa_bind_strict": "with NVRX_GPUS_PER_NUMA set: say that memory is not bound (CPUs are)",
+    "attribution_endpoint": None,
     "attribution_stop_action": None, "attribution_export_url": None, "segment_health_check_dir": None,
 }
 # NVRx's own spellings of some keys
@@ -569,6 +570,13 @@ def _launch_config(args, origins):
     for line in nvrx_flags.notes(args) + nvrx_flags.key_notes(_keys_set(ft_cli, ft)):
         print(f"{PROG}: {line}", file=sys.stderr)
     _check_nic_keys(ft, _keys_set(ft_cli, ft) | set(ft_cli))
+    from ft_launcher.agent import numa_bind
+
+    for line in numa_bind.problems(nproc, ft.numa_bind_strict):
+        print(f"{PROG}: {line}", file=sys.stderr)
+    if "numa_bind_strict" in _keys_set(ft_cli, ft) | set(ft_cli) and not os.environ.get(numa_bind.ENV):
+        print(f"{PROG}: numa_bind_strict: {numa_bind.ENV} is not set, so ranks are not bound to NUMA nodes "
+              f"(as in NVRx)", file=sys.stderr)
     capture = parse_stream_map("--redirects", args.redirects, nproc)
     tee = parse_stream_map("--tee", args.tee, nproc)
     log_dir = args.log_dir

@@ -66,8 +66,7 @@ KEY_NOTES = {
                      "rendezvous (enable_nic_healthcheck)",
     "skip_section_response": None,   # a section never waits for a response here
     "segment": None,   # built: agent.segments
-    "numa_bind_strict": "no NUMA binding here (NVRX_GPUS_PER_NUMA is not read); bind with numactl in "
-                        "--no-python mode",
+    "numa_bind_strict": None,   # built: agent.numa_bind (its line comes from ft_launcher.cli)
     "check_remaining_processes": None,   # every rank's process group is killed and checked here anyway
     "attribution_endpoint": _ATTRIBUTION,
     "attribution_stop_action": _ATTRIBUTION,

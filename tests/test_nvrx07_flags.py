@@ -111,7 +111,7 @@ NVRX07_KEYS = {
 BUILT = {"gpu_memory_reclaim_timeout", "gpu_memory_tolerance_mb", "gpu_memory_poll_interval",
          "install_exception_hook", "storage_healthcheck_path", "cycle_info_dir", "checkpoint_iteration_file",
          "min_progress_iterations", "segment", "enable_nic_healthcheck", "link_state_path_template",
-         "enable_dist_storage_healthcheck", "check_remaining_processes"}
+         "enable_dist_storage_healthcheck", "check_remaining_processes", "numa_bind_strict"}
 
 
 def _argv(spelling, value, tmp_path):
@@ -539,3 +539,34 @@ def test_a_rank_restarted_in_place_goes_on_in_the_next_cycles_applog(launcher, t
     cycle1 = (tmp_path / "app" / "job_cycle1.log").read_text()
     assert "0: FINAL step=" in cycle1 and "FINAL" not in cycle0, (cycle0[-2000:], cycle1)
     assert "0: resumed from step" in cycle1 and "1: RuntimeError: simulated exception in step" in cycle0
+
+
+# ---- built: NVRX_GPUS_PER_NUMA with --ft-numa-bind-strict ------------------------------------------
+from ft_launcher.agent import numa_bind  # noqa: E402
+
+
+def test_nvrx_gpus_per_numa_binds_each_rank_to_its_nodes_cpus(launcher, tmp_path):
+    """The launcher runs on CPU 0 only; NVRX_GPUS_PER_NUMA=1: local rank 0 is put on node 0's CPUs,
+    local rank 1's node 1 does not exist here, so it keeps the launcher's CPU and one line says so."""
+    node0 = ",".join(map(str, sorted(numa_bind.node_cpus(0))))
+    proc = launcher.start(["--standalone", "--nproc-per-node", "2", "--ft-numa-bind-strict", "false",
+                           os.path.join(SCRIPTS, "affinity_rank.py")], extra_env={"NVRX_GPUS_PER_NUMA": "1"},
+                          preexec_fn=lambda: os.sched_setaffinity(0, {0}))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert f"local rank 0 cpus {node0}" in out and "local rank 1 cpus 0\n" in out
+    assert "NVRX_GPUS_PER_NUMA=1: NUMA node 1 does not exist on this machine: its local ranks are not bound" in err
+    assert "memory is not bound" not in err
+
+
+def test_numa_lines(tmp_path):
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node0" / "cpulist").write_text("0-3,8,10-11\n")
+    assert numa_bind.node_cpus(0, str(tmp_path)) == {0, 1, 2, 3, 8, 10, 11}
+    env = {"NVRX_GPUS_PER_NUMA": "4"}
+    assert numa_bind.problems(4, False, env, str(tmp_path)) == []
+    assert numa_bind.problems(4, True, env, str(tmp_path)) == [
+        "numa_bind_strict: memory is not bound to the rank's NUMA node here (its CPUs are); it is allocated where "
+        "it is first touched, as with --ft-numa-bind-strict false"]
+    assert "NUMA node 1 does not exist" in numa_bind.problems(8, False, env, str(tmp_path))[0]
+    assert numa_bind.problems(8, False, {}, str(tmp_path)) == []
