@@ -570,3 +570,45 @@ def test_numa_lines(tmp_path):
         "it is first touched, as with --ft-numa-bind-strict false"]
     assert "NUMA node 1 does not exist" in numa_bind.problems(8, False, env, str(tmp_path))[0]
     assert numa_bind.problems(8, False, {}, str(tmp_path)) == []
+
+
+# ---- every NVRx 0.7 --ft-* flag: its one line, or the test of its job ------------------------------
+JOB_TESTS = {   # flag -> the test (in this file) that shows it doing its job
+    "ft-cycle-info-dir": "test_cycle_info_files_the_applog_and_the_launcher_log_follow_each_cycle",
+    "ft-per-cycle-applog-prefix": "test_a_rank_restarted_in_place_goes_on_in_the_next_cycles_applog",
+    "ft-nvrx-logfile": "test_cycle_info_files_the_applog_and_the_launcher_log_follow_each_cycle",
+    "ft-check-remaining-processes": "test_cycle_info_files_the_applog_and_the_launcher_log_follow_each_cycle",
+    "ft-checkpoint-iteration-file": "test_progress_is_the_checkpoint_iteration_and_feeds_the_no_progress_stop",
+    "ft-min-progress-iterations": "test_progress_is_the_checkpoint_iteration_and_feeds_the_no_progress_stop",
+    "ft-max-no-progress-cycles": "test_progress_is_the_checkpoint_iteration_and_feeds_the_no_progress_stop",
+    "ft-segment": "test_segments_put_a_whole_domain_to_work_and_the_odd_node_on_standby",
+    "ft-enable-nic-healthcheck": "test_a_nic_port_that_went_down_makes_the_node_leave_at_the_restart",
+    "ft-link-state-path-template": "test_a_nic_port_that_went_down_makes_the_node_leave_at_the_restart",
+    "ft-enable-dist-storage-healthcheck": "test_dist_storage_check_reads_lustre_health_and_lists_each_network_mount",
+    "ft-storage-health-check-path": "test_storage_healthcheck_path_is_checked_before_each_rendezvous",
+    "ft-numa-bind-strict": "test_nvrx_gpus_per_numa_binds_each_rank_to_its_nodes_cpus",
+    "ft-install-exception-hook": "test_exception_hook_reports_a_plain_scripts_uncaught_exception_at_raise_time",
+    "ft-gpu-memory-reclaim-timeout": "test_nvrx07_client_calls_work_and_the_hook_follows_the_jobs_config",
+}
+# ours before 0.7, each tested where its feature is (test_rank_monitor, test_computed_timeouts, test_gpu, ...)
+OURS = {"ft-cfg-path", "ft-workload-check-interval", "ft-initial-rank-heartbeat-timeout", "ft-rank-heartbeat-timeout",
+        "ft-safety-factor", "ft-rank-termination-signal", "ft-log-level", "ft-rank-out-of-section-timeout",
+        "ft-rank-section-timeouts", "ft-no-restart-exit-code", "ft-gpu-memory-tolerance-mb",
+        "ft-gpu-memory-poll-interval", "ft-restart-policy", "ft-ignore-missing-cfg", "ft-rdzv-impl"}
+# what NVRx asks for is what happens here anyway (the parse test shows them accepted)
+SAME = {"ft-node-health-check-interval", "ft-restart-check-interval", "ft-enable-nic-monitor",
+        "ft-skip-section-response"}
+
+
+def test_every_nvrx07_ft_flag_has_its_line_or_a_test_of_its_job():
+    for spellings, _ in NVRX07_FLAGS:
+        flag = spellings[0].lstrip("-")
+        if not flag.startswith("ft-"):
+            continue
+        key = flag[3:].replace("-", "_")
+        line = nvrx_flags.FLAGS.get(flag, (None, None))[1] or nvrx_flags.KEY_NOTES.get(key)
+        if flag in JOB_TESTS:
+            assert not line, flag
+            assert callable(globals().get(JOB_TESTS[flag])), JOB_TESTS[flag]
+        else:
+            assert line or flag in OURS or flag in SAME, flag
