@@ -58,7 +58,7 @@ from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .process_wait import Unkillable, kill_and_wait
 from .rank_output import RankOutput
-from . import inprocess_ranks, store_threads
+from . import inprocess_ranks, nvrx_cycle_info, nvrx_logs, segments, store_threads
 from .reserve_pool import ReservePool
 from .restart_policy import RoundFacts, Verdict
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
@@ -133,7 +133,14 @@ class NodeAgent:
     def _node_info(self) -> NodeInfo:
         host = self.cfg.local_addr or ("127.0.0.1" if self.cfg.standalone else socket.getfqdn())
         node_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        return NodeInfo(node_id=node_id, host=host, order_key=self.cfg.order_key, nproc=self.cfg.nproc_per_node)
+        domain = None
+        if self.cfg.ft.segment:   # NVLink-domain segments (agent.segments)
+            domain, why = segments.node_domain()
+            if domain is None:
+                raise RendezvousError(f"segment {self.cfg.ft.segment}: this node's NVLink domain is unknown ({why}); "
+                                      f"without --ft-segment the job trains on any nodes")
+        return NodeInfo(node_id=node_id, host=host, order_key=self.cfg.order_key, nproc=self.cfg.nproc_per_node,
+                        domain=domain)
 
     # ---- main ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -187,7 +194,8 @@ class NodeAgent:
                 self._warn_if_hangs_undetectable()
                 if heartbeat_warning(os.environ, self.cfg.ft):
                     self.say(heartbeat_warning(os.environ, self.cfg.ft))
-                self.progress = ProgressTracker(self.cfg.ft.max_no_progress_cycles)
+                self.progress = ProgressTracker(self.cfg.ft.max_no_progress_cycles, self.cfg.ft.min_progress_iterations,
+                                                self.cfg.ft.checkpoint_iteration_file)
                 self.stragglers = StragglerWatch(self.cfg.ft, self.events)
                 self.section_use = SectionUse(self.events)
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
@@ -472,6 +480,9 @@ class NodeAgent:
             + (f" (restart {restarts}/{cfg.max_restarts})" if rnd.number else ""),
             world_size=rnd.world_size, nodes=[n.label() for n in rnd.active],
             spares=[n.label() for n in rnd.spares], master=f"{master[0]}:{master[1]}")
+        if rnd.group_rank == 0 and cfg.ft.cycle_info_dir:   # NVRx's cycle info file (agent.nvrx_cycle_info)
+            self._cycle_info().start(rnd.number, rnd.active, rnd.spares, cfg.applog_prefix and
+                                     nvrx_logs.cycle_log_file(cfg.applog_prefix, rnd.number))
         previous = getattr(self, "group", None)
         self.group = WorkerGroup(cfg, self.watchdog, self.output)
         self.group.cycle = rnd.number
@@ -483,6 +494,7 @@ class NodeAgent:
                                lambda: [r.rank for r in self.group.ranks])
         self._apply_timeouts(self.learner.load())
         self.learner.begin_cycle(rnd.number)
+        self.progress.begin_cycle(rnd.number)   # the checkpoint iteration it starts from (agent.progress)
         self._restartable_declared = False
         in_place = self._restart_points(rnd, previous)
         for local_rank in range(cfg.nproc_per_node):
@@ -531,6 +543,8 @@ class NodeAgent:
             # a flight-recorder dump in progress ends before any rank is stopped
             self.flight.end_cycle(store_ok=not self.watcher.store_lost)
             self.status.cycle_end()
+            if getattr(self, "cycle_info", None) is not None:
+                self.cycle_info.end()
             if self.learner.enabled:
                 try:
                     self._learn(rnd)
@@ -541,6 +555,11 @@ class NodeAgent:
                 monitor.rank_stopped()
             self.monitor_set.mark_stopping(shm_layout.STOP_RESTART, cfg.workers_stop_timeout, skip=keep)
             self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout, keep=[k[1] for k in keep.values()])
+            if cfg.ft.check_remaining_processes:   # NVRx 0.7's key: name what outlived its rank's stop
+                left = self.group.leftovers(keep=[k[1] for k in keep.values()])
+                self.events.event("remaining_processes", "warning: check_remaining_processes: " + "; ".join(
+                    f"pid {p['pid']} ({p['name']}, state {p['state']}, group {p['pgid']}): {p['cmdline']}"
+                    for p in left[:20]) if left else None, processes=left[:20], count=len(left))
             deferred, self._deferred_restart = self._deferred_restart, None
             for args, fields in deferred or []:   # after the stopped ranks' output (their tracebacks)
                 self.events.event(*args, **fields)
@@ -549,6 +568,11 @@ class NodeAgent:
             self.health.dead_pids = [r.pid for r in self.group.ranks if id(r) not in kept]
             self.watcher.watch(None)
             del worker_store
+
+    def _cycle_info(self):
+        if getattr(self, "cycle_info", None) is None:
+            self.cycle_info = nvrx_cycle_info.CycleInfoWriter(self.cfg.ft.cycle_info_dir, self.events.disk_warning)
+        return self.cycle_info
 
     # ---- in-process restart (agent.inprocess_ranks, rank_monitor.inprocess) ------------------
     def _request_in_place(self, rnd: Round, verdict: Optional[Verdict]) -> Dict[int, tuple]:

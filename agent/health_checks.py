@@ -8,6 +8,16 @@
   least `min_free_disk_gb` GB free; each path of `storage_healthcheck_path` (NVRx 0.7's key,
   comma-separated) exists and is readable.
 
+- NIC link state (NVRx 0.7's enable_nic_healthcheck, on by default as in NVRx): when the agent
+  starts it reads the state of each RDMA NIC's port, `link_state_path_template` with `{nic}` for
+  each NIC in the template's parent folder (default /sys/class/infiniband/{nic}/ports/1/state,
+  read as `4: ACTIVE` or `ACTIVE`); a port that was ACTIVE then and is not now fails the check.
+  No such folder (no RDMA NIC): nothing to check.
+- Distributed storage (NVRx 0.7's enable_dist_storage_healthcheck, off by default): Lustre's
+  /sys/fs/lustre/health_check, where it exists, reads `healthy`, and every lustre, nfs and nfs4
+  mount of this node (/proc/self/mounts) answers a listing within 15 s (in a child process, so a
+  hung mount cannot hang the agent).
+
 - Before the ranks start again after a cycle (cold or warm), the previous cycle's rank processes
   are gone from every GPU (agent.gpu_memory, bounded): a GPU that still holds one fails the check
   (with the checks off, a warning line and the ranks start anyway). Without NVML: nothing to wait.
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from typing import List, Optional, Tuple
 
@@ -92,6 +103,7 @@ class HealthChecks:
         self.dead_pids: List[int] = []    # the last cycle's rank processes (set by the agent)
         self.release_wait = ft.gpu_memory_reclaim_timeout   # NVRx 0.7's keys (agent.gpu_memory)
         self.nvml_query = gpu_memory.nvml_query   # NVML's process lists (None without NVML)
+        self.nic_baseline = nic_states(ft.link_state_path_template) if ft.enable_nic_healthcheck else {}
 
     def gpu_release(self) -> Optional[str]:
         """Wait (bounded) until NVML no longer lists the last cycle's ranks; one line if a GPU does."""
@@ -137,7 +149,76 @@ class HealthChecks:
             failure = check_directory(what, path, ft.min_free_disk_gb)
             if failure:
                 return failure
-        return check_storage_paths(ft.storage_healthcheck_path)
+        failure = check_storage_paths(ft.storage_healthcheck_path)
+        if failure is None and self.nic_baseline:
+            failure = check_nic_states(self.nic_baseline, ft.link_state_path_template)
+        if failure is None and ft.enable_dist_storage_healthcheck:
+            failure = check_dist_storage()
+        return failure
+
+
+DEFAULT_LINK_STATE = "/sys/class/infiniband/{nic}/ports/1/state"
+
+
+def nic_folder(template: Optional[str]) -> str:
+    """The folder whose entries are the NICs: the template's part before `{nic}`."""
+    head = (template or DEFAULT_LINK_STATE).split("{nic}")[0]
+    return head.rstrip("/") or "/"
+
+
+def nic_states(template: Optional[str]) -> dict:
+    """NIC -> its port state now (`ACTIVE`, `DOWN`, ...), for the NICs whose state file exists."""
+    template = template or DEFAULT_LINK_STATE
+    states = {}
+    try:
+        nics = sorted(os.listdir(nic_folder(template)))
+    except OSError:
+        return {}
+    for nic in nics:
+        try:
+            with open(template.format(nic=nic)) as fh:
+                states[nic] = fh.read().strip().split(":", 1)[-1].strip()
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return states
+
+
+def check_nic_states(baseline: dict, template: Optional[str]) -> Optional[str]:
+    """One line when a port that was ACTIVE when the agent started is not ACTIVE now."""
+    now = nic_states(template)
+    for nic, before in baseline.items():
+        if before == "ACTIVE" and nic in now and now[nic] != "ACTIVE":
+            return f"NIC {nic}: port state went from ACTIVE to {now[nic]} (enable_nic_healthcheck)"
+    return None
+
+
+def check_dist_storage(lustre_health: str = "/sys/fs/lustre/health_check",
+                       mounts: str = "/proc/self/mounts", timeout: float = 15.0) -> Optional[str]:
+    """NVRx's distributed storage check: Lustre says healthy, every Lustre/NFS mount answers."""
+    if os.path.exists(lustre_health):
+        try:
+            with open(lustre_health) as fh:
+                status = fh.read().strip()
+        except OSError as exc:
+            return f"enable_dist_storage_healthcheck: cannot read {lustre_health} ({exc.strerror or exc})"
+        if status != "healthy":
+            return f"enable_dist_storage_healthcheck: Lustre reports {status!r} in {lustre_health}"
+    try:
+        with open(mounts) as fh:
+            targets = [line.split()[1].replace("\\040", " ") for line in fh
+                       if len(line.split()) > 2 and line.split()[2] in ("lustre", "nfs", "nfs4")]
+    except OSError as exc:
+        return f"enable_dist_storage_healthcheck: cannot read {mounts} ({exc.strerror or exc})"
+    for target in targets:
+        try:   # a hung mount blocks stat() itself: ask a child process, bounded
+            done = subprocess.run(["ls", "-1", "--", target], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"enable_dist_storage_healthcheck: mount {target} did not answer within {timeout:g}s"
+        if done.returncode != 0:
+            why = done.stderr.decode(errors="replace").strip().splitlines()
+            return f"enable_dist_storage_healthcheck: mount {target} cannot be listed ({why[-1] if why else 'error'})"
+    return None
 
 
 def check_storage_paths(paths: Optional[str]) -> Optional[str]:

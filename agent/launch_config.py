@@ -60,6 +60,9 @@ class LaunchConfig:
     # max_nodes); the other nodes stand by as warm spares. None: every node trains.
     active_nodes: Optional[int] = None
     signals: Tuple[int, ...] = ()         # --signals-to-handle: forwarded, then the job stops; (): the agent's own
+    # NVRx's log layout beside ours (agent.nvrx_logs): --ft-per-cycle-applog-prefix, --ft-nvrx-logfile
+    applog_prefix: Optional[str] = None
+    nvrx_logfile: Optional[str] = None
 
     def conf(self, key: str) -> float:
         return float(self.rdzv_conf.get(key, RDZV_CONF_DEFAULTS[key]))

@@ -1,11 +1,22 @@
-"""Is the job still making progress? Completed `step` sections per cycle, counted by the monitors.
+"""Is the job still making progress? Measured one of two ways, decided per cycle.
 
-No file and no cost to the ranks: the agent reads the `step` completion count its monitors already
-keep in shared memory, and the first time one of its ranks completes a step in cycle N it sets
-`r<N>/progress` in the store (one key per node per cycle, then nothing more). When a cycle fails,
-the node that decides the verdict counts the cycles, back from this one, that ended without that
-key; once the job has made progress at least once, `max_no_progress_cycles` such cycles in a row
-stop the job instead of restarting it (every agent exits with the no-restart code, 93).
+- By default, completed `step` sections, counted by the monitors: no file and no cost to the
+  ranks. The agent reads the `step` completion counts its monitors already keep in shared memory,
+  and the first time one of its ranks has completed `min_progress_iterations` steps (default 1)
+  in cycle N it sets `r<N>/progress` in the store (one key per node per cycle, then nothing
+  more). Only once the job has made progress at least once do cycles without it count (a script
+  that never uses `step` is never stopped).
+- With `checkpoint_iteration_file` (NVRx 0.7's key: the file a checkpoint writes its iteration
+  to, e.g. Megatron's latest_checkpointed_iteration.txt, on a filesystem every node sees), NVRx's
+  rule: each node reads the iteration when a cycle starts, and when the cycle fails the deciding
+  node reads it again; the cycle made progress when it rose by at least
+  `min_progress_iterations` (`r<N>/progress`). A file that cannot be read, or reads 0 at both
+  ends (no checkpoint yet), leaves the cycle out of the count (`r<N>/progress_unknown`); cycle 0
+  counts like any other.
+
+When a cycle fails, the node that decides the verdict counts the cycles, back from this one,
+that ended without progress; `max_no_progress_cycles` of them in a row stop the job instead of
+restarting it (every agent exits with the no-restart code, 93).
 """
 from __future__ import annotations
 
@@ -16,36 +27,80 @@ STEP = "step"
 
 def completed_steps(monitors: list, section: str = STEP) -> int:
     """Completed `section` sections of this node's running ranks (this incarnation)."""
-    total = 0
+    return sum(_counts(monitors, section))
+
+
+def _counts(monitors: list, section: str = STEP) -> list:
+    out = []
     for monitor in monitors:
         entry = (monitor.section_stats().get("sections") or {}).get(section)
-        if entry:
-            total += int(entry.get("count", 0))
-    return total
+        out.append(int(entry.get("count", 0)) if entry else 0)
+    return out
+
+
+def read_iteration(path: str) -> Optional[int]:
+    """The iteration the checkpoint iteration file holds, or None (missing, empty, not a number)."""
+    try:
+        with open(path) as fh:
+            text = fh.read().strip()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None
 
 
 class ProgressTracker:
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, min_iterations: int = 1, iteration_file: Optional[str] = None):
         self.limit = limit
+        self.min_iterations = max(1, int(min_iterations))
+        self.iteration_file = iteration_file
         self._flagged: Optional[int] = None   # the cycle whose progress this node has reported
+        self._base: Optional[int] = None      # the checkpoint iteration when this node's cycle began
+        self._base_cycle: Optional[int] = None
+        self._last: Optional[int] = None      # the iteration read when the last cycle failed
+
+    def begin_cycle(self, cycle: int) -> None:
+        """Before the cycle's ranks start: the checkpoint iteration it starts from."""
+        if self.iteration_file and self.limit > 0:
+            self._base_cycle, self._base = cycle, read_iteration(self.iteration_file)
 
     def poll(self, proto, cycle: int, monitors: list) -> None:
-        """Report this cycle's first completed step (a few word reads until then, nothing after)."""
-        if self._flagged == cycle:
+        """Report this cycle's progress (step mode: a few word reads until then, nothing after)."""
+        if self._flagged == cycle or self.iteration_file:
             return
-        if completed_steps(monitors) > 0:
+        counts = _counts(monitors)
+        if counts and max(counts) >= self.min_iterations:
             self._flagged = cycle
             proto.put(f"r{cycle}/progress", "1")
+
+    def _judge_checkpoint(self, proto, cycle: int) -> None:
+        """NVRx's rule for the cycle that just failed (the deciding node)."""
+        now = read_iteration(self.iteration_file)
+        base = (self._base or 0) if self._base_cycle == cycle else None
+        if now is None or base is None or (base == 0 and now == 0):
+            proto.put(f"r{cycle}/progress_unknown", "1")
+        elif now - base >= self.min_iterations:
+            proto.put(f"r{cycle}/progress", str(now))
+        self._last = now
 
     def stop_reason(self, proto, cycle: int) -> Optional[str]:
         """Why the job must stop instead of restarting after cycle `cycle` failed, or None."""
         if self.limit <= 0:
             return None
+        if self.iteration_file:
+            self._judge_checkpoint(proto, cycle)
         streak, k = 0, cycle
         while k >= 0 and not proto.exists(f"r{k}/progress"):
-            streak += 1
+            if not (self.iteration_file and proto.exists(f"r{k}/progress_unknown")):
+                streak += 1
             k -= 1
-        if k < 0 or streak < self.limit:   # never made progress: the job does not use `step`
+        if streak < self.limit:
             return None
-        return (f"no progress: {streak} cycle{'s' if streak != 1 else ''} in a row ended without a completed "
-                f"'step' section on any rank (max_no_progress_cycles={self.limit}); restarting is pointless")
+        if self.iteration_file:
+            return (f"no progress: {streak} cycle{'s' if streak != 1 else ''} in a row ended without the checkpoint "
+                    f"iteration in {self.iteration_file} rising by min_progress_iterations={self.min_iterations} "
+                    f"(it reads {self._last}; max_no_progress_cycles={self.limit}); restarting is pointless")
+        if k < 0:   # never made progress: the job does not use `step`
+            return None
+        steps = "a completed 'step' section" if self.min_iterations == 1 else f"{self.min_iterations} completed 'step' sections"
+        return (f"no progress: {streak} cycle{'s' if streak != 1 else ''} in a row ended without {steps} "
+                f"on any rank (max_no_progress_cycles={self.limit}); restarting is pointless")

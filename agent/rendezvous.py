@@ -54,7 +54,7 @@ from typing import Callable, Dict, List, Optional
 
 from torch.distributed import DistNetworkError, DistStoreError, TCPStore
 
-from . import store_threads
+from . import segments, store_threads
 from .keepalive import SilenceWatch
 from .launch_config import LaunchConfig
 from .no_restart import NoRestart, too_few_left
@@ -301,10 +301,15 @@ class RoundProtocol:
             if now >= next_progress:
                 next_progress = now + PROGRESS_EVERY
                 self.store.say(self._join_progress(number, joined, expected, now - start))
-            if joined >= self.training_nodes and min_since is None:
+            enough = joined >= self.training_nodes and self._whole_segments(number, joined)
+            if enough and min_since is None:
                 min_since = now
             full = joined >= self.cfg.max_nodes
-            everyone_back = expected is not None and joined >= max(
+            if full and not enough:
+                raise RendezvousError(f"rendezvous round {number}: segment {self.cfg.ft.segment}: "
+                                      + segments.shortfall(self._nodes(number, joined), self.training_nodes,
+                                                           self.cfg.ft.segment))
+            everyone_back = enough and expected is not None and joined >= max(
                 liveness.alive_count(number, joined, now), self.training_nodes)
             last_call_over = min_since is not None and now - min_since >= self._last_call
             if full or everyone_back or last_call_over:
@@ -327,9 +332,22 @@ class RoundProtocol:
         nodes = self._nodes(number, admitted)
         nodes.sort(key=lambda n: (n.order_key is None, n.order_key or 0, n.stable))
         train = self.training_nodes
+        active, spares = nodes[:train], nodes[train:]
+        if self.cfg.ft.segment:   # whole NVLink-domain segments train (agent.segments)
+            chosen = segments.split(nodes, train, self.cfg.ft.segment)
+            if chosen is None:
+                raise RendezvousError(f"rendezvous round {number}: segment {self.cfg.ft.segment}: "
+                                      + segments.shortfall(nodes, train, self.cfg.ft.segment))
+            active, spares = chosen
         if me.seq > admitted:  # joined after the round closed: wait for the next one
-            return Round(number, me, nodes[:train], nodes[train:] + [me])
-        return Round(number, me, nodes[:train], nodes[train:])
+            return Round(number, me, active, spares + [me])
+        return Round(number, me, active, spares)
+
+    def _whole_segments(self, number: int, joined: int) -> bool:
+        """With `segment`: do the nodes that joined hold enough whole segments to train?"""
+        if not self.cfg.ft.segment:
+            return True
+        return segments.split(self._nodes(number, joined), self.training_nodes, self.cfg.ft.segment) is not None
 
     @property
     def training_nodes(self) -> int:

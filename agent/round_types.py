@@ -41,6 +41,7 @@ class NodeInfo:
     stable: int = 0    # drawn once per agent from the store: placement survives restarts
     seq: int = 0
     hosts_store: bool = False  # this node's agent hosts the job's store (the one a failover replaces)
+    domain: Optional[str] = None  # its NVLink domain, with `segment` set (agent.segments)
 
     def label(self) -> str:
         order = "" if self.order_key is None else f" order={self.order_key}"

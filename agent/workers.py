@@ -22,6 +22,7 @@ from ft_launcher.rank_monitor.pdeathsig import set_pdeathsig
 
 from .flight_recorder import recorder_env
 from .gpu_env import nccl_env
+from . import numa_bind, nvrx_cycle_info, nvrx_logs
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .process_wait import Unkillable, kill_and_wait
@@ -91,6 +92,8 @@ def slot_env(cfg: LaunchConfig, local_rank: int) -> Dict[str, str]:
         env["FT_LAUNCHER_EXCEPTION_HOOK"] = "1"   # a warm reserve installs rank_monitor.excepthook
     if _WAKE_FD is not None:
         env[inprocess.ENV_WAKE_FD] = str(_WAKE_FD)
+    if cfg.ft.cycle_info_dir:   # NVRx's: the path of the current cycle's info file (agent.nvrx_cycle_info)
+        env[nvrx_cycle_info.ENV_CURRENT] = nvrx_cycle_info.current_link(cfg.ft.cycle_info_dir)
     env.update(recorder_env(env))   # torch's flight recorder, for the job's dump on a hang
     env.update(nccl_env(env, cfg.ft, cfg.log_dir))   # torch's NCCL watchdog after our monitors
     if cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -143,14 +146,17 @@ class WorkerGroup:
         cfg = self.cfg
         log_file = os.path.join(cfg.log_dir, f"cycle_{cycle}", f"rank_{rank}.log") if cfg.log_dir else None
         show = cfg.local_ranks_filter is None or local_rank in cfg.local_ranks_filter
+        applog = ((nvrx_logs.cycle_log_file(cfg.applog_prefix, cycle),
+                   nvrx_logs.rank_prefix(rank, int(env.get("WORLD_SIZE", "1")))) if cfg.applog_prefix else None)
         stdout, stderr, handle = self.output.plan(
-            rank, cfg.capture.get(local_rank, 0), cfg.tee.get(local_rank, 0), show, log_file)
+            rank, cfg.capture.get(local_rank, 0), cfg.tee.get(local_rank, 0), show, log_file, applog)
         start_ns = time.monotonic_ns()
         try:
             proc = reserve.activate(env, stdout, stderr, " ".join(cfg.entrypoint)) if reserve else None
             if proc is None:
                 proc = popen_rank_process(list(cfg.entrypoint), env, stdout, stderr)
                 self.watchdog.watch(proc.pid)
+            numa_bind.bind(proc.pid, local_rank)   # NVRX_GPUS_PER_NUMA set: its NUMA node's CPUs
         finally:
             for fd in (stdout, stderr):
                 if isinstance(fd, int) and fd >= 0:
@@ -165,9 +171,12 @@ class WorkerGroup:
         """Take over a rank of the previous cycle that restarts in place, as global rank
         `global_rank`; its captured output goes on in this cycle's log file."""
         rank.rank, rank.start_ns, rank.in_place, rank.warm = global_rank, time.monotonic_ns(), True, False
-        if self.cfg.log_dir:   # the directory is made (or its failure said) by RankOutput
+        if self.cfg.log_dir or self.cfg.applog_prefix:   # the directory is made (or its failure said) by RankOutput
             rank.output = self.output.redirect(
-                rank.output, os.path.join(self.cfg.log_dir, f"cycle_{cycle}", f"rank_{global_rank}.log"))
+                rank.output,
+                os.path.join(self.cfg.log_dir, f"cycle_{cycle}", f"rank_{global_rank}.log") if self.cfg.log_dir else None,
+                nvrx_logs.cycle_log_file(self.cfg.applog_prefix, cycle) if self.cfg.applog_prefix else None,
+                global_rank)
         self.ranks.append(rank)
         return rank
 
@@ -184,6 +193,18 @@ class WorkerGroup:
         os.close(rank.pidfd)
         self.output.finish(rank.output)
         return code
+
+    def leftovers(self, keep=()) -> List[dict]:
+        """check_remaining_processes (NVRx 0.7): what is still alive in the process groups of this
+        cycle's stopped ranks (not those in `keep`, which restart in place)."""
+        kept = {id(r) for r in keep}
+        pgids = [r.pid for r in self.ranks if id(r) not in kept]
+        deadline = time.monotonic() + 1.0   # a process SIGKILLed a moment ago may still be on its way out
+        while True:
+            left = processes_in_groups(pgids)
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.02)
 
     def running(self) -> List[Rank]:
         return [r for r in self.ranks if r.exitcode is None and self.reap(r) is None]
@@ -210,6 +231,28 @@ class WorkerGroup:
             self.reap(r)
         if stuck:
             raise Unkillable(stuck)
+
+
+def processes_in_groups(pgids) -> List[dict]:
+    """Live processes (not zombies) whose process group is one of `pgids`, from /proc."""
+    wanted, found = set(pgids), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                head, tail = fh.read().rsplit(b")", 1)
+            fields = tail.split()
+            state, ppid, pgid = fields[0].decode(), int(fields[1]), int(fields[2])
+            if pgid not in wanted or state in ("Z", "X"):
+                continue
+            with open(f"/proc/{name}/cmdline", "rb") as fh:
+                cmdline = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        found.append({"pid": int(name), "ppid": ppid, "pgid": pgid, "state": state,
+                      "name": head.split(b"(", 1)[-1].decode(errors="replace"), "cmdline": cmdline[:100]})
+    return found
 
 
 def killpg(pgid: int, sig: int) -> None:

@@ -121,11 +121,19 @@ FT_HELP = {
     "gpu_memory_poll_interval": "seconds between looks at the GPUs while waiting for their memory",
     "install_exception_hook": "report a rank's uncaught exception to the launcher at raise time (true/false)",
     "storage_healthcheck_path": "paths (comma-separated) that must be readable before each rendezvous",
+    "cycle_info_dir": "write NVRx's cycle_info.<job>.<attempt>.<cycle> files and the .current link here "
+                      "(ranks get NVRX_CURRENT_CYCLE_INFO)",
+    "checkpoint_iteration_file": "measure progress by the iteration this file holds (max_no_progress_cycles)",
+    "min_progress_iterations": "iterations (or steps) a cycle must add to count as progress",
+    "enable_nic_healthcheck": "fail the node when an RDMA NIC port that was ACTIVE is not, before each rendezvous",
+    "link_state_path_template": "a NIC port's state file, with {nic} (default /sys/class/infiniband/{nic}/ports/1/state)",
+    "enable_dist_storage_healthcheck": "check Lustre health and that Lustre/NFS mounts answer before each rendezvous",
+    "segment": "nodes per NVLink-domain segment: nodes train in whole segments of one domain",
+    "check_remaining_processes": "after the ranks stop, name any process of their groups still there",
     # NVRx 0.7's keys without a meaning here: accepted, one line says what does their job (nvrx_flags)
-    "checkpoint_iteration_file": None, "min_progress_iterations": None, "cycle_info_dir": None,
-    "num_warmup_iterations": None, "enable_nic_healthcheck": None, "enable_dist_storage_healthcheck": None,
-    "link_state_path_template": None, "skip_section_response": None, "segment": None,
-    "numa_bind_strict": None, "check_remaining_processes": None, "attribution_endpoint": None,
+    "num_warmup_iterations": None, "skip_section_response": None,
+    "numa_bind_strict": "with NVRX_GPUS_PER_NUMA set: say that memory is not bound (CPUs are)",
+    "attribution_endpoint": None,
     "attribution_stop_action": None, "attribution_export_url": None, "segment_health_check_dir": None,
 }
 # NVRx's own spellings of some keys
@@ -488,6 +496,21 @@ def _keys_set(ft_cli, ft) -> set:
     return set(ft_cli) | {k for k in nvrx_flags.KEY_NOTES if getattr(ft, k) != getattr(defaults, k)}
 
 
+def _check_nic_keys(ft, given: set) -> None:
+    """NVRx's NIC link-state check (agent.health_checks): a template names its NIC by {nic}; asked
+    for on a node without that folder of NICs, one line says it is skipped."""
+    from ft_launcher.agent.health_checks import nic_folder
+
+    template = ft.link_state_path_template
+    if template and "{nic}" not in template:
+        raise UsageError(f"link_state_path_template: {template!r} must contain {{nic}} (the NIC's name), e.g. "
+                         "/sys/class/infiniband/{nic}/ports/1/state")
+    asked = {"enable_nic_healthcheck", "link_state_path_template"} & given
+    if ft.enable_nic_healthcheck and asked and not os.path.isdir(nic_folder(template)):
+        print(f"{PROG}: enable_nic_healthcheck: skipped on this node: {nic_folder(template)} does not exist "
+              f"(no RDMA NIC to check)", file=sys.stderr)
+
+
 def _launch_config(args, origins):
     from ft_launcher.agent.launch_config import LaunchConfig
     from ft_launcher.ft_config_loading import build_ft_config
@@ -546,6 +569,14 @@ def _launch_config(args, origins):
         raise UsageError(str(exc)) from None
     for line in nvrx_flags.notes(args) + nvrx_flags.key_notes(_keys_set(ft_cli, ft)):
         print(f"{PROG}: {line}", file=sys.stderr)
+    _check_nic_keys(ft, _keys_set(ft_cli, ft) | set(ft_cli))
+    from ft_launcher.agent import numa_bind
+
+    for line in numa_bind.problems(nproc, ft.numa_bind_strict):
+        print(f"{PROG}: {line}", file=sys.stderr)
+    if "numa_bind_strict" in _keys_set(ft_cli, ft) | set(ft_cli) and not os.environ.get(numa_bind.ENV):
+        print(f"{PROG}: numa_bind_strict: {numa_bind.ENV} is not set, so ranks are not bound to NUMA nodes "
+              f"(as in NVRx)", file=sys.stderr)
     capture = parse_stream_map("--redirects", args.redirects, nproc)
     tee = parse_stream_map("--tee", args.tee, nproc)
     log_dir = args.log_dir
@@ -557,7 +588,16 @@ def _launch_config(args, origins):
         log_dir = tempfile.mkdtemp(prefix="ft_launcher_logs_")
         print(f"{PROG}: --redirects without --log-dir: logs go to {log_dir}", file=sys.stderr)
     check_output_paths(log_dir, ft)
+    applog_prefix, nvrx_logfile = args.nvrx__ft_per_cycle_applog_prefix, args.nvrx__ft_nvrx_logfile
+    for flag, path in (("--ft-per-cycle-applog-prefix", applog_prefix), ("--ft-nvrx-logfile", nvrx_logfile),
+                       ("--ft-cycle-info-dir", ft.cycle_info_dir)):
+        if path:
+            check_writable_dir(flag, path if flag == "--ft-cycle-info-dir" else os.path.dirname(os.path.abspath(path)))
     active_nodes = parse_active_nodes(ft.active_world_size, nproc, high)
+    training = min(active_nodes, low) if active_nodes else low
+    if ft.segment and training % ft.segment:
+        raise UsageError(f"--ft-segment {ft.segment}: the {training} training node(s) (MIN of --nnodes) must be a "
+                         f"multiple of it: nodes train in whole segments of {ft.segment} nodes of one NVLink domain")
     if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
         raise UsageError(f"--metrics-port: expected a port 1-65535, got {args.metrics_port}")
     ranks_filter = None
@@ -575,7 +615,8 @@ def _launch_config(args, origins):
         workers_stop_timeout=args.workers_stop_timeout, ft=ft, entry_kind=entry_kind(args),
         entry_target=args.training_script, entry_args=list(args.training_script_args),
         origins=origins.describe(args, slurm), metrics_port=args.metrics_port, active_nodes=active_nodes,
-        signals=signals)
+        signals=signals, applog_prefix=applog_prefix and os.path.abspath(applog_prefix),
+        nvrx_logfile=nvrx_logfile and os.path.abspath(nvrx_logfile))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -605,13 +646,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from ft_launcher.agent.agent import NodeAgent
     from ft_launcher.agent.events import EventLog
 
-    events = EventLog(os.path.join(cfg.log_dir, "events.jsonl") if cfg.log_dir else None)
+    stream = None
+    if cfg.nvrx_logfile:   # NVRx's launcher log: the agent's lines go there too (agent.nvrx_logs)
+        from ft_launcher.agent.nvrx_logs import LauncherLogTee
+
+        stream = LauncherLogTee(sys.stderr, cfg.nvrx_logfile)
+    events = EventLog(os.path.join(cfg.log_dir, "events.jsonl") if cfg.log_dir else None, stream)
     try:
         code = NodeAgent(cfg, events, metrics).run()
     except KeyboardInterrupt:
         code = 130
     finally:
         events.close()
+        if stream is not None:
+            stream.close()
         if metrics is not None:
             metrics.close()
     return store_threads.exit_past_stuck(code)   # a thread stuck in torch's store code would abort the exit

@@ -26,8 +26,8 @@ FLAGS: Dict[str, tuple] = {
                           "restart_granularity chooses what restarts"),
     "ft-ignore-missing-cfg": (dict(action="store_true"), None),   # no config is ever required here
     "ft-rdzv-impl": (dict(choices=["barrier"]), None),             # our rounds are a barrier on the TCPStore
-    "ft-per-cycle-applog-prefix": ({}, _LOGS),
-    "ft-nvrx-logfile": ({}, _LOGS),
+    "ft-per-cycle-applog-prefix": ({}, None),   # built: agent.nvrx_logs
+    "ft-nvrx-logfile": ({}, None),              # built: agent.nvrx_logs
     "ft-enable-log-server": ({}, _LOG_SERVER),
     "ft-log-server-port": ({}, _LOG_SERVER),
     "ft-log-aggregator-count": ({}, _LOG_SERVER),
@@ -51,24 +51,22 @@ CFG_PATH_SPELLINGS = ("--ft-cfg_path", "--fault-tol-cfg-path")
 
 # fault-tolerance keys with no effect here -> what does their job (None: nothing to say)
 KEY_NOTES = {
-    "cycle_info_dir": "no cycle_info files are written here (NVRX_CURRENT_CYCLE_INFO is not set); each "
-                      "cycle's start, ranks and nodes are events in <--log-dir>/events.jsonl",
-    "checkpoint_iteration_file": "progress is measured by completed `step` sections (max_no_progress_cycles), "
-                                 "not by this file",
-    "min_progress_iterations": "progress is one completed `step` section in a cycle (max_no_progress_cycles)",
+    "cycle_info_dir": None,   # built: agent.nvrx_cycle_info
+    "checkpoint_iteration_file": None,   # built: agent.progress
+    "min_progress_iterations": None,     # built: agent.progress
     "num_warmup_iterations": "section and out-of-section timeouts apply from the first step here; give a "
                              "longer first section (e.g. setup) or use calc_ft_timeouts",
-    "enable_nic_healthcheck": None,
+    "enable_nic_healthcheck": None,      # built: agent.health_checks (NIC port states)
     "enable_nic_monitor": None,
-    "enable_dist_storage_healthcheck": "Lustre/NFS checks are not built here; storage_healthcheck_path and "
-                                       "checkpoint_dir are checked before each rendezvous",
-    "link_state_path_template": "NIC checks are not built here (the agent checks GPUs and disks)",
-    "link_down_path_template": "NIC checks are not built here (the agent checks GPUs and disks)",
-    "pci_topo_file": "NIC checks are not built here (the agent checks GPUs and disks)",
+    "enable_dist_storage_healthcheck": None,   # built: agent.health_checks (Lustre, NFS mounts)
+    "link_state_path_template": None,    # built: agent.health_checks
+    "link_down_path_template": "no in-training NIC link_downed counters are read here (enable_nic_monitor); "
+                               "NIC port states are checked before each rendezvous (enable_nic_healthcheck)",
+    "pci_topo_file": "no GPU-to-NIC mapping is needed here: every NIC's port state is checked before each "
+                     "rendezvous (enable_nic_healthcheck)",
     "skip_section_response": None,   # a section never waits for a response here
-    "segment": "NVLink-domain segments are not built here: --nnodes MIN:MAX keeps whole nodes as hot spares",
-    "numa_bind_strict": "no NUMA binding here (NVRX_GPUS_PER_NUMA is not read); bind with numactl in "
-                        "--no-python mode",
+    "segment": None,   # built: agent.segments
+    "numa_bind_strict": None,   # built: agent.numa_bind (its line comes from ft_launcher.cli)
     "check_remaining_processes": None,   # every rank's process group is killed and checked here anyway
     "attribution_endpoint": _ATTRIBUTION,
     "attribution_stop_action": _ATTRIBUTION,

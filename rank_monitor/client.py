@@ -549,6 +549,9 @@ def section(name: str) -> _Section:
     return sec
 
 
+_section_of = section   # for the methods whose parameter (NVRx's name) hides it
+
+
 # ---------------------------------------------------------------------------------------------
 # NVRx's client surface (nvidia_resiliency_ext.fault_tolerance 0.4.1): same names and fields
 # ---------------------------------------------------------------------------------------------
@@ -658,13 +661,13 @@ class RankMonitorClient:
     def section(self, name: str) -> _Section:
         return section(name)
 
-    def start_section(self, name: str) -> None:
-        section(name).__enter__()
+    def start_section(self, section: str) -> None:   # NVRx's parameter name (start_section(section="step"))
+        _section_of(section).__enter__()
 
-    def end_section(self, name: str) -> None:
-        sec = _sections.get(name)
+    def end_section(self, section: str) -> None:
+        sec = _sections.get(section)
         if sec is None:
-            sec = section(name)
+            sec = _section_of(section)
         sec.__exit__(None, None, None)
 
     def end_all_sections(self) -> None:

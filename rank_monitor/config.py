@@ -9,10 +9,10 @@ a one-line message naming the key and the source of the bad value.
 names and types (`rank_termination_signal` a `signal.Signals`, `log_level` a logging level
 number) and its constructors `from_kwargs`, `from_yaml_file`, `from_args`, plus `to_yaml_file`.
 NVRx's keys that mean nothing here (`node_health_check_interval`, `restart_check_interval`,
-`enable_nic_monitor`, `pci_topo_file`, `link_down_path_template`, and of NVRx 0.7's keys those
-listed after `num_warmup_iterations`) and Megatron-Bridge's `enable_ft_package` are accepted and
-have no effect. NVRx 0.7's gpu_memory_*, install_exception_hook and storage_healthcheck_path have
-their meaning here.
+`enable_nic_monitor`, `pci_topo_file`, `link_down_path_template`, and of NVRx 0.7's keys
+`num_warmup_iterations`, `skip_section_response`, the attribution keys and
+`segment_health_check_dir`) and Megatron-Bridge's `enable_ft_package` are accepted and have no
+effect. NVRx 0.7's other keys have their meaning here (docs/nvrx-flags.md says where each is built).
 
 Megatron-Bridge's `InProcessRestartConfig` names are accepted too, under `fault_tolerance:` or in
 an `inprocess_restart:` section of the same file (`megatron_bridge_aliases`): those with a meaning
@@ -124,18 +124,24 @@ class FaultToleranceConfig:
     install_exception_hook: bool = False
     # Comma-separated paths that must exist and be readable before each rendezvous (health checks).
     storage_healthcheck_path: Optional[str] = None
-    # Accepted from NVRx 0.7, no effect here (ft_launcher/nvrx_flags.py says what does their job).
+    # Progress by the checkpoint iteration this file holds, and the rise a cycle needs (agent.progress).
     checkpoint_iteration_file: Optional[str] = None
     min_progress_iterations: int = 1
+    # NVRx's cycle_info files and NVRX_CURRENT_CYCLE_INFO (agent.nvrx_cycle_info).
     cycle_info_dir: Optional[str] = None
-    num_warmup_iterations: int = 5
+    # Health checks before each rendezvous (agent.health_checks): NIC port states, Lustre/NFS.
     enable_nic_healthcheck: bool = True
     enable_dist_storage_healthcheck: bool = False
     link_state_path_template: Optional[str] = None
-    skip_section_response: bool = True
+    # Nodes train in whole segments of this many nodes of one NVLink domain (agent.segments).
     segment: Optional[int] = None
+    # With NVRX_GPUS_PER_NUMA: CPUs are bound, memory is not; true says so (agent.numa_bind).
     numa_bind_strict: bool = True
+    # After the ranks stop, name what is left of their process groups (agent.workers).
     check_remaining_processes: bool = False
+    # Accepted from NVRx 0.7, no effect here (ft_launcher/nvrx_flags.py says what does their job).
+    num_warmup_iterations: int = 5
+    skip_section_response: bool = True
     attribution_endpoint: Optional[str] = None
     attribution_stop_action: Optional[str] = None
     attribution_export_url: Optional[str] = None

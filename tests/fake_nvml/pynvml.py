@@ -2,9 +2,12 @@
 
 One healthy GPU. Its process list is the pids that rank scripts wrote into $FAKE_NVML_DIR
 (tests/scripts/gpu_rank.py): with FAKE_NVML_MODE=release only those still alive (the driver freed
-a dead process's memory), with FAKE_NVML_MODE=stuck all of them (it never does)."""
+a dead process's memory), with FAKE_NVML_MODE=stuck all of them (it never does). Its NVLink fabric
+cluster UUID (the node's NVLink domain) is FAKE_NVML_CLUSTER_UUID."""
+import ctypes
 import os
 import types
+import uuid
 
 NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
 NVML_VOLATILE_ECC = 0
@@ -62,3 +65,16 @@ def nvmlDeviceGetComputeRunningProcesses(handle):
 
 def nvmlDeviceGetGraphicsRunningProcesses(handle):
     return []
+
+
+# NVLink fabric: every GPU of this node reports the cluster UUID FAKE_NVML_CLUSTER_UUID (none when unset)
+class c_nvmlGpuFabricInfo_t(ctypes.Structure):
+    _fields_ = [("clusterUuid", ctypes.c_char * 80), ("status", ctypes.c_uint), ("cliqueId", ctypes.c_uint),
+                ("state", ctypes.c_ubyte)]
+
+
+def nvmlDeviceGetGpuFabricInfo(handle, info):
+    cluster = os.environ.get("FAKE_NVML_CLUSTER_UUID")
+    if cluster:
+        ctypes.memmove(ctypes.addressof(info), uuid.UUID(cluster).bytes, 16)
+        info.state = 3
