@@ -47,7 +47,6 @@ from .hang_blame import POLL as BLAME_POLL, HangBlame
 from .gpu_env import heartbeat_warning
 from .health_checks import HealthChecks
 from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host, too_few_left
-from .progress import ProgressTracker
 from .section_use import SectionUse
 from .stragglers import StragglerWatch
 from .job_status import JobStatus
@@ -194,8 +193,7 @@ class NodeAgent:
                 self._warn_if_hangs_undetectable()
                 if heartbeat_warning(os.environ, self.cfg.ft):
                     self.say(heartbeat_warning(os.environ, self.cfg.ft))
-                self.progress = ProgressTracker(self.cfg.ft.max_no_progress_cycles, self.cfg.ft.min_progress_iterations,
-                                                self.cfg.ft.checkpoint_iteration_file)
+                self.progress = self.proto.policy.progress   # one tracker: this node's polls, the policy's judgement
                 self.stragglers = StragglerWatch(self.cfg.ft, self.events)
                 self.section_use = SectionUse(self.events)
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)

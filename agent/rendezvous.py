@@ -58,6 +58,7 @@ from . import segments, store_threads
 from .keepalive import SilenceWatch
 from .launch_config import LaunchConfig
 from .no_restart import NoRestart, too_few_left
+from .progress import ProgressTracker
 from .restart_policy import RestartPolicy, RoundFacts, Verdict
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
 
@@ -239,7 +240,9 @@ class RoundProtocol:
         self.me = me
         self._last_call = cfg.conf("last_call_timeout")
         self.policy = RestartPolicy(self, cfg.max_restarts, cfg.ft.restart_granularity,
-                                    cfg.ft.max_no_progress_cycles, cfg.ft.straggler_exclude)
+                                    ProgressTracker(cfg.ft.max_no_progress_cycles, cfg.ft.min_progress_iterations,
+                                                    cfg.ft.checkpoint_iteration_file),
+                                    cfg.ft.straggler_exclude)
         self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
         if not me.stable:
             me.stable = self._call(self.s.add, self.k("agents"), 1)

@@ -134,14 +134,15 @@ class RestartPolicy:
     """Decides verdicts from reports (see the module docstring). `count(name, inc)`, `exists(name)`,
     `get(name)` and `put(name, value)` are the round protocol's store calls."""
 
-    def __init__(self, store, max_restarts: int, granularity: str = "auto", no_progress_limit: int = 0,
-                 straggler_exclude: bool = False):
+    def __init__(self, store, max_restarts: int, granularity: str = "auto",
+                 progress: Optional[ProgressTracker] = None, straggler_exclude: bool = False):
         if granularity not in GRANULARITIES:
             raise ValueError(f"restart granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
         self.store = store
         self.max_restarts = max_restarts
         self.granularity = granularity
-        self.progress = ProgressTracker(no_progress_limit)
+        # the node's progress tracker (agent.progress): its agent polls it, the policy asks it
+        self.progress = progress or ProgressTracker(0)
         self.straggler_exclude = straggler_exclude
 
     # -- what the agents tell it while a round runs ----------------------------------------
