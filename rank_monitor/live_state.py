@@ -26,7 +26,8 @@ How it works:
   non-tensor value) and then each tensor with send/recv, received in place into the new object's
   own tensor where path, shape and dtype match (a DTensor's local shard), else into a new one;
   then `load_state_dict`. A second all_gather collects what each rank received and how long it
-  took; global rank 0 writes the summary (JSON) into its record for the agent, which says it as one
+  took (`transfer_s`: the slowest receiver's; `restore_s`: the slowest rank's time from the step
+  exchange to its state loaded); global rank 0 writes the summary (JSON) into its record for the agent, which says it as one
   `live_recovery` event and console line (agent.live_recovery).
 - Outside ft_launcher, under torchrun or plain python, outside `ft.restartable`, or with
   `--restart-granularity job`: `restore()` returns None and `commit` only runs its body.
@@ -207,7 +208,6 @@ class LiveState:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("LiveState.restore() exchanges state over the process group: call it after "
                                "init_process_group (and before DDP is constructed)")
-        started = time.perf_counter()
         rank, world = dist.get_rank(), dist.get_world_size()
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
             else torch.device("cpu")
@@ -216,12 +216,14 @@ class LiveState:
         mine_raw = held if previous is not None else NOT_HELD
         table = _all_gather(torch.tensor([mine, self.shard, mine_raw], dtype=torch.int64, device=device), world)
         steps, shards, raw = [int(r[0]) for r in table], [int(r[1]) for r in table], [int(r[2]) for r in table]
+        started = time.perf_counter()   # every rank is here: what follows is the recovery's own time
         resume, sources, reason = plan_recovery(steps, shards)
         received, seconds = 0, 0.0
         if resume is not None:
             with torch.no_grad():
                 if sources[rank] == rank:
                     _copy_objects(previous, self)
+                    _REG.step = resume   # held now: a failure during the transfers keeps it
                 del previous
                 t0 = time.perf_counter()
                 for dst in range(world):   # a source serves its receivers in rank order
@@ -232,13 +234,14 @@ class LiveState:
                     seconds = time.perf_counter() - t0
         else:
             del previous
-        stats = _all_gather(torch.tensor([received, int(seconds * 1e9)], dtype=torch.int64, device=device), world)
-        total = time.perf_counter() - started
+        own = int((time.perf_counter() - started) * 1e9)
+        stats = _all_gather(torch.tensor([received, int(seconds * 1e9), own], dtype=torch.int64, device=device), world)
         summary = {"cycle": cycle, "resume_step": resume, "steps_redone": None if resume is None
                    else max(0, max(raw) - resume),
                    "sources": {str(r): _source_name(r, sources[r]) for r in range(world)},
                    "bytes": sum(int(s[0]) for s in stats),
-                   "transfer_s": round(max(int(s[1]) for s in stats) / 1e9, 6), "restore_s": round(total, 6)}
+                   "transfer_s": round(max(int(s[1]) for s in stats) / 1e9, 6),
+                   "restore_s": round(max(int(s[2]) for s in stats) / 1e9, 6)}
         if summary["bytes"] and summary["transfer_s"]:
             summary["mb_per_s"] = round(summary["bytes"] / 1e6 / summary["transfer_s"], 1)
         if reason:

@@ -23,7 +23,7 @@ import time
 import psutil
 import pytest
 
-from conftest import EXAMPLE, ROOT, SCRIPTS, Launcher, read_events, wait_for, wait_until_gone
+from conftest import EXAMPLE, LAUNCHER, ROOT, SCRIPTS, Launcher, read_events, wait_for, wait_until_gone
 from test_fault_matrix import Job, progress
 from ft_launcher.rank_monitor.live_state import plan_recovery
 
@@ -164,6 +164,13 @@ def check_live(job, reference, fault_rank, resume):
     out = "".join(r[2] for r in results)
     line = [ln for ln in out.splitlines() if "live recovery: resumed at step" in ln]
     assert len(line) == 1 and f"rank {fault_rank} from peer rank {source.split()[1]}" in line[0], line
+    # goodput: no step was redone (the report's incident line tells the live recovery too)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run(LAUNCHER + ["report", str(job.logs), "-o", str(job.logs / "report.html")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "of which 0 steps (0.0 rank-s) redone" in res.stdout, res.stdout + res.stderr
+    assert f"live state: resumed at step {resume}, 0 completed step(s) redone; rank {fault_rank} from peer rank" \
+        in res.stdout, res.stdout
     print(f"\n{live}\n{elapsed:.1f}s")
     return live
 
