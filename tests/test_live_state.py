@@ -12,6 +12,8 @@ in-place restarts, end to end with real agents, monitors and ranks, and the reco
   step and keeps its state; every rank holds the same parameters after restore (checksums).
 - 20 live recoveries in a row: exact checksum, a healthy rank's RSS, fds and threads flat (slow).
 - Under plain python and torchrun, --live behaves as without.
+- HSDP (examples/hsdp_train.py: torch's fully_shard runs on gloo here, 2 replicas x 2 shards): a
+  killed rank heals from the same shard position in the other replica, exactly (slow).
 """
 import json
 import os
@@ -328,3 +330,23 @@ def test_without_ft_launcher_live_is_the_checkpoint_path(tmp_path):
         assert "resumed from step 10 (cycle 0)" in outs[1], outs[1]
         final = [[ln for ln in outs[n].splitlines() if "FINAL" in ln] for n in (0, 1)]
         assert final[0] == final[1] and final[0], (name, final)
+
+
+@pytest.mark.slow
+def test_hsdp_a_killed_rank_heals_from_its_shard_in_the_other_replica(launcher, tmp_path):
+    """examples/hsdp_train.py on 1 agent x 4 ranks (mesh replicate 2 x shard 2): rank 3 (replica 1,
+    shard 1) killed at step 17 receives shard 1 from rank 1 (replica 0); the job ends with exactly
+    the full parameters of a fault-free run."""
+    def run(name, extra):
+        proc = launcher.start(["--standalone", "--nproc-per-node", 4, "--max-restarts", 1, "--log-dir",
+                               tmp_path / name, os.path.join(ROOT, "examples", "hsdp_train.py"), "--steps", 30] + extra)
+        out, err = proc.communicate(timeout=200)
+        assert proc.returncode == 0, err[-3000:]
+        return [ln.split("] ", 1)[1] for ln in out.splitlines() if "FINAL" in ln], read_events(str(tmp_path / name))
+
+    clean, _ = run("clean", [])
+    fault, evs = run("fault", ["--fail-at-step", 17, "--fail-rank", 3])
+    assert clean == fault and len(clean) == 1, (clean, fault)
+    told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
+    assert len(told) == 1 and told[0]["resume_step"] == 16, told
+    assert told[0]["sources"] == {"0": "kept", "1": "kept", "2": "kept", "3": "peer 1"}, told
