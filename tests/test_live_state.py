@@ -350,3 +350,18 @@ def test_hsdp_a_killed_rank_heals_from_its_shard_in_the_other_replica(launcher, 
     told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
     assert len(told) == 1 and told[0]["resume_step"] == 16, told
     assert told[0]["sources"] == {"0": "kept", "1": "kept", "2": "kept", "3": "peer 1"}, told
+
+
+def test_goodput_keeps_a_cycle_s_steps_up_to_the_live_resume_step():
+    """agent.job_status.kept_work: a cycle followed by a checkpoint restart keeps its steps up to the
+    checkpoint; followed by a live restore at step R, every step a rank completed up to R."""
+    from ft_launcher.agent.job_status import kept_work
+
+    ranks = {0: {"steps": 137, "step_total": 13.7, "at_checkpoint": {"steps": 100, "step_total": 10.0},
+                 "live_step": 137},
+             1: {"steps": 136, "step_total": 13.6, "at_checkpoint": {"steps": 100, "step_total": 10.0},
+                 "live_step": 136}}
+    assert kept_work(ranks) == {0: (100, 10.0), 1: (100, 10.0)}
+    kept = kept_work(ranks, live_resume=136)
+    assert kept[0][0] == 136 and kept[1] == (136, 13.6) and abs(kept[0][1] - 13.6) < 1e-9
+    assert kept_work(ranks, live_resume=-1) == kept_work(ranks)   # the restore fell back to disk
