@@ -32,7 +32,7 @@ import socket
 import tempfile
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor, wait as futures_wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 from ft_launcher.rank_monitor import shm_layout
@@ -51,6 +51,7 @@ from .progress import ProgressTracker
 from .section_use import SectionUse
 from .stragglers import StragglerWatch
 from .job_status import JobStatus
+from .monitor_set import MonitorSet
 from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
@@ -60,10 +61,9 @@ from . import inprocess_ranks, live_recovery, store_threads
 from .reserve_pool import ReservePool
 from .restart_policy import RoundFacts, Verdict
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
-from .workers import Rank, WorkerGroup, describe_exit, killpg, rank_env, set_wake_fd
+from .workers import Rank, WorkerGroup, describe_exit, rank_env, set_wake_fd
 
 EXIT_OK, EXIT_FAILED = 0, 1
-MONITOR_STALL_LIMIT = 5.0  # seconds without a monitor tick (it ticks at least once a second)
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -85,10 +85,7 @@ class NodeAgent:
         os.set_blocking(self._wake_w, False)
         self._signal: Optional[int] = None
         self._signal_handled = False  # once True, waits no longer end on self._signal
-        self.monitors: list = []
         events.node = socket.gethostname()  # until the rendezvous gives this node its rank
-        self._pending_reports: Dict[int, List[dict]] = {}
-        self._stalled_monitors: set = set()
         self._excluded: Optional[str] = None   # why this node left the job (agent.no_restart)
         # Ranks of the ended cycle that restart in their own process (agent.inprocess_ranks):
         # local rank -> (monitor, rank, when asked); adopted by the next cycle or killed.
@@ -97,6 +94,12 @@ class NodeAgent:
         # Where stack dumps go: the log dir, else a per-agent dir in the platform's temp dir
         # (removed at the end unless a dump was written there).
         self._run_dir = cfg.log_dir or os.path.join(tempfile.gettempdir(), f"ft_launcher-{os.getpid()}")
+        self.monitor_set: Optional[MonitorSet] = None
+
+    @property
+    def monitors(self) -> list:
+        """The node's monitor handles by local rank (agent.monitor_set)."""
+        return self.monitor_set.handles if self.monitor_set is not None else []
 
     # ---- plumbing -----------------------------------------------------------------------
     def wake(self) -> None:
@@ -157,7 +160,8 @@ class NodeAgent:
         self.blame = HangBlame(self.events)
         os.environ[ENV_HANG_VERDICT] = "1"   # our monitors hold a hung rank for the blame verdict
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
-        monitor_starts = self._monitor_starts = self._start_monitors(pool)
+        self.monitor_set = MonitorSet(self.cfg, self._run_dir, self.watchdog, self.events)
+        self.monitor_set.start(pool)
         self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
         # torch loads here, while the monitors start: their start-up costs the launch nothing
         with warnings.catch_warnings():  # torch's import-time warnings say nothing about this job
@@ -175,6 +179,7 @@ class NodeAgent:
                                               self.events)
                 self.failover = StoreFailover(self.cfg, self.store, self.proto, self.me, self.say, self.learner)
                 self.flight.on_request = lambda cycle: self.learner.freeze(self.monitors, cycle)
+                self.flight.on_done = lambda cycle: [m.flight_done(cycle) for m in list(self.monitors)]
                 self._warn_if_hangs_undetectable()
                 if heartbeat_warning(os.environ, self.cfg.ft):
                     self.say(heartbeat_warning(os.environ, self.cfg.ft))
@@ -183,7 +188,7 @@ class NodeAgent:
                 self.section_use = SectionUse(self.events)
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
                 self._start_watcher()
-                self.monitors = [f.result() for f in monitor_starts]
+                self.monitor_set.ready()
                 code = self._cycles_failing_over()
                 return self._job_stopped(code) if code > 128 else code
             except StoreReplaced as exc:
@@ -229,12 +234,8 @@ class NodeAgent:
             watcher.stop()
         # this watcher, those replaced by a failover, abandoned connects (agent.store_threads)
         store_threads.join_all(self.cfg.conf("keep_alive_interval") + 1.0)
-        starts = getattr(self, "_monitor_starts", [])
-        futures_wait(starts)   # each start is bounded (MonitorHandle.start's ready timeout)
-        started = [f.result() for f in starts if not f.cancelled() and f.exception() is None]
-        for handle in self.monitors + [h for h in started if h not in self.monitors]:
-            handle.stop()   # also those started before the store or another monitor failed
-            self.watchdog.forget(handle.pid)
+        if self.monitor_set is not None:
+            self.monitor_set.stop_all()
         pool.shutdown(wait=True)
         for marker in glob.glob(shm_layout.warned_prefix(os.getpid()) + "*"):   # the ranks' said-once marks
             try:
@@ -343,7 +344,7 @@ class NodeAgent:
         term_timeout), leave the round, raise Shutdown(128 + sig)."""
         group = getattr(self, "group", None)
         if group is not None:
-            self._mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
+            self.monitor_set.mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
             group.stop(sig, self.cfg.term_timeout)
         if rnd is not None:
             self._leave(rnd)
@@ -437,14 +438,6 @@ class NodeAgent:
             return self._announce(rnd, self.proto.interrupt(rnd.number, reason, self._facts(rnd)))
         return None
 
-    def _mark_stopping(self, reason: int, grace: float, skip=()) -> None:
-        """Tell the ranks (ft_launcher.preempted()) why they are about to be signalled, and when
-        SIGKILL follows; not those of the local ranks in `skip` (they restart in place)."""
-        deadline = time.monotonic_ns() + int(grace * 1e9)
-        for local_rank, monitor in enumerate(self.monitors):
-            if local_rank not in skip:
-                monitor.mark_stopping(reason, deadline)
-
     # ---- one round ----------------------------------------------------------------------
     def _run_round(self, rnd: Round) -> Verdict:
         cfg = self.cfg
@@ -533,7 +526,7 @@ class NodeAgent:
                 self.learner.end_of_cycle(self.monitors)
             for monitor in self.monitors:
                 monitor.rank_stopped()
-            self._mark_stopping(shm_layout.STOP_RESTART, cfg.workers_stop_timeout, skip=keep)
+            self.monitor_set.mark_stopping(shm_layout.STOP_RESTART, cfg.workers_stop_timeout, skip=keep)
             self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout, keep=[k[1] for k in keep.values()])
             deferred, self._deferred_restart = self._deferred_restart, None
             for args, fields in deferred or []:   # after the stopped ranks' output (their tracebacks)
@@ -558,10 +551,7 @@ class NodeAgent:
             if report is not None:
                 self.blame.on_hang(monitor.local_rank, report)
         self.blame.tick(self.monitors, self.group.ranks, final=True)
-        hung = {lr for lr, reports in self._pending_reports.items()
-                if any(r.get("kind") == "hang" and r.get("cycle") == rnd.number for r in reports)}
-        hung |= {m.local_rank for m in self.monitors if m.reported_hang(rnd.number)}
-        hung -= self.blame.released()
+        hung = self.monitor_set.hung(rnd.number) - self.blame.released()
         for rank in self.group.ranks:
             if rank.exitcode is None and rank.local_rank not in hung and verdict.keeps(rank.rank, self.me.node_id):
                 monitor = self.monitors[rank.local_rank]
@@ -652,15 +642,14 @@ class NodeAgent:
 
     def _facts(self, rnd: Round) -> RoundFacts:
         return RoundFacts(rnd.number, [n.node_id for n in rnd.active], [n.node_id for n in rnd.spares],
-                          {n.node_id: n.nproc for n in rnd.active})
+                          {n.node_id: n.nproc for n in rnd.active}, {n.node_id: n.host for n in rnd.active})
 
     def _supervise(self, rnd: Round) -> Verdict:
         sel = selectors.DefaultSelector()
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         for rank in self.group.ranks:
             sel.register(rank.pidfd, selectors.EVENT_READ, rank)
-        for local_rank, monitor in enumerate(self.monitors):
-            sel.register(monitor.fileno(), selectors.EVENT_READ, ("monitor", local_rank))
+        self.monitor_set.register(sel)
         succeeded = False
         try:
             while True:
@@ -684,7 +673,7 @@ class NodeAgent:
                 self._live_news(rnd)
                 self.section_use.poll(self.monitors, self.cfg.ft)
                 self._check_signal(rnd)
-                self._check_monitors_tick()
+                self.monitor_set.check_ticks()
                 self.reserves.maintain()
                 if self.watcher.store_lost:
                     raise StoreLost(self.watcher.store_lost)
@@ -776,7 +765,7 @@ class NodeAgent:
     def _rank_failure(self, rank: Rank, code: int, rnd: Round) -> dict:
         """Why `rank` ended: what its monitor reported about it, else its exit status."""
         # Only this cycle's: a monitor can fire while a previous cycle is being torn down.
-        reports = [r for r in self._pending_reports.pop(rank.local_rank, []) if r.get("cycle") == rnd.number]
+        reports = self.monitor_set.take_pending(rank.local_rank, rnd.number)
         node = f"node {rnd.group_rank} ({self.me.host})"
         hangs = [r for r in reports if r.get("kind") == "hang"]
         lost = [r for r in reports if r.get("kind") == "monitor_died"]
@@ -801,28 +790,20 @@ class NodeAgent:
         reason.setdefault("node_id", self.me.node_id)
         self.learner.freeze(self.monitors)   # what the ranks do from now on is no observation
         self.progress.poll(self.proto, rnd.number, self.monitors)   # this node's last steps count too
-        if reason.get("kind") == "failure" and self.cfg.ft.straggler_exclude and rnd.spares:
-            slow = [n for n in rnd.active if self.proto.exists(f"slow/{n.node_id}")][: len(rnd.spares)]
-            if slow:   # a spare takes the straggler's place at this restart
-                reason["exclude"] = [n.node_id for n in slow]
-                reason["what"] += "; straggling node " + ", ".join(n.host for n in slow) + " is left out"
-        if reason.get("kind") == "failure":
-            pointless = self.progress.stop_reason(self.proto, rnd.number)
-            if pointless:
-                self.events.event("failure", f"{reason['what']}", rank=reason.get("rank"),
-                                  **{k: v for k, v in reason.items() if k not in ("rank",)})
-                verdict = self.proto.interrupt(rnd.number, dict(reason, kind="stop", failure=reason["what"],
-                                                                what=pointless), self._facts(rnd))
-                return self._announce(rnd, verdict)
         early = self._early_exits()
         if early:  # a rank that left early is the likely cause: its peers waited for it
             reason["what"] += (f", after rank{'s' if len(early) > 1 else ''} {', '.join(map(str, early))} "
                                f"exited 0 early and left its peers waiting")
             reason["early_exits"] = early
         verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
-        action = "restarting in place" if verdict.in_process else "stopping all ranks"
-        self.events.event("failure", f"{reason['what']} -> {action}",
-                          rank=reason.get("rank"), **{k: v for k, v in reason.items() if k not in ("rank",)})
+        ours = verdict.detail.get("reporter") == self.proto.token   # decided from this report (agent.restart_policy)
+        if ours and verdict.kind == "stop":   # restarting is pointless: the stop's own line follows
+            line = reason["what"]
+        else:   # with what the policy added (a straggler left out, a node that keeps failing)
+            what = verdict.what if ours else reason["what"]
+            line = f"{what} -> {'restarting in place' if verdict.in_process else 'stopping all ranks'}"
+        self.events.event("failure", line, rank=reason.get("rank"),
+                          **{k: v for k, v in reason.items() if k not in ("rank",)})
         return self._announce(rnd, verdict)
 
     def _interrupted(self, rnd: Round) -> Verdict:
@@ -931,25 +912,16 @@ class NodeAgent:
             sel.close()
             self.watcher.watch(None)
 
-    # ---- monitors -----------------------------------------------------------------------
-    def _start_monitor(self, local_rank: int) -> MonitorHandle:
-        """One monitor; its stack dumps go to the log dir (else a per-agent temporary dir)."""
-        handle = MonitorHandle.start(local_rank, self.cfg.ft, self._run_dir)
-        self.watchdog.watch(handle.pid)
-        return handle
-
-    def _start_monitors(self, pool) -> list:
-        return [pool.submit(self._start_monitor, i) for i in range(self.cfg.nproc_per_node)]
-
+    # ---- what the monitors report (agent.monitor_set) -------------------------------------
     def _collect_reports(self, local_rank: int, sel) -> None:
-        monitor = self.monitors[local_rank]
-        for report in monitor.read_reports():
+        rank_of = lambda lr: next((r for r in self.group.ranks if r.local_rank == lr), None)   # noqa: E731
+        for report in self.monitor_set.reports(local_rank, sel, rank_of):
             kind = report.get("kind")
             if kind == "hang":
                 self.learner.freeze(self.monitors)   # before the dump request lets any hung rank resume
                 self.flight.hang(report)   # every rank of the job dumps its trace before the monitor acts
                 self.blame.on_hang(local_rank, report)   # and the agents decide who hung (agent.hang_blame)
-                self._pending_reports.setdefault(local_rank, []).append(report)
+                self.monitor_set.pending.setdefault(local_rank, []).append(report)
                 held = ("its monitor holds it until the agents decide who hung" if self._restartable_declared
                         else "monitor is stopping it")
                 self.events.event(
@@ -961,45 +933,8 @@ class NodeAgent:
                 self.blame.on_stack(report)
                 self.events.event("stack_dump", None, rank=report.get("rank"), cycle=report.get("cycle"),
                                   stack_file=report.get("stack_file"), stack=report.get("stack"))
-            elif kind == "monitor_died":
-                sel.unregister(monitor.fileno())
-                new = self._replace_monitor(local_rank)
-                sel.register(new.fileno(), selectors.EVENT_READ, ("monitor", local_rank))
-                return
             else:
                 self.events.event(kind or "monitor_report", None, rank=report.get("rank"), **report)
-
-    def _check_monitors_tick(self) -> None:
-        """A monitor that stopped ticking (SIGSTOPped, wedged) protects nothing: end it, so the
-        death path replaces it and restarts its rank."""
-        for local_rank, monitor in enumerate(self.monitors):
-            stalled = monitor.stalled_for()
-            if stalled > MONITOR_STALL_LIMIT and monitor.pid not in self._stalled_monitors:
-                self._stalled_monitors.add(monitor.pid)
-                self.events.event("monitor_stalled", f"rank monitor for local rank {local_rank} (pid {monitor.pid}) "
-                                  f"has not ticked for {stalled:.1f}s -> killing it", local_rank=local_rank,
-                                  pid=monitor.pid, stalled=round(stalled, 3))
-                try:
-                    os.kill(monitor.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-    def _replace_monitor(self, local_rank: int) -> MonitorHandle:
-        old = self.monitors[local_rank]
-        self.watchdog.forget(old.pid)
-        old.stop()
-        rank = next((r for r in self.group.ranks if r.local_rank == local_rank), None) if getattr(self, "group", None) else None
-        self.events.event("monitor_died", f"rank monitor for local rank {local_rank} (pid {old.pid}) died: "
-                          f"rank {rank.rank if rank else '?'} is unprotected -> starting a new monitor and "
-                          f"restarting the ranks", rank=rank.rank if rank else None, local_rank=local_rank)
-        handle = self._start_monitor(local_rank)
-        self.monitors[local_rank] = handle
-        if rank is not None and rank.exitcode is None:
-            # Its failure, reported as such, restarts the group under the new monitor.
-            self._pending_reports.setdefault(local_rank, []).append(
-                {"kind": "monitor_died", "pid": old.pid, "cycle": self.events.cycle})
-            os.killpg(rank.pid, signal.SIGKILL)
-        return handle
 
 
 def _dump_words(report: dict) -> str:

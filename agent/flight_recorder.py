@@ -12,8 +12,8 @@ that did not complete and the ranks that never joined it.
   thread per cycle waiting on that key with its own store connection: it asks its ranks to dump
   (through their pipes), gives each `RANK_WAIT` seconds (a rank that does not dump in time, or
   has no pipe because it does not run our client, is skipped, one line each), puts the dumps into
-  the store, and once every node has done so (or `JOB_WAIT` seconds after the request) writes the
-  done file its monitors wait for. Only then do monitors dump stacks and stop ranks, and an agent
+  the store, and once every node has done so (or `JOB_WAIT` seconds after the request) tells its
+  monitors (`on_done`, over each monitor's control channel). Only then do monitors dump stacks and stop ranks, and an agent
   that ends a cycle first lets its thread finish that dump (`end_cycle`).
 - The agent that asked gathers the dumps into `<log dir>/cycle_<c>/flight_recorder/rank_<r>` and
   runs `python -m torch.distributed.flight_recorder.fr_trace` on them (its output kept beside
@@ -82,6 +82,9 @@ class FlightRecorder:
         # Called with the cycle's number (on the cycle's thread) when a dump is requested, before
         # this node's part is done and so before any hung rank is resumed (computed timeouts).
         self.on_request: Optional[Callable[[int], None]] = None
+        # Called with the cycle's number (on the cycle's thread) once the job's dump is complete or
+        # given up: the monitors holding hung ranks for it may go on.
+        self.on_done: Optional[Callable[[int], None]] = None
         if not self.enabled:
             say("flight recorder off (TORCH_FR_BUFFER_SIZE=0): a hang is reported with Python stacks only")
             return
@@ -278,7 +281,11 @@ class _Cycle(threading.Thread):
                 self.s.wait([self.k("all_done")], datetime.timedelta(seconds=left))
             except Exception:  # noqa: BLE001 - a node that did not finish in time is named below
                 pass
-        _touch(FR.done_path(self.owner.dir, self.number))   # the monitors may go on
+        if self.owner.on_done is not None:   # the monitors may go on
+            try:
+                self.owner.on_done(self.number)
+            except Exception:  # noqa: BLE001 - a monitor that missed it goes on after HOLD_SECONDS
+                pass
         self.served.set()
         if request.get("node") != self.node_id:
             return
@@ -425,11 +432,3 @@ def _fix_pg_config(data: bytes) -> bytes:
 
 def _ranks(ranks) -> str:
     return ", ".join(str(r) for r in sorted(ranks))
-
-
-def _touch(path: str) -> None:
-    try:
-        with open(path, "w"):
-            pass
-    except OSError:
-        pass

@@ -238,7 +238,8 @@ class RoundProtocol:
         self.cfg = cfg
         self.me = me
         self._last_call = cfg.conf("last_call_timeout")
-        self.policy = RestartPolicy(self, cfg.max_restarts, cfg.ft.restart_granularity)
+        self.policy = RestartPolicy(self, cfg.max_restarts, cfg.ft.restart_granularity,
+                                    cfg.ft.max_no_progress_cycles, cfg.ft.straggler_exclude)
         self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
         if not me.stable:
             me.stable = self._call(self.s.add, self.k("agents"), 1)
@@ -417,7 +418,7 @@ class RoundProtocol:
         winner = self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text)
         if winner.decode() == text:
             facts = facts or RoundFacts(number, [], [], {})
-            verdict = self.policy.decide(reason, facts)
+            verdict = self.policy.decide(dict(reason, reporter=self.token), facts)
             self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
             if verdict.restart:
                 self._call(self.s.set, self.k("round"), str(number + 1))

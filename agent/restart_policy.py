@@ -17,9 +17,13 @@ A failure climbs the ladder only as far as it must (DESIGN.md, "The recovery lad
 - rung `job`: every rank of every node restarts (torchrun's answer, and ours for a script that
   does not use `ft.restartable`).
 - `exclude`: nodes that leave the job, a hot spare taking their place: a straggler (agent
-  stragglers), a rank's ExcludeThisNode, and a node that was where the failure began
+  stragglers marks it `slow/<node>`; left out when `straggler_exclude` is on and a spare is
+  there), a rank's ExcludeThisNode, and a node that was where the failure began
   NODE_FAILURE_LIMIT times in a row without progress, while a spare is there to take over.
-- no restart: the restart budget is spent (`restart` False, exit 1), or kind `stop` (exit 93).
+- no restart: the restart budget is spent (`restart` False, exit 1), or kind `stop` (exit 93):
+  a rank asked for it, or a failure after `max_no_progress_cycles` cycles in a row without a
+  completed step (agent.progress): restarting is pointless, and the failure becomes a stop
+  (its line kept in `detail["failure"]`).
 
 Store keys it keeps (under the run's prefix): `restarts_used` (the budget spent),
 `r<R>/restartable` (nodes whose ranks all declared themselves restartable in round R),
@@ -31,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from typing import Any, Dict, List, Optional
+
+from .progress import ProgressTracker
 
 GRANULARITIES = ("auto", "rank", "node", "job")
 NODE_FAILURE_LIMIT = 3   # failures in a row that began on one node (no progress between) -> it leaves
@@ -111,6 +117,7 @@ class RoundFacts:
     active: List[str]                 # node ids training in the round, in order
     spares: List[str]                 # node ids waiting as hot spares
     nproc: Dict[str, int]             # ranks per node id
+    hosts: Dict[str, str] = dataclasses.field(default_factory=dict)   # node id -> host, for lines
 
     def node_of(self, rank: Optional[int]) -> Optional[str]:
         if rank is None:
@@ -127,12 +134,15 @@ class RestartPolicy:
     """Decides verdicts from reports (see the module docstring). `count(name, inc)`, `exists(name)`,
     `get(name)` and `put(name, value)` are the round protocol's store calls."""
 
-    def __init__(self, store, max_restarts: int, granularity: str = "auto"):
+    def __init__(self, store, max_restarts: int, granularity: str = "auto", no_progress_limit: int = 0,
+                 straggler_exclude: bool = False):
         if granularity not in GRANULARITIES:
             raise ValueError(f"restart granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
         self.store = store
         self.max_restarts = max_restarts
         self.granularity = granularity
+        self.progress = ProgressTracker(no_progress_limit)
+        self.straggler_exclude = straggler_exclude
 
     # -- what the agents tell it while a round runs ----------------------------------------
     def declare_restartable(self, number: int) -> None:
@@ -145,6 +155,10 @@ class RestartPolicy:
         verdict.next_round = facts.number + 1
         if verdict.kind != "failure":
             return verdict                      # complete, shutdown, stop: no restart
+        pointless = self.progress.stop_reason(self.store, facts.number)
+        if pointless:                           # a stop, the budget untouched
+            verdict.kind, verdict.detail["failure"], verdict.what = "stop", verdict.what, pointless
+            return verdict
         used = self.store.count("restarts_used", 1)
         verdict.restarts_used = used
         verdict.restart = used <= self.max_restarts
@@ -158,12 +172,23 @@ class RestartPolicy:
                 verdict.replace_nodes = [origin["node_id"]]
             if origin["rank"] is not None and self._failed_again_at_once(origin, facts.number):
                 verdict.replace_ranks = [origin["rank"]]
+        self._leave_out_stragglers(verdict, facts)
         leaving = self._node_keeps_failing(origin, facts)
         if leaving and leaving not in verdict.exclude:
             verdict.exclude = list(verdict.exclude) + [leaving]
             verdict.what += (f"; the failure began on node {leaving} {NODE_FAILURE_LIMIT} times in a row "
                              f"without progress: a hot spare takes its place")
         return verdict
+
+    def _leave_out_stragglers(self, verdict: Verdict, facts: RoundFacts) -> None:
+        """Straggling nodes (agent.stragglers) leave at this restart, as many as spares can replace."""
+        if not self.straggler_exclude or not facts.spares:
+            return
+        slow = [n for n in facts.active if self.store.exists(f"slow/{n}") and n not in verdict.exclude]
+        slow = slow[: len(facts.spares)]
+        if slow:
+            verdict.exclude = list(verdict.exclude) + slow
+            verdict.what += "; straggling node " + ", ".join(facts.hosts.get(n, n) for n in slow) + " is left out"
 
     def in_place_possible(self, facts: RoundFacts) -> bool:
         """Would a failure of round `facts.number` restart in place now (agent.hang_blame asks)?"""

@@ -9,13 +9,13 @@ rank that runs our client keeps a daemon thread blocked on a named pipe of its s
     $FT_LAUNCHER_FR_DIR/slot_<local_rank>.pipe      the agent writes "<cycle>\\n" into it
     $FT_LAUNCHER_FR_DIR/slot_<local_rank>_cycle_<c>.pkl   the rank's dump (torch's pickle), or
     $FT_LAUNCHER_FR_DIR/slot_<local_rank>_cycle_<c>.err   one line: why there is none
-    $FT_LAUNCHER_FR_DIR/done_cycle_<c>              the job's ranks have dumped (or been skipped)
 
 The thread costs nothing while it waits (a blocking open of the pipe, no polling) and runs the
 dump outside the main thread, so a rank blocked in a collective (which releases the GIL) or
 sleeping still dumps; a rank stopped (SIGSTOP) or holding the GIL in native code does not, and the
 agent skips it after its bound. A monitor that finds a hang waits (bounded, `HOLD_SECONDS`) for
-the done file before it dumps the Python stack and stops the rank, so no rank is killed before the
+the agent's word that the job's ranks have dumped (or been skipped: `flight_done` on its control
+channel) before it dumps the Python stack and stops the rank, so no rank is killed before the
 job's traces are taken. Nothing here imports torch: the dump uses the torch the rank has imported
 (NCCL's recorder through `_dump_nccl_trace` where a CUDA build has one and it holds entries, else
 `_dump_fr_trace`, which holds gloo's).
@@ -44,10 +44,6 @@ def dump_path(fr_dir: str, local_rank: int, cycle: int) -> str:
 
 def error_path(fr_dir: str, local_rank: int, cycle: int) -> str:
     return os.path.join(fr_dir, f"slot_{local_rank}_cycle_{cycle}.err")
-
-
-def done_path(fr_dir: str, cycle: int) -> str:
-    return os.path.join(fr_dir, f"done_cycle_{cycle}")
 
 
 _started: Optional[int] = None   # the pid that started the thread (a fork's child has none)

@@ -1,10 +1,12 @@
 """The control channel between the agent's MonitorHandle and its monitor server: JSON objects,
 one per line, over one end of a socketpair each. Reads never block; a send blocks only until the
-kernel has taken the line (a few hundred bytes at most)."""
+kernel has taken the line (a few hundred bytes at most). Sends may come from several threads (the
+agent's main loop, its flight-recorder thread): one at a time."""
 from __future__ import annotations
 
 import json
 import socket
+import threading
 from typing import Callable, List, Optional
 
 
@@ -14,6 +16,7 @@ class JsonLineChannel:
         self.sock.setblocking(False)
         self.eof = False
         self._buf = b""
+        self._send_lock = threading.Lock()
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -21,14 +24,15 @@ class JsonLineChannel:
     def send(self, msg: dict) -> None:
         """Send one object; raises OSError if the other side is gone."""
         data = (json.dumps(msg) + "\n").encode()
-        self.sock.setblocking(True)
-        try:
-            self.sock.sendall(data)
-        finally:
+        with self._send_lock:
+            self.sock.setblocking(True)
             try:
-                self.sock.setblocking(False)
-            except OSError:
-                pass
+                self.sock.sendall(data)
+            finally:
+                try:
+                    self.sock.setblocking(False)
+                except OSError:
+                    pass
 
     def receive(self, on_bad_line: Optional[Callable[[bytes, Exception], None]] = None) -> List[dict]:
         """Every complete object received so far; sets `eof` once the other side has closed."""

@@ -15,7 +15,6 @@ import os
 import select
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from typing import Dict, List, Optional
@@ -185,6 +184,11 @@ class MonitorHandle:
         """The verdict on the hang this monitor reported for `pid` (agent.hang_blame): stop the
         rank (it hung) or release it (it only waited on the rank that hung)."""
         self._tell({"op": "hang_verdict", "pid": int(pid), "kill": bool(kill)})
+
+    def flight_done(self, cycle: int) -> None:
+        """The job's flight-recorder dump of `cycle` is complete: a hung rank held for it may go on
+        to its stack dump. May be called from another thread than the agent's main one."""
+        self._tell({"op": "flight_done", "cycle": int(cycle)})
 
     def update_config(self, cfg: FaultToleranceConfig) -> None:
         self.cfg = cfg

@@ -5,8 +5,8 @@ Started once by the agent (through MonitorHandle) and kept across rank restarts.
 shared-memory record the rank writes into, reads it every min(workload_check_interval, 0.05) s or
 at the nearest deadline, and on an expired section / out-of-section / heartbeat timeout:
 reports to the agent first, holds the rank (at most rank_monitor.flight_recorder.HOLD_SECONDS) until
-the agent says the job's ranks have dumped their flight-recorder traces (only when the launcher
-turned those dumps on), asks the rank for a stack dump (only if the rank installed the
+the agent says the job's ranks have dumped their flight-recorder traces (`flight_done`, only when
+the launcher turned those dumps on), asks the rank for a stack dump (only if the rank installed the
 handler), then SIGCONT + the termination signal to the rank's process group, SIGKILL after the
 grace if that signal is catchable. It then stops enforcing until the agent announces the next
 incarnation.
@@ -21,7 +21,9 @@ once the agent's channel closes, the monitor stops the rank as before. It exits 
 
 Control channel: JSON lines over a socketpair. Agent -> monitor: {"op": "rank_started", pid,
 rank, cycle, start_ns} | {"op": "rank_stopped"} | {"op": "config", "cfg": json} | {"op": "stop"} |
-{"op": "hang_verdict", pid, kill}.
+{"op": "hang_verdict", pid, kill} | {"op": "flight_done", cycle} (the job's flight-recorder dump of
+that cycle is complete). This channel and the shared-memory record are the agent's only two ways
+to its monitor: the record for what the rank writes on its hot path, the channel for the rest.
 Monitor -> agent: {"kind": "ready"}, {"kind": "hang", ...}, {"kind": "stack_dump", ...}. A hang
 report names the expired timeout (reason, section) and the sections open at that moment, so a
 heartbeat or out-of-section hang still says where the rank was.
@@ -140,7 +142,6 @@ class Incident:
         """Hold for the job's flight-recorder dump when the launcher asked for one, then dump."""
         fr_dir = os.environ.get(FR.ENV_FR_DIR)
         if fr_dir and not self.inc.exited():
-            self.done_file = FR.done_path(fr_dir, self.inc.cycle)
             self.phase = "flight"
             self.deadline = _mono() + int(FR.HOLD_SECONDS * 1e9)
             return
@@ -231,7 +232,7 @@ class Incident:
                 self._terminate()
             return
         if self.phase == "flight":
-            if os.path.exists(self.done_file) or self.inc.exited() or now >= self.deadline:
+            if self.server.flight_done >= self.inc.cycle or self.inc.exited() or now >= self.deadline:
                 self._begin_dump()
             return
         if self.phase == "dump":
@@ -274,6 +275,7 @@ class Server:
         self.names: List[str] = []
         self.names_gen = -1
         self.running = True
+        self.flight_done = -1   # the last cycle whose flight-recorder dump the agent said is complete
 
     # ---- channel ----------------------------------------------------------------------------
     def send(self, msg: dict) -> None:
@@ -312,6 +314,8 @@ class Server:
             self.cfg = FaultToleranceConfig.from_json(cfg if isinstance(cfg, str) else json.dumps(cfg))
         elif op == "stop":
             self.running = False
+        elif op == "flight_done":
+            self.flight_done = max(self.flight_done, int(msg["cycle"]))
         elif op == "hang_verdict":
             for incident in self.incidents:
                 if incident.inc.pid == int(msg["pid"]):

@@ -241,7 +241,7 @@ def test_a_megatron_state_file_is_loaded_and_enforced(launcher, tmp_path):
 
 
 def _example(launcher, tmp_path, name, *fault):
-    """The README's example job, learning with a 3 s floor, its step timeout 4 s at the start."""
+    """The example job (examples/ddp_train.py), learning with a 3 s floor, its step timeout 4 s at the start."""
     state = tmp_path / f"{name}.json"
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", tmp_path / name,
                         "--ft-calc-ft-timeouts", "true", "--ft-calc-timeout-floor", "3",

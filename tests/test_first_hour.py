@@ -70,11 +70,11 @@ def test_a_state_file_that_cannot_be_written_later_is_a_warning_not_a_failure(la
     assert unwritable and f"cannot write {state_dir / 'ft_state.json'}" in err
 
 
-def _readme_command(marker):
-    """The README's `ft_launcher ...` command that contains `marker`, as argv without the program."""
+def _readme_command(marker, doc="docs/recovery.md"):
+    """The docs' `ft_launcher ...` command that contains `marker`, as argv without the program."""
     import shlex
 
-    text = open(os.path.join(ROOT, "README.md")).read().replace("\\\n", " ")
+    text = open(os.path.join(ROOT, doc)).read().replace("\\\n", " ")
     line = next(l for l in text.splitlines() if l.startswith("ft_launcher ") and marker in l)
     return shlex.split(line)[1:]
 

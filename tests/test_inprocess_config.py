@@ -192,7 +192,7 @@ def test_one_warning_for_every_name_without_a_meaning():
     megatron_bridge_aliases({}, {"soft_timeout": 60, "hard_timeout": 90}, "ft.yaml", warnings.append)
     assert warnings == ["ft.yaml: Megatron-Bridge inprocess_restart keys with no meaning here, ignored: "
                         "hard_timeout, soft_timeout (hang detection uses the section and heartbeat timeouts, "
-                        "e.g. --ft-rank-section-timeouts)"]   # the README's example
+                        "e.g. --ft-rank-section-timeouts)"]   # docs/flags-and-configuration.md's example
 
 
 def test_unknown_inprocess_restart_key_warns_or_raises_without_warn():

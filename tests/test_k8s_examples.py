@@ -1,4 +1,4 @@
-"""The Kubernetes examples (examples/k8s) are valid objects, their pods run the job the README
+"""The Kubernetes examples (examples/k8s) are valid objects, their pods run the job docs/kubernetes.md
 describes, and that job, configured by PET_* variables alone, survives what Kubernetes does to it:
 a killed rank, a deleted pod (SIGTERM), a lost pod (replaced by the hot spare).
 

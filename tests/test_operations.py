@@ -248,8 +248,9 @@ def test_sigterm_to_the_launcher_reaches_preempted_and_the_callback_with_the_gra
     out = tmp_path / "out"
     proc = launcher.start(["--standalone", "--nproc-per-node", 2, *QUIET, "--term-timeout", 20, OPS, out,
                            "--preempt", "--step-time", 0.02])
-    wait_for(lambda: all((out / f"steps_{r}").exists() for r in (0, 1)) or proc.poll() is not None, 60,
-             "both ranks stepping")
+    # ready_<rank>: its preemption callback is registered (steps_<rank> is created before that)
+    wait_for(lambda: all((out / f"ready_{r}").exists() for r in (0, 1)) or proc.poll() is not None, 60,
+             "both ranks ready for a preemption")
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)

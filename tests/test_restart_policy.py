@@ -4,7 +4,8 @@ store calls, reporters racing in threads (each with its own store connection, as
 What is decided: one verdict per round whoever reports; the rung (in place only when every
 training node declared its ranks restartable and the granularity allows it); a rank that fails
 again at once in the same slot is replaced; a node where failures keep beginning leaves when a
-spare can take its place; the restart budget; the verdict's JSON round trip.
+spare can take its place; a straggler leaves when a spare can take its place; a failure after
+too many cycles without progress stops the job; the restart budget; the verdict's JSON round trip.
 """
 import gc
 import threading
@@ -34,8 +35,8 @@ def _close_connections():
 class Job:
     """A run id on the module's store and one round protocol per simulated agent (its own connection)."""
 
-    def __init__(self, max_restarts=5, granularity="auto", nodes=2, spares=0):
-        ft = FaultToleranceConfig(restart_granularity=granularity)
+    def __init__(self, max_restarts=5, granularity="auto", nodes=2, spares=0, **ft_keys):
+        ft = FaultToleranceConfig(restart_granularity=granularity, **ft_keys)
         self.cfg = LaunchConfig(min_nodes=nodes, max_nodes=nodes + spares, nproc_per_node=2, entrypoint=["x"],
                                 is_host=False, rdzv_host="127.0.0.1", max_restarts=max_restarts,
                                 rdzv_id=f"policy{_JOBS[0]}", ft=ft)
@@ -133,6 +134,28 @@ def test_a_node_where_failures_keep_beginning_leaves_when_a_spare_can_take_over(
     progressed.fail(0, 2, proto)
     proto.put("r1/progress", "1")
     assert [progressed.fail(n, 2, proto).exclude for n in (1, 2)] == [[], []]
+
+
+def test_a_straggler_is_left_out_when_a_spare_can_take_its_place():
+    for spares, on, left_out in ((1, True, ["node-b"]), (0, True, []), (1, False, [])):
+        job = Job(spares=spares, straggler_exclude=on)
+        proto = job.proto()
+        proto.put("slow/node-b", "node-b: 2.1x the median step time")
+        verdict = job.fail(0, 0, proto)                      # the failure began elsewhere
+        assert verdict.restart and verdict.exclude == left_out
+        assert ("straggling node node-b is left out" in verdict.what) == bool(left_out), verdict.what
+
+
+def test_a_failure_after_cycles_without_progress_is_a_stop_that_spends_no_budget():
+    job = Job(max_no_progress_cycles=2)
+    proto = job.proto()
+    assert job.fail(0, 0, proto).restart                     # never made progress: not "no progress"
+    proto.put("r1/progress", "1")
+    assert job.fail(1, 0, proto).restart
+    assert job.fail(2, 0, proto).restart                     # one cycle without progress
+    verdict = job.fail(3, 1, proto)                          # two in a row
+    assert verdict.kind == "stop" and not verdict.restart and verdict.what.startswith("no progress: 2 cycles")
+    assert verdict.detail["failure"] == "rank 1 died" and proto.restarts_used() == 3
 
 
 def test_the_budget_and_the_kinds_that_never_restart():

@@ -130,7 +130,7 @@ def test_module_in_the_cwd_and_master_addr_passed_through(launcher, tmp_path):
     rows = sorted([p.name[4:]] + p.read_text().split() for p in tmp_path.glob("env_*"))  # two ranks' lines interleave
     assert [r[0] for r in rows] == ["0", "1"], res.stdout
     assert {r[1] for r in rows} == {"127.0.0.1"}, rows   # as given (it was this host's FQDN, e.g. localhost)
-    assert len({r[2] for r in rows}) == 1  # one worker store per cycle (a free port, not --master-port: README)
+    assert len({r[2] for r in rows}) == 1  # one worker store per cycle (a free port, not --master-port: docs/flags-and-configuration.md)
 
 
 def test_signals_to_handle_forwards_sigusr1_and_stops_the_job(launcher, tmp_path):
