@@ -1,0 +1,80 @@
+"""HSDP with live state: 4 ranks as 2 replicas x 2 shards (torch's fully_shard on a (replicate,
+shard) DeviceMesh, gloo on the CPU), AdamW, ft.LiveState with `shard=` the rank's shard position,
+so a replaced rank heals from the same shard in the other replica (docs/live-state.md).
+
+    ft_launcher --standalone --nproc-per-node 4 examples/hsdp_train.py --steps 40 --fail-at-step 17 --fail-rank 3
+
+Deterministic (the batch of step s on rank r is a function of (s, r)); no checkpoint: a fallback
+trains from step 0. Rank 0 prints `FINAL step=<n> checksum=<c>` (the full parameters' sum).
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import ft_launcher as ft
+
+
+class TrainState:
+    """Model and optimizer as one object with sharded state dicts (torch.distributed.checkpoint's)."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+    def state_dict(self):
+        model, optim = get_state_dict(self.model, self.opt)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state):
+        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def train(args):
+    rank, cycle = int(os.environ.get("RANK", 0)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    live = ft.LiveState(train=TrainState(model, opt), shard=mesh.get_local_rank("shard"))
+    start = live.restore()
+    if start is None:
+        start = 0
+    elif rank == 0:
+        print(f"resumed from live state at step {start} (cycle {cycle})", flush=True)
+    for step in range(start + 1, args.steps + 1):
+        if step == args.fail_at_step and rank == args.fail_rank and cycle == 0:
+            print(f"rank {rank}: failing on purpose at step {step}", flush=True)
+            os._exit(1)
+        g = torch.Generator().manual_seed(step * 1009 + rank)
+        x = torch.randn(8, 16, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+        with live.commit(step):
+            opt.step()
+    with torch.no_grad():
+        total = float(sum(p.full_tensor().double().sum() for p in model.parameters()))
+    if rank == 0:
+        print(f"FINAL step={args.steps} checksum={total!r}", flush=True)
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--fail-at-step", type=int, default=None)
+    p.add_argument("--fail-rank", type=int, default=3)
+    ft.restartable(train)(p.parse_args())
+
+
+if __name__ == "__main__":
+    main()
