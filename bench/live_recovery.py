@@ -284,6 +284,15 @@ def result(args, contender: str, job, kill: bool) -> dict:
         stall=firsts[healthy][2] - t0,
         redone=max(max(0, k - step + 1) for _, step, _ in firsts.values()),
         first_steps={r: v[1] for r, v in firsts.items()})
+    # back where it was: every rank has completed step K (or a later one) after the fault
+    caught = [min((t for c, st, t in rows if t > t0 and (c > 0 or st >= k) and st >= k), default=None)
+              for rows in progress.values()]
+    if all(t is not None for t in caught):
+        out["caught_up"] = max(caught) - t0
+    before = [t for c, st, t in progress.get(healthy, []) if c == 0 and t < t0]
+    gaps = [b - a for a, b in zip(before[-31:], before[-30:])]
+    if gaps:
+        out["step_s"] = statistics.median(gaps)
     # where the recovering rank's state came from, from its restore record of the next incarnation
     cycle = firsts[victim][0]
     rec = read_json(os.path.join(job.progress_dir, f"restore_rank_{victim}_cycle_{cycle}.json")) or {}
@@ -314,9 +323,10 @@ def spread(values: List[float], fmt="{:.2f}") -> str:
 def table(args, runs: Dict[str, List[dict]], reference: Optional[float]) -> str:
     ok = {c: [r for r in rs if "failed" not in r] for c, rs in runs.items()}
     base = {c: med([r["all_stepping"] for r in ok.get(c, [])]) for c in ("torchrun", "torchft")}
-    lines = ["| contender | fault -> all stepping (s) | healthy-rank stall (s) | steps redone | state source "
-             "(recovering rank) | transfer MB/s | vs torchrun | vs TorchFT | final checksum | recovered |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| contender | fault -> all stepping (s) | healthy-rank stall (s) | steps redone | fault -> step K "
+             "done again (s) | state source (recovering rank) | transfer MB/s | all stepping vs torchrun | "
+             "vs TorchFT | final checksum | recovered |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in args.only:
         rs = ok.get(c, [])
         allst = [r["all_stepping"] for r in rs]
@@ -332,7 +342,8 @@ def table(args, runs: Dict[str, List[dict]], reference: Optional[float]) -> str:
             check = f"exact {sum(same)}/{len(same)}"
         lines.append(
             f"| {LABELS[c]} | {spread(allst)} | {spread([r['stall'] for r in rs])} | "
-            f"{spread([r['redone'] for r in rs], '{:.0f}')} | {', '.join(sources)} | "
+            f"{spread([r['redone'] for r in rs], '{:.0f}')} | {spread([r['caught_up'] for r in rs if 'caught_up' in r])} | "
+            f"{', '.join(sources)} | "
             f"{spread([r['transfer_mbs'] for r in rs if 'transfer_mbs' in r], '{:.0f}')} | {ratios[0]} | {ratios[1]} | "
             f"{check} | {len(rs)}/{len(runs.get(c, []))} |")
     return "\n".join(lines)
@@ -360,7 +371,8 @@ def main(argv=None) -> None:
                 continue
             extra = f", transfer {r['transfer_s']:.3f} s ({r['transfer_mbs']:.0f} MB/s)" if "transfer_s" in r else ""
             print(f"  rep {rep}: {LABELS[c]:26s} all stepping {r['all_stepping']:6.3f} s, healthy stall "
-                  f"{r['stall']:6.3f} s, redone {r['redone']}, first steps {r['first_steps']}, source "
+                  f"{r['stall']:6.3f} s, redone {r['redone']}, step K again {r.get('caught_up', float('nan')):.2f} s, "
+                  f"step {r.get('step_s', float('nan')) * 1000:.0f} ms, first steps {r['first_steps']}, source "
                   f"{r['source']} (healthy: {r['healthy_source']}){extra}, state {r['state_mb']:.1f} MB"
                   + (f", events {r['events']}" if r.get("events") else ""), flush=True)
     print()
