@@ -12,8 +12,15 @@ Deterministic: the model is seeded and the batch of step s on rank r is a functi
 s, r), and a restart resumes from the last checkpoint, so a run with failures ends with exactly
 the model of a run without them. Rank 0 prints `FINAL step=<n> checksum=<c>` and writes
 `final.json` into --ckpt-dir. The same file runs under torchrun or plain python (one rank).
+
+With `--live` (implies `--restartable`) the model and optimizer are `ft.LiveState`: after an
+in-place restart the healthy ranks keep them in memory and a replaced rank receives them from a
+peer (docs/live-state.md), so the job resumes at the last completed step instead of the
+checkpoint; where no live state exists (first start, job-level restart, plain python, torchrun)
+it loads the checkpoint as without the flag.
 """
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -52,12 +59,16 @@ def parse_args():
     p.add_argument("--restartable", action="store_true",
                    help="run the training function under ft_launcher.restartable: on a failure the healthy "
                         "ranks restart in their own process")
+    p.add_argument("--live", action="store_true",
+                   help="keep the model and optimizer as ft.LiveState (implies --restartable): an in-place "
+                        "restart resumes at the last completed step, a replaced rank heals from a peer")
     p.add_argument("--hang-in", default=None, metavar="PHASE",
                    help="--fail-rank hangs in PHASE at --hold-step (cycle 0 only): it sleeps, no heartbeat, "
                         "until the launcher's monitor finds it")
     p.add_argument("--cuda-hang-in", default=None, metavar="PHASE",
                    help="--fail-rank gets stuck in a CUDA kernel that never ends in PHASE (--device cuda)")
     args = p.parse_args()
+    args.restartable = args.restartable or args.live
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU is usable here (torch.cuda.is_available() is False)")
     return args
@@ -177,14 +188,21 @@ def train(args):
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         torch.manual_seed(args.seed)
         model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        live = ft.LiveState(model=model, optimizer=opt) if args.live else None
+        # before DDP: its constructor broadcasts rank 0's parameters, which must be the resumed ones
+        start = live.restore() if live is not None else None
+        if start is not None and rank == 0:
+            print(f"resumed from live state at step {start} (cycle {cycle})", flush=True)
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         settle_gradient_buckets(ddp, device)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         os.makedirs(args.ckpt_dir, exist_ok=True)
         path = os.path.join(args.ckpt_dir, "ckpt.pt")
-        start = 0
         loss = torch.tensor(0.0)
-        if os.path.exists(path):
+        from_disk = start is None   # no live state: the checkpoint, as without --live
+        if from_disk:
+            start = 0
+        if from_disk and os.path.exists(path):
             state = torch.load(path, weights_only=True, map_location=device)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
@@ -206,7 +224,8 @@ def train(args):
             opt.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
-            opt.step()
+            with live.commit(step) if live is not None else contextlib.nullcontext():
+                opt.step()
             if args.step_time:
                 time.sleep(args.step_time)
             hooks.at("step", step)

@@ -10,7 +10,7 @@ when the script is not running under ft_launcher. An NVRx script changes only it
 `from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient` becomes
 `from ft_launcher import RankMonitorClient`; the names below are those NVRx's fault_tolerance
 package gives a training script, plus HeartbeatTimeouts and SectionTimeouts. In-process restart:
-`restartable(fn)`. Preemption: `preempted()` / `on_preemption(fn)`; a rank's request to stop the
+`restartable(fn)`; the state it keeps in memory across one (zero rollback): `LiveState`. Preemption: `preempted()` / `on_preemption(fn)`; a rank's request to stop the
 job or leave its node: `send_workload_control_request(WorkloadControlRequest(WorkloadAction...))`.
 """
 import os as _os
@@ -33,6 +33,7 @@ _LAZY = {name: _CLIENT for name in (
     "send_workload_control_request")}
 _LAZY.update({"RestartInPlace": "ft_launcher.rank_monitor.inprocess",
               "restartable": "ft_launcher.rank_monitor.inprocess",
+              "LiveState": "ft_launcher.rank_monitor.live_state",
               "FaultToleranceConfig": "ft_launcher.rank_monitor.config",
               "HeartbeatTimeouts": "ft_launcher.rank_monitor.nvrx_types",
               "SectionTimeouts": "ft_launcher.rank_monitor.nvrx_types"})
@@ -40,7 +41,7 @@ _LAZY.update({"RestartInPlace": "ft_launcher.rank_monitor.inprocess",
 __all__ = ["section", "heartbeat", "RankMonitorClient", "RankMonitorClientError", "FaultToleranceConfig",
            "HeartbeatTimeouts", "SectionTimeouts", "WorkloadAction", "WorkloadControlRequest", "FtSectionWarning",
            "preempted", "on_preemption", "Preemption", "send_workload_control_request", "restartable",
-           "RestartInPlace"]
+           "RestartInPlace", "LiveState"]
 
 
 def __getattr__(name):

@@ -28,6 +28,11 @@ How it talks to the agent: the words H_IP_* of the rank's shared-memory record (
 - On H_IP_GO it reads the environment the agent wrote (shm_layout.env_file), updates os.environ,
   starts a new incarnation of its monitor record (new sections, heartbeats) and calls the function.
 
+Live state (rank_monitor.live_state): while a rank is inside `LiveState.commit` (its optimizer
+step), the restart signal waits: the handler only notes it (and NCCL's abort waits with it), and
+the commit's end acts on it, so a step is either wholly done or not begun. A rank whose function
+raised by itself (IP_FAILED) is marked suspect for the next call's `LiveState.restore`.
+
 Outside ft_launcher, or when the launcher's restart granularity is `job`, it only calls the function.
 SystemExit and KeyboardInterrupt pass through; so does an exception when no in-process restart can
 follow (the agent then ends the rank and restarts it the usual way).
@@ -70,6 +75,9 @@ class _State:
         self.active = False          # the function is running in the main thread
         self.raised_for = 0          # the request a RestartInPlace was already raised for
         self.installed = False
+        self.in_commit = False       # inside LiveState.commit: a restart signal waits for its end
+        self.deferred = False        # a restart signal arrived inside a commit
+        self.failed_last = False     # the previous call raised by itself (not a restart's consequence)
 
 
 _STATE = _State()
@@ -98,11 +106,22 @@ def _on_restart_signal(signum, frame) -> None:
     if rec is None:
         return
     words = rec[1]
+    if _STATE.in_commit:   # the optimizer step finishes first (commit_done acts on the signal)
+        _STATE.deferred = True
+        return
     request = words[L.H_IP_REQUEST]
     _abort_nccl_async()
     if _STATE.active and request > words[L.H_IP_SEEN] and request != _STATE.raised_for:
         _STATE.raised_for = request
         raise RestartInPlace(f"the launcher restarts the job in place (cycle {request})")
+
+
+def commit_done() -> None:
+    """The end of a LiveState.commit: act on a restart signal that arrived inside it."""
+    _STATE.in_commit = False
+    if _STATE.deferred:
+        _STATE.deferred = False
+        _on_restart_signal(IN_PLACE_SIGNAL, None)
 
 
 def _abort_nccl_async() -> None:
@@ -222,6 +241,7 @@ class _Run:
             words[L.H_IP_FAIL_NS] = 0
             words[L.H_IP_STATE] = L.IP_RUNNING
             failed = False
+            _STATE.in_commit = _STATE.deferred = False
             try:
                 _STATE.active = True
                 try:
@@ -247,6 +267,7 @@ class _Run:
                     words[L.H_IP_STATE] = L.IP_FAILED
                     _wake_agent()
                 del exc
+            _STATE.failed_last = failed
             seen = words[L.H_IP_SEEN]
             if failed:
                 if not _wait(words, L.H_IP_REQUEST, seen + 1, REPORT_WAIT):

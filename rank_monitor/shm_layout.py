@@ -8,7 +8,8 @@ runs), H_MONITOR_NS (its liveness tick, which the agent watches) and, before it 
 hung rank, the stop words; the agent writes only H_STOP_REASON / H_STOP_DEADLINE_NS, just before
 it signals the rank to stop (what ft_launcher.preempted() reads), and, for an in-process restart,
 H_IP_REQUEST / H_IP_GO (the rank's words are H_IP_STATE, H_IP_SEEN, H_IP_FAIL_NS and the
-exception's text in the area after the request's). A rank's workload control request (NVRx's
+exception's text in the area after the request's). Live state (rank_monitor.live_state) is the
+rank's H_LIVE_* words and, on global rank 0, its recovery summary in the live text area. A rank's workload control request (NVRx's
 WorkloadControlRequest) is H_REQUEST_* plus its description in the request area after the names. Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
 re-reading before acting.
 """
@@ -33,7 +34,7 @@ def warned_prefix(agent_pid: int) -> str:
     return os.path.join(default_shm_dir(), f"ft_launcher_{agent_pid}_warned_")
 
 MAGIC = 0x46544C4D4F4E3031  # "FTLMON01"
-VERSION = 4
+VERSION = 5
 
 # ---- header words -------------------------------------------------------------------------------
 H_MAGIC = 0
@@ -75,7 +76,13 @@ H_IP_GO = 33            # agent: run the function again as this cycle (its envir
 H_IP_TEXT_LEN = 34      # bytes of the exception's one-line summary in the text area
 H_FROZEN_NS = 35        # monitor: when it found this incarnation hung; its statistics are then those
                         # copied into the frozen area at that moment (0: live)
-HEADER_WORDS = 40
+# Live state (rank_monitor.live_state), written by the rank only:
+H_LIVE_STEP = 36        # the last completed step + 1 (0: none): `LiveState.commit` on exit, no syscall
+H_LIVE_CYCLE = 37       # the cycle whose `restore()` wrote the words below (0: none); written last
+H_LIVE_RESUME = 38      # that restore's resume step + 1 (0: no live state, the script's checkpoint)
+H_LIVE_SOURCE = 39      # where this rank's state came from: LIVE_* below, or LIVE_PEER + peer rank
+H_LIVE_TEXT_LEN = 40    # global rank 0: bytes of the recovery summary (JSON) in the live text area
+HEADER_WORDS = 48
 
 # ---- per-section slot words ---------------------------------------------------------------------
 S_OPEN = 0
@@ -104,6 +111,10 @@ IP_READY = 3            # left the function, process group destroyed: waiting fo
 IP_DONE = 4             # the function returned
 IP_WORDS = (H_IP_STATE, H_IP_SEEN, H_IP_FAIL_NS, H_IP_REQUEST, H_IP_GO, H_IP_TEXT_LEN)
 
+LIVE_DISK = 0           # H_LIVE_SOURCE: no live state (the checkpoint on disk, or a first start)
+LIVE_KEPT = 1           # kept in this process's memory
+LIVE_PEER = 2           # + N: received from global rank N
+
 STOP_SHUTDOWN = 1       # the job is stopping (preemption, a signal to the launcher)
 STOP_RESTART = 2        # the ranks are stopped for a restart
 
@@ -117,7 +128,9 @@ REQUEST_BYTES = 512
 IP_TEXT_OFFSET = REQUEST_OFFSET + REQUEST_BYTES
 IP_TEXT_BYTES = 512
 FROZEN_OFFSET = IP_TEXT_OFFSET + IP_TEXT_BYTES   # a copy of the words, taken when a hang is found
-SIZE = FROZEN_OFFSET + WORDS * 8
+LIVE_TEXT_OFFSET = FROZEN_OFFSET + WORDS * 8
+LIVE_TEXT_BYTES = 4096
+SIZE = LIVE_TEXT_OFFSET + LIVE_TEXT_BYTES
 
 
 def slot_base(index: int) -> int:
@@ -202,6 +215,17 @@ def write_ip_text(mm: mmap.mmap, words: memoryview, text: str) -> None:
     words[H_IP_TEXT_LEN] = len(data)
 
 
+def write_live_text(mm: mmap.mmap, words: memoryview, text: str) -> None:
+    data = text.encode("utf-8", "replace")[:LIVE_TEXT_BYTES]
+    mm[LIVE_TEXT_OFFSET:LIVE_TEXT_OFFSET + len(data)] = data
+    words[H_LIVE_TEXT_LEN] = len(data)
+
+
+def read_live_text(mm: mmap.mmap, words: memoryview) -> str:
+    n = max(0, min(words[H_LIVE_TEXT_LEN], LIVE_TEXT_BYTES))
+    return bytes(mm[LIVE_TEXT_OFFSET:LIVE_TEXT_OFFSET + n]).decode("utf-8", "replace")
+
+
 def read_ip_text(mm: mmap.mmap, words: memoryview) -> str:
     n = max(0, min(words[H_IP_TEXT_LEN], IP_TEXT_BYTES))
     return bytes(mm[IP_TEXT_OFFSET:IP_TEXT_OFFSET + n]).decode("utf-8", "replace")
@@ -276,7 +300,8 @@ def read_live(mm: mmap.mmap, words: memoryview) -> Optional[dict]:
     path): {"start_ns", "hb_last_ns" (0: none yet), "open": [(name, enter_ns), ...] innermost last,
     "sections": {name: {"enters", "closes", "enter_ns", "total", "max"}}} (monotonic ns, seconds);
     the checkpoint section's entry also has "at_close": {"steps", "step_total"}, the `step`
-    section's closes and total seconds when it last closed.
+    section's closes and total seconds when it last closed; "live_step": the last step committed
+    under live state (rank_monitor.live_state), -1 when none.
     None while no incarnation's data is current (see read_stats)."""
     start = words[H_START_NS]
     if not start or words[H_ATTACH_NS] < start:
@@ -295,4 +320,5 @@ def read_live(mm: mmap.mmap, words: memoryview) -> Optional[dict]:
         if words[b + S_OPEN]:
             opened.append((name, enter_ns))
     opened.sort(key=lambda item: item[1])
-    return {"start_ns": start, "hb_last_ns": words[H_HB_LAST_NS], "open": opened, "sections": sections}
+    return {"start_ns": start, "hb_last_ns": words[H_HB_LAST_NS], "open": opened, "sections": sections,
+            "live_step": words[H_LIVE_STEP] - 1}
