@@ -5,9 +5,9 @@ restart and TorchFT 0.2.0, on the same model and state size, in one run.
     python bench/live_recovery.py --dry-run      # one tiny case, seconds (the tests run this)
 
 The job is bench/live_train.py: an MLP with AdamW and an LR schedule (--width 1280: ~47 MB of
-model + AdamW state), two data-parallel replicas of one rank each on gloo. Rank 1 SIGKILLs itself
-at the start of step --kill-at (steps 1..K-1 done, K in flight); the clock starts at the time it
-writes just before. Contenders:
+model + AdamW state), two data-parallel replicas of one rank each on gloo. Rank 1 (--kill-rank)
+SIGKILLs itself at the start of step --kill-at (steps 1..K-1 done, K in flight); the clock starts at
+the time it writes just before. Contenders:
   live      ft_launcher, 1 agent x 2 ranks, ft.restartable + ft.LiveState: the healthy rank
             restarts in place and keeps its state, the replaced rank heals from it
   ckpt      the same under ft_launcher without LiveState: every rank reloads the checkpoint
@@ -19,7 +19,7 @@ writes just before. Contenders:
             the healthy replica over TorchFT's HTTP transport
 Figures (per rank from its progress lines; a step counts when its line is written):
   fault -> all stepping   the fault until every rank has completed a step after it
-  healthy stall           the fault until the healthy rank (rank 0) completed a step after it
+  healthy stall           the fault until the healthy rank completed a step after it
   steps redone            K - (first step after the fault) + 1, the largest over ranks (0 when a
                           rank skips ahead: a healed TorchFT replica starts at its peer's step)
   state source            where the recovering rank's state came from (the script's restore record,
@@ -60,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--kill-at", type=int, default=137, help="the step at which rank 1 is killed")
     p.add_argument("--ckpt-every", type=int, default=50)
     p.add_argument("--steps", type=int, default=None, help="steps in all (default: --kill-at + 30)")
+    p.add_argument("--kill-rank", type=int, choices=(0, 1), default=1, help="the rank (replica) that is killed")
     p.add_argument("--width", type=int, default=1280, help="hidden width of the MLP (1280: ~47 MB of state)")
     p.add_argument("--only", default=None, help=f"comma-separated, of {', '.join(CONTENDERS)} (default: every one "
                    "this machine can run)")
@@ -111,7 +112,7 @@ def script_args(args, kill: bool, live=False, restartable=False) -> List[str]:
     out = ["--steps", str(args.steps), "--width", str(args.width), "--ckpt-every", str(args.ckpt_every),
            "--progress-dir", "progress", "--ckpt-dir", "ckpt"]
     if kill:
-        out += ["--kill-at-step", str(args.kill_at), "--kill-rank", "1"]
+        out += ["--kill-at-step", str(args.kill_at), "--kill-rank", str(args.kill_rank)]
     return out + (["--live"] if live else []) + (["--restartable"] if restartable and not live else [])
 
 
@@ -218,19 +219,27 @@ def after_fault(rows, t0: float, k: int):
     return None
 
 
-def live_events(job_dir: str) -> List[dict]:
+def events(job_dir: str) -> List[dict]:
     path = os.path.join(job_dir, "logs", "events.jsonl")
     out = []
     if os.path.exists(path):
         with open(path) as fh:
             for line in fh:
                 try:
-                    event = json.loads(line)
+                    out.append(json.loads(line))
                 except ValueError:
                     continue
-                if "live" in event.get("kind", ""):
-                    out.append(event)
     return out
+
+
+def replaced_warm(evs: List[dict], victim: int) -> Optional[bool]:
+    """Whether cycle 1's new process for `victim` was a warm reserve (ranks_started), else None."""
+    for e in evs:
+        if e.get("kind") == "ranks_started" and e.get("cycle") == 1:
+            for r in e["detail"]["ranks"]:
+                if r["rank"] == victim:
+                    return bool(r.get("warm"))
+    return None
 
 
 def measure(args, contender: str, kill: bool = True) -> dict:
@@ -299,12 +308,22 @@ def result(args, contender: str, job, kill: bool) -> dict:
     healthy_rec = read_json(os.path.join(job.progress_dir, f"restore_rank_{healthy}_cycle_{cycle}.json")) or {}
     out["source"] = rec.get("source", "?")
     out["healthy_source"] = healthy_rec.get("source", "kept (never left)" if contender == "torchft" else "?")
-    if rec.get("seconds"):
+    summary = rec.get("live") or {}
+    if summary.get("resume_step") is not None:   # LiveState.restore's own account (every rank has it)
+        out["source"] = summary["sources"].get(str(victim), out["source"])
+        out["healthy_source"] = summary["sources"].get(str(healthy), out["healthy_source"])
+        out["restore_s"] = summary.get("restore_s")
+        if summary.get("mb_per_s"):
+            out["transfer_s"], out["transfer_mbs"] = summary["transfer_s"], summary["mb_per_s"]
+    elif rec.get("seconds"):
         out["transfer_s"] = rec["seconds"]
         out["transfer_mbs"] = rec["bytes"] / 1e6 / rec["seconds"]
-    events = live_events(job.dir) if contender != "torchft" else []
-    if events:
-        out["events"] = [{"kind": e["kind"], "rank": e.get("rank"), "detail": e.get("detail")} for e in events]
+    evs = events(job.dir) if contender != "torchft" else []
+    live = [e for e in evs if "live" in e.get("kind", "")]
+    if live:
+        out["events"] = [{"kind": e["kind"], "rank": e.get("rank"), "detail": e.get("detail")} for e in live]
+    if contender in ("live", "ckpt"):
+        out["replaced_warm"] = replaced_warm(evs, victim)
     return out
 
 
@@ -342,7 +361,8 @@ def table(args, runs: Dict[str, List[dict]], reference: Optional[float]) -> str:
             check = f"exact {sum(same)}/{len(same)}"
         lines.append(
             f"| {LABELS[c]} | {spread(allst)} | {spread([r['stall'] for r in rs])} | "
-            f"{spread([r['redone'] for r in rs], '{:.0f}')} | {spread([r['caught_up'] for r in rs if 'caught_up' in r])} | "
+            f"{spread([r['redone'] for r in rs], '{:.0f}')} | "
+            f"{spread([r['caught_up'] for r in rs if 'caught_up' in r])} | "
             f"{', '.join(sources)} | "
             f"{spread([r['transfer_mbs'] for r in rs if 'transfer_mbs' in r], '{:.0f}')} | {ratios[0]} | {ratios[1]} | "
             f"{check} | {len(rs)}/{len(runs.get(c, []))} |")
@@ -370,6 +390,9 @@ def main(argv=None) -> None:
                 print(f"  rep {rep}: {LABELS[c]:26s} FAILED: {r['failed']}", flush=True)
                 continue
             extra = f", transfer {r['transfer_s']:.3f} s ({r['transfer_mbs']:.0f} MB/s)" if "transfer_s" in r else ""
+            extra += f", restore() {r['restore_s']:.3f} s" if r.get("restore_s") else ""
+            extra += f", replaced by a {'warm reserve' if r['replaced_warm'] else 'cold process'}" \
+                if r.get("replaced_warm") is not None else ""
             print(f"  rep {rep}: {LABELS[c]:26s} all stepping {r['all_stepping']:6.3f} s, healthy stall "
                   f"{r['stall']:6.3f} s, redone {r['redone']}, step K again {r.get('caught_up', float('nan')):.2f} s, "
                   f"step {r.get('step_s', float('nan')) * 1000:.0f} ms, first steps {r['first_steps']}, source "

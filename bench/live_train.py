@@ -156,8 +156,8 @@ def train_ddp(args):
         took = time.perf_counter() - t0
         # every rank holds the same state now: DDP's broadcast from rank 0 changes nothing
         ddp = nn.parallel.DistributedDataParallel(model)
-        progress.restored(source=source, step=start, seconds=took, bytes=state_bytes(model, opt),
-                          time=time.time())
+        progress.restored(source=source, step=start, seconds=took, bytes=state_bytes(model, opt), time=time.time(),
+                          live=getattr(live, "last_recovery", None))
         if rank == 0:
             print(f"cycle {cycle}: resuming after step {start} ({source}, {took:.3f} s)", flush=True)
 
