@@ -341,31 +341,41 @@ def spread(values: List[float], fmt="{:.2f}") -> str:
 
 def table(args, runs: Dict[str, List[dict]], reference: Optional[float]) -> str:
     ok = {c: [r for r in rs if "failed" not in r] for c, rs in runs.items()}
-    base = {c: med([r["all_stepping"] for r in ok.get(c, [])]) for c in ("torchrun", "torchft")}
+
+    def median_of(c, key):
+        return med([r[key] for r in ok.get(c, []) if key in r])
+
     lines = ["| contender | fault -> all stepping (s) | healthy-rank stall (s) | steps redone | fault -> step K "
-             "done again (s) | state source (recovering rank) | transfer MB/s | all stepping vs torchrun | "
+             "done again (s) | state source (recovering rank) | transfer MB/s | step (ms) | vs torchrun | "
              "vs TorchFT | final checksum | recovered |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in args.only:
         rs = ok.get(c, [])
-        allst = [r["all_stepping"] for r in rs]
-        m = med(allst)
-        ratios = [f"{m / base[b]:.2f}x" if m is not None and base[b] else "n/a" for b in ("torchrun", "torchft")]
+        ratios = []
+        for b in ("torchrun", "torchft"):
+            pair = []
+            for key in ("all_stepping", "caught_up"):
+                mine, theirs = median_of(c, key), median_of(b, key)
+                pair.append(f"{mine / theirs:.2f}x" if mine is not None and theirs else "n/a")
+            ratios.append(" / ".join(pair))
         sources = sorted({r["source"] for r in rs}) or ["n/a"]
         if c == "torchft":
-            check = "n/a (different numerics)"
+            check = "n/a (other numerics)"
         elif reference is None:
             check = "not checked"
         else:
             same = [r["checksum"] == reference for r in rs]
             check = f"exact {sum(same)}/{len(same)}"
         lines.append(
-            f"| {LABELS[c]} | {spread(allst)} | {spread([r['stall'] for r in rs])} | "
+            f"| {LABELS[c]} | {spread([r['all_stepping'] for r in rs])} | {spread([r['stall'] for r in rs])} | "
             f"{spread([r['redone'] for r in rs], '{:.0f}')} | "
             f"{spread([r['caught_up'] for r in rs if 'caught_up' in r])} | "
             f"{', '.join(sources)} | "
-            f"{spread([r['transfer_mbs'] for r in rs if 'transfer_mbs' in r], '{:.0f}')} | {ratios[0]} | {ratios[1]} | "
+            f"{spread([r['transfer_mbs'] for r in rs if 'transfer_mbs' in r], '{:.0f}')} | "
+            f"{spread([r['step_s'] * 1000 for r in rs if 'step_s' in r], '{:.0f}')} | {ratios[0]} | {ratios[1]} | "
             f"{check} | {len(rs)}/{len(runs.get(c, []))} |")
+    lines.append("(median (min-max) over the recovered runs; ratios: fault -> all stepping / fault -> step K done "
+                 "again, medians)")
     return "\n".join(lines)
 
 
