@@ -56,7 +56,7 @@ from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .process_wait import Unkillable, kill_and_wait
 from .rank_output import RankOutput
-from . import inprocess_ranks, store_threads
+from . import inprocess_ranks, live_recovery, store_threads
 from .reserve_pool import ReservePool
 from .restart_policy import RoundFacts, Verdict
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
@@ -479,6 +479,7 @@ class NodeAgent:
         self._apply_timeouts(self.learner.load())
         self.learner.begin_cycle(rnd.number)
         self._restartable_declared = False
+        self._live_told = rnd.number == 0
         in_place = self._restart_points(rnd, previous)
         for local_rank in range(cfg.nproc_per_node):
             monitor = self.monitors[local_rank] if self.monitors else None
@@ -520,6 +521,7 @@ class NodeAgent:
         finally:
             keep = self._request_in_place(rnd, verdict)   # first: they leave their step while we go on
             self.blame.end_cycle()
+            self._live_news(rnd)   # a cycle that ends at once still tells its recovery
             # a flight-recorder dump in progress ends before any rank is stopped
             self.flight.end_cycle(store_ok=not self.watcher.store_lost)
             self.status.cycle_end()
@@ -628,6 +630,26 @@ class NodeAgent:
         what = f"rank {rank.rank} on node {rnd.group_rank} ({self.me.host}) raised {text}"
         return self._fail(rnd, {"kind": "failure", "what": what, "rank": rank.rank, "exception": text})
 
+    def _live_news(self, rnd: Round) -> None:
+        """Once per cycle, when the ranks' LiveState.restore() has said where they resume: goodput
+        keeps the steps up to there; the node of global rank 0 tells the job's recovery."""
+        if self._live_told:
+            return
+        resume = live_recovery.resume_step(self.monitors, rnd.number)
+        if resume is None:
+            return
+        told = None
+        if rnd.rank_offset == 0:
+            told = live_recovery.summary(self.monitors[0] if self.monitors else None, rnd.number)
+            if told is None:
+                return   # rank 0 writes its summary before its words: a moment later
+        self._live_told = True
+        self.status.live_resumed(resume)
+        if told is not None:
+            self.say(live_recovery.line(told))
+            told.pop("cycle", None)
+            self.events.event("live_recovery", None, **told)
+
     def _facts(self, rnd: Round) -> RoundFacts:
         return RoundFacts(rnd.number, [n.node_id for n in rnd.active], [n.node_id for n in rnd.spares],
                           {n.node_id: n.nproc for n in rnd.active})
@@ -659,6 +681,7 @@ class NodeAgent:
                         self._collect_reports(key.data[1], sel)
                 self.blame.tick(self.monitors, self.group.ranks)
                 self.status.sample()
+                self._live_news(rnd)
                 self.section_use.poll(self.monitors, self.cfg.ft)
                 self._check_signal(rnd)
                 self._check_monitors_tick()

@@ -27,7 +27,9 @@ Goodput (here, in the status file and the Prometheus gauge; the report uses the 
 kept_work): seconds in completed `step` sections that survived, over ranks x wall time. A cycle
 that ends the job complete, or is still running, keeps all its steps; a cycle followed by a
 restart (or ending a failed or stopped job) keeps only the steps done before its last completed
-`checkpointing` section, since the job resumes from that checkpoint and redoes the rest. Hung
+`checkpointing` section, since the job resumes from that checkpoint and redoes the rest; unless the
+next cycle resumed from live state (agent.live_recovery): then it keeps every step up to the resume
+step (`live_step` in `cycle_summary`: each rank's last completed step under ft.LiveState). Hung
 time, restarts and start-up never count (no `step` closes then).
 """
 from __future__ import annotations
@@ -59,12 +61,23 @@ def mono_to_wall(ns: int, now_wall: float, now_ns: int) -> float:
     return now_wall - (now_ns - ns) / 1e9
 
 
-def kept_work(ranks: Dict[int, dict]) -> Dict[int, tuple]:
+def kept_work(ranks: Dict[int, dict], live_resume: Optional[int] = None) -> Dict[int, tuple]:
     """{rank: (steps kept, step seconds kept)} of a cycle that ended in a restart, from each rank's
-    {"steps", "step_total", "at_checkpoint": {"steps", "step_total"} or None}. The job resumes at
-    the latest checkpoint any rank completed (the cycle's resume point); a rank that closed its
+    {"steps", "step_total", "at_checkpoint": {"steps", "step_total"} or None, "live_step"}. The job
+    resumes at the latest checkpoint any rank completed (the cycle's resume point); a rank that closed its
     own `checkpointing` there keeps exactly its step time up to it, another rank (one that does not
-    enter the section) keeps the same share of its steps at its mean step time."""
+    enter the section) keeps the same share of its steps at its mean step time. `live_resume`: the
+    next cycle resumed from live state at this step; a rank keeps its steps up to it (those it
+    completed after it, by its `live_step`, are redone) at its mean step time."""
+    if live_resume is not None and live_resume >= 0:
+        out = {}
+        for rank, r in ranks.items():
+            count, total = int(r.get("steps") or 0), float(r.get("step_total") or 0.0)
+            live_step = r.get("live_step")
+            redone = max(0, live_step - live_resume) if live_step is not None and live_step >= 0 else 0
+            kept = max(0, count - redone)
+            out[rank] = (kept, total * kept / count if count else 0.0)
+        return out
     marks = [r["at_checkpoint"]["steps"] for r in ranks.values() if r.get("at_checkpoint")]
     resume = max(marks, default=0)
     out = {}
@@ -107,6 +120,8 @@ class JobStatus:
         self.kept: Dict[int, float] = {}              # rank -> step seconds of ended cycles that survived
         self.redone: Dict[int, list] = {}             # rank -> [steps, seconds] redone after a restart
         self._tail: Dict[int, tuple] = {}             # the last ended cycle's steps after its checkpoint
+        self._work: Dict[int, dict] = {}              # the last ended cycle's work (kept_work's input)
+        self._live_pending = False                    # its tail waits for the next cycle's live restore
         self.snapshot: dict = {}                      # read by the metrics thread (replaced, never mutated)
         events.listeners.append(self._on_event)
         self._write()
@@ -130,7 +145,8 @@ class JobStatus:
         self.restarts_used, self.group, self.monitors = restarts_used, group, monitors
         self.cycle_started = time.time()
         self._first_step, self._stepping_sent = {}, False
-        self._settle_tail(kept=False)  # a new cycle: the last one's steps after its checkpoint are redone
+        if not self._live_pending:   # live state: the ranks' restore says what survived (live_resumed)
+            self._settle_tail(kept=False)  # a new cycle: the last one's steps after its checkpoint are redone
         self.sample(force=True)
 
     def poll_interval(self) -> Optional[float]:
@@ -168,6 +184,8 @@ class JobStatus:
                 at = (live["sections"].get(CHECKPOINT) or {}).get("at_close")
                 if at and live["sections"][CHECKPOINT]["closes"]:
                     row["at_checkpoint"] = {"steps": at["steps"], "step_total": round(at["step_total"], 6)}
+                if live.get("live_step", -1) >= 0:
+                    row["live_step"] = live["live_step"]
                 step = live["sections"].get(STEP)
                 if step:
                     row["steps"] = step["closes"]
@@ -198,6 +216,8 @@ class JobStatus:
         if self.group is None:
             return
         self.sample(force=True)
+        if self._live_pending:   # no live restore was told in this cycle: the checkpoint's rule
+            self._settle_tail(kept=False)
         ranks = {}
         for row in self._ranks:
             entry = {"sections": row["sections"]}
@@ -205,6 +225,8 @@ class JobStatus:
                 entry["first_step"] = round(self._first_step[row["rank"]], 6)
             if row.get("at_checkpoint"):
                 entry["at_checkpoint"] = row["at_checkpoint"]
+            if row.get("live_step") is not None:
+                entry["live_step"] = row["live_step"]
             ranks[str(row["rank"])] = entry
             for name, stats in row["sections"].items():
                 acc = self.past_sections.setdefault((row["rank"], name), [0, 0.0])
@@ -224,12 +246,29 @@ class JobStatus:
         for row in self._ranks:
             step = row["sections"].get(STEP) or {}
             work[row["rank"]] = {"steps": step.get("count", 0), "step_total": step.get("total", 0.0),
-                                 "at_checkpoint": row.get("at_checkpoint")}
+                                 "at_checkpoint": row.get("at_checkpoint"), "live_step": row.get("live_step")}
+        self._work = work
+        self._live_pending = any(w["live_step"] is not None for w in work.values())
         for rank, (steps, seconds) in kept_work(work).items():
             self.kept[rank] = self.kept.get(rank, 0.0) + seconds
             self._tail[rank] = (work[rank]["steps"] - steps, max(0.0, work[rank]["step_total"] - seconds))
 
+    def live_resumed(self, resume: int) -> None:
+        """This cycle's ranks resumed from live state at step `resume` (-1: from the checkpoint):
+        the last ended cycle keeps its steps up to there (kept_work); the rest is redone."""
+        if not self._live_pending:
+            return
+        if resume >= 0:
+            ckpt = kept_work(self._work)
+            for rank, (steps, seconds) in kept_work(self._work, resume).items():
+                extra_steps, extra = steps - ckpt[rank][0], max(0.0, seconds - ckpt[rank][1])
+                self.kept[rank] = self.kept.get(rank, 0.0) + extra
+                tail_steps, tail_seconds = self._tail.get(rank, (0, 0.0))
+                self._tail[rank] = (max(0, tail_steps - extra_steps), max(0.0, tail_seconds - extra))
+        self._settle_tail(kept=False)
+
     def _settle_tail(self, kept: bool) -> None:
+        self._live_pending = False
         for rank, (steps, seconds) in self._tail.items():
             if kept:
                 self.kept[rank] = self.kept.get(rank, 0.0) + seconds

@@ -11,7 +11,8 @@ What it computes:
   world size x wall time (first cycle start to the job's end, or now). A cycle followed by a
   restart keeps only its steps up to its last completed `checkpointing` section (the job resumes
   from there and does the rest again; agent.job_status.kept_work); the `cycle_summary` events
-  carry each rank's step count and seconds at that checkpoint. Hung time, restarts, start-up and
+  carry each rank's step count and seconds at that checkpoint; a cycle whose successor resumed
+  from live state (a `live_recovery` event) keeps its steps up to the resume step. Hung time, restarts, start-up and
   checkpointing are loss: no `step` completes in them;
 - per incident (a cycle that ended in a failure): which rank, what happened (simulated fault,
   hang, exit status), who noticed (its monitor, or the agent from the exit status or a lost
@@ -19,7 +20,8 @@ What it computes:
   long, the stack dumps, the flight recorder's finding on a hang (which collective never
   completed, and who never joined it), what was done (every rank restarted, or the healthy ranks
   restarted in place and which ranks or nodes were replaced, restart k/N, or the job failed), and
-  how long until every rank stepped again (the agents' `stepping` events);
+  how long until every rank stepped again (the agents' `stepping` events), and with live state
+  where the job resumed and where each rank's state came from (the `live_recovery` event);
 - computed-timeout changes (`timeout_computed`) and timeouts loaded from ft_state.json.
 matplotlib is an optional dependency (`pip install ft_launcher[report]`).
 """
@@ -258,7 +260,7 @@ def _goodput_parts(events: List[dict], statuses: List[dict], cycles: Dict[int, d
             step = (info.get("sections") or {}).get("step") or {}
             per_cycle.setdefault(e["cycle"], {})[int(r)] = {
                 "steps": int(step.get("count", 0)), "step_total": float(step.get("total", 0.0)),
-                "at_checkpoint": info.get("at_checkpoint")}
+                "at_checkpoint": info.get("at_checkpoint"), "live_step": info.get("live_step")}
     for s in statuses:  # the running cycle: from the status files
         if s.get("state") != "running" or s.get("cycle") is None:
             continue
@@ -269,12 +271,14 @@ def _goodput_parts(events: List[dict], statuses: List[dict], cycles: Dict[int, d
             per_cycle.setdefault(s["cycle"], {})[row["rank"]] = {
                 "steps": int(step.get("count", 0)), "step_total": float(step.get("total", 0.0)), "at_checkpoint": None}
     last = max(list(cycles) + list(per_cycle), default=None)
+    # a cycle resumed from live state (agent.live_recovery): the one before keeps its steps up to there
+    live = {e["cycle"]: e["detail"].get("resume_step") for e in _by_kind(events, "live_recovery")}
     step_seconds: Dict[int, float] = {}
     useful: Dict[int, float] = {}
     redone: Dict[int, list] = {}
     for number, ranks in sorted(per_cycle.items()):
         kept = ({r: (w["steps"], w["step_total"]) for r, w in ranks.items()} if number == last and ended_ok
-                else kept_work(ranks))
+                else kept_work(ranks, live.get(number + 1)))
         for rank, w in ranks.items():
             steps, seconds = kept[rank]
             step_seconds[rank] = step_seconds.get(rank, 0.0) + w["step_total"]
@@ -345,9 +349,24 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     if late:
         action += ("; " + ", ".join(f"rank {e.get('rank')}" for e in late)
                    + " did not reach its restart point in time and started afresh")
+    told = [e["detail"] for e in _by_kind(events, "live_recovery") if nxt is not None and e["cycle"] == nxt]
+    if told:
+        action += "; " + live_words(told[0])
     found = _by_kind(mine, "flight_recorder")
     return Incident(number, rank, failure["node"], what, cause, noticed, fault_time, detect, action, dumps,
                     recovered, hang_timeout, found[0]["detail"].get("summary") if found else None)
+
+
+def live_words(live: dict) -> str:
+    """A live_recovery event in words: where the job resumed and where each rank's state came from."""
+    if live.get("resume_step") is None:
+        return f"no live state ({live.get('reason')}): every rank loaded its checkpoint"
+    sources = ", ".join(f"rank {r} {v if v == 'kept' else 'from ' + v.replace('peer', 'peer rank')}"
+                        for r, v in sorted((live.get("sources") or {}).items(), key=lambda kv: int(kv[0]))
+                        if v != "kept")
+    rate = f" at {live['mb_per_s']:g} MB/s" if live.get("mb_per_s") else ""
+    return (f"live state: resumed at step {live['resume_step']}, {live.get('steps_redone', 0)} completed "
+            f"step(s) redone; {sources or 'every rank kept its state'}{rate}")
 
 
 def _blamed_hang(failure: dict, hangs: List[dict]) -> dict:

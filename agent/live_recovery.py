@@ -1,0 +1,51 @@
+"""Live recovery, the agent side: what a cycle's `LiveState.restore()` did (rank_monitor.live_state),
+read from the ranks' records (shm_layout H_LIVE_*), told once per incident.
+
+Every rank writes its resume step and source; global rank 0 also writes the whole job's summary
+(JSON: resume step, completed steps redone, each rank's source, bytes moved, transfer seconds and
+MB/s, or why there was no live state). The agent of the node holding global rank 0 says it as one
+`live_recovery` event and one console line; every agent gives its ranks' resume step to goodput
+(agent.job_status: the steps up to it survived the restart).
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from ft_launcher.rank_monitor import shm_layout as L
+
+
+def resume_step(monitors: list, cycle: int) -> Optional[int]:
+    """The step this cycle resumed at from live state (-1: the checkpoint), once a local rank's
+    restore said so; None before (or when the ranks use no live state)."""
+    for monitor in monitors:
+        rec = monitor.record() if monitor is not None else None
+        if rec is not None and cycle > 0 and rec[1][L.H_LIVE_CYCLE] == cycle:
+            return rec[1][L.H_LIVE_RESUME] - 1
+    return None
+
+
+def summary(monitor, cycle: int) -> Optional[dict]:
+    """Global rank 0's summary of this cycle's restore, or None before it wrote one."""
+    rec = monitor.record() if monitor is not None else None
+    if rec is None or cycle == 0 or rec[1][L.H_LIVE_CYCLE] != cycle:
+        return None
+    try:
+        return json.loads(L.read_live_text(*rec))
+    except ValueError:
+        return None
+
+
+def line(s: dict) -> str:
+    """The console line of one summary."""
+    if s.get("resume_step") is None:
+        return f"live recovery: no live state ({s.get('reason')}): every rank loads its checkpoint"
+    sources = ", ".join(f"{r} {'kept' if v == 'kept' else 'from ' + v.replace('peer', 'peer rank')}"
+                        for r, v in sorted(s.get("sources", {}).items(), key=lambda kv: int(kv[0])))
+    moved = ""
+    if s.get("bytes"):
+        moved = f"; {s['bytes'] / 1e6:.2f} MB in {s['transfer_s']:.3f} s"
+        if s.get("mb_per_s"):
+            moved += f" ({s['mb_per_s']:g} MB/s)"
+    return (f"live recovery: resumed at step {s['resume_step']} ({s.get('steps_redone', 0)} completed step(s) "
+            f"redone, plus the step in flight); rank {sources}{moved}; restore {s.get('restore_s', 0):.3f} s")
