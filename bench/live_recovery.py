@@ -22,8 +22,8 @@ Figures (per rank from its progress lines; a step counts when its line is writte
   healthy stall           the fault until the healthy rank completed a step after it
   steps redone            K - (first step after the fault) + 1, the largest over ranks (0 when a
                           rank skips ahead: a healed TorchFT replica starts at its peer's step)
-  state source            where the recovering rank's state came from (the script's restore record,
-                          and the live_recovery event of events.jsonl when the launcher writes one)
+  state source            where the recovering rank's state came from: the live_recovery event of
+                          events.jsonl (ft_launcher --live), else the script's restore record
   transfer MB/s           state bytes / the time the recovering rank took to get it (peer or disk)
   checksum                the DDP contenders' final model against a fault-free run of the same job
 Every process the bench starts runs in its own session; all are killed (process groups) at the end.
@@ -319,9 +319,18 @@ def result(args, contender: str, job, kill: bool) -> dict:
         out["transfer_s"] = rec["seconds"]
         out["transfer_mbs"] = rec["bytes"] / 1e6 / rec["seconds"]
     evs = events(job.dir) if contender != "torchft" else []
-    live = [e for e in evs if "live" in e.get("kind", "")]
-    if live:
-        out["events"] = [{"kind": e["kind"], "rank": e.get("rank"), "detail": e.get("detail")} for e in live]
+    told = [e["detail"] for e in evs if e.get("kind") == "live_recovery"]
+    if told:   # the launcher's own account of the incident (agent/live_recovery.py) wins
+        d = told[-1]
+        out["event"] = {k: d.get(k) for k in ("resume_step", "steps_redone", "sources", "bytes", "transfer_s",
+                                               "mb_per_s", "restore_s", "reason")}
+        if d.get("resume_step") is not None:
+            out["source"] = d["sources"].get(str(victim), out["source"])
+            out["healthy_source"] = d["sources"].get(str(healthy), out["healthy_source"])
+            if d.get("mb_per_s"):
+                out["transfer_s"], out["transfer_mbs"] = d["transfer_s"], d["mb_per_s"]
+        else:
+            out["source"] = f"disk ({d.get('reason')})"
     if contender in ("live", "ckpt"):
         out["replaced_warm"] = replaced_warm(evs, victim)
     return out
@@ -407,7 +416,7 @@ def main(argv=None) -> None:
                   f"{r['stall']:6.3f} s, redone {r['redone']}, step K again {r.get('caught_up', float('nan')):.2f} s, "
                   f"step {r.get('step_s', float('nan')) * 1000:.0f} ms, first steps {r['first_steps']}, source "
                   f"{r['source']} (healthy: {r['healthy_source']}){extra}, state {r['state_mb']:.1f} MB"
-                  + (f", events {r['events']}" if r.get("events") else ""), flush=True)
+                  + (f"; live_recovery event {r['event']}" if r.get("event") else ""), flush=True)
     print()
     print(table(args, runs, reference))
     if args.json:
