@@ -390,8 +390,8 @@ def table(args, runs: Dict[str, List[dict]], reference: Optional[float]) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    print(f"kill rank {args.kill_rank} at step {args.kill_at} of {args.steps}, checkpoint every {args.ckpt_every}, MLP width "
-          f"{args.width}, 2 replicas x 1 rank (gloo), {args.reps} reps, {os.cpu_count()} cores", flush=True)
+    print(f"kill rank {args.kill_rank} at step {args.kill_at} of {args.steps}, checkpoint every {args.ckpt_every}, "
+          f"MLP width {args.width}, 2 replicas x 1 rank (gloo), {args.reps} reps, {os.cpu_count()} cores", flush=True)
     for c in args.skipped:
         print(f"  left out: {LABELS[c]} ({'torchft is not installed' if c == 'torchft' else 'no ft.LiveState here'})",
               flush=True)
