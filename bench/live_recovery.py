@@ -14,7 +14,7 @@ the time it writes just before. Contenders:
   torchrun  torchrun --max-restarts 3 of the same script: every rank restarts and reloads it
   torchft   2 TorchFT replica groups (1 rank each, Manager on ProcessGroupGloo, gradients
             averaged with manager.allreduce) under torchft_lighthouse (--min_replicas 1, its
-            default 5 s heartbeat timeout); this bench relaunches the killed replica at once
+            default 5 s heartbeat timeout unless --torchft-heartbeat-timeout-ms); this bench relaunches the killed replica at once
             (a fresh interpreter, as a relaunch loop or a scheduler would) and it heals from
             the healthy replica over TorchFT's HTTP transport
 Figures (per rank from its progress lines; a step counts when its line is written):
@@ -64,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=1280, help="hidden width of the MLP (1280: ~47 MB of state)")
     p.add_argument("--only", default=None, help=f"comma-separated, of {', '.join(CONTENDERS)} (default: every one "
                    "this machine can run)")
+    p.add_argument("--torchft-heartbeat-timeout-ms", type=int, default=5000,
+                   help="torchft_lighthouse --heartbeat_timeout_ms (its default: 5000)")
     p.add_argument("--no-reference", action="store_true", help="skip the fault-free run (no checksum check)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a case may take before it counts as failed")
     p.add_argument("--keep", action="store_true", help="keep every case's scratch directory")
@@ -138,7 +140,7 @@ class TorchFTJob:
         self.started = time.time()
         self.lighthouse = subprocess.Popen(
             [shutil.which("torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}",
-             "--join_timeout_ms", "10000"],
+             "--join_timeout_ms", "10000", "--heartbeat_timeout_ms", str(args.torchft_heartbeat_timeout_ms)],
             cwd=self.dir, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.replicas: Dict[int, subprocess.Popen] = {}
         self.incarnation = {0: 0, 1: 0}
