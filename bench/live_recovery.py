@@ -14,9 +14,9 @@ the time it writes just before. Contenders:
   torchrun  torchrun --max-restarts 3 of the same script: every rank restarts and reloads it
   torchft   2 TorchFT replica groups (1 rank each, Manager on ProcessGroupGloo, gradients
             averaged with manager.allreduce) under torchft_lighthouse (--min_replicas 1, its
-            default 5 s heartbeat timeout unless --torchft-heartbeat-timeout-ms); this bench relaunches the killed replica at once
-            (a fresh interpreter, as a relaunch loop or a scheduler would) and it heals from
-            the healthy replica over TorchFT's HTTP transport
+            default 5 s heartbeat timeout unless --torchft-heartbeat-timeout-ms); this bench
+            relaunches the killed replica at once (a fresh interpreter, as a relaunch loop or a
+            scheduler would) and it heals from the healthy replica over TorchFT's HTTP transport
 Figures (per rank from its progress lines; a step counts when its line is written):
   fault -> all stepping   the fault until every rank has completed a step after it
   healthy stall           the fault until the healthy rank completed a step after it
