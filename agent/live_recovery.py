@@ -40,7 +40,7 @@ def line(s: dict) -> str:
     """The console line of one summary."""
     if s.get("resume_step") is None:
         return f"live recovery: no live state ({s.get('reason')}): every rank loads its checkpoint"
-    sources = ", ".join(f"{r} {'kept' if v == 'kept' else 'from ' + v.replace('peer', 'peer rank')}"
+    sources = ", ".join(f"rank {r} {'kept' if v == 'kept' else 'from ' + v.replace('peer', 'peer rank')}"
                         for r, v in sorted(s.get("sources", {}).items(), key=lambda kv: int(kv[0])))
     moved = ""
     if s.get("bytes"):
@@ -48,4 +48,4 @@ def line(s: dict) -> str:
         if s.get("mb_per_s"):
             moved += f" ({s['mb_per_s']:g} MB/s)"
     return (f"live recovery: resumed at step {s['resume_step']} ({s.get('steps_redone', 0)} completed step(s) "
-            f"redone, plus the step in flight); rank {sources}{moved}; restore {s.get('restore_s', 0):.3f} s")
+            f"redone, plus the step in flight); {sources}{moved}; restore {s.get('restore_s', 0):.3f} s")

@@ -61,6 +61,7 @@ class _Registry:
         self.previous: Optional["LiveState"] = None  # the previous call's, until restore() used it
         self.step = NOT_HELD                         # the last step `commit` completed
         self.dirty = False                           # an exception left a commit: state suspect
+        self.said_job = False                        # the granularity-job line was said
 
 
 _REG = _Registry()
@@ -187,6 +188,11 @@ class LiveState:
         Call it after init_process_group and before DDP is constructed (DDP broadcasts rank 0's
         parameters: they must already be the resumed ones). A collective: every rank calls it."""
         if self._words is None:
+            if (_cycle() > 0 and os.environ.get("RANK") == "0" and os.environ.get(L.ENV_SHM)
+                    and os.environ.get(inprocess.ENV_GRANULARITY, "job") == "job" and not _REG.said_job):
+                _REG.said_job = True
+                print("ft_launcher: no live state with --restart-granularity job (every rank restarts as a new "
+                      "process): every rank loads its checkpoint", file=sys.stderr, flush=True)
             return None
         import torch
         import torch.distributed as dist

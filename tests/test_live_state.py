@@ -1,0 +1,323 @@
+"""Live state (ft.LiveState, rank_monitor/live_state.py; agent/live_recovery.py): zero-rollback
+in-place restarts, end to end with real agents, monitors and ranks, and the recovery plan alone.
+
+- examples/ddp_train.py --live on 2 agents x 2 ranks, checkpoint every 50 steps, a fault at step
+  137 (rank 3 killed, rank 0 killed, rank 1 raising): the job ends with exactly the model of a
+  fault-free run; no healthy rank trains a step twice (its progress lines); the replaced or
+  suspect rank continues right after the last completed step; the `live_recovery` event names the
+  peer its state came from.
+- No healthy copy (both ranks of a 1-node job replaced, or --restart-granularity job): the
+  checkpoint, with one line saying why.
+- A restart signal inside `commit` (tests/scripts/live_commit.py): the rank finishes its optimizer
+  step and keeps its state; every rank holds the same parameters after restore (checksums).
+- 20 live recoveries in a row: exact checksum, a healthy rank's RSS, fds and threads flat (slow).
+- Under plain python and torchrun, --live behaves as without.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import EXAMPLE, ROOT, SCRIPTS, Launcher, read_events, wait_for, wait_until_gone
+from test_fault_matrix import Job, progress
+from ft_launcher.rank_monitor.live_state import plan_recovery
+
+STEPS, CKPT, FAULT_STEP = 150, 50, 137
+LIVE_JOB = ["--steps", STEPS, "--ckpt-every", CKPT, "--step-time", 0, "--seed", 11]
+
+
+# ---- the plan (no process) -----------------------------------------------------------------------
+def test_plan_ddp_resumes_at_the_highest_step_and_spreads_receivers_over_holders():
+    resume, sources, reason = plan_recovery([136, -1, 136, 135, -1, 136], [0] * 6)
+    assert (resume, reason) == (136, "")
+    assert sources[0] == 0 and sources[2] == 2 and sources[5] == 5          # kept
+    assert [sources[1], sources[3], sources[4]] == [0, 2, 5]               # round robin over holders
+
+
+def test_plan_hsdp_heals_from_the_same_shard_in_another_replica():
+    # 2 replicas x 2 shards: ranks 0,1 = replica 0 (shards 0,1); ranks 2,3 = replica 1
+    shards = [0, 1, 0, 1]
+    resume, sources, _ = plan_recovery([40, 40, -1, 40], shards)
+    assert resume == 40 and sources == [0, 1, 0, 3]
+    resume, sources, _ = plan_recovery([40, -1, 40, 39], shards)   # rank 3 behind: shard 1 has no copy at 40
+    assert resume is None and sources == [None] * 4
+
+
+def test_plan_without_a_copy_falls_back_to_disk_with_a_reason():
+    assert plan_recovery([-1, -1], [0, 0])[0] is None
+    resume, _, reason = plan_recovery([7, -1, -1, -1], [0, 1, 0, 1])
+    assert resume is None and reason == "no rank holds shard 1 at step 7 (every replica of it was lost or is behind)"
+
+
+def test_state_moves_into_fresh_objects_in_place():
+    """A kept rank's copy (the code path a peer transfer uses, without the wire): a model and a
+    momentum optimizer reach fresh objects exactly, the model's own parameters written in place."""
+    import torch
+    import torch.nn as nn
+
+    from ft_launcher.rank_monitor import live_state
+
+    torch.manual_seed(0)
+    old = nn.Linear(4, 3)
+    old_opt = torch.optim.SGD(old.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        old_opt.zero_grad()
+        old(torch.randn(5, 4)).sum().backward()
+        old_opt.step()
+    new = nn.Linear(4, 3)
+    new_opt = torch.optim.SGD(new.parameters(), lr=0.5, momentum=0.0)
+    weight = new.weight
+
+    class Holder:
+        def __init__(self, **objects):
+            self.objects = objects
+
+    live_state._copy_objects(Holder(model=old, optimizer=old_opt), Holder(model=new, optimizer=new_opt))
+    assert new.weight is weight and torch.equal(new.weight, old.weight) and torch.equal(new.bias, old.bias)
+    assert new_opt.param_groups[0]["lr"] == 0.1 and new_opt.param_groups[0]["momentum"] == 0.9
+    for p_old, p_new in zip(old.parameters(), new.parameters()):
+        assert torch.equal(old_opt.state[p_old]["momentum_buffer"], new_opt.state[p_new]["momentum_buffer"])
+
+
+def test_outside_the_launcher_restore_is_none_and_commit_runs_its_body():
+    import torch
+
+    import ft_launcher as ft
+
+    model = torch.nn.Linear(2, 2)
+    live = ft.LiveState(model=model)
+    assert not live.active and live.restore() is None
+    ran = []
+    with live.commit(1):
+        ran.append(1)
+    assert ran == [1]
+    with pytest.raises(TypeError, match=r"LiveState\(x=\.\.\.\): a int has no state_dict/load_state_dict"):
+        ft.LiveState(x=3)
+
+
+# ---- end to end ------------------------------------------------------------------------------------
+class LiveReference:
+    """The fault-free 2x2 run of LIVE_JOB (its final checksum), once per module."""
+
+    def __init__(self, factory):
+        self.factory, self.value = factory, None
+
+    def checksum(self):
+        if self.value is None:
+            import uuid
+
+            token = uuid.uuid4().hex
+            root = self.factory.mktemp("live_reference")
+            helper = Launcher(token, root)
+            try:
+                job = Job(helper, root, "2x2", job_args=LIVE_JOB).launch()
+                results, _ = job.wait(bound=120)
+                assert all(code == 0 for code, _, _ in results), results[0][2][-3000:]
+                self.value = job.final()["checksum"]
+            finally:
+                helper.cleanup()
+                left = wait_until_gone(token, timeout=5)
+                for proc in left:
+                    proc.kill()
+        return self.value
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return LiveReference(tmp_path_factory)
+
+
+def steps_by_cycle(job, rank):
+    out = {}
+    for cycle, step, _ in progress(job.prog, rank):
+        out.setdefault(cycle, []).append(step)
+    return out
+
+
+def check_live(job, reference, fault_rank, resume):
+    results, elapsed = job.wait()
+    assert all(code == 0 for code, _, _ in results), "\n".join(r[2][-3000:] for r in results)
+    assert job.final()["checksum"] == reference.checksum(), "live recovery changed the model"
+    evs = job.events()
+    restarts = [e["detail"] for e in evs if e["kind"] == "restart"]   # one per agent
+    assert {(r["rung"], r["next_cycle"]) for r in restarts} == {("in_process", 1)}, restarts
+    told = [e for e in evs if e["kind"] == "live_recovery"]
+    assert len(told) == 1, told
+    live = told[0]["detail"]
+    assert live["resume_step"] == resume and live["steps_redone"] == 0, live
+    sources = live["sources"]
+    source = sources.pop(str(fault_rank))
+    assert source.startswith("peer ") and int(source.split()[1]) != fault_rank, live
+    assert set(sources.values()) == {"kept"}, live
+    assert live["bytes"] > 0 and live["mb_per_s"] > 0, live
+    for rank in range(job.world):
+        steps = steps_by_cycle(job, rank)
+        assert steps[1][0] == resume + 1, f"rank {rank} did not continue after step {resume}: {steps[1][:3]}"
+        assert steps[1] == list(range(resume + 1, STEPS + 1))
+        if rank != fault_rank:   # a healthy rank never trains a completed step again
+            assert steps[0][-1] <= resume and not set(steps[0]) & set(steps[1]), rank
+    out = "".join(r[2] for r in results)
+    line = [ln for ln in out.splitlines() if "live recovery: resumed at step" in ln]
+    assert len(line) == 1 and f"rank {fault_rank} from peer rank {source.split()[1]}" in line[0], line
+    print(f"\n{live}\n{elapsed:.1f}s")
+    return live
+
+
+@pytest.mark.parametrize("fault_rank", [pytest.param(3, marks=pytest.mark.slow), 0], ids=["rank3", "rank0"])
+def test_a_killed_rank_heals_from_a_peer_and_the_job_loses_no_step(launcher, tmp_path, reference, fault_rank):
+    job = Job(launcher, tmp_path, "2x2", job_args=["--live"] + LIVE_JOB + [
+        "--fail-at-step", FAULT_STEP, "--fail-rank", fault_rank]).launch()
+    check_live(job, reference, fault_rank, resume=FAULT_STEP - 1)
+
+
+def test_a_rank_that_raised_is_suspect_and_heals_from_a_peer(launcher, tmp_path, reference):
+    """Rank 1 raises at the end of step 137 (its optimizer step done): its state counts as
+    suspect; its peers completed 137, so the job resumes there and rank 1 receives it."""
+    job = Job(launcher, tmp_path, "2x2", job_args=["--live"] + LIVE_JOB + [
+        "--raise-in", "step", "--hold-step", FAULT_STEP, "--fail-rank", 1]).launch()
+    check_live(job, reference, 1, resume=FAULT_STEP)
+
+
+def run_1x2(launcher, tmp_path, ft_args, job_args, logs="logs"):
+    args = ["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", tmp_path / logs] + ft_args + [
+        EXAMPLE] + job_args + ["--ckpt-dir", tmp_path / "ckpt", "--progress-dir", tmp_path / "progress"]
+    proc = launcher.start(args)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    return out, err, read_events(str(tmp_path / logs))
+
+
+@pytest.mark.parametrize("granularity", ["node", pytest.param("job", marks=pytest.mark.slow)])
+def test_no_healthy_copy_falls_back_to_the_checkpoint_with_one_line(launcher, tmp_path, granularity):
+    """1 agent x 2 ranks, rank 1 killed at step 17, checkpoint every 10: with node granularity both
+    ranks are new processes (no copy anywhere), with job granularity there is no live state at all.
+    Either way the job resumes from the checkpoint at step 10, and says so once."""
+    job = ["--live", "--steps", 30, "--ckpt-every", 10, "--fail-at-step", 17, "--fail-rank", 1, "--seed", 5]
+    out, err, evs = run_1x2(launcher, tmp_path, ["--ft-restart-granularity", granularity], job)
+    lines = [ln for ln in err.splitlines() if "no live state" in ln]
+    if granularity == "node":
+        assert len(lines) == 2, err[-3000:]   # rank 0's line, and the agent's
+        assert "no live state to resume from (no rank holds live state" in lines[0]
+        told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
+        assert len(told) == 1 and told[0]["resume_step"] is None and set(told[0]["sources"].values()) == {"disk"}
+    else:
+        assert len(lines) == 1 and "no live state with --restart-granularity job" in lines[0], err[-3000:]
+    assert "resumed from step 10 (cycle 1)" in out
+    rows = progress(str(tmp_path / "progress"), 0)
+    assert [s for c, s, _ in rows if c == 1][0] == 11
+
+
+def test_a_restart_signal_inside_commit_leaves_every_replica_equal(launcher, tmp_path):
+    """live_commit.py: rank 1 is inside its commit (after the all-reduce, in its optimizer step)
+    when the restart signal comes; it finishes that step and keeps its state, rank 2 (which raised)
+    receives it, and all three ranks hold the same parameters and momentum after restore and at
+    the end, equal to a fault-free run's."""
+    def run(name, fault):
+        out = tmp_path / name
+        out.mkdir()
+        # 2 restarts allowed: torch 2.13's gloo may abort a rank at exit (SIGABRT), which costs one
+        proc = launcher.start(["--standalone", "--nproc-per-node", 3, "--max-restarts", 2, "--log-dir", out / "logs",
+                               os.path.join(SCRIPTS, "live_commit.py"), out, fault])
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        finals = [json.loads((out / f"final_{r}.json").read_text()) for r in range(3)]
+        return out, finals
+
+    _, clean = run("clean", 0)
+    out, finals = run("fault", 1)
+    restored = [json.loads((out / f"restored_{r}_1.json").read_text()) for r in range(3)]
+    assert {r["step"] for r in restored} == {6}, restored
+    assert len({(r["params"], r["momentum"]) for r in restored}) == 1, f"replicas differ after restore: {restored}"
+    live = [e["detail"] for e in read_events(str(out / "logs")) if e["kind"] == "live_recovery"][0]
+    assert live["sources"]["1"] == "kept" and live["sources"]["2"].startswith("peer "), live
+    assert finals == clean and len({json.dumps(f) for f in finals}) == 1, (finals, clean)
+
+
+@pytest.mark.slow
+def test_twenty_live_recoveries_leave_the_model_exact_and_a_healthy_rank_flat(launcher, tmp_path):
+    """Rank 1 dies in step 5 of cycles 0..19; each time the job resumes at step 4 from live state
+    (rank 1 from peer rank 0). Rank 0's RSS, fds and threads are sampled at every cycle start."""
+    restarts = 20
+    ref_out, _, _ = run_1x2(launcher, tmp_path, [], ["--steps", 8, "--ckpt-every", 100, "--seed", 9], logs="ref")
+    reference = json.loads((tmp_path / "ckpt" / "final.json").read_text())["checksum"]
+    os.remove(tmp_path / "ckpt" / "final.json")
+    os.remove(tmp_path / "ckpt" / "ckpt.pt")
+    logs = str(tmp_path / "logs")
+    proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", restarts + 2, "--log-dir", logs,
+                           "--ft-max-no-progress-cycles", 0, "--ft-warm-reserves", 2, EXAMPLE, "--live", "--steps", 8,
+                           "--ckpt-every", 100, "--fail-at-step", 5, "--fail-rank", 1, "--fail-cycles", restarts,
+                           "--seed", 9, "--ckpt-dir", tmp_path / "ckpt"])
+    from test_inprocess_restart import started
+
+    first = wait_for(lambda: started(read_events(logs), 0), 60, "cycle 0")
+    healthy = psutil.Process(first[0][0])
+    samples, seen = {}, 0
+    deadline = time.monotonic() + 400
+    while proc.poll() is None and time.monotonic() < deadline:
+        evs = read_events(logs, "ranks_started")
+        if len(evs) > seen:
+            seen = len(evs)
+            try:
+                samples[evs[-1]["cycle"]] = (healthy.memory_info().rss, healthy.num_fds(), healthy.num_threads())
+            except psutil.NoSuchProcess:
+                break
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    final = json.loads((tmp_path / "ckpt" / "final.json").read_text())
+    assert final["checksum"] == reference and final["cycle"] == restarts
+    evs = read_events(logs)
+    told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
+    assert len(told) == restarts and all(t["resume_step"] == 4 and t["sources"] == {"0": "kept", "1": "peer 0"}
+                                         for t in told), told
+    assert started(evs, restarts)[0] == (healthy.pid, True)
+    print("\ncycle  rss_MB  fds  threads")
+    for cycle in sorted(samples):
+        rss, fds, threads = samples[cycle]
+        print(f"{cycle:5d}  {rss / 2**20:6.1f}  {fds:3d}  {threads:7d}")
+    early, late = samples[min(c for c in samples if c >= 3)], samples[max(samples)]
+    assert late[1] <= early[1] + 2, f"file descriptors grew: {early[1]} -> {late[1]}"
+    assert late[2] <= early[2] + 2, f"threads grew: {early[2]} -> {late[2]}"
+    assert late[0] <= early[0] * 1.10 + 20 * 2**20, f"RSS grew: {early[0] / 2**20:.1f} -> {late[0] / 2**20:.1f} MB"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_without_ft_launcher_live_is_the_checkpoint_path(tmp_path):
+    """Plain python (one rank) and torchrun (two): --live trains and resumes from the checkpoint
+    exactly as without it (same checksums, same resume line)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "TORCHELASTIC", "PET_"))}
+    env["PYTHONPATH"] = ROOT
+
+    def plain(flags, ckpt, steps):
+        e = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        res = subprocess.run([sys.executable, EXAMPLE, "--steps", str(steps), "--ckpt-every", "5", "--ckpt-dir", str(ckpt)]
+                             + flags, env=e, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res.stdout
+
+    def torchrun(flags, ckpt, steps):
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              EXAMPLE, "--steps", str(steps), "--ckpt-every", "5", "--ckpt-dir", str(ckpt)] + flags,
+                             env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res.stdout
+
+    for name, run in (("plain", plain), ("torchrun", torchrun)):
+        outs = {}
+        for flags in ([], ["--live"]):
+            ckpt = tmp_path / f"{name}{len(flags)}"
+            run(flags, ckpt, 10)
+            outs[len(flags)] = run(flags, ckpt, 20)   # resumes from the checkpoint of step 10
+        assert "resumed from step 10 (cycle 0)" in outs[1], outs[1]
+        final = [[ln for ln in outs[n].splitlines() if "FINAL" in ln] for n in (0, 1)]
+        assert final[0] == final[1] and final[0], (name, final)
