@@ -1,0 +1,279 @@
+"""The training job of bench/live_recovery.py: one MLP with AdamW and an LR schedule, the same
+model and state size for every contender, which kills one of its ranks at a chosen step.
+
+    --mode ddp      DDP on gloo; under ft_launcher, torchrun or plain python. With --restartable it
+                    runs under ft.restartable (in-place restart), with --live it also hands its
+                    state to ft.LiveState and resumes from it (checkpoint only as the fallback).
+    --mode torchft  one TorchFT 0.2.0 replica (1 rank) of REPLICA_ID: its Manager (quorum through
+                    the lighthouse at TORCHFT_LIGHTHOUSE) on ProcessGroupGloo; gradients averaged
+                    with manager.allreduce (TorchFT's DDP wrapper crashed the healthy replica on
+                    gloo when a peer was killed); a recovering replica heals from a healthy peer.
+
+Each rank appends `cycle step unixtime` to <progress-dir>/rank_<r>.txt after each completed
+step (cycle: TORCHELASTIC_RESTART_COUNT, or the relaunch count INCARNATION in torchft mode), and
+writes <progress-dir>/restore_rank_<r>_cycle_<c>.json saying where its state came from (live:
+what LiveState.restore returned; disk: the checkpoint; peer: TorchFT's healing; fresh), how many
+bytes and how long it took. With --kill-at-step K, rank --kill-rank of cycle 0 writes the time to
+<progress-dir>/fault.txt and SIGKILLs itself at the start of step K (steps 1..K-1 done, K in flight).
+The batch of step s on rank r is a function of (seed, s, r), so a DDP run that recovers exactly ends
+with the checksum of a fault-free run (rank 0 writes it to <ckpt-dir>/final.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("ddp", "torchft"), default="ddp")
+    p.add_argument("--steps", type=int, default=170)
+    p.add_argument("--width", type=int, default=1280, help="hidden width of the MLP")
+    p.add_argument("--inputs", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ckpt-dir", default="ckpt")
+    p.add_argument("--ckpt-every", type=int, default=50, help="ddp mode: rank 0 saves a checkpoint every N steps")
+    p.add_argument("--progress-dir", default="progress")
+    p.add_argument("--kill-at-step", type=int, default=None)
+    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--restartable", action="store_true", help="ddp mode: run under ft_launcher.restartable")
+    p.add_argument("--live", action="store_true", help="ddp mode: ft.LiveState (implies --restartable)")
+    p.add_argument("--heartbeat-ms", type=int, default=100, help="torchft mode: the Manager's heartbeat interval")
+    args = p.parse_args(argv)
+    if args.live:
+        args.restartable = True
+    if args.mode == "torchft" and (args.live or args.restartable):
+        p.error("--live/--restartable are ft_launcher's; --mode torchft heals through TorchFT's Manager")
+    if args.steps < 1 or args.width < 1 or args.ckpt_every < 1:
+        p.error("--steps, --width and --ckpt-every must be positive")
+    return args
+
+
+def build_model(args) -> nn.Module:
+    torch.manual_seed(args.seed)
+    w, d = args.width, args.inputs
+    return nn.Sequential(nn.Linear(d, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
+                         nn.Linear(w, d))
+
+
+def build_optim(args, model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    return opt, sched
+
+
+def state_bytes(model, opt) -> int:
+    """Bytes of model + optimizer tensors (what a peer sends or a checkpoint holds)."""
+    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    for st in opt.state.values():
+        n += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
+    return n
+
+
+def batch(args, step, rank):
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
+    x = torch.randn(args.batch, args.inputs, generator=g)
+    return x, torch.tanh(x.flip(1)) * 0.5
+
+
+def checksum(model) -> float:
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in model.parameters()))
+
+
+class Progress:
+    def __init__(self, args, rank, cycle):
+        os.makedirs(args.progress_dir, exist_ok=True)
+        self.dir, self.rank, self.cycle = args.progress_dir, rank, cycle
+        self.fh = open(os.path.join(self.dir, f"rank_{rank}.txt"), "a", buffering=1)
+
+    def step(self, step):
+        self.fh.write(f"{self.cycle} {step} {time.time():.6f}\n")
+
+    def restored(self, **info):
+        path = os.path.join(self.dir, f"restore_rank_{self.rank}_cycle_{self.cycle}.json")
+        with open(path + ".tmp", "w") as fh:
+            json.dump(info, fh)
+        os.replace(path + ".tmp", path)
+
+    def maybe_die(self, args, step):
+        if args.kill_at_step == step and self.rank == args.kill_rank and self.cycle == 0:
+            with open(os.path.join(self.dir, "fault.txt"), "w") as fh:
+                fh.write(f"{time.time():.6f} {step} {self.rank}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def close(self):
+        self.fh.close()
+
+
+def final(args, model, rank, world, cycle, extra=None):
+    os.makedirs(args.ckpt_dir, exist_ok=True)
+    result = {"step": args.steps, "checksum": checksum(model), "world_size": world, "cycle": cycle, **(extra or {})}
+    with open(os.path.join(args.ckpt_dir, f"final_rank_{rank}.json" if args.mode == "torchft" else "final.json"),
+              "w") as fh:
+        json.dump(result, fh)
+    print(f"FINAL rank={rank} step={args.steps} checksum={result['checksum']:.10f}", flush=True)
+
+
+# --- ddp mode: ft_launcher (--live: LiveState), torchrun, plain python ---------------------------
+
+def train_ddp(args):
+    import ft_launcher as ft
+
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cycle = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    progress = Progress(args, rank, cycle)
+    ft.heartbeat()
+    with ft.section("setup"):
+        dist.init_process_group("gloo")
+        model = build_model(args)
+        opt, sched = build_optim(args, model)
+        start, source, t0 = None, None, time.perf_counter()
+        live = None
+        if args.live:
+            live = ft.LiveState(model=model, optimizer=opt, scheduler=sched)
+            start = live.restore()
+            if start is not None:
+                source = "live"
+        if start is None:
+            path = os.path.join(args.ckpt_dir, "ckpt.pt")
+            start, source = 0, "fresh"
+            if os.path.exists(path):
+                state = torch.load(path, weights_only=True)
+                model.load_state_dict(state["model"])
+                opt.load_state_dict(state["opt"])
+                sched.load_state_dict(state["sched"])
+                start, source = state["step"], "disk"
+        took = time.perf_counter() - t0
+        # every rank holds the same state now: DDP's broadcast from rank 0 changes nothing
+        ddp = nn.parallel.DistributedDataParallel(model)
+        progress.restored(source=source, step=start, seconds=took, bytes=state_bytes(model, opt), time=time.time(),
+                          live=getattr(live, "last_recovery", None))
+        if rank == 0:
+            print(f"cycle {cycle}: resuming after step {start} ({source}, {took:.3f} s)", flush=True)
+
+    for step in range(start + 1, args.steps + 1):
+        with ft.section("step"):
+            progress.maybe_die(args, step)
+            x, y = batch(args, step, rank)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            if live is not None:
+                with live.commit(step):
+                    opt.step()
+                    sched.step()
+            else:
+                opt.step()
+                sched.step()
+        ft.heartbeat()
+        progress.step(step)
+        if step % args.ckpt_every == 0 or step == args.steps:
+            with ft.section("checkpointing"):
+                if rank == 0:
+                    os.makedirs(args.ckpt_dir, exist_ok=True)
+                    path = os.path.join(args.ckpt_dir, "ckpt.pt")
+                    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                                "sched": sched.state_dict(), "step": step}, path + ".tmp")
+                    os.replace(path + ".tmp", path)
+                dist.barrier()
+    if rank == 0:
+        final(args, model, rank, world, cycle, {"state_bytes": state_bytes(model, opt)})
+    progress.close()
+    del ddp   # before the group goes (see examples/ddp_train.py: gloo's exit deadlock)
+    dist.destroy_process_group()
+
+
+# --- torchft mode: one replica of TorchFT 0.2.0 ----------------------------------------------------
+
+def train_torchft(args):
+    from datetime import timedelta
+
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing import HTTPTransport
+
+    replica = int(os.environ["REPLICA_ID"])
+    cycle = int(os.environ.get("INCARNATION", 0))
+    progress = Progress(args, replica, cycle)
+    model = build_model(args)
+    opt, sched = build_optim(args, model)
+    healed = {}
+
+    class TimedTransport(HTTPTransport):
+        """TorchFT's HTTP transport, timing what a recovering replica receives."""
+
+        def recv_checkpoint(self, src_rank, metadata, step, timeout):
+            t0 = time.perf_counter()
+            out = super().recv_checkpoint(src_rank, metadata, step, timeout)
+            healed.update(seconds=time.perf_counter() - t0, src=src_rank, step=step, time=time.time())
+            return out
+
+    def load_state_dict(sd):
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["opt"])
+        sched.load_state_dict(sd["sched"])
+
+    def state_dict():
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+
+    # A replica group of one rank: its own store (the Manager's rank-0 server registers there).
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    timeout = timedelta(seconds=30)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
+        load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"bench_{replica}",
+        rank=0, world_size=1, store_addr="localhost", store_port=store.port,
+        lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"], timeout=timeout, quorum_timeout=timeout,
+        connect_timeout=timeout, heartbeat_interval=timedelta(milliseconds=args.heartbeat_ms),
+        checkpoint_transport=TimedTransport(timeout=timeout, num_chunks=0))
+    reported = False
+    try:
+        while manager.current_step() < args.steps:
+            step = manager.current_step() + 1
+            progress.maybe_die(args, step)
+            opt.zero_grad(set_to_none=True)
+            manager.start_quorum()
+            x, y = batch(args, step, replica)
+            nn.functional.mse_loss(model(x), y).backward()
+            works = [manager.allreduce(p.grad) for p in model.parameters() if p.grad is not None]
+            for w in works:
+                w.wait()
+            if manager.should_commit():
+                opt.step()
+                sched.step()
+                progress.step(manager.current_step())
+            if not reported and manager.current_step() > 0:
+                reported = True
+                if healed:
+                    progress.restored(source=f"peer replica {healed['src']}", step=healed["step"],
+                                      seconds=healed["seconds"], bytes=state_bytes(model, opt), time=healed["time"])
+                else:
+                    progress.restored(source="fresh", step=0, seconds=0.0, bytes=state_bytes(model, opt),
+                                      time=time.time())
+        final(args, model, replica, 2, cycle, {"state_bytes": state_bytes(model, opt)})
+    finally:
+        progress.close()
+        manager.shutdown(wait=False)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.mode == "torchft":
+        train_torchft(args)
+    elif args.restartable:
+        import ft_launcher as ft
+        ft.restartable(train_ddp)(args)
+    else:
+        train_ddp(args)
+
+
+if __name__ == "__main__":
+    main()
