@@ -35,7 +35,9 @@ RESTARTABLE = ["--restartable"]
 TIMEOUTS = ["--ft-rank-section-timeouts", f"setup:20,step:{HOLD + 3:g},checkpointing:{HOLD + 3:g}"]
 PHASES = ("setup", "step", "checkpointing")
 FAULTS = ("killed", "hung", "raise")
-DEFAULT = {("raise", "step", "1x2"), ("killed", "step", "2x2"), ("hung", "step", "1x2")}
+# By default: a raise here; a kill in place on 2x2 runs by default in tests/test_live_state.py (the
+# same in-place path, plus live state) and a hang in place on 1x2 in tests/test_hang_blame.py
+DEFAULT = {("raise", "step", "1x2")}
 
 
 @pytest.fixture(scope="module")

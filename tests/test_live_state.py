@@ -6,6 +6,8 @@ in-place restarts, end to end with real agents, monitors and ranks, and the reco
   fault-free run; no healthy rank trains a step twice (its progress lines); the replaced or
   suspect rank continues right after the last completed step; the `live_recovery` event names the
   peer its state came from.
+- A hang (rank 3 sleeps inside step 137 after its optimizer step): the hang blame keeps the
+  waiting ranks in place with their state, rank 3 heals from a peer; exact, nothing redone.
 - No healthy copy (both ranks of a 1-node job replaced, or --restart-granularity job): the
   checkpoint, with one line saying why.
 - A restart signal inside `commit` (tests/scripts/live_commit.py): the rank finishes its optimizer
@@ -192,6 +194,26 @@ def test_a_rank_that_raised_is_suspect_and_heals_from_a_peer(launcher, tmp_path,
     check_live(job, reference, 1, resume=FAULT_STEP)
 
 
+def test_a_hang_keeps_its_victims_state_and_the_rank_that_hung_heals_from_a_peer(launcher, tmp_path, reference):
+    """Rank 3 completes step 137 and then sleeps inside it; its peers block in step 138's
+    all-reduce until their step timers run out too. The hang blame (agent/hang_blame.py) finds
+    rank 3 hung and the others waiting on it: they restart in place with their state at step 137,
+    rank 3 is replaced and receives that state from a peer; the job ends exactly as a fault-free
+    run, no completed step trained twice."""
+    from test_inprocess_restart import started
+
+    job = Job(launcher, tmp_path, "2x2", ["--ft-rank-section-timeouts", "setup:30,step:3,checkpointing:30"],
+              job_args=["--live"] + LIVE_JOB + ["--hang-in", "step", "--hold-step", FAULT_STEP, "--fail-rank", 3]
+              ).launch()
+    check_live(job, reference, 3, resume=FAULT_STEP)
+    evs = job.events()
+    blame = [e["detail"] for e in evs if e["kind"] == "hang_blame"]
+    assert len(blame) == 1 and blame[0]["culprits"] == [3] and blame[0]["victims"] == [0, 1, 2], blame
+    before, after = started(evs, 0), started(evs, 1)
+    assert all(after[r] == (before[r][0], True) for r in (0, 1, 2)), (before, after)
+    assert after[3][0] != before[3][0], (before, after)
+
+
 def run_1x2(launcher, tmp_path, ft_args, job_args, logs="logs"):
     args = ["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", tmp_path / logs] + ft_args + [
         EXAMPLE] + job_args + ["--ckpt-dir", tmp_path / "ckpt", "--progress-dir", tmp_path / "progress"]
@@ -301,6 +323,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow   # 26 s; outside the launcher restore() is None: test_outside_the_launcher_restore_is_none...
 def test_without_ft_launcher_live_is_the_checkpoint_path(tmp_path):
     """Plain python (one rank) and torchrun (two): --live trains and resumes from the checkpoint
     exactly as without it (same checksums, same resume line)."""
