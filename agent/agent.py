@@ -57,11 +57,11 @@ from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
 from .process_wait import Unkillable, kill_and_wait
 from .rank_output import RankOutput
-from . import inprocess_ranks, live_recovery, nvrx_cycle_info, nvrx_logs, segments, store_threads
+from . import failure_cause, inprocess_ranks, live_recovery, nvrx_cycle_info, nvrx_logs, segments, store_threads
 from .reserve_pool import ReservePool
 from .restart_policy import RoundFacts, Verdict
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
-from .workers import Rank, WorkerGroup, describe_exit, rank_env, set_wake_fd
+from .workers import Rank, WorkerGroup, rank_env, set_wake_fd
 
 EXIT_OK, EXIT_FAILED = 0, 1
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -654,8 +654,7 @@ class NodeAgent:
         if not raised:
             return None
         rank, _, text = raised[0]
-        what = f"rank {rank.rank} on node {rnd.group_rank} ({self.me.host}) raised {text}"
-        return self._fail(rnd, {"kind": "failure", "what": what, "rank": rank.rank, "exception": text})
+        return self._fail(rnd, failure_cause.rank_raised(rank, self._node_words(rnd), text))
 
     def _live_news(self, rnd: Round) -> None:
         """Once per cycle, when the ranks' LiveState.restore() has said where they resume: goodput
@@ -724,16 +723,17 @@ class NodeAgent:
                 if request is not None:
                     return request
                 if self.watcher.dead_peers:
-                    dead = self.watcher.dead_peers
-                    what = ", ".join(f"node {n.label()}" for n in dead) + " stopped answering"
-                    return self._fail(rnd, {"kind": "failure", "what": what, "dead_nodes": [n.__dict__ for n in dead]})
+                    return self._fail(rnd, failure_cause.peers_lost(self.watcher.dead_peers))
                 for rank in list(self.group.ranks):
                     if rank.exitcode is not None or rank.proc.poll() is None:
                         continue
                     sel.unregister(rank.pidfd)
                     code = self.group.reap(rank)
                     if code != 0:
-                        return self._fail(rnd, self._rank_failure(rank, code, rnd))
+                        # only this cycle's reports: a monitor can fire while a previous cycle is torn down
+                        reports = self.monitor_set.take_pending(rank.local_rank, rnd.number)
+                        return self._fail(rnd, failure_cause.rank_ended(rank, code, self._node_words(rnd),
+                                                                        reports, self.blame))
                     self.events.event("rank_exit", f"rank {rank.rank} finished (exit code 0)",
                                       rank=rank.rank, exitcode=0)
                 raised = self._in_process_news(rnd)   # after the deaths: a dead peer is the likelier cause
@@ -799,29 +799,8 @@ class NodeAgent:
             self.say("warning: simulated rank_hung faults need a section or heartbeat timeout to be "
                      "detected; none is configured, so a hung rank will stay hung")
 
-    def _rank_failure(self, rank: Rank, code: int, rnd: Round) -> dict:
-        """Why `rank` ended: what its monitor reported about it, else its exit status."""
-        # Only this cycle's: a monitor can fire while a previous cycle is being torn down.
-        reports = self.monitor_set.take_pending(rank.local_rank, rnd.number)
-        node = f"node {rnd.group_rank} ({self.me.host})"
-        hangs = [r for r in reports if r.get("kind") == "hang"]
-        lost = [r for r in reports if r.get("kind") == "monitor_died"]
-        if hangs:
-            hang = hangs[-1]
-            what = (f"rank {rank.rank} on {node} hung in {_hang_place(hang)} for {hang.get('elapsed', 0):.2f}s "
-                    f"(timeout {hang.get('timeout', 0):g}s) and was stopped by its monitor"
-                    + self.blame.words(rank.rank))
-            return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code, "hang": hang}
-        if lost:
-            what = (f"rank {rank.rank} on {node} was stopped because its monitor (pid {lost[-1]['pid']}) died: "
-                    f"it restarts under the new monitor")
-            return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code, "monitor_died": lost[-1]}
-        if self.blame.blamed(rank.local_rank):
-            what = f"rank {rank.rank} on {node} hung and was killed by its agent" + self.blame.words(rank.rank)
-            return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code,
-                    "hang_blame": self.blame.verdict}
-        what = f"rank {rank.rank} on {node} {describe_exit(code)}"
-        return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code}
+    def _node_words(self, rnd: Round) -> str:
+        return f"node {rnd.group_rank} ({self.me.host})"
 
     def _fail(self, rnd: Round, reason: dict) -> Verdict:
         reason.setdefault("node_id", self.me.node_id)
@@ -940,11 +919,10 @@ class NodeAgent:
                 if self.watcher.interrupted_round == rnd.number:
                     return self.proto.verdict(rnd.number)
                 if self.watcher.dead_peers:  # a training node died: with no other trainer left, only we notice
-                    what = ", ".join(f"node {n.label()}" for n in self.watcher.dead_peers) + " stopped answering"
-                    self.events.event("failure", f"{what} -> the hot spare asks for a new round", what=what)
-                    verdict = self.proto.interrupt(rnd.number, {
-                        "kind": "failure", "what": what, "node_id": self.me.node_id,
-                        "dead_nodes": [n.__dict__ for n in self.watcher.dead_peers]}, self._facts(rnd))
+                    reason = dict(failure_cause.peers_lost(self.watcher.dead_peers), node_id=self.me.node_id)
+                    self.events.event("failure", f"{reason['what']} -> the hot spare asks for a new round",
+                                      what=reason["what"])
+                    verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
                     return self._announce(rnd, verdict)
         finally:
             sel.close()
@@ -963,9 +941,9 @@ class NodeAgent:
                 held = ("its monitor holds it until the agents decide who hung" if self._restartable_declared
                         else "monitor is stopping it")
                 self.events.event(
-                    "hang", f"rank {report.get('rank')} hang detected: {_hang_place(report)} "
+                    "hang", f"rank {report.get('rank')} hang detected: {failure_cause.hang_place(report)} "
                     f"elapsed {report.get('elapsed', 0):.2f}s > timeout {report.get('timeout', 0):g}s "
-                    f"-> {held}; {_dump_words(report)}",
+                    f"-> {held}; {failure_cause.dump_words(report)}",
                     rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"})
             elif kind == "stack_dump":  # follows its hang report once the rank has written it
                 self.blame.on_stack(report)
@@ -974,19 +952,3 @@ class NodeAgent:
             else:
                 self.events.event(kind or "monitor_report", None, rank=report.get("rank"), **report)
 
-
-def _dump_words(report: dict) -> str:
-    """Where the hung rank's stack dump goes, or why there is none."""
-    if report.get("stack_file"):
-        return f"stack dump: {report['stack_file']}"
-    return "no stack dump (the rank never used ft_launcher's client, so it has no dump handler)"
-
-
-def _hang_place(report: dict) -> str:
-    """"section 'step'", or the expired timeout and the innermost open section:
-    "heartbeat (in section 'setup')"."""
-    if report.get("section"):
-        return f"section '{report['section']}'"
-    place = str(report.get("reason", "?")).replace("_", " ")
-    opened = report.get("open_sections") or []
-    return place + (f" (in section '{opened[-1]}')" if opened else "")

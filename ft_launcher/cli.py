@@ -73,7 +73,7 @@ TORCHRUN_NOTES = {
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode values
 _GROUP_OF = {name: title for title, names in _GROUPS.items() for name in names}
 
-# One line per fault-tolerance key (the README's table says more).
+# One line per fault-tolerance key (docs/flags-and-configuration.md's table says more).
 FT_HELP = {
     "rank_section_timeouts": "seconds per section, e.g. setup:600,step:180,checkpointing:null",
     "rank_out_of_section_timeout": "seconds a rank may spend with no section open",
