@@ -130,10 +130,7 @@ class CycleInfoWriter:
             os.replace(tmp, link)
         except OSError as exc:
             self.warn(f"cannot update the cycle info link {link}", exc)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _discard(tmp)
 
     def end(self) -> None:
         """The cycle written last ends now: its file gets its end time (once)."""
@@ -155,8 +152,13 @@ class CycleInfoWriter:
             return True
         except OSError as exc:
             self.warn(f"cannot write the cycle info file {path}", exc)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _discard(tmp)
             return False
+
+
+def _discard(tmp: str) -> None:
+    """A temporary file that was not moved into place."""
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
