@@ -232,8 +232,8 @@ def test_no_healthy_copy_falls_back_to_the_checkpoint_with_one_line(launcher, tm
     out, err, evs = run_1x2(launcher, tmp_path, ["--ft-restart-granularity", granularity], job)
     lines = [ln for ln in err.splitlines() if "no live state" in ln]
     if granularity == "node":
-        assert len(lines) == 2, err[-3000:]   # rank 0's line, and the agent's
-        assert "no live state to resume from (no rank holds live state" in lines[0]
+        assert len(lines) == 2, err[-3000:]   # rank 0's line, and the agent's (either first)
+        assert any("no live state to resume from (no rank holds live state" in ln for ln in lines), lines
         told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
         assert len(told) == 1 and told[0]["resume_step"] is None and set(told[0]["sources"].values()) == {"disk"}
     else:
