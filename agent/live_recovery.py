@@ -36,12 +36,19 @@ def summary(monitor, cycle: int) -> Optional[dict]:
         return None
 
 
+def source_words(sources: dict, kept: bool = True) -> str:
+    """'rank 0 kept, rank 3 from peer rank 0': each rank's source by rank (`kept`: False leaves
+    out the ranks that kept their state)."""
+    return ", ".join(f"rank {r} {'kept' if v == 'kept' else 'from ' + v.replace('peer', 'peer rank')}"
+                     for r, v in sorted((sources or {}).items(), key=lambda kv: int(kv[0]))
+                     if kept or v != "kept")
+
+
 def line(s: dict) -> str:
     """The console line of one summary."""
     if s.get("resume_step") is None:
         return f"live recovery: no live state ({s.get('reason')}): every rank loads its checkpoint"
-    sources = ", ".join(f"rank {r} {'kept' if v == 'kept' else 'from ' + v.replace('peer', 'peer rank')}"
-                        for r, v in sorted(s.get("sources", {}).items(), key=lambda kv: int(kv[0])))
+    sources = source_words(s.get("sources"))
     moved = ""
     if s.get("bytes"):
         moved = f"; {s['bytes'] / 1e6:.2f} MB in {s['transfer_s']:.3f} s"

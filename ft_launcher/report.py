@@ -368,9 +368,9 @@ def live_words(live: dict) -> str:
     """A live_recovery event in words: where the job resumed and where each rank's state came from."""
     if live.get("resume_step") is None:
         return f"no live state ({live.get('reason')}): every rank loaded its checkpoint"
-    sources = ", ".join(f"rank {r} {v if v == 'kept' else 'from ' + v.replace('peer', 'peer rank')}"
-                        for r, v in sorted((live.get("sources") or {}).items(), key=lambda kv: int(kv[0]))
-                        if v != "kept")
+    from ft_launcher.agent.live_recovery import source_words
+
+    sources = source_words(live.get("sources"), kept=False)
     rate = f" at {live['mb_per_s']:g} MB/s" if live.get("mb_per_s") else ""
     return (f"live state: resumed at step {live['resume_step']}, {live.get('steps_redone', 0)} completed "
             f"step(s) redone; {sources or 'every rank kept its state'}{rate}")
