@@ -46,7 +46,7 @@ from .flight_recorder import FlightRecorder
 from .hang_blame import POLL as BLAME_POLL, HangBlame
 from .gpu_env import heartbeat_warning
 from .health_checks import HealthChecks
-from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host, too_few_left
+from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host
 from .section_use import SectionUse
 from .stragglers import StragglerWatch
 from .job_status import JobStatus
@@ -440,19 +440,20 @@ class NodeAgent:
                      f"({request['description'] or 'no description'})")
             if action == "ShutdownWorkload":
                 reason = {"kind": "stop", "what": f"{asked}: stopping the job"}
-            elif action == "ExcludeThisNode":
+            elif action == "ExcludeThisNode":   # the policy leaves it out, or stops the job if too few remain
                 self._excluded = f"{asked}: excluding its node"
-                short = too_few_left(self.cfg, mark_excluded(self.proto, self.me.node_id))
-                reason = ({"kind": "stop", "what": f"{self._excluded}; {short}"} if short else
-                          {"kind": "failure", "what": self._excluded, "exclude": [self.me.node_id]})
+                mark_excluded(self.proto, self.me.node_id)
+                reason = {"kind": "failure", "what": self._excluded, "leaving": self.me.node_id}
             else:
                 self.events.event("workload_request", f"{asked}: nothing to do", rank=rank, action=action,
                                   description=request["description"])
                 continue
-            self.events.event("workload_request", f"{reason['what']} -> stopping all ranks", rank=rank,
-                              action=action, description=request["description"])
             reason.update(rank=rank, node_id=self.me.node_id)
-            return self._announce(rnd, self.proto.interrupt(rnd.number, reason, self._facts(rnd)))
+            verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
+            ours = verdict.detail.get("reporter") == self.proto.token
+            self.events.event("workload_request", f"{verdict.what if ours else reason['what']} -> stopping all ranks",
+                              rank=rank, action=action, description=request["description"])
+            return self._announce(rnd, verdict)
         return None
 
     # ---- one round ----------------------------------------------------------------------

@@ -12,7 +12,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 from ft_launcher.rank_monitor import shm_layout as L
 from ft_launcher.rank_monitor.inprocess import IN_PLACE_SIGNAL

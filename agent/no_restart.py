@@ -41,13 +41,13 @@ def is_excluded(proto, node_id: str) -> bool:
     return proto.exists(f"excluded/{node_id}")
 
 
-def too_few_left(cfg, excluded: int) -> Optional[str]:
-    """Why the job cannot go on once `excluded` nodes have left, or None."""
-    left = cfg.max_nodes - excluded
-    if left >= cfg.min_nodes:
+def too_few_left(min_nodes: int, max_nodes: int, excluded: int) -> Optional[str]:
+    """Why a job of `min_nodes`..`max_nodes` nodes cannot go on once `excluded` have left, or None."""
+    left = max_nodes - excluded
+    if left >= min_nodes:
         return None
     return (f"{excluded} node{'s' if excluded != 1 else ''} excluded: at most {left} of the "
-            f"{cfg.min_nodes} needed can remain")
+            f"{min_nodes} needed can remain")
 
 
 def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callable[[], Optional[int]],

@@ -242,7 +242,7 @@ class RoundProtocol:
         self.policy = RestartPolicy(self, cfg.max_restarts, cfg.ft.restart_granularity,
                                     ProgressTracker(cfg.ft.max_no_progress_cycles, cfg.ft.min_progress_iterations,
                                                     cfg.ft.checkpoint_iteration_file),
-                                    cfg.ft.straggler_exclude)
+                                    cfg.ft.straggler_exclude, (cfg.min_nodes, cfg.max_nodes))
         self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
         if not me.stable:
             me.stable = self._call(self.s.add, self.k("agents"), 1)
@@ -365,7 +365,7 @@ class RoundProtocol:
         if sig:
             self.abandon(number, sig)
             raise Stopped(sig)
-        short = too_few_left(self.cfg, self.count("excluded"))
+        short = too_few_left(self.cfg.min_nodes, self.cfg.max_nodes, self.count("excluded"))
         if short:
             raise NoRestart(f"the job cannot go on: {short}")
         if self._call(self.s.check, [self.k(f"r{number}/interrupt")]):

@@ -38,7 +38,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Dict, List, Optional

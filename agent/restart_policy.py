@@ -18,12 +18,14 @@ A failure climbs the ladder only as far as it must (DESIGN.md, "The recovery lad
   does not use `ft.restartable`).
 - `exclude`: nodes that leave the job, a hot spare taking their place: a straggler (agent
   stragglers marks it `slow/<node>`; left out when `straggler_exclude` is on and a spare is
-  there), a rank's ExcludeThisNode, and a node that was where the failure began
+  there), a rank's ExcludeThisNode (the report's `leaving`: its node, already marked
+  `excluded/<node>` by agent.no_restart), and a node that was where the failure began
   NODE_FAILURE_LIMIT times in a row without progress, while a spare is there to take over.
 - no restart: the restart budget is spent (`restart` False, exit 1), or kind `stop` (exit 93):
-  a rank asked for it, or a failure after `max_no_progress_cycles` cycles in a row without a
-  completed step (agent.progress): restarting is pointless, and the failure becomes a stop
-  (its line kept in `detail["failure"]`).
+  a rank asked for it (ShutdownWorkload), a node's leaving leaves fewer than the job's minimum
+  (`max nodes - excluded < min nodes`), or a failure after `max_no_progress_cycles` cycles in a
+  row without a completed step (agent.progress): restarting is pointless, and the failure
+  becomes a stop (its line kept in `detail["failure"]`).
 
 Store keys it keeps (under the run's prefix): `restarts_used` (the budget spent),
 `r<R>/restartable` (nodes whose ranks all declared themselves restartable in round R),
@@ -34,8 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+from .no_restart import too_few_left
 from .progress import ProgressTracker
 
 GRANULARITIES = ("auto", "rank", "node", "job")
@@ -135,7 +138,8 @@ class RestartPolicy:
     `get(name)` and `put(name, value)` are the round protocol's store calls."""
 
     def __init__(self, store, max_restarts: int, granularity: str = "auto",
-                 progress: Optional[ProgressTracker] = None, straggler_exclude: bool = False):
+                 progress: Optional[ProgressTracker] = None, straggler_exclude: bool = False,
+                 nodes: Tuple[int, int] = (1, 1)):
         if granularity not in GRANULARITIES:
             raise ValueError(f"restart granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
         self.store = store
@@ -144,6 +148,7 @@ class RestartPolicy:
         # the node's progress tracker (agent.progress): its agent polls it, the policy asks it
         self.progress = progress or ProgressTracker(0)
         self.straggler_exclude = straggler_exclude
+        self.nodes = nodes   # the job's (min, max) node count: a node's leaving may leave too few
 
     # -- what the agents tell it while a round runs ----------------------------------------
     def declare_restartable(self, number: int) -> None:
@@ -156,6 +161,13 @@ class RestartPolicy:
         verdict.next_round = facts.number + 1
         if verdict.kind != "failure":
             return verdict                      # complete, shutdown, stop: no restart
+        leaving = verdict.detail.pop("leaving", None)   # a rank's ExcludeThisNode: its node leaves
+        short = leaving and too_few_left(*self.nodes, self.store.count("excluded"))
+        if short:
+            verdict.kind, verdict.detail["failure"], verdict.what = "stop", verdict.what, f"{verdict.what}; {short}"
+            return verdict
+        if leaving:
+            verdict.exclude = list(verdict.exclude) + [leaving]
         pointless = self.progress.stop_reason(self.store, facts.number)
         if pointless:                           # a stop, the budget untouched
             verdict.kind, verdict.detail["failure"], verdict.what = "stop", verdict.what, pointless

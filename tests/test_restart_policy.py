@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from ft_launcher.agent.launch_config import LaunchConfig
+from ft_launcher.agent.no_restart import mark_excluded
 from ft_launcher.agent.rendezvous import JobStore, RoundProtocol
 from ft_launcher.agent.restart_policy import NODE_FAILURE_LIMIT, RoundFacts, Verdict
 from ft_launcher.agent.round_types import NodeInfo
@@ -147,6 +148,23 @@ def test_a_straggler_is_left_out_when_a_spare_can_take_its_place():
         verdict = job.fail(0, 0, proto)                      # the failure began elsewhere
         assert verdict.restart and verdict.exclude == left_out
         assert ("straggling node node-b is left out" in verdict.what) == bool(left_out), verdict.what
+
+
+def test_a_node_that_asks_to_leave_is_excluded_or_the_job_stops_when_too_few_remain():
+    """ExcludeThisNode: the policy, not the asking agent, decides the node leaves or the job stops."""
+    for spares, stops in ((1, False), (0, True)):
+        job = Job(spares=spares)
+        proto = job.proto("node-b")
+        mark_excluded(proto, "node-b")                      # what the asking agent records first
+        verdict = proto.interrupt(0, {"kind": "failure", "what": "rank 2 sent ExcludeThisNode", "rank": 2,
+                                      "node_id": "node-b", "leaving": "node-b"}, job.facts(0))
+        assert "leaving" not in verdict.detail
+        if stops:   # 2 nodes needed, at most 1 can remain: restarting is pointless, the budget untouched
+            assert verdict.kind == "stop" and not verdict.restart and proto.restarts_used() == 0
+            assert verdict.what == ("rank 2 sent ExcludeThisNode; 1 node excluded: at most 1 of the 2 needed "
+                                    "can remain") and verdict.detail["failure"] == "rank 2 sent ExcludeThisNode"
+        else:       # the spare takes its place
+            assert verdict.kind == "failure" and verdict.restart and verdict.exclude == ["node-b"]
 
 
 def test_a_failure_after_cycles_without_progress_is_a_stop_that_spends_no_budget():
