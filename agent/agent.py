@@ -1,18 +1,27 @@
-"""The node agent: one per node. Joins rounds, starts the monitors and ranks, watches them, and
-decides what happens when something fails.
+"""The node agent: one per node. It keeps the node's life as a state (agent.node_state:
+starting -> joining -> running or spare -> restarting -> joining ... -> stopping -> finished), the
+loop over rounds and the exit codes; every other job is a named part's:
 
-Event-driven: one selector waits on every rank's pidfd, every monitor's report channel, and a
-wake-up pipe that signal handlers and the round watcher write to. A rank's death, a monitor's
-hang report, a peer's failure and a signal are therefore all handled the moment they happen,
-not on the next poll.
+- agent.rendezvous: the rounds (join, close, interrupt) on the job's store, one client for every
+  store call; agent.store_failover moves the job to a successor when the store host is lost.
+- agent.monitor_set: the rank monitors (start, reports, stall checks, replacement, stop).
+- agent.workers: the ranks' processes (start, adopt, reap, stop); agent.reserve_pool the warm
+  reserves that replace them.
+- agent.supervisor: watches a cycle and returns, typed, what ended it; agent.failure_cause says
+  what a failure is, for the operator and for the verdict.
+- agent.restart_policy: the verdict, decided once per round by its first reporter: restart (in
+  place or all ranks), exclude, stop, or not at all.
+- agent.in_place_carrier: the ranks that restart in their own process, from one cycle into the next.
+- agent.hang_blame and agent.flight_recorder: who hung, and where.
+- agent.job_status and agent.events: what the operator reads (status file, lines, events.jsonl).
+Signals take one path (_check_signal -> _shut_down: ranks signalled, round told, Shutdown).
 
-When the node hosting the job's store is lost, the survivors move to a successor store and the
-job restarts from its checkpoint (agent/store_failover.py).
-
-What a failure leads to is the round's verdict (agent/restart_policy.py), which this agent carries
-out: a full restart, or an in-process one (agent/inprocess_ranks.py): the healthy ranks are asked
-to leave their function at once, the next round is joined meanwhile, and each is handed the new
-cycle's environment at its restart point instead of being replaced by a new process.
+A killed rank's walk: its pidfd wakes the supervisor's selector -> Supervisor.outcome reaps it and
+failure_cause.rank_ended says why -> the agent reports the Failure (_fail) -> RoundProtocol.interrupt
+-> RestartPolicy.decide writes the Verdict -> at the cycle's end the carrier asks the healthy ranks
+to leave their step (rung in_process) and workers stop the rest -> restarting -> the next round:
+the carrier adopts the ranks at their restart point, the dead slot gets a warm reserve
+(reserve_pool.take) or a cold start (workers.start).
 
 Exit codes: 0 all ranks succeeded; 1 the restart budget is spent, the rendezvous failed, the
 job fell below its minimum, or this node was replaced as the store host; 93
@@ -33,7 +42,7 @@ import tempfile
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from ft_launcher.rank_monitor import shm_layout
 from ft_launcher.rank_monitor.monitor_handle import MonitorHandle, MonitorStartError
@@ -41,6 +50,8 @@ from ft_launcher.rank_monitor.peer_sockets import ENV_JOB_ADDRS
 from ft_launcher.rank_monitor.server import ENV_HANG_VERDICT
 
 from .events import EventLog
+from .failure_cause import Failure
+from .in_place_carrier import InPlaceCarrier
 from .fault_injection import FaultInjector
 from .flight_recorder import FlightRecorder
 from .hang_blame import POLL as BLAME_POLL, HangBlame
@@ -55,13 +66,14 @@ from .node_state import NodeLife, NodeState
 from .timeout_learning import TimeoutLearner, default_state_path
 from .launch_config import LaunchConfig
 from .orphan_watchdog import OrphanWatchdog
-from .process_wait import Unkillable, kill_and_wait
+from .process_wait import Unkillable
 from .rank_output import RankOutput
 from . import failure_cause, inprocess_ranks, live_recovery, nvrx_cycle_info, nvrx_logs, segments, store_threads
 from .reserve_pool import ReservePool
 from .restart_policy import RoundFacts, Verdict
 from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
-from .workers import Rank, WorkerGroup, rank_env, set_wake_fd
+from .supervisor import Finished, Interrupted, Supervisor
+from .workers import WorkerGroup, rank_env, set_wake_fd
 
 EXIT_OK, EXIT_FAILED = 0, 1
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -89,10 +101,8 @@ class NodeAgent:
         self._signal_handled = False  # once True, waits no longer end on self._signal
         events.node = socket.gethostname()  # until the rendezvous gives this node its rank
         self._excluded: Optional[str] = None   # why this node left the job (agent.no_restart)
-        # Ranks of the ended cycle that restart in their own process (agent.inprocess_ranks):
-        # local rank -> (monitor, rank, when asked); adopted by the next cycle or killed.
-        self._carried: Dict[int, tuple] = {}
-        self._restartable_declared = False
+        # the ranks that restart in their own process, from one cycle into the next; told the policy at _run
+        self.carrier = InPlaceCarrier(cfg, events)
         # Where stack dumps go: the log dir, else a per-agent dir in the platform's temp dir
         # (removed at the end unless a dump was written there).
         self._run_dir = cfg.log_dir or os.path.join(tempfile.gettempdir(), f"ft_launcher-{os.getpid()}")
@@ -193,6 +203,7 @@ class NodeAgent:
                 self._warn_if_hangs_undetectable()
                 if heartbeat_warning(os.environ, self.cfg.ft):
                     self.say(heartbeat_warning(os.environ, self.cfg.ft))
+                self.carrier.policy = self.proto.policy
                 self.progress = self.proto.policy.progress   # one tracker: this node's polls, the policy's judgement
                 self.stragglers = StragglerWatch(self.cfg.ft, self.events)
                 self.section_use = SectionUse(self.events)
@@ -232,7 +243,7 @@ class NodeAgent:
                 group.stop(signal.SIGKILL, 1.0)
             except Unkillable as exc:   # found on the way out: the exit code stands, the line is said
                 self.events.event("rank_unkillable", f"error: {exc}", ranks=exc.ranks)
-        self._drop_carried(None)
+        self.carrier.drop(None)
         reserves = getattr(self, "reserves", None)
         if reserves is not None:
             reserves.close()
@@ -301,7 +312,7 @@ class NodeAgent:
             self.events.cycle = number
             try:
                 if rnd.group_rank is None:
-                    self._drop_carried("this node waits as a hot spare in the new round")
+                    self.carrier.drop("this node waits as a hot spare in the new round")
                     verdict = self._wait_as_spare(rnd)
                 else:
                     self.events.node = rnd.group_rank
@@ -428,34 +439,6 @@ class NodeAgent:
                             self._unhandled_signal, self.cfg.conf("join_timeout"))
         raise NoRestart(reason, node_only=True)
 
-    def _workload_request(self, rnd: Round) -> Optional[dict]:
-        """Act on a rank's WorkloadControlRequest (rank_monitor.client): the verdict, or None."""
-        for local_rank, monitor in enumerate(self.monitors):
-            request = monitor.control_request()
-            if request is None:
-                continue
-            rank = rnd.rank_offset + local_rank
-            action = {0: "Continue", 1: "ExcludeThisNode", 2: "ShutdownWorkload"}.get(request["action"], "?")
-            asked = (f"rank {rank} on node {rnd.group_rank} ({self.me.host}) sent {action} "
-                     f"({request['description'] or 'no description'})")
-            if action == "ShutdownWorkload":
-                reason = {"kind": "stop", "what": f"{asked}: stopping the job"}
-            elif action == "ExcludeThisNode":   # the policy leaves it out, or stops the job if too few remain
-                self._excluded = f"{asked}: excluding its node"
-                mark_excluded(self.proto, self.me.node_id)
-                reason = {"kind": "failure", "what": self._excluded, "leaving": self.me.node_id}
-            else:
-                self.events.event("workload_request", f"{asked}: nothing to do", rank=rank, action=action,
-                                  description=request["description"])
-                continue
-            reason.update(rank=rank, node_id=self.me.node_id)
-            verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
-            ours = verdict.detail.get("reporter") == self.proto.token
-            self.events.event("workload_request", f"{verdict.what if ours else reason['what']} -> stopping all ranks",
-                              rank=rank, action=action, description=request["description"])
-            return self._announce(rnd, verdict)
-        return None
-
     # ---- one round ----------------------------------------------------------------------
     def _run_round(self, rnd: Round) -> Verdict:
         cfg = self.cfg
@@ -494,9 +477,9 @@ class NodeAgent:
         self._apply_timeouts(self.learner.load())
         self.learner.begin_cycle(rnd.number)
         self.progress.begin_cycle(rnd.number)   # the checkpoint iteration it starts from (agent.progress)
-        self._restartable_declared = False
+        self.carrier.begin_cycle()
         self._live_told = rnd.number == 0
-        in_place = self._restart_points(rnd, previous)
+        in_place = self.carrier.adopt(rnd.number, previous, self._unhandled_signal)
         for local_rank in range(cfg.nproc_per_node):
             monitor = self.monitors[local_rank] if self.monitors else None
             env = rank_env(cfg, local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
@@ -538,7 +521,8 @@ class NodeAgent:
         finally:
             if verdict is not None:   # else whatever raised (a signal, a lost store) has said where we go
                 self.life.to(NodeState.RESTARTING if verdict.restart else NodeState.STOPPING, verdict.kind)
-            keep = self._request_in_place(rnd, verdict)   # first: they leave their step while we go on
+            # first: they leave their step while we go on (agent.in_place_carrier)
+            keep = self.carrier.ask(rnd, verdict, self.me.node_id, self.group, self.monitor_set, self.blame)
             self.blame.end_cycle()
             self._live_news(rnd)   # a cycle that ends at once still tells its recovery
             # a flight-recorder dump in progress ends before any rank is stopped
@@ -564,7 +548,7 @@ class NodeAgent:
             deferred, self._deferred_restart = self._deferred_restart, None
             for args, fields in deferred or []:   # after the stopped ranks' output (their tracebacks)
                 self.events.event(*args, **fields)
-            self._carried = keep
+            self.carrier.carry(keep)
             kept = {id(k[1]) for k in keep.values()}   # alive: their GPU memory stays theirs
             self.health.dead_pids = [r.pid for r in self.group.ranks if id(r) not in kept]
             self.watcher.watch(None)
@@ -574,88 +558,6 @@ class NodeAgent:
         if getattr(self, "cycle_info", None) is None:
             self.cycle_info = nvrx_cycle_info.CycleInfoWriter(self.cfg.ft.cycle_info_dir, self.events.disk_warning)
         return self.cycle_info
-
-    # ---- in-process restart (agent.inprocess_ranks, rank_monitor.inprocess) ------------------
-    def _request_in_place(self, rnd: Round, verdict: Optional[Verdict]) -> Dict[int, tuple]:
-        """The verdict restarts healthy ranks in place: ask this node's to leave their function
-        now. Returns local rank -> (monitor, rank, when asked) of those asked."""
-        if verdict is None or not verdict.in_process or rnd.group_rank is None:
-            return {}
-        keep, now = {}, time.monotonic()
-        # a rank whose monitor found it hung is being stopped by that monitor: it is replaced,
-        # unless the hang blame found it only waited on the rank that hung (agent.hang_blame)
-        for monitor in self.monitors:
-            report = monitor.pending_hang(rnd.number)
-            if report is not None:
-                self.blame.on_hang(monitor.local_rank, report)
-        self.blame.tick(self.monitors, self.group.ranks, final=True)
-        hung = self.monitor_set.hung(rnd.number) - self.blame.released()
-        for rank in self.group.ranks:
-            if rank.exitcode is None and rank.local_rank not in hung and verdict.keeps(rank.rank, self.me.node_id):
-                monitor = self.monitors[rank.local_rank]
-                if inprocess_ranks.request(monitor, rank, verdict.next_round):
-                    keep[rank.local_rank] = (monitor, rank, now)
-        return keep
-
-    def _restart_points(self, rnd: Round, previous: Optional[WorkerGroup]) -> Dict[int, Rank]:
-        """Wait (up to inprocess_timeout from the request) for the carried ranks to reach their
-        restart point for this cycle; kill those that do not. Returns local rank -> rank to adopt."""
-        carried, self._carried = self._carried, {}
-        if not carried:
-            return {}
-        deadline = min(asked for _, _, asked in carried.values()) + self.cfg.ft.inprocess_timeout
-        pairs = [(monitor, rank) for monitor, rank, _ in carried.values()]
-        self._carried = carried   # until adopted: _teardown kills them if this raises
-        reached = inprocess_ranks.wait_ready(pairs, rnd.number, deadline, self._unhandled_signal)
-        if self._unhandled_signal() and previous is not None:   # now, not after inprocess_timeout
-            previous.stop(self._signal, self.cfg.term_timeout)      # the carried ranks get the signal too
-            self._carried = {}
-            self._check_signal(rnd)
-        self._carried = {}
-        adopted = {}
-        for local_rank, (_, rank, asked) in carried.items():
-            if reached.get(local_rank):
-                adopted[local_rank] = rank
-                continue
-            gone = rank.proc.poll() is not None
-            what = ("exited before it reached its restart point" if gone else
-                    f"did not reach its restart point within inprocess_timeout="
-                    f"{self.cfg.ft.inprocess_timeout:g}s -> killed")
-            self.events.event("inprocess_timeout", f"rank {rank.rank} (pid {rank.pid}) {what}; its slot "
-                              f"starts afresh", rank=rank.rank, pid=rank.pid, exited=gone,
-                              waited=round(time.monotonic() - asked, 3))
-            if not kill_and_wait(rank.proc):
-                rank.unkillable = True
-                raise Unkillable([(rank.rank, rank.pid)])
-            (previous or self.group).reap(rank)
-        return adopted
-
-    def _drop_carried(self, why: Optional[str]) -> None:
-        """Ranks asked to restart in place that will not be adopted: kill them."""
-        carried, self._carried = self._carried, {}
-        stuck = []
-        for _, rank, _ in carried.values():
-            if why:
-                self.say(f"rank {rank.rank} (pid {rank.pid}) will not restart in place: {why}")
-            if not kill_and_wait(rank.proc):   # the orphan watchdog still has it
-                rank.unkillable = True
-                stuck.append((rank.rank, rank.pid))
-        if stuck and why:
-            raise Unkillable(stuck)
-        if stuck:   # on the way out: the exit code stands, the line is said
-            self.events.event("rank_unkillable", f"error: {Unkillable(stuck)}", ranks=stuck)
-
-    def _in_process_news(self, rnd: Round) -> Optional[Verdict]:
-        """Declare this node restartable once all its ranks run under ft.restartable; report a
-        rank whose function raised (it waits, alive, for the restart)."""
-        if not self._restartable_declared and inprocess_ranks.all_restartable(self.monitors):
-            self._restartable_declared = True
-            self.proto.policy.declare_restartable(rnd.number)
-        raised = inprocess_ranks.raised(self.monitors, self.group.ranks)
-        if not raised:
-            return None
-        rank, _, text = raised[0]
-        return self._fail(rnd, failure_cause.rank_raised(rank, self._node_words(rnd), text))
 
     def _live_news(self, rnd: Round) -> None:
         """Once per cycle, when the ranks' LiveState.restore() has said where they resume: goodput
@@ -682,74 +584,57 @@ class NodeAgent:
                           {n.node_id: n.nproc for n in rnd.active}, {n.node_id: n.host for n in rnd.active})
 
     def _supervise(self, rnd: Round) -> Verdict:
-        sel = selectors.DefaultSelector()
-        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        for rank in self.group.ranks:
-            sel.register(rank.pidfd, selectors.EVENT_READ, rank)
-        self.monitor_set.register(sel)
-        succeeded = False
+        """Watch the cycle (agent.supervisor) until it ends; the verdict."""
+        sup = Supervisor(rnd, self.group, self.monitor_set, self.watcher, self.carrier, self.blame, self.events,
+                         self._node_words(rnd), self.me.node_id, self._wake_r)
         try:
             while True:
-                due = self.injector.seconds_until_due(time.monotonic_ns())
-                wait = self.cfg.monitor_interval if due is None else min(due, self.cfg.monitor_interval)
-                if self.blame.pending:   # a hang verdict is awaited: look at the evidence often
-                    wait = min(wait, BLAME_POLL)
-                ready = sel.select(timeout=min(wait, self.status.poll_interval() or wait))
-                if due is not None and self.injector.seconds_until_due(time.monotonic_ns()) == 0:
+                for local_rank, report in sup.wait(self._wait_time()):
+                    self._on_report(local_rank, report)
+                if self.injector.seconds_until_due(time.monotonic_ns()) == 0:
                     self._inject_fault()
-                for key, _ in ready:
-                    if key.data == "wake":
-                        try:
-                            os.read(self._wake_r, 4096)
-                        except BlockingIOError:
-                            pass
-                    elif isinstance(key.data, tuple):
-                        self._collect_reports(key.data[1], sel)
-                self.blame.tick(self.monitors, self.group.ranks)
-                self.status.sample()
-                self._live_news(rnd)
-                self.section_use.poll(self.monitors, self.cfg.ft)
-                self._check_signal(rnd)
-                self.monitor_set.check_ticks()
-                self.reserves.maintain()
-                if self.watcher.store_lost:
-                    raise StoreLost(self.watcher.store_lost)
-                if self.watcher.interrupted_round == rnd.number:
+                self._observe(rnd)
+                outcome = sup.outcome()
+                if isinstance(outcome, Failure):
+                    return self._fail(rnd, outcome)
+                if isinstance(outcome, Interrupted):
                     return self._interrupted(rnd)
-                if self.learner.due():
-                    self._learn(rnd)
-                self.progress.poll(self.proto, rnd.number, self.monitors)
-                self.stragglers.tick(self.proto, rnd, self.group.ranks, self.monitors)
-                request = self._workload_request(rnd)
-                if request is not None:
-                    return request
-                if self.watcher.dead_peers:
-                    return self._fail(rnd, failure_cause.peers_lost(self.watcher.dead_peers))
-                for rank in list(self.group.ranks):
-                    if rank.exitcode is not None or rank.proc.poll() is None:
-                        continue
-                    sel.unregister(rank.pidfd)
-                    code = self.group.reap(rank)
-                    if code != 0:
-                        # only this cycle's reports: a monitor can fire while a previous cycle is torn down
-                        reports = self.monitor_set.take_pending(rank.local_rank, rnd.number)
-                        return self._fail(rnd, failure_cause.rank_ended(rank, code, self._node_words(rnd),
-                                                                        reports, self.blame))
-                    self.events.event("rank_exit", f"rank {rank.rank} finished (exit code 0)",
-                                      rank=rank.rank, exitcode=0)
-                raised = self._in_process_news(rnd)   # after the deaths: a dead peer is the likelier cause
-                if raised is not None:
-                    return raised
-                if not succeeded and not self.group.running():
-                    succeeded = True
-                    if self.learner.enabled:
-                        self.learner.publish(self.proto, self.monitors)
-                    if self.proto.mark_done(rnd.number) >= len(rnd.active):
-                        self.proto.interrupt(rnd.number, {"kind": "complete"})
-                    else:
-                        self.say("all local ranks finished; waiting for the other nodes")
+                if isinstance(outcome, Finished):
+                    self._ranks_finished(rnd)
         finally:
-            sel.close()
+            sup.close()
+
+    def _wait_time(self) -> float:
+        """How long the supervisor may wait for news: until the next planned fault, the next look at a
+        hang's evidence, the next status sample, or monitor_interval."""
+        due = self.injector.seconds_until_due(time.monotonic_ns())
+        wait = self.cfg.monitor_interval if due is None else min(due, self.cfg.monitor_interval)
+        if self.blame.pending:   # a hang verdict is awaited: look at the evidence often
+            wait = min(wait, BLAME_POLL)
+        return min(wait, self.status.poll_interval() or wait)
+
+    def _observe(self, rnd: Round) -> None:
+        """What the agent does on every pass while ranks run, besides looking for the cycle's end."""
+        self.blame.tick(self.monitors, self.group.ranks)
+        self.status.sample()
+        self._live_news(rnd)
+        self.section_use.poll(self.monitors, self.cfg.ft)
+        self._check_signal(rnd)
+        self.monitor_set.check_ticks()
+        self.reserves.maintain()
+        if self.learner.due():
+            self._learn(rnd)
+        self.progress.poll(self.proto, rnd.number, self.monitors)
+        self.stragglers.tick(self.proto, rnd, self.group.ranks, self.monitors)
+
+    def _ranks_finished(self, rnd: Round) -> None:
+        """Every rank of this node ended 0: the job completes when every node's have."""
+        if self.learner.enabled:
+            self.learner.publish(self.proto, self.monitors)
+        if self.proto.mark_done(rnd.number) >= len(rnd.active):
+            self.proto.interrupt(rnd.number, {"kind": "complete"})
+        else:
+            self.say("all local ranks finished; waiting for the other nodes")
 
     def _ranks_started(self) -> None:
         ranks = self.group.ranks
@@ -803,10 +688,14 @@ class NodeAgent:
     def _node_words(self, rnd: Round) -> str:
         return f"node {rnd.group_rank} ({self.me.host})"
 
-    def _fail(self, rnd: Round, reason: dict) -> Verdict:
-        reason.setdefault("node_id", self.me.node_id)
+    def _fail(self, rnd: Round, failure: Failure) -> Verdict:
+        """Report what this node saw end the cycle (agent.supervisor) to the round; the verdict,
+        whoever decided it (agent.restart_policy)."""
+        reason = dict(failure.report, node_id=self.me.node_id)
         self.learner.freeze(self.monitors)   # what the ranks do from now on is no observation
         self.progress.poll(self.proto, rnd.number, self.monitors)   # this node's last steps count too
+        if failure.cause == "rank_request":
+            return self._rank_request(rnd, reason)
         early = self._early_exits()
         if early:  # a rank that left early is the likely cause: its peers waited for it
             reason["what"] += (f", after rank{'s' if len(early) > 1 else ''} {', '.join(map(str, early))} "
@@ -821,6 +710,18 @@ class NodeAgent:
             line = f"{what} -> {'restarting in place' if verdict.in_process else 'stopping all ranks'}"
         self.events.event("failure", line, rank=reason.get("rank"),
                           **{k: v for k, v in reason.items() if k not in ("rank",)})
+        return self._announce(rnd, verdict)
+
+    def _rank_request(self, rnd: Round, reason: dict) -> Verdict:
+        """A rank's ShutdownWorkload or ExcludeThisNode: the policy makes it a stop, or leaves this
+        node out (a stop too when fewer than the minimum can remain)."""
+        if reason.get("leaving"):
+            self._excluded = reason["what"]   # leaves even if another node's report won the round
+            mark_excluded(self.proto, self.me.node_id)
+        verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
+        ours = verdict.detail.get("reporter") == self.proto.token
+        self.events.event("workload_request", f"{verdict.what if ours else reason['what']} -> stopping all ranks",
+                          rank=reason["rank"], action=reason["action"], description=reason["description"])
         return self._announce(rnd, verdict)
 
     def _interrupted(self, rnd: Round) -> Verdict:
@@ -920,7 +821,7 @@ class NodeAgent:
                 if self.watcher.interrupted_round == rnd.number:
                     return self.proto.verdict(rnd.number)
                 if self.watcher.dead_peers:  # a training node died: with no other trainer left, only we notice
-                    reason = dict(failure_cause.peers_lost(self.watcher.dead_peers), node_id=self.me.node_id)
+                    reason = dict(failure_cause.peers_lost(self.watcher.dead_peers).report, node_id=self.me.node_id)
                     self.events.event("failure", f"{reason['what']} -> the hot spare asks for a new round",
                                       what=reason["what"])
                     verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
@@ -930,26 +831,24 @@ class NodeAgent:
             self.watcher.watch(None)
 
     # ---- what the monitors report (agent.monitor_set) -------------------------------------
-    def _collect_reports(self, local_rank: int, sel) -> None:
-        rank_of = lambda lr: next((r for r in self.group.ranks if r.local_rank == lr), None)   # noqa: E731
-        for report in self.monitor_set.reports(local_rank, sel, rank_of):
-            kind = report.get("kind")
-            if kind == "hang":
-                self.learner.freeze(self.monitors)   # before the dump request lets any hung rank resume
-                self.flight.hang(report)   # every rank of the job dumps its trace before the monitor acts
-                self.blame.on_hang(local_rank, report)   # and the agents decide who hung (agent.hang_blame)
-                self.monitor_set.pending.setdefault(local_rank, []).append(report)
-                held = ("its monitor holds it until the agents decide who hung" if self._restartable_declared
-                        else "monitor is stopping it")
-                self.events.event(
-                    "hang", f"rank {report.get('rank')} hang detected: {failure_cause.hang_place(report)} "
-                    f"elapsed {report.get('elapsed', 0):.2f}s > timeout {report.get('timeout', 0):g}s "
-                    f"-> {held}; {failure_cause.dump_words(report)}",
-                    rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"})
-            elif kind == "stack_dump":  # follows its hang report once the rank has written it
-                self.blame.on_stack(report)
-                self.events.event("stack_dump", None, rank=report.get("rank"), cycle=report.get("cycle"),
-                                  stack_file=report.get("stack_file"), stack=report.get("stack"))
-            else:
-                self.events.event(kind or "monitor_report", None, rank=report.get("rank"), **report)
+    def _on_report(self, local_rank: int, report: dict) -> None:
+        kind = report.get("kind")
+        if kind == "hang":
+            self.learner.freeze(self.monitors)   # before the dump request lets any hung rank resume
+            self.flight.hang(report)   # every rank of the job dumps its trace before the monitor acts
+            self.blame.on_hang(local_rank, report)   # and the agents decide who hung (agent.hang_blame)
+            self.monitor_set.pending.setdefault(local_rank, []).append(report)
+            held = ("its monitor holds it until the agents decide who hung" if self.carrier.declared
+                    else "monitor is stopping it")
+            self.events.event(
+                "hang", f"rank {report.get('rank')} hang detected: {failure_cause.hang_place(report)} "
+                f"elapsed {report.get('elapsed', 0):.2f}s > timeout {report.get('timeout', 0):g}s "
+                f"-> {held}; {failure_cause.dump_words(report)}",
+                rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"})
+        elif kind == "stack_dump":  # follows its hang report once the rank has written it
+            self.blame.on_stack(report)
+            self.events.event("stack_dump", None, rank=report.get("rank"), cycle=report.get("cycle"),
+                              stack_file=report.get("stack_file"), stack=report.get("stack"))
+        else:
+            self.events.event(kind or "monitor_report", None, rank=report.get("rank"), **report)
 

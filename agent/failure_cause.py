@@ -1,21 +1,49 @@
-"""What a failure is: the report an agent sends to the round's verdict (agent.restart_policy), and
-the words an operator reads, built from what the agent saw.
+"""What a failure is: the typed `Failure` the supervisor (agent.supervisor) returns, carrying the
+report an agent sends to the round's verdict (agent.restart_policy) and the words an operator
+reads, built from what the agent saw.
 
-One function per way a node learns of a failure: a rank ended (`rank_ended`: what its monitor
-reported about it, a hang or the monitor's own death, else the hang blame's verdict, else its
-exit status), a rank's function raised under `ft.restartable` (`rank_raised`), or peer nodes
-stopped answering (`peers_lost`). Each returns the report dict: kind "failure", the line `what`,
-the rank where known, and the evidence (hang, exitcode, exception, dead_nodes, ...). `hang_words`
-and `dump_words` are the hang line's parts.
+One function per way a node learns of a failure, each named as the `Failure.cause` it returns: a
+rank ended (`rank_ended`: what its monitor reported about it, a hang or the monitor's own death,
+else the hang blame's verdict, else its exit status), a rank's function raised under
+`ft.restartable` (`rank_raised`), peer nodes stopped answering (`peers_lost`), or a rank sent a
+WorkloadControlRequest (`rank_request`: ShutdownWorkload is a stop, ExcludeThisNode its node
+`leaving`, both decided by the policy). The report: kind "failure" (or "stop"), the line `what`,
+the rank where known, and the evidence (hang, exitcode, exception, dead_nodes, action, ...).
+`hang_place` and `dump_words` are the hang line's parts.
 """
 from __future__ import annotations
 
-from typing import List
+import dataclasses
+from typing import List, Optional
 
 from .workers import describe_exit
 
+CAUSES = ("rank_ended", "rank_raised", "peers_lost", "rank_request")
+REQUEST_ACTIONS = {0: "Continue", 1: "ExcludeThisNode", 2: "ShutdownWorkload"}   # rank_monitor.client's
 
-def rank_ended(rank, code: int, node: str, reports: List[dict], blame) -> dict:
+
+@dataclasses.dataclass
+class Failure:
+    """What this node saw end its cycle: `cause` (one of CAUSES) and the `report` the round's
+    verdict is decided from."""
+
+    cause: str
+    report: dict
+
+    @property
+    def what(self) -> str:
+        return self.report["what"]
+
+    @property
+    def rank(self) -> Optional[int]:
+        return self.report.get("rank")
+
+
+def rank_ended(rank, code: int, node: str, reports: List[dict], blame) -> Failure:
+    return Failure("rank_ended", _ended(rank, code, node, reports, blame))
+
+
+def _ended(rank, code: int, node: str, reports: List[dict], blame) -> dict:
     """Why `rank` (on `node`, in words) ended with `code`: `reports` are its monitor's reports of
     this cycle (monitor_set.take_pending), `blame` the cycle's hang blame (agent.hang_blame)."""
     hangs = [r for r in reports if r.get("kind") == "hang"]
@@ -36,16 +64,35 @@ def rank_ended(rank, code: int, node: str, reports: List[dict], blame) -> dict:
             "exitcode": code}
 
 
-def rank_raised(rank, node: str, text: str) -> dict:
+def rank_raised(rank, node: str, text: str) -> Failure:
     """`rank`'s function raised `text` (its one-line summary) under ft.restartable."""
-    return {"kind": "failure", "what": f"rank {rank.rank} on {node} raised {text}", "rank": rank.rank,
-            "exception": text}
+    return Failure("rank_raised", {"kind": "failure", "what": f"rank {rank.rank} on {node} raised {text}",
+                                   "rank": rank.rank, "exception": text})
 
 
-def peers_lost(dead: list) -> dict:
+def peers_lost(dead: list) -> Failure:
     """Peer nodes (NodeInfo) whose keep-alive stopped."""
     what = ", ".join(f"node {n.label()}" for n in dead) + " stopped answering"
-    return {"kind": "failure", "what": what, "dead_nodes": [n.__dict__ for n in dead]}
+    return Failure("peers_lost", {"kind": "failure", "what": what, "dead_nodes": [n.__dict__ for n in dead]})
+
+
+def rank_request(rank: int, node: str, node_id: str, request: dict) -> Optional[Failure]:
+    """Global rank `rank` on `node` sent `request` ({action, description}, rank_monitor.client's
+    WorkloadControlRequest); None for Continue (nothing to do: the caller says so)."""
+    action, asked = request_words(rank, node, request)
+    fields = {"rank": rank, "action": action, "description": request["description"]}
+    if action == "ShutdownWorkload":
+        return Failure("rank_request", dict(fields, kind="stop", what=f"{asked}: stopping the job"))
+    if action == "ExcludeThisNode":   # the policy leaves the node out, or stops the job if too few remain
+        return Failure("rank_request", dict(fields, kind="failure", what=f"{asked}: excluding its node",
+                                            leaving=node_id))
+    return None
+
+
+def request_words(rank: int, node: str, request: dict) -> tuple:
+    """(the action's name, "rank R on NODE sent ACTION (DESCRIPTION)")."""
+    action = REQUEST_ACTIONS.get(request["action"], "?")
+    return action, f"rank {rank} on {node} sent {action} ({request['description'] or 'no description'})"
 
 
 def dump_words(report: dict) -> str:

@@ -188,9 +188,11 @@ def test_a_killed_rank_heals_from_a_peer_and_the_job_loses_no_step(launcher, tmp
 
 def test_a_rank_that_raised_is_suspect_and_heals_from_a_peer(launcher, tmp_path, reference):
     """Rank 1 raises at the end of step 137 (its optimizer step done): its state counts as
-    suspect; its peers completed 137, so the job resumes there and rank 1 receives it."""
+    suspect; its peers completed 137, so the job resumes there and rank 1 receives it. Every rank
+    holds 0.5 s after step 137 first (--hold): a peer descheduled between its all-reduce and its
+    commit when the restart reaches it has not completed 137 and would rightly heal too."""
     job = Job(launcher, tmp_path, "2x2", job_args=["--live"] + LIVE_JOB + [
-        "--raise-in", "step", "--hold-step", FAULT_STEP, "--fail-rank", 1]).launch()
+        "--raise-in", "step", "--hold", "step:0.5", "--hold-step", FAULT_STEP, "--fail-rank", 1]).launch()
     check_live(job, reference, 1, resume=FAULT_STEP)
 
 
