@@ -106,7 +106,14 @@ class NodeAgent:
         # Where stack dumps go: the log dir, else a per-agent dir in the platform's temp dir
         # (removed at the end unless a dump was written there).
         self._run_dir = cfg.log_dir or os.path.join(tempfile.gettempdir(), f"ft_launcher-{os.getpid()}")
+        # Parts made once the run starts (_run), None until then: _teardown stops those that exist
         self.monitor_set: Optional[MonitorSet] = None
+        self.reserves: Optional[ReservePool] = None
+        self.flight: Optional[FlightRecorder] = None
+        self.watcher = None                               # agent.rendezvous.RoundWatcher, per store
+        self.group: Optional[WorkerGroup] = None          # this cycle's ranks
+        self.cycle_info: Optional[nvrx_cycle_info.CycleInfoWriter] = None
+        self._deferred_restart: Optional[list] = None     # restart lines said once the cycle's ranks stopped
 
     @property
     def monitors(self) -> list:
@@ -237,20 +244,20 @@ class NodeAgent:
             self._teardown(pool)
 
     def _teardown(self, pool) -> None:
-        group = getattr(self, "group", None)
+        group = self.group
         if group is not None:
             try:
                 group.stop(signal.SIGKILL, 1.0)
             except Unkillable as exc:   # found on the way out: the exit code stands, the line is said
                 self.events.event("rank_unkillable", f"error: {exc}", ranks=exc.ranks)
         self.carrier.drop(None)
-        reserves = getattr(self, "reserves", None)
+        reserves = self.reserves
         if reserves is not None:
             reserves.close()
-        flight = getattr(self, "flight", None)
+        flight = self.flight
         if flight is not None:
             flight.close()
-        watcher = getattr(self, "watcher", None)
+        watcher = self.watcher
         if watcher is not None:
             watcher.stop()
         # this watcher, those replaced by a failover, abandoned connects (agent.store_threads)
@@ -270,7 +277,7 @@ class NodeAgent:
     def _start_watcher(self) -> None:
         from .rendezvous import RoundWatcher
 
-        old = getattr(self, "watcher", None)
+        old = self.watcher
         if old is not None:
             old.stop()  # a watcher stuck in a call to a paused host stays stuck: it is a daemon
         self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake, self.failover.find_successor,
@@ -366,7 +373,7 @@ class NodeAgent:
         """The job ends by signal `sig`: tell the ranks why, stop them (SIGKILL after
         term_timeout), leave the round, raise Shutdown(128 + sig)."""
         self.life.to(NodeState.STOPPING, f"signal {sig}")
-        group = getattr(self, "group", None)
+        group = self.group
         if group is not None:
             self.monitor_set.mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
             group.stop(sig, self.cfg.term_timeout)
@@ -398,7 +405,7 @@ class NodeAgent:
     def _no_restart(self, reason: str, node_only: bool = False) -> int:
         code = self.cfg.ft.no_restart_exit_code
         self.life.to(NodeState.STOPPING, reason)
-        flight = getattr(self, "flight", None)
+        flight = self.flight
         if flight is not None:
             flight.settle()
         if node_only:
@@ -465,9 +472,8 @@ class NodeAgent:
         if rnd.group_rank == 0 and cfg.ft.cycle_info_dir:   # NVRx's cycle info file (agent.nvrx_cycle_info)
             self._cycle_info().start(rnd.number, rnd.active, rnd.spares, cfg.applog_prefix and
                                      nvrx_logs.cycle_log_file(cfg.applog_prefix, rnd.number))
-        previous = getattr(self, "group", None)
-        self.group = WorkerGroup(cfg, self.watchdog, self.output)
-        self.group.cycle = rnd.number
+        previous = self.group
+        self.group = WorkerGroup(cfg, self.watchdog, self.output, rnd.number)
         self.watcher.watch(rnd)
         self.flight.start_cycle(self.store, rnd, self.me.node_id,
                                 lambda: [(r.local_rank, r.rank) for r in self.group.ranks])
@@ -514,7 +520,7 @@ class NodeAgent:
             self.say(f"simulated fault planned: {plan.kind} in rank {plan.rank} (drawn from seed "
                      f"{cfg.ft.simulated_fault_seed}) {plan.delay:.2f}s after start")
         verdict = None
-        self._deferred_restart: Optional[list] = []   # the restart line waits for the ranks' last words
+        self._deferred_restart = []   # the restart line waits for the ranks' last words
         try:
             verdict = self._supervise(rnd)
             return verdict
@@ -528,7 +534,7 @@ class NodeAgent:
             # a flight-recorder dump in progress ends before any rank is stopped
             self.flight.end_cycle(store_ok=not self.watcher.store_lost)
             self.status.cycle_end()
-            if getattr(self, "cycle_info", None) is not None:
+            if self.cycle_info is not None:
                 self.cycle_info.end()
             if self.learner.enabled:
                 try:
@@ -555,7 +561,7 @@ class NodeAgent:
             del worker_store
 
     def _cycle_info(self):
-        if getattr(self, "cycle_info", None) is None:
+        if self.cycle_info is None:
             self.cycle_info = nvrx_cycle_info.CycleInfoWriter(self.cfg.ft.cycle_info_dir, self.events.disk_warning)
         return self.cycle_info
 
@@ -745,8 +751,8 @@ class NodeAgent:
 
     def _early_exits(self) -> List[int]:
         """Ranks of this node that exited 0 in this cycle while it has not completed."""
-        group = getattr(self, "group", None)
-        if group is None or self.events.cycle != getattr(group, "cycle", None):
+        group = self.group
+        if group is None or self.events.cycle != group.cycle:
             return []
         return [r.rank for r in group.ranks if r.exitcode == 0]
 
@@ -763,7 +769,7 @@ class NodeAgent:
             fields = dict(next_cycle=verdict.next_round, restarts_used=verdict.restarts_used,
                           rung=verdict.rung, replace_ranks=verdict.replace_ranks,
                           replace_nodes=verdict.replace_nodes)
-            if getattr(self, "_deferred_restart", None) is not None:   # said once this cycle's ranks are stopped
+            if self._deferred_restart is not None:   # said once this cycle's ranks are stopped
                 self._deferred_restart.append((args, fields))
             else:
                 self.events.event(*args, **fields)

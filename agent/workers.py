@@ -133,10 +133,11 @@ def popen_rank_process(cmd: List[str], env: Dict[str, str], stdout, stderr, pass
 class WorkerGroup:
     """The ranks of this node for one cycle."""
 
-    def __init__(self, cfg: LaunchConfig, watchdog: OrphanWatchdog, output: RankOutput):
+    def __init__(self, cfg: LaunchConfig, watchdog: OrphanWatchdog, output: RankOutput, cycle: int):
         self.cfg = cfg
         self.watchdog = watchdog
         self.output = output
+        self.cycle = cycle
         self.ranks: List[Rank] = []
 
     def start(self, local_rank: int, rank: int, env: Dict[str, str], cycle: int, reserve=None) -> Rank:
