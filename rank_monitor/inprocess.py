@@ -59,9 +59,12 @@ ENV_EMPTY_CUDA_CACHE = "FT_LAUNCHER_EMPTY_CUDA_CACHE"
 IN_PLACE_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 REPORT_WAIT = 1.0     # seconds a rank whose function raised waits for the agent's request
 PEER_GRACE = 2.0      # seconds a rank whose peer went away waits for the restart that peer's failure brings
-# What a collective or the store raises when a peer is gone (its process died or left its group).
+# What a collective or the store raises when a peer is gone (its process died or left its group):
+# torch's typed errors (DistNetworkError from a store or socket, DistBackendError from a backend such
+# as NCCL) and Python's ConnectionError by type; gloo raises a bare RuntimeError, known only by its words.
+PEER_LOST_TYPES = ("DistNetworkError", "DistBackendError")
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Read error",
-             "Write error", "Connection refused", "DistNetworkError", "failed to recv", "Socket Timeout")
+             "Write error", "Connection refused", "failed to recv", "Socket Timeout")
 POLL = 0.002          # seconds between looks at the record while waiting
 
 
@@ -195,8 +198,11 @@ def _teardown() -> None:
 
 
 def _peer_lost(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__}: {exc}"
-    return any(marker in text for marker in PEER_LOST)
+    dist = sys.modules.get("torch.distributed")
+    types = tuple(getattr(dist, name) for name in PEER_LOST_TYPES if hasattr(dist, name))
+    if isinstance(exc, ConnectionError) or (types and isinstance(exc, types)):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_LOST)
 
 
 def _summary(exc: BaseException) -> str:

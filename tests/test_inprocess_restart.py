@@ -310,3 +310,21 @@ def test_a_signal_while_waiting_for_restart_points_stops_the_job_at_once(launche
     evs = read_events(logs)
     assert evs[-1]["kind"] == "job_stopped" and not [e for e in evs if e["kind"] == "inprocess_timeout"]
     assert not [f for f in os.listdir(out) if f.startswith("done_")]
+
+
+def test_a_peers_loss_is_known_by_torchs_types_and_by_gloos_words_only_on_its_runtime_errors():
+    """A rank whose collective failed because a peer went away waits for the restart that peer's
+    failure brings (rank_monitor.inprocess._peer_lost): torch's typed errors by type, gloo's bare
+    RuntimeError by its words (what gloo raised here when its peer exited), nothing else."""
+    import torch.distributed as dist
+
+    from ft_launcher.rank_monitor.inprocess import _peer_lost
+
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:20911. This is typically caused by a remote worker crashing.")
+    for lost in (gloo, dist.DistBackendError("NCCL communicator was aborted"), dist.DistNetworkError("x"),
+                 ConnectionResetError(104, "reset"), BrokenPipeError()):
+        assert _peer_lost(lost), lost
+    for other in (RuntimeError("CUDA error: out of memory"), ValueError("Connection reset by peer in my data"),
+                  KeyError("Broken pipe")):
+        assert not _peer_lost(other), other
