@@ -485,7 +485,24 @@ class NodeAgent:
         self.progress.begin_cycle(rnd.number)   # the checkpoint iteration it starts from (agent.progress)
         self.carrier.begin_cycle()
         self._live_told = rnd.number == 0
-        in_place = self.carrier.adopt(rnd.number, previous, self._unhandled_signal)
+        self._start_ranks(rnd, master, self.carrier.adopt(rnd.number, previous, self._unhandled_signal))
+        self.section_use.cycle_start()
+        self.status.cycle_start(rnd, restarts, self.group, self.monitors)
+        self.reserves.fill()
+        self._plan_fault(rnd)
+        verdict = None
+        self._deferred_restart = []   # the restart line waits for the ranks' last words
+        try:
+            verdict = self._supervise(rnd)
+            return verdict
+        finally:
+            self._end_cycle(rnd, verdict)
+            del worker_store
+
+    def _start_ranks(self, rnd: Round, master: tuple, in_place: dict) -> None:
+        """This node's ranks of cycle `rnd.number`: those carried in place go on in their process
+        (`in_place`: local rank -> rank), the others start from a warm reserve or cold."""
+        cfg = self.cfg
         for local_rank in range(cfg.nproc_per_node):
             monitor = self.monitors[local_rank] if self.monitors else None
             env = rank_env(cfg, local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
@@ -508,9 +525,10 @@ class NodeAgent:
             if monitor:
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
         self._ranks_started()
-        self.section_use.cycle_start()
-        self.status.cycle_start(rnd, restarts, self.group, self.monitors)
-        self.reserves.fill()
+
+    def _plan_fault(self, rnd: Round) -> None:
+        """A simulated fault (--ft-simulate-fault) for this cycle, while the job's budget of faults lasts."""
+        cfg = self.cfg
         plan = None
         if cfg.ft.simulate_fault and (cfg.ft.simulated_fault_count < 0
                                       or self.proto.faults_fired() < cfg.ft.simulated_fault_count):
@@ -519,46 +537,43 @@ class NodeAgent:
         if plan and plan.chosen:
             self.say(f"simulated fault planned: {plan.kind} in rank {plan.rank} (drawn from seed "
                      f"{cfg.ft.simulated_fault_seed}) {plan.delay:.2f}s after start")
-        verdict = None
-        self._deferred_restart = []   # the restart line waits for the ranks' last words
-        try:
-            verdict = self._supervise(rnd)
-            return verdict
-        finally:
-            if verdict is not None:   # else whatever raised (a signal, a lost store) has said where we go
-                self.life.to(NodeState.RESTARTING if verdict.restart else NodeState.STOPPING, verdict.kind)
-            # first: they leave their step while we go on (agent.in_place_carrier)
-            keep = self.carrier.ask(rnd, verdict, self.me.node_id, self.group, self.monitor_set, self.blame)
-            self.blame.end_cycle()
-            self._live_news(rnd)   # a cycle that ends at once still tells its recovery
-            # a flight-recorder dump in progress ends before any rank is stopped
-            self.flight.end_cycle(store_ok=not self.watcher.store_lost)
-            self.status.cycle_end()
-            if self.cycle_info is not None:
-                self.cycle_info.end()
-            if self.learner.enabled:
-                try:
-                    self._learn(rnd)
-                except RendezvousError:  # a lost store: the failover follows, the ranks stop first
-                    pass
-                self.learner.end_of_cycle(self.monitors)
-            for monitor in self.monitors:
-                monitor.rank_stopped()
-            self.monitor_set.mark_stopping(shm_layout.STOP_RESTART, cfg.workers_stop_timeout, skip=keep)
-            self.group.stop(signal.SIGTERM, cfg.workers_stop_timeout, keep=[k[1] for k in keep.values()])
-            if cfg.ft.check_remaining_processes:   # NVRx 0.7's key: name what outlived its rank's stop
-                left = self.group.leftovers(keep=[k[1] for k in keep.values()])
-                self.events.event("remaining_processes", "warning: check_remaining_processes: " + "; ".join(
-                    f"pid {p['pid']} ({p['name']}, state {p['state']}, group {p['pgid']}): {p['cmdline']}"
-                    for p in left[:20]) if left else None, processes=left[:20], count=len(left))
-            deferred, self._deferred_restart = self._deferred_restart, None
-            for args, fields in deferred or []:   # after the stopped ranks' output (their tracebacks)
-                self.events.event(*args, **fields)
-            self.carrier.carry(keep)
-            kept = {id(k[1]) for k in keep.values()}   # alive: their GPU memory stays theirs
-            self.health.dead_pids = [r.pid for r in self.group.ranks if id(r) not in kept]
-            self.watcher.watch(None)
-            del worker_store
+
+    def _end_cycle(self, rnd: Round, verdict: Optional[Verdict]) -> None:
+        """The cycle is over (`verdict`, or None when a signal or a lost store ended it): the ranks
+        the verdict keeps are asked to stay and carried, the others stopped, the parts told."""
+        if verdict is not None:   # else whatever raised (a signal, a lost store) has said where we go
+            self.life.to(NodeState.RESTARTING if verdict.restart else NodeState.STOPPING, verdict.kind)
+        # first: they leave their step while we go on (agent.in_place_carrier)
+        keep = self.carrier.ask(rnd, verdict, self.me.node_id, self.group, self.monitor_set, self.blame)
+        self.blame.end_cycle()
+        self._live_news(rnd)   # a cycle that ends at once still tells its recovery
+        # a flight-recorder dump in progress ends before any rank is stopped
+        self.flight.end_cycle(store_ok=not self.watcher.store_lost)
+        self.status.cycle_end()
+        if self.cycle_info is not None:
+            self.cycle_info.end()
+        if self.learner.enabled:
+            try:
+                self._learn(rnd)
+            except RendezvousError:  # a lost store: the failover follows, the ranks stop first
+                pass
+            self.learner.end_of_cycle(self.monitors)
+        for monitor in self.monitors:
+            monitor.rank_stopped()
+        self.monitor_set.mark_stopping(shm_layout.STOP_RESTART, self.cfg.workers_stop_timeout, skip=keep)
+        self.group.stop(signal.SIGTERM, self.cfg.workers_stop_timeout, keep=[k[1] for k in keep.values()])
+        if self.cfg.ft.check_remaining_processes:   # NVRx 0.7's key: name what outlived its rank's stop
+            left = self.group.leftovers(keep=[k[1] for k in keep.values()])
+            self.events.event("remaining_processes", "warning: check_remaining_processes: " + "; ".join(
+                f"pid {p['pid']} ({p['name']}, state {p['state']}, group {p['pgid']}): {p['cmdline']}"
+                for p in left[:20]) if left else None, processes=left[:20], count=len(left))
+        deferred, self._deferred_restart = self._deferred_restart, None
+        for args, fields in deferred or []:   # after the stopped ranks' output (their tracebacks)
+            self.events.event(*args, **fields)
+        self.carrier.carry(keep)
+        kept = {id(k[1]) for k in keep.values()}   # alive: their GPU memory stays theirs
+        self.health.dead_pids = [r.pid for r in self.group.ranks if id(r) not in kept]
+        self.watcher.watch(None)
 
     def _cycle_info(self):
         if self.cycle_info is None:
