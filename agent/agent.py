@@ -244,22 +244,18 @@ class NodeAgent:
             self._teardown(pool)
 
     def _teardown(self, pool) -> None:
-        group = self.group
-        if group is not None:
+        if self.group is not None:
             try:
-                group.stop(signal.SIGKILL, 1.0)
+                self.group.stop(signal.SIGKILL, 1.0)
             except Unkillable as exc:   # found on the way out: the exit code stands, the line is said
                 self.events.event("rank_unkillable", f"error: {exc}", ranks=exc.ranks)
         self.carrier.drop(None)
-        reserves = self.reserves
-        if reserves is not None:
-            reserves.close()
-        flight = self.flight
-        if flight is not None:
-            flight.close()
-        watcher = self.watcher
-        if watcher is not None:
-            watcher.stop()
+        if self.reserves is not None:
+            self.reserves.close()
+        if self.flight is not None:
+            self.flight.close()
+        if self.watcher is not None:
+            self.watcher.stop()
         # this watcher, those replaced by a failover, abandoned connects (agent.store_threads)
         store_threads.join_all(self.cfg.conf("keep_alive_interval") + 1.0)
         if self.monitor_set is not None:
@@ -277,9 +273,8 @@ class NodeAgent:
     def _start_watcher(self) -> None:
         from .rendezvous import RoundWatcher
 
-        old = self.watcher
-        if old is not None:
-            old.stop()  # a watcher stuck in a call to a paused host stays stuck: it is a daemon
+        if self.watcher is not None:
+            self.watcher.stop()  # a watcher stuck in a call to a paused host stays stuck: it is a daemon
         self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake, self.failover.find_successor,
                                     lambda node: self.events.event("spare_joined", None, spare=node.label(),
                                                                    node_id=node.node_id))
@@ -373,10 +368,9 @@ class NodeAgent:
         """The job ends by signal `sig`: tell the ranks why, stop them (SIGKILL after
         term_timeout), leave the round, raise Shutdown(128 + sig)."""
         self.life.to(NodeState.STOPPING, f"signal {sig}")
-        group = self.group
-        if group is not None:
+        if self.group is not None:
             self.monitor_set.mark_stopping(shm_layout.STOP_SHUTDOWN, self.cfg.term_timeout)
-            group.stop(sig, self.cfg.term_timeout)
+            self.group.stop(sig, self.cfg.term_timeout)
         if rnd is not None:
             self._leave(rnd)
         raise Shutdown(128 + sig)
@@ -405,9 +399,8 @@ class NodeAgent:
     def _no_restart(self, reason: str, node_only: bool = False) -> int:
         code = self.cfg.ft.no_restart_exit_code
         self.life.to(NodeState.STOPPING, reason)
-        flight = self.flight
-        if flight is not None:
-            flight.settle()
+        if self.flight is not None:
+            self.flight.settle()
         if node_only:
             self.events.event("node_left", f"error: this node leaves the job: {reason} -> exiting {code} "
                               f"(no restart)", reason=reason, exitcode=code)
