@@ -89,6 +89,7 @@ class NodeAgent:
         self.cfg = cfg
         self.events = events
         self.status = JobStatus(cfg, events)  # status file, stepping/cycle_summary events
+        self.live_news = live_recovery.News(self.status, events)   # what the ranks' LiveState.restore() did
         if metrics is not None:
             metrics.attach(events, lambda: self.status.snapshot)
         self.say = events.say
@@ -201,7 +202,8 @@ class NodeAgent:
                 self.me = self._node_info()
                 self.me.hosts_store = self.store.is_host
                 self.proto = RoundProtocol(self.store, self.cfg, self.me)
-                self.injector = FaultInjector(self.cfg.ft, self.proto.claim_fault)
+                self.injector = FaultInjector(self.cfg.ft, self.proto.claim_fault, self.proto.faults_fired,
+                                              self.events)
                 self.learner = TimeoutLearner(self.cfg.ft, default_state_path(self.cfg.ft, self.cfg.log_dir),
                                               self.events)
                 self.failover = StoreFailover(self.cfg, self.store, self.proto, self.me, self.say, self.learner)
@@ -477,12 +479,13 @@ class NodeAgent:
         self.learner.begin_cycle(rnd.number)
         self.progress.begin_cycle(rnd.number)   # the checkpoint iteration it starts from (agent.progress)
         self.carrier.begin_cycle()
-        self._live_told = rnd.number == 0
+        self.live_news.begin_cycle(rnd.number, rnd.rank_offset)
         self._start_ranks(rnd, master, self.carrier.adopt(rnd.number, previous, self._unhandled_signal))
         self.section_use.cycle_start()
         self.status.cycle_start(rnd, restarts, self.group, self.monitors)
         self.reserves.fill()
-        self._plan_fault(rnd)
+        self.injector.plan(rnd.number, rnd.world_size, rnd.rank_offset, self.cfg.nproc_per_node,
+                           self.group.ranks[0].start_ns)
         verdict = None
         self._deferred_restart = []   # the restart line waits for the ranks' last words
         try:
@@ -519,18 +522,6 @@ class NodeAgent:
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
         self._ranks_started()
 
-    def _plan_fault(self, rnd: Round) -> None:
-        """A simulated fault (--ft-simulate-fault) for this cycle, while the job's budget of faults lasts."""
-        cfg = self.cfg
-        plan = None
-        if cfg.ft.simulate_fault and (cfg.ft.simulated_fault_count < 0
-                                      or self.proto.faults_fired() < cfg.ft.simulated_fault_count):
-            plan = self.injector.arm(rnd.number, rnd.world_size, rnd.rank_offset, cfg.nproc_per_node,
-                                     self.group.ranks[0].start_ns)
-        if plan and plan.chosen:
-            self.say(f"simulated fault planned: {plan.kind} in rank {plan.rank} (drawn from seed "
-                     f"{cfg.ft.simulated_fault_seed}) {plan.delay:.2f}s after start")
-
     def _end_cycle(self, rnd: Round, verdict: Optional[Verdict]) -> None:
         """The cycle is over (`verdict`, or None when a signal or a lost store ended it): the ranks
         the verdict keeps are asked to stay and carried, the others stopped, the parts told."""
@@ -539,7 +530,7 @@ class NodeAgent:
         # first: they leave their step while we go on (agent.in_place_carrier)
         keep = self.carrier.ask(rnd, verdict, self.me.node_id, self.group, self.monitor_set, self.blame)
         self.blame.end_cycle()
-        self._live_news(rnd)   # a cycle that ends at once still tells its recovery
+        self.live_news.poll(self.monitors)   # a cycle that ends at once still tells its recovery
         # a flight-recorder dump in progress ends before any rank is stopped
         self.flight.end_cycle(store_ok=not self.watcher.store_lost)
         self.status.cycle_end()
@@ -573,26 +564,6 @@ class NodeAgent:
             self.cycle_info = nvrx_cycle_info.CycleInfoWriter(self.cfg.ft.cycle_info_dir, self.events.disk_warning)
         return self.cycle_info
 
-    def _live_news(self, rnd: Round) -> None:
-        """Once per cycle, when the ranks' LiveState.restore() has said where they resume: goodput
-        keeps the steps up to there; the node of global rank 0 tells the job's recovery."""
-        if self._live_told:
-            return
-        resume = live_recovery.resume_step(self.monitors, rnd.number)
-        if resume is None:
-            return
-        told = None
-        if rnd.rank_offset == 0:
-            told = live_recovery.summary(self.monitors[0] if self.monitors else None, rnd.number)
-            if told is None:
-                return   # rank 0 writes its summary before its words: a moment later
-        self._live_told = True
-        self.status.live_resumed(resume)
-        if told is not None:
-            self.say(live_recovery.line(told))
-            told.pop("cycle", None)
-            self.events.event("live_recovery", None, **told)
-
     def _facts(self, rnd: Round) -> RoundFacts:
         return RoundFacts(rnd.number, [n.node_id for n in rnd.active], [n.node_id for n in rnd.spares],
                           {n.node_id: n.nproc for n in rnd.active}, {n.node_id: n.host for n in rnd.active})
@@ -605,8 +576,7 @@ class NodeAgent:
             while True:
                 for local_rank, report in sup.wait(self._wait_time()):
                     self._on_report(local_rank, report)
-                if self.injector.seconds_until_due(time.monotonic_ns()) == 0:
-                    self._inject_fault()
+                self.injector.inject_due(self.group.ranks, time.monotonic_ns())
                 self._observe(rnd)
                 outcome = sup.outcome()
                 if isinstance(outcome, Failure):
@@ -631,7 +601,7 @@ class NodeAgent:
         """What the agent does on every pass while ranks run, besides looking for the cycle's end."""
         self.blame.tick(self.monitors, self.group.ranks)
         self.status.sample()
-        self._live_news(rnd)
+        self.live_news.poll(self.monitors)
         self.section_use.poll(self.monitors, self.cfg.ft)
         self._check_signal(rnd)
         self.monitor_set.check_ticks()
@@ -674,18 +644,6 @@ class NodeAgent:
             self.cfg.ft = ft
             for monitor in self.monitors:
                 monitor.update_config(ft)
-
-    def _inject_fault(self) -> None:
-        target = self.injector.pending.rank
-        rank = next((r for r in self.group.ranks if r.rank == target and r.exitcode is None), None)
-        if rank is None:
-            self.injector.fire(-1)
-            return
-        plan = self.injector.fire(rank.pid)
-        if plan:
-            self.events.event("fault_injected", f"simulated fault: {plan.kind} injected into rank {plan.rank} "
-                              f"(pid {rank.pid}) {plan.delay:.2f}s after its start", rank=plan.rank,
-                              fault=plan.kind, delay=round(plan.delay, 3), pid=rank.pid, chosen=plan.chosen)
 
     def _warn_if_hangs_undetectable(self) -> None:
         ft = self.cfg.ft
@@ -789,13 +747,7 @@ class NodeAgent:
         self.status.cycle_end()  # the last cycle's summary before the job's last word
         self.flight.settle()  # a hang's analysis (an earlier cycle) is told before the job's end
         self.events.event("job_complete", "all ranks on all nodes finished: job complete")
-        pending = self.injector.pending
-        if pending is not None:  # planned on this node, but the job was faster
-            ran = (time.monotonic_ns() - self.group.ranks[0].start_ns) / 1e9
-            self.events.event("fault_not_injected", f"simulated fault not injected: {pending.kind} in rank "
-                              f"{pending.rank} was planned {pending.delay:.2f}s after the start, but the job "
-                              f"ended first ({ran:.2f}s)", rank=pending.rank, fault=pending.kind,
-                              delay=round(pending.delay, 3))
+        self.injector.not_injected(time.monotonic_ns())   # planned on this node, but the job was faster
 
     def _leave(self, rnd: Round) -> None:
         """The job is over: say so, and if this agent hosts the store, keep it up (bounded)

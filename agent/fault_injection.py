@@ -6,6 +6,10 @@ each cycle (which rank, which fault, when) is a pure function of the seed, the c
 world size, so every agent computes the same plan and a run can be reproduced; only the agent
 that hosts the chosen rank acts. A job-wide counter in the store makes a fault fire once per job
 by default (`simulated_fault_count`, -1 for every cycle).
+
+`FaultInjector` is the agent's part for it: `plan` arms a cycle's fault (and says a drawn one),
+`inject_due` fires it into its rank when due (a `fault_injected` event), and `not_injected` says a
+planned fault the job outran (`fault_not_injected`).
 """
 from __future__ import annotations
 
@@ -44,11 +48,53 @@ def plan_for_cycle(ft: FaultToleranceConfig, cycle: int, world_size: int) -> Opt
 class FaultInjector:
     """One cycle's pending fault on this node, if any."""
 
-    def __init__(self, ft: FaultToleranceConfig, claim: Callable[[], int]):
+    def __init__(self, ft: FaultToleranceConfig, claim: Callable[[], int], fired: Callable[[], int] = lambda: 0,
+                 events=None):
         self.ft = ft
         self._claim = claim   # store counter: returns how many faults the job has now fired
+        self._fired = fired   # the same counter, read
+        self.events = events
         self.pending: Optional[FaultPlan] = None
         self.due_ns: Optional[int] = None
+        self._start_ns = 0
+
+    # ---- the agent's calls ------------------------------------------------------------------
+    def plan(self, cycle: int, world_size: int, first_rank: int, nproc: int, start_ns: int) -> None:
+        """Arm cycle `cycle`'s fault if it falls on this node's ranks and the job's budget of
+        faults lasts; a rank drawn from the seed is said."""
+        self.pending, self.due_ns, self._start_ns = None, None, start_ns
+        ft = self.ft
+        if not ft.simulate_fault or (ft.simulated_fault_count >= 0 and self._fired() >= ft.simulated_fault_count):
+            return
+        plan = self.arm(cycle, world_size, first_rank, nproc, start_ns)
+        if plan and plan.chosen:
+            self.events.say(f"simulated fault planned: {plan.kind} in rank {plan.rank} (drawn from seed "
+                            f"{ft.simulated_fault_seed}) {plan.delay:.2f}s after start")
+
+    def inject_due(self, ranks: list, now_ns: int) -> None:
+        """Fire the pending fault into its rank (of `ranks`, workers.Rank) once it is due."""
+        if self.seconds_until_due(now_ns) != 0:
+            return
+        rank = next((r for r in ranks if r.rank == self.pending.rank and r.exitcode is None), None)
+        if rank is None:   # its rank has ended already: nothing to inject into
+            self.pending, self.due_ns = None, None
+            return
+        plan = self.fire(rank.pid)
+        if plan:
+            self.events.event("fault_injected", f"simulated fault: {plan.kind} injected into rank {plan.rank} "
+                              f"(pid {rank.pid}) {plan.delay:.2f}s after its start", rank=plan.rank,
+                              fault=plan.kind, delay=round(plan.delay, 3), pid=rank.pid, chosen=plan.chosen)
+
+    def not_injected(self, now_ns: int) -> None:
+        """The job ended: a fault planned on this node that the job outran is said."""
+        pending = self.pending
+        if pending is None:
+            return
+        ran = (now_ns - self._start_ns) / 1e9
+        self.events.event("fault_not_injected", f"simulated fault not injected: {pending.kind} in rank "
+                          f"{pending.rank} was planned {pending.delay:.2f}s after the start, but the job "
+                          f"ended first ({ran:.2f}s)", rank=pending.rank, fault=pending.kind,
+                          delay=round(pending.delay, 3))
 
     def arm(self, cycle: int, world_size: int, first_rank: int, nproc: int, start_ns: int) -> Optional[FaultPlan]:
         plan = plan_for_cycle(self.ft, cycle, world_size)
@@ -62,7 +108,7 @@ class FaultInjector:
     def fire(self, pid: int) -> Optional[FaultPlan]:
         """Inject the pending fault into `pid` if the job's budget of faults allows it."""
         plan, self.pending, self.due_ns = self.pending, None, None
-        if plan is None:
+        if plan is None or pid <= 0:   # never os.kill(-1, ...): that signals every process we may
             return None
         if self.ft.simulated_fault_count >= 0 and self._claim() > self.ft.simulated_fault_count:
             return None

@@ -56,3 +56,35 @@ def line(s: dict) -> str:
             moved += f" ({s['mb_per_s']:g} MB/s)"
     return (f"live recovery: resumed at step {s['resume_step']} ({s.get('steps_redone', 0)} completed step(s) "
             f"redone, plus the step in flight); {sources}{moved}; restore {s.get('restore_s', 0):.3f} s")
+
+
+class News:
+    """The agent's part: once per cycle, when the ranks' restore() has said where they resume,
+    goodput keeps the steps up to there (`status.live_resumed`) and the node of global rank 0 says
+    the job's recovery (its line and a `live_recovery` event)."""
+
+    def __init__(self, status, events) -> None:
+        self.status = status
+        self.events = events
+        self._cycle, self._rank_offset, self._told = 0, 0, True
+
+    def begin_cycle(self, cycle: int, rank_offset: int) -> None:
+        self._cycle, self._rank_offset, self._told = cycle, rank_offset, cycle == 0
+
+    def poll(self, monitors: list) -> None:
+        if self._told:
+            return
+        resume = resume_step(monitors, self._cycle)
+        if resume is None:
+            return
+        told = None
+        if self._rank_offset == 0:
+            told = summary(monitors[0] if monitors else None, self._cycle)
+            if told is None:
+                return   # rank 0 writes its summary before its words: a moment later
+        self._told = True
+        self.status.live_resumed(resume)
+        if told is not None:
+            self.events.say(line(told))
+            told.pop("cycle", None)
+            self.events.event("live_recovery", None, **told)
