@@ -18,11 +18,21 @@ in-place restart the healthy ranks keep them in memory and a replaced rank recei
 peer (docs/live-state.md), so the job resumes at the last completed step instead of the
 checkpoint; where no live state exists (first start, job-level restart, plain python, torchrun)
 it loads the checkpoint as without the flag.
+
+With `--noise SIGMA` every step also draws from the global random generators, as augmentation or
+dropout do: the inputs get SIGMA * torch.randn noise (torch's global generator) and the loss a
+weight 1 + SIGMA * (random.random() - 0.5) (Python's `random`, seeded with --seed at each start).
+Every rank draws the same stream, so a replaced rank can continue its peer's. `--live-rng` (implies
+`--live`) keeps that RNG state as of each commit too (`ft.LiveState(..., rng=True)`); with
+--progress-dir each rank appends 'cycle step digest' of the RNG state it starts each step with to
+rng_rank_<r>.txt. Both are off by default.
 """
 import argparse
 import contextlib
+import hashlib
 import json
 import os
+import random
 import signal
 import time
 
@@ -62,12 +72,19 @@ def parse_args():
     p.add_argument("--live", action="store_true",
                    help="keep the model and optimizer as ft.LiveState (implies --restartable): an in-place "
                         "restart resumes at the last completed step, a replaced rank heals from a peer")
+    p.add_argument("--noise", type=float, default=0.0, metavar="SIGMA",
+                   help="each step draws from the global RNGs: SIGMA * torch.randn input noise and a loss weight "
+                        "1 + SIGMA * (random.random() - 0.5) (default 0: off)")
+    p.add_argument("--live-rng", action="store_true",
+                   help="--live, and keep the RNG state (torch, Python's random) as of each commit too "
+                        "(ft.LiveState(rng=True))")
     p.add_argument("--hang-in", default=None, metavar="PHASE",
                    help="--fail-rank hangs in PHASE at --hold-step (cycle 0 only): it sleeps, no heartbeat, "
                         "until the launcher's monitor finds it")
     p.add_argument("--cuda-hang-in", default=None, metavar="PHASE",
                    help="--fail-rank gets stuck in a CUDA kernel that never ends in PHASE (--device cuda)")
     args = p.parse_args()
+    args.live = args.live or args.live_rng
     args.restartable = args.restartable or args.live
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU is usable here (torch.cuda.is_available() is False)")
@@ -146,6 +163,13 @@ def to_cpu(obj):
     return obj
 
 
+def rng_digest():
+    """A short digest of the global RNG state (torch's CPU generator and Python's random)."""
+    h = hashlib.sha1(torch.get_rng_state().numpy().tobytes())
+    h.update(repr(random.getstate()).encode())
+    return h.hexdigest()[:16]
+
+
 def checksum(model):
     with torch.no_grad():
         return float(sum(p.double().sum() for p in model.parameters()))
@@ -172,10 +196,12 @@ def train(args):
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     cycle = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    progress = None
+    progress = rng_log = None
     if args.progress_dir:
         os.makedirs(args.progress_dir, exist_ok=True)
         progress = open(os.path.join(args.progress_dir, f"rank_{rank}.txt"), "a", buffering=1)
+        if args.noise:
+            rng_log = open(os.path.join(args.progress_dir, f"rng_rank_{rank}.txt"), "a", buffering=1)
 
     hooks = Hooks(args, rank, cycle)
     device = torch.device("cpu")
@@ -189,7 +215,9 @@ def train(args):
         torch.manual_seed(args.seed)
         model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        live = ft.LiveState(model=model, optimizer=opt) if args.live else None
+        if args.noise:
+            random.seed(args.seed)   # torch's generator: seeded above
+        live = ft.LiveState(model=model, optimizer=opt, rng=args.live_rng) if args.live else None
         # before DDP: its constructor broadcasts rank 0's parameters, which must be the resumed ones
         start = live.restore() if live is not None else None
         if start is not None and rank == 0:
@@ -220,9 +248,17 @@ def train(args):
                     and (args.fail_cycles < 0 or cycle < args.fail_cycles)):
                 print(f"rank {rank}: failing on purpose at step {step}", flush=True)
                 os._exit(1)  # like a crash: no teardown (gloo's may abort with peers mid-collective)
-            x, y = (t.to(device) for t in batch(args.seed, step, rank))
+            x, y = batch(args.seed, step, rank)
+            if args.noise:
+                if rng_log:
+                    rng_log.write(f"{cycle} {step} {rng_digest()}\n")
+                x = x + args.noise * torch.randn(x.shape)
+                weight = 1 + args.noise * (random.random() - 0.5)
+            x, y = x.to(device), y.to(device)
             opt.zero_grad()
             loss = nn.functional.mse_loss(ddp(x), y)
+            if args.noise:
+                loss = loss * weight
             loss.backward()
             with live.commit(step) if live is not None else contextlib.nullcontext():
                 opt.step()

@@ -4,6 +4,11 @@ so a replaced rank heals from the same shard in the other replica (docs/live-sta
 
     ft_launcher --standalone --nproc-per-node 4 examples/hsdp_train.py --steps 40 --fail-at-step 17 --fail-rank 3
 
+`--fail-in forward` kills the fault rank inside the FSDP forward pass of the fault step instead of
+at its start: a forward pre-hook on the second Linear exits there (after the first layer's forward
+and FSDP's all-gather of the second layer's parameters, whose own pre-hook runs first), while its
+peers are in that step's collectives.
+
 Deterministic (the batch of step s on rank r is a function of (s, r)); no checkpoint: a fallback
 trains from step 0. Rank 0 prints `FINAL step=<n> checksum=<c>` (the full parameters' sum).
 """
@@ -53,8 +58,11 @@ def train(args):
         print(f"resumed from live state at step {start} (cycle {cycle})", flush=True)
     for step in range(start + 1, args.steps + 1):
         if step == args.fail_at_step and rank == args.fail_rank and cycle == 0:
-            print(f"rank {rank}: failing on purpose at step {step}", flush=True)
-            os._exit(1)
+            if args.fail_in == "forward":
+                model[2].register_forward_pre_hook(_die_in_forward(rank, step))
+            else:
+                print(f"rank {rank}: failing on purpose at step {step}", flush=True)
+                os._exit(1)
         g = torch.Generator().manual_seed(step * 1009 + rank)
         x = torch.randn(8, 16, generator=g)
         opt.zero_grad()
@@ -68,11 +76,20 @@ def train(args):
     dist.destroy_process_group()
 
 
+def _die_in_forward(rank, step):
+    def hook(module, inputs):
+        print(f"rank {rank}: failing on purpose inside the forward pass of step {step}", flush=True)
+        os._exit(1)
+    return hook
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--fail-at-step", type=int, default=None)
     p.add_argument("--fail-rank", type=int, default=3)
+    p.add_argument("--fail-in", choices=("step", "forward"), default="step",
+                   help="where --fail-rank exits: at the start of the step (default) or inside its FSDP forward")
     ft.restartable(train)(p.parse_args())
 
 
