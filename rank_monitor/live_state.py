@@ -22,10 +22,12 @@ How it works:
   needs a rank that holds it (else every rank returns None: the script's checkpoint, and global
   rank 0 prints one line saying why); a rank at that step keeps its state (copied from its
   previous objects into the new ones); the others receive it from a holder of the same shard,
-  spread round robin over the holders. Transfer: a pickled skeleton of the state dicts (every
-  non-tensor value) and then each tensor with send/recv, received in place into the new object's
-  own tensor where path, shape and dtype match (a DTensor's local shard), else into a new one;
-  then `load_state_dict`. A second all_gather collects what each rank received and how long it
+  spread round robin over the holders. Transfer, per object: a pickled skeleton of its state
+  dict (every non-tensor value), then its tensors in few messages: those under 1 MiB packed into
+  one reused staging buffer of at most 16 MiB (as many fills as they need), each larger one sent by
+  itself; received in place into the new object's own tensor where path, shape and dtype match (a
+  DTensor's local shard), else into a new one; then `load_state_dict`. A second all_gather
+  collects what each rank received and how long it
   took (`transfer_s`: the slowest receiver's; `restore_s`: the slowest rank's time from the step
   exchange to its state loaded); global rank 0 writes the summary (JSON) into its record for the agent, which says it as one
   `live_recovery` event and console line (agent.live_recovery).
@@ -367,24 +369,22 @@ def _fill(skeleton, values: dict):
     return skeleton
 
 
-def _load(obj, skeleton, paths: list, fetch) -> int:
-    """Fill `obj`'s state from a skeleton: fetch(index, destination) writes tensor `index` into
-    `destination` (the object's own tensor where path, shape and dtype match, else a new one)."""
+def _load(obj, skeleton, paths: list, fill) -> int:
+    """Fill `obj`'s state from a skeleton: fill(destinations) writes tensor i into destinations[i]
+    (the object's own tensor where path, shape and dtype match, else a new one)."""
     import torch
 
     mine = _flat(obj.state_dict())
+    dests: list = [None] * len(paths)
     values = {}
-    nbytes = 0
 
     def visit(node):
-        nonlocal nbytes
         if isinstance(node, _Slot):
             own = mine.get(paths[node.index])
             dest = _local(own) if own is not None else None
             if dest is None or tuple(dest.shape) != node.shape or dest.dtype != node.dtype or not dest.is_contiguous():
                 dest, own = torch.empty(node.shape, dtype=node.dtype, device=_DEVICE[0]), None
-            fetch(node.index, dest)
-            nbytes += dest.numel() * dest.element_size()
+            dests[node.index] = dest
             values[node.index] = own if own is not None else dest
         elif isinstance(node, dict):
             for v in node.values():
@@ -394,8 +394,9 @@ def _load(obj, skeleton, paths: list, fetch) -> int:
                 visit(v)
 
     visit(skeleton)
+    fill(dests)
     obj.load_state_dict(_fill(skeleton, values))
-    return nbytes
+    return sum(d.numel() * d.element_size() for d in dests)
 
 
 _DEVICE = [None]   # where tensors without a destination of their own are made (restore sets it)
@@ -408,36 +409,120 @@ def _copy_objects(previous: "LiveState", live: "LiveState") -> None:
         tensors, paths = [], []
         skeleton = _split(previous.objects[name].state_dict(), tensors, (), paths)
         _DEVICE[0] = tensors[0].device if tensors else None
-        _load(live.objects[name], skeleton, paths, lambda i, dest: dest.copy_(tensors[i]))
+        _load(live.objects[name], skeleton, paths, lambda dests: [d.copy_(t) for d, t in zip(dests, tensors)])
 
 
-def _send_objects(live: "LiveState", dst: int, device) -> None:
+# The tensors of one object go over the wire in few messages: every tensor smaller than
+# _DIRECT_BYTES packed, in skeleton order, into chunks of at most _CHUNK_BYTES (each tensor whole in
+# one, at an _ALIGN-byte offset), one staging buffer filled and sent (received and unpacked) per
+# chunk; then every larger tensor by itself (it needs no staging copy). Any dtype (a tensor's bytes
+# are viewed in the buffer as its dtype and shape: non-contiguous ones pack without a copy of
+# their own), any device (the buffer is on the transfer device). Both sides plan the same messages
+# from the skeleton's shapes and dtypes.
+_CHUNK_BYTES = 16 << 20    # the most a staging buffer holds (one, reused: bounded memory, pages touched once)
+_DIRECT_BYTES = 1 << 20    # a tensor at least this big (or than _CHUNK_BYTES) is sent by itself
+_ALIGN = 64
+
+
+def _plan(sizes: List[int]) -> Tuple[List[List[Tuple[int, int]]], List[int], List[int]]:
+    """The messages for tensors of `sizes` bytes: (chunks, each a list of (tensor index, byte
+    offset); each chunk's length; the indices of the tensors sent by themselves). 0-byte tensors
+    are in neither."""
+    cap = max(1, _CHUNK_BYTES)
+    alone = min(_DIRECT_BYTES, cap)
+    chunks: List[List[Tuple[int, int]]] = []
+    lengths: List[int] = []
+    direct: List[int] = []
+    used = cap + 1   # no chunk open
+    for i, n in enumerate(sizes):
+        if n <= 0:
+            continue
+        if n >= alone:
+            direct.append(i)
+            continue
+        at = -(-used // _ALIGN) * _ALIGN
+        if at + n > cap:
+            chunks.append([])
+            lengths.append(0)
+            at = 0
+        chunks[-1].append((i, at))
+        used = lengths[-1] = at + n
+    return chunks, lengths, direct
+
+
+def _packed(buf, at: int, t):
+    """The bytes of `buf` from `at` seen as a tensor of t's shape and dtype."""
+    return buf[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+
+
+def _send_tensors(tensors: list, device, send) -> None:
+    import torch
+
+    chunks, lengths, direct = _plan([t.numel() * t.element_size() for t in tensors])
+    if chunks:
+        buf = torch.empty(max(lengths), dtype=torch.uint8, device=device)
+        for chunk, length in zip(chunks, lengths):
+            for i, at in chunk:
+                _packed(buf, at, tensors[i]).copy_(tensors[i])
+            send(buf[:length])
+    for i in direct:
+        t = tensors[i]
+        send(t if t.device == device and t.is_contiguous() else t.to(device).contiguous())
+
+
+def _recv_tensors(dests: list, device, recv) -> None:
+    import torch
+
+    chunks, lengths, direct = _plan([d.numel() * d.element_size() for d in dests])
+    if chunks:
+        buf = torch.empty(max(lengths), dtype=torch.uint8, device=device)
+        for chunk, length in zip(chunks, lengths):
+            recv(buf[:length])
+            for i, at in chunk:
+                dests[i].copy_(_packed(buf, at, dests[i]))
+    for i in direct:
+        d = dests[i]
+        if d.device == device and d.is_contiguous():
+            recv(d)
+        else:
+            staged = torch.empty(d.shape, dtype=d.dtype, device=device)
+            recv(staged)
+            d.copy_(staged)
+
+
+def _send_objects(live: "LiveState", dst: int, device, send=None) -> None:
+    """Every object's skeleton (pickled) and then its tensors (_send_tensors) to rank `dst`;
+    `send(tensor)` is the wire (default: dist.send to dst)."""
     import torch
     import torch.distributed as dist
 
+    send = send or (lambda t: dist.send(t, dst))
     for name in sorted(live.objects):
         tensors, paths = [], []
         skeleton = _split(live.objects[name].state_dict(), tensors, (), paths)
         blob = pickle.dumps((skeleton, paths), protocol=pickle.HIGHEST_PROTOCOL)
-        dist.send(torch.tensor([len(blob)], dtype=torch.int64, device=device), dst)
-        dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), dst)
-        for t in tensors:
-            dist.send(t if t.is_contiguous() else t.contiguous(), dst)
+        send(torch.tensor([len(blob)], dtype=torch.int64, device=device))
+        send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device))
+        _send_tensors(tensors, device, send)
 
 
-def _recv_objects(live: "LiveState", src: int, device) -> int:
+def _recv_objects(live: "LiveState", src: int, device, recv=None) -> int:
+    """What _send_objects sent, loaded into `live`'s objects; -> the bytes received.
+    `recv(tensor)` is the wire (default: dist.recv from src)."""
     import torch
     import torch.distributed as dist
 
+    recv = recv or (lambda t: dist.recv(t, src))
     _DEVICE[0] = device
     total = 0
     for name in sorted(live.objects):
         size = torch.empty(1, dtype=torch.int64, device=device)
-        dist.recv(size, src)
+        recv(size)
         raw = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        dist.recv(raw, src)
+        recv(raw)
         skeleton, paths = pickle.loads(raw.cpu().numpy().tobytes())
-        total += raw.numel() + _load(live.objects[name], skeleton, paths, lambda i, dest: dist.recv(dest, src))
+        total += raw.numel() + _load(live.objects[name], skeleton, paths,
+                                     lambda dests: _recv_tensors(dests, device, recv))
     return total
 
 

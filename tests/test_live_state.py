@@ -88,6 +88,111 @@ def test_state_moves_into_fresh_objects_in_place():
         assert torch.equal(old_opt.state[p_old]["momentum_buffer"], new_opt.state[p_new]["momentum_buffer"])
 
 
+@pytest.mark.parametrize("cap", [None, 4096], ids=["default-cap", "cap-4096"])
+def test_the_wire_packs_small_tensors_and_lands_every_byte_in_the_receivers_own_tensors(monkeypatch, cap):
+    """_send_objects/_recv_objects over an in-process wire (a list of messages, in order): mixed
+    dtypes (float32, bf16, int64, bool), a 0-element and 0-dim tensors, non-contiguous tensors on
+    the sender, and with a 4096-byte cap several staging chunks plus tensors sent by themselves
+    (one of them non-contiguous). Every byte arrives; the receiver's own tensors (parameters,
+    buffers, optimizer state, a custom object's tensors) are written in place, the same objects."""
+    import torch
+    import torch.nn as nn
+
+    from ft_launcher.rank_monitor import live_state
+
+    if cap is not None:
+        monkeypatch.setattr(live_state, "_CHUNK_BYTES", cap)
+
+    class Box:
+        def __init__(self, **tensors):
+            self.tensors, self.loaded = tensors, None
+
+        def state_dict(self):
+            return {"tensors": dict(self.tensors), "note": "box"}
+
+        def load_state_dict(self, state):
+            self.loaded = state
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 24), nn.Linear(24, 48))
+        model.register_buffer("bf16", torch.randn(5, 3).to(torch.bfloat16))
+        model.register_buffer("count", torch.randint(0, 1 << 40, (3,), dtype=torch.int64))
+        model.register_buffer("mask", torch.rand(7) > 0.5)
+        model.register_buffer("empty", torch.empty(0, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * (seed + 1))
+        for _ in range(seed + 1):
+            opt.zero_grad()
+            model(torch.randn(2, 16)).sum().backward()
+            opt.step()
+        box = Box(steps=torch.tensor(seed * 1000 + 7, dtype=torch.int64), big=torch.randn(3000),
+                  t=torch.randn(30, 20).t(), big_t=torch.randn(100, 50).t(), none=torch.empty(0))
+        return model, opt, box
+
+    class Holder:
+        def __init__(self, model, opt, box):
+            self.objects = {"model": model, "optimizer": opt, "box": box}
+
+    model, opt, box = build(0)
+    new_model, new_opt, new_box = build(1)
+    new_box.tensors["t"] = torch.zeros(20, 30)   # contiguous here: received in place
+    own = {k: v for k, v in new_box.tensors.items() if k != "big_t"}   # its own big_t is not contiguous: a new one
+    params = list(new_model.parameters())
+    ptrs = [p.data_ptr() for p in params]
+    buffers = {n: b for n, b in new_model.named_buffers()}
+    opt_state = [dict(new_opt.state[p]) for p in params]
+
+    messages = []
+    live_state._send_objects(Holder(model, opt, box), 1, torch.device("cpu"), send=lambda t: messages.append(t.clone()))
+    wire = iter(messages)
+
+    def recv(t):
+        m = next(wire)
+        assert (m.shape, m.dtype) == (t.shape, t.dtype)
+        t.copy_(m)
+
+    total = live_state._recv_objects(Holder(new_model, new_opt, new_box), 0, torch.device("cpu"), recv=recv)
+    assert next(wire, None) is None
+
+    def raw(t):
+        return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+    def same_bytes(a, b):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
+
+    for (name, a), (_, b) in zip(model.state_dict().items(), new_model.state_dict().items()):
+        assert same_bytes(a, b), name
+    assert all(p is q for p, q in zip(params, new_model.parameters())) and [p.data_ptr() for p in params] == ptrs
+    assert all(buffers[n] is b for n, b in new_model.named_buffers())
+    assert new_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    for p_old, p_new, before in zip(model.parameters(), params, opt_state):
+        for key, value in opt.state[p_old].items():
+            assert same_bytes(value, new_opt.state[p_new][key]) and new_opt.state[p_new][key] is before[key], key
+    assert new_box.loaded["note"] == "box"
+    for key, value in box.tensors.items():
+        assert same_bytes(value, new_box.loaded["tensors"][key]), key
+        assert (new_box.loaded["tensors"][key] is own.get(key)) == (key in own), key
+
+    groups = []   # per object: [size, skeleton, data messages...]; a size is the only 1-element int64
+    for m in messages:
+        if m.dtype == torch.int64 and m.numel() == 1:
+            groups.append([])
+        groups[-1].append(m)
+    assert [len(g[1]) for g in groups] == [int(g[0]) for g in groups] and len(groups) == 3
+    sent = [t for o in (box.tensors, model.state_dict(), opt.state_dict()["state"])
+            for t in live_state._flat(o).values()]
+    assert total == sum(t.numel() * t.element_size() for t in sent) + sum(int(g[0]) for g in groups)
+    data = [m for g in groups for m in g[2:]]
+    if cap is None:   # per object: one chunk; no tensor is big enough to go by itself
+        assert all(len(g) == 3 for g in groups)
+    else:
+        chunks = [m for m in data if m.dtype == torch.uint8]
+        alone = [m for m in data if m.dtype != torch.uint8]
+        assert all(m.numel() <= cap for m in chunks) and all(m.numel() * m.element_size() >= cap for m in alone)
+        assert len(alone) == 5   # box: big, big_t; model: the 48x24 weight; optimizer: its exp_avg, exp_avg_sq
+        assert [sum(m.dtype == torch.uint8 for m in g[2:]) for g in groups] == [1, 2, 3]   # box, model, optimizer
+
+
 def test_outside_the_launcher_restore_is_none_and_commit_runs_its_body():
     import torch
 
