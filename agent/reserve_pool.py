@@ -13,9 +13,10 @@ would be sooner, else nothing and the caller spawns cold. A warming reserve has 
 a cold process would do, and a cold process beside it would compete with it for the CPU; taken, it
 is raised to the agent's priority at once and runs the script when its warm-up ends (the
 activation waits in its socket). It is not taken, but reported, killed and replaced, when the
-evidence says it is stuck: it has warmed longer than this slot's last cold rank took from its
-start to its first `step` (measured at launch), or it has used no CPU for STALLED seconds while
-not runnable (asleep in an import); nor (left warming) when the slot's last reserve was lost
+evidence says it is stuck: it has used more CPU time than this slot's last cold rank took from its
+start to its first `step` (measured at launch; CPU time, not wall time, since a reserve warms at
+low priority and on busy cores its wall time says nothing), or it has used no CPU for STALLED
+seconds while not runnable (asleep in an import); nor (left warming) when the slot's last reserve was lost
 or no cold start of the slot has been measured yet.
 A taken reserve that is still not warm HANDED_LIMIT cold starts later is killed (its rank then
 fails and restarts like any other), so a reserve stuck after it was taken costs a restart, never
@@ -56,6 +57,7 @@ MAX_LOSSES_IN_A_ROW = 3
 ENV_ROOM_BYTES = 32768  # room for the round's variables in the reserve's /proc environ
 MAINTAIN_EVERY = 0.25
 ARM_AFTER = 60.0  # seconds: start reserves for a slot whose rank never records its imports
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")   # /proc/<pid>/stat's CPU times are in these
 STALLED = 1.0  # seconds without CPU, not runnable: a warming reserve that is asleep (stuck)
 HANDED_LIMIT = 2.0  # a reserve taken while warming must be warm within this many cold starts (at least 10 s)
 
@@ -426,11 +428,11 @@ class ReservePool:
         cold = self.cold_start.get(reserve.local_rank)
         if cold is None or self.losses[reserve.local_rank]:   # no yardstick; its predecessor was lost
             return ""
-        warming = now - reserve.started
-        if warming >= cold:
-            return (f"was still warming after {warming:.1f}s, longer than a cold rank of this slot took to its "
-                    f"first step ({cold:.1f}s): stuck, not taken")
         state = reserve.look(now)
+        used = max(reserve.cpu, 0) / CLOCK_TICKS   # CPU seconds: at nice +10 on busy cores, wall time says little
+        if used >= cold:
+            return (f"has used {used:.1f}s of CPU warming ({now - reserve.started:.1f}s since its start), more than "
+                    f"a cold rank of this slot took to its first step ({cold:.1f}s): stuck, not taken")
         if state not in ("R", "D") and now - reserve.progressed >= STALLED:
             return (f"has used no CPU for {now - reserve.progressed:.1f}s while warming (asleep, state {state}): "
                     f"stuck, not taken")

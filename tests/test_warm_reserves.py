@@ -156,23 +156,25 @@ def test_reserve_killed_or_stalled_while_warming_is_never_used_and_the_restart_g
 
 
 @pytest.mark.parametrize("evidence", [
-    "longer",                                        # warmed longer than a cold start took
+    "spinning",                                      # used more CPU than a cold start took
     pytest.param("asleep", marks=pytest.mark.slow),  # younger than a (long) cold start, but asleep
 ])
 def test_a_reserve_stuck_warming_is_not_taken_by_an_early_restart(launcher, tmp_path, evidence):
     """The early rung (agent.reserve_pool): a restart before any reserve is ready takes the one
-    still warming, unless the evidence says it is stuck: it has warmed longer than a cold rank of
-    its slot took to its first step ("longer": the probe's cold start is well under the 2 s the
-    test waits), or, where the cold start was long (8 s), it has used no CPU for a second while
-    asleep ("asleep"). Every reserve here is stuck importing tests/warm_lib/slowwarm (600 s, the
-    default 120 s warm_reserve_timeout never fires first): each is reported and discarded, and the
-    restart starts cold."""
+    still warming, unless the evidence says it is stuck: it has used more CPU time than a cold rank
+    of its slot took to its first step ("spinning": the probe's cold start is well under the 2 s
+    the test waits, while the reserve spins), or, where the cold start was long (8 s), it has used
+    no CPU for a second while asleep ("asleep"). Every reserve here is stuck importing
+    tests/warm_lib/slowwarm (600 s, the default 120 s warm_reserve_timeout never fires first): each
+    is reported and discarded, and the restart starts cold. Wall time alone is no evidence: see
+    test_a_reserve_starved_of_cpu_is_taken_not_called_stuck."""
     logs, out, go = tmp_path / "logs", tmp_path / "out", tmp_path / "go"
     out.mkdir()
     slow = ["--slow-start", 8] if evidence == "asleep" else []
     proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
                            PROBE, out, "--fail-rank", 1, "--go", go, "--slow-lib", *slow],
-                          extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT})
+                          extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT,
+                                     "FT_TEST_SPIN_WARM": "1" if evidence == "spinning" else "0"})
     reserves = wait_for(lambda: read_events(logs, "reserve_started") if len(read_events(logs, "reserve_started")) == 2
                         or proc.poll() is not None else None, 60, "a reserve per slot")
     assert proc.poll() is None, proc.communicate()
@@ -192,8 +194,37 @@ def test_a_reserve_stuck_warming_is_not_taken_by_an_early_restart(launcher, tmp_
     for e in reserves:
         why = lost.get(e["detail"]["pid"], "")
         assert "stuck, not taken" in why, (e, lost)
-        assert ("longer than a cold rank of this slot took" if evidence == "longer" else "has used no CPU") in why, why
+        assert ("of CPU warming" if evidence == "spinning" else "has used no CPU") in why, why
     assert "stuck, not taken" in stderr
+
+
+def test_a_reserve_starved_of_cpu_is_taken_not_called_stuck(launcher, tmp_path):
+    """A reserve warms at nice +10: while the job keeps both cores busy (--spin) it gets little CPU
+    and is still warming long after a cold start would have finished. That is not evidence that
+    it is stuck (its CPU time is): the early restart takes it, raised to full priority, and it
+    becomes the rank (it used to be discarded as stuck, and the rank started cold)."""
+    logs, out, go = tmp_path / "logs", tmp_path / "out", tmp_path / "go"
+    out.mkdir()
+    proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
+                           PROBE, out, "--fail-rank", 1, "--go", go, "--slow-lib", "--slow-start", 2, "--spin"],
+                          extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT, "FT_TEST_WARM_CPU": "1.5"})
+    reserves = wait_for(lambda: read_events(logs, "reserve_started") if len(read_events(logs, "reserve_started")) == 2
+                        or proc.poll() is not None else None, 60, "a reserve per slot")
+    assert proc.poll() is None, proc.communicate()
+    cold = 2.0   # at least: the probe's --slow-start
+    time.sleep(max(0.0, max(e["time"] for e in reserves) + cold + 1.5 - time.time()))
+    for e in reserves:   # the premise: warming longer than a cold start, with less CPU than one used
+        cpu = psutil.Process(e["detail"]["pid"]).cpu_times()
+        assert cpu.user + cpu.system < 1.5, (e, cpu)
+    assert not read_events(logs, "reserve_ready")
+    go.touch()
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert not read_events(logs, "reserve_lost"), read_events(logs, "reserve_lost")
+    assert len(read_events(logs, "reserve_taken_warming")) == 2, stderr[-3000:]
+    used = started(logs, 1)
+    assert all(r["warm"] for r in used.values()) and {r["pid"] for r in used.values()} == {
+        e["detail"]["pid"] for e in reserves}, used
 
 
 def test_warm_reserves_0_starts_every_rank_cold(launcher, tmp_path):

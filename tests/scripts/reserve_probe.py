@@ -2,14 +2,15 @@
 reserve became can be compared with a cold one.
 
     reserve_probe.py OUT_DIR [--fail-rank R --go FILE] [--hold FILE] [--slow-lib] [--slow-start S]
-                     [--user-modules] [extra args]
+                     [--spin] [--user-modules] [extra args]
 
 Writes OUT_DIR/identity_<rank>_<cycle>.json (pid, argv, __name__, __file__, sys.path[0], cwd and
 the launcher's variables) and prints one line to stdout and one to stderr. In cycle 0, rank R
 waits for FILE to exist, then exits 1 (the test's restart, at a moment the test chooses). In
 later cycles every rank waits for the --hold file, if given, then exits 0. --slow-lib imports
 tests/warm_lib/slowwarm (instant in a rank, 600 s in a reserve). --slow-start S: in cycle 0, S
-seconds before the first `step` (a long cold start). --user-modules imports the user's
+seconds before the first `step` (a long cold start). --spin: in cycle 0, after the first `step`,
+every rank busy-loops instead of sleeping (a job that keeps the cores busy). --user-modules imports the user's
 own `agent` and `rank_monitor` (beside the script) and records their WHO.
 """
 import json
@@ -27,12 +28,13 @@ def arg(name):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
 
 
-def wait_file(path, limit=120):
+def wait_file(path, limit=120, spin=False):
     deadline = time.monotonic() + limit
     while not os.path.exists(path):
         if time.monotonic() > deadline:
             sys.exit(f"rank {rank}: {path} never appeared")
-        time.sleep(0.02)
+        if not spin:
+            time.sleep(0.02)
 
 
 if "--slow-lib" in sys.argv:
@@ -60,8 +62,11 @@ print(f"probe stdout rank {rank} cycle {cycle}", flush=True)
 print(f"probe stderr rank {rank} cycle {cycle}", file=sys.stderr, flush=True)
 if cycle == 0 and arg("--fail-rank") is not None:
     if rank == int(arg("--fail-rank")):
-        wait_file(arg("--go"))
+        wait_file(arg("--go"), spin="--spin" in sys.argv)
         sys.exit(1)
-    time.sleep(600)  # stopped by the restart
+    end = time.monotonic() + 600
+    while "--spin" in sys.argv and time.monotonic() < end:
+        pass
+    time.sleep(max(0.0, end - time.monotonic()))  # stopped by the restart
 if arg("--hold"):
     wait_file(arg("--hold"))
