@@ -13,9 +13,9 @@ would be sooner, else nothing and the caller spawns cold. A warming reserve has 
 a cold process would do, and a cold process beside it would compete with it for the CPU; taken, it
 is raised to the agent's priority at once and runs the script when its warm-up ends (the
 activation waits in its socket). It is not taken, but reported, killed and replaced, when the
-evidence says it is stuck: it has used more CPU time than this slot's last cold rank took from its
-start to its first `step` (measured at launch; CPU time, not wall time, since a reserve warms at
-low priority and on busy cores its wall time says nothing), or it has used no CPU for STALLED
+evidence says it is stuck: it has used STUCK_CPU times more CPU time than this slot's last cold
+rank took from its start to its first `step` (measured at launch; CPU time, not wall time, since a
+reserve warms at low priority and on busy cores its wall time says nothing), or it has used no CPU for STALLED
 seconds while not runnable (asleep in an import); nor (left warming) when the slot's last reserve was lost
 or no cold start of the slot has been measured yet.
 A taken reserve that is still not warm HANDED_LIMIT cold starts later is killed (its rank then
@@ -58,6 +58,7 @@ ENV_ROOM_BYTES = 32768  # room for the round's variables in the reserve's /proc 
 MAINTAIN_EVERY = 0.25
 ARM_AFTER = 60.0  # seconds: start reserves for a slot whose rank never records its imports
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")   # /proc/<pid>/stat's CPU times are in these
+STUCK_CPU = 2.0   # a warm-up that used this many cold starts' worth of CPU is stuck (a full one uses ~1.1x here)
 STALLED = 1.0  # seconds without CPU, not runnable: a warming reserve that is asleep (stuck)
 HANDED_LIMIT = 2.0  # a reserve taken while warming must be warm within this many cold starts (at least 10 s)
 
@@ -430,9 +431,9 @@ class ReservePool:
             return ""
         state = reserve.look(now)
         used = max(reserve.cpu, 0) / CLOCK_TICKS   # CPU seconds: at nice +10 on busy cores, wall time says little
-        if used >= cold:
-            return (f"has used {used:.1f}s of CPU warming ({now - reserve.started:.1f}s since its start), more than "
-                    f"a cold rank of this slot took to its first step ({cold:.1f}s): stuck, not taken")
+        if used >= STUCK_CPU * cold:
+            return (f"has used {used:.1f}s of CPU warming ({now - reserve.started:.1f}s since its start), over "
+                    f"{STUCK_CPU:g}x what a cold rank of this slot took to its first step ({cold:.1f}s): stuck, not taken")
         if state not in ("R", "D") and now - reserve.progressed >= STALLED:
             return (f"has used no CPU for {now - reserve.progressed:.1f}s while warming (asleep, state {state}): "
                     f"stuck, not taken")
