@@ -175,7 +175,10 @@ class SpareJob(Job):
 
 @pytest.mark.slow
 def test_active_world_size_a_warm_reserve_node_takes_over_a_lost_node(launcher, tmp_path, reference):
-    ft = TIMEOUTS + ["--ft-active-world-size", "4"]
+    # every rank holds 40 s in step 3 (cycle 0) until node 1 is killed, which waits for the reserve
+    # node's reserves (several seconds warming beside 4 ranks and 4 other reserves on 2 cores): the
+    # step timeout must outlast that wait, or the held ranks are caught as hung first
+    ft = ["--ft-rank-section-timeouts", "setup:20,step:60,checkpointing:60", "--ft-active-world-size", "4"]
     job = SpareJob(launcher, tmp_path, ft, RESTARTABLE + ["--hold", "step:40"]).launch()
     wait_for(lambda: len([e for e in job.events() if e["kind"] == "reserve_ready"]) >= 2, 90,
              "the reserve node's warm reserves")
