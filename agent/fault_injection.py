@@ -48,8 +48,7 @@ def plan_for_cycle(ft: FaultToleranceConfig, cycle: int, world_size: int) -> Opt
 class FaultInjector:
     """One cycle's pending fault on this node, if any."""
 
-    def __init__(self, ft: FaultToleranceConfig, claim: Callable[[], int], fired: Callable[[], int] = lambda: 0,
-                 events=None):
+    def __init__(self, ft: FaultToleranceConfig, claim: Callable[[], int], fired: Callable[[], int], events):
         self.ft = ft
         self._claim = claim   # store counter: returns how many faults the job has now fired
         self._fired = fired   # the same counter, read

@@ -13,11 +13,11 @@ would be sooner, else nothing and the caller spawns cold. A warming reserve has 
 a cold process would do, and a cold process beside it would compete with it for the CPU; taken, it
 is raised to the agent's priority at once and runs the script when its warm-up ends (the
 activation waits in its socket). It is not taken, but reported, killed and replaced, when the
-evidence says it is stuck: it has used STUCK_CPU times more CPU time than this slot's last cold
-rank took from its start to its first `step` (measured at launch; CPU time, not wall time, since a
-reserve warms at low priority and on busy cores its wall time says nothing), or it has used no CPU for STALLED
-seconds while not runnable (asleep in an import); nor (left warming) when the slot's last reserve was lost
-or no cold start of the slot has been measured yet.
+evidence says it is stuck: it has used STUCK_CPU times the CPU time this slot's last cold rank
+took from its start to its first `step` (measured at launch; CPU time, not wall time: a reserve
+warms at low priority, and on busy cores its wall time says nothing), or it has used no CPU for
+STALLED seconds while not runnable (asleep in an import); nor (left warming) when the slot's last
+reserve was lost or no cold start of the slot has been measured yet.
 A taken reserve that is still not warm HANDED_LIMIT cold starts later is killed (its rank then
 fails and restarts like any other), so a reserve stuck after it was taken costs a restart, never
 the job. A reserve that dies or does not become ready within `warm_reserve_timeout` is killed,
