@@ -30,14 +30,6 @@ class Failure:
     cause: str
     report: dict
 
-    @property
-    def what(self) -> str:
-        return self.report["what"]
-
-    @property
-    def rank(self) -> Optional[int]:
-        return self.report.get("rank")
-
 
 def rank_ended(rank, code: int, node: str, reports: List[dict], blame) -> Failure:
     return Failure("rank_ended", _ended(rank, code, node, reports, blame))
