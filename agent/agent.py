@@ -2,18 +2,18 @@
 starting -> joining -> running or spare -> restarting -> joining ... -> stopping -> finished), the
 loop over rounds and the exit codes; every other job is a named part's:
 
-- agent.rendezvous: the rounds (join, close, interrupt) on the job's store, one client for every
-  store call; agent.store_failover moves the job to a successor when the store host is lost.
-- agent.monitor_set: the rank monitors (start, reports, stall checks, replacement, stop).
-- agent.workers: the ranks' processes (start, adopt, reap, stop); agent.reserve_pool the warm
+- agent.rounds.rendezvous: the rounds (join, close, interrupt) on the job's store, one client for every
+  store call; agent.rounds.store_failover moves the job to a successor when the store host is lost.
+- agent.ranks.monitor_set: the rank monitors (start, reports, stall checks, replacement, stop).
+- agent.ranks.workers: the ranks' processes (start, adopt, reap, stop); agent.ranks.reserve_pool the warm
   reserves that replace them.
-- agent.supervisor: watches a cycle and returns, typed, what ended it; agent.failure_cause says
+- agent.recovery.supervisor: watches a cycle and returns, typed, what ended it; agent.recovery.failure_cause says
   what a failure is, for the operator and for the verdict.
-- agent.restart_policy: the verdict, decided once per round by its first reporter: restart (in
+- agent.recovery.restart_policy: the verdict, decided once per round by its first reporter: restart (in
   place or all ranks), exclude, stop, or not at all.
-- agent.in_place_carrier: the ranks that restart in their own process, from one cycle into the next.
-- agent.hang_blame and agent.flight_recorder: who hung, and where.
-- agent.job_status and agent.events: what the operator reads (status file, lines, events.jsonl).
+- agent.ranks.in_place_carrier: the ranks that restart in their own process, from one cycle into the next.
+- agent.recovery.hang_blame and agent.recovery.flight_recorder: who hung, and where.
+- agent.observation.job_status and agent.observation.events: what the operator reads (status file, lines, events.jsonl).
 Signals take one path (_check_signal -> _shut_down: ranks signalled, round told, Shutdown).
 
 A killed rank's walk: its pidfd wakes the supervisor's selector -> Supervisor.outcome reaps it and
@@ -25,8 +25,8 @@ the carrier adopts the ranks at their restart point, the dead slot gets a warm r
 
 Exit codes: 0 all ranks succeeded; 1 the restart budget is spent, the rendezvous failed, the
 job fell below its minimum, or this node was replaced as the store host; 93
-(no_restart_exit_code) the job stopped for good or this node left it (agent.no_restart; a rank
-that SIGKILL does not end, agent.process_wait, makes its node leave);
+(no_restart_exit_code) the job stopped for good or this node left it (agent.recovery.no_restart; a rank
+that SIGKILL does not end, agent.ranks.process_wait, makes its node leave);
 128+N terminated by signal N (forwarded to the ranks first).
 """
 from __future__ import annotations
@@ -45,35 +45,38 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
 from ft_launcher.rank_monitor import shm_layout
-from ft_launcher.rank_monitor.monitor_handle import MonitorHandle, MonitorStartError
+from ft_launcher.rank_monitor.agent_side.monitor_handle import MonitorHandle, MonitorStartError
 from ft_launcher.rank_monitor.peer_sockets import ENV_JOB_ADDRS
-from ft_launcher.rank_monitor.server import ENV_HANG_VERDICT
+from ft_launcher.rank_monitor.monitor_side.server import ENV_HANG_VERDICT
 
-from .events import EventLog
-from .failure_cause import Failure
-from .in_place_carrier import InPlaceCarrier
-from .fault_injection import FaultInjector
-from .flight_recorder import FlightRecorder
-from .hang_blame import POLL as BLAME_POLL, HangBlame
-from .gpu_env import heartbeat_warning
-from .health_checks import HealthChecks
-from .no_restart import NoRestart, is_excluded, mark_excluded, park_store_host
-from .section_use import SectionUse
-from .stragglers import StragglerWatch
-from .job_status import JobStatus
-from .monitor_set import MonitorSet
-from .node_state import NodeLife, NodeState
-from .timeout_learning import TimeoutLearner, default_state_path
-from .launch_config import LaunchConfig
-from .orphan_watchdog import OrphanWatchdog
-from .process_wait import Unkillable
-from .rank_output import RankOutput
-from . import failure_cause, inprocess_ranks, live_recovery, nvrx_cycle_info, nvrx_logs, segments, store_threads
-from .reserve_pool import ReservePool
-from .restart_policy import RoundFacts, Verdict
-from .round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
-from .supervisor import Finished, Interrupted, Supervisor
-from .workers import WorkerGroup, rank_env, set_wake_fd
+from ft_launcher.agent.observation.events import EventLog
+from ft_launcher.agent.recovery.failure_cause import Failure
+from ft_launcher.agent.ranks.in_place_carrier import InPlaceCarrier
+from ft_launcher.agent.recovery.fault_injection import FaultInjector
+from ft_launcher.agent.recovery.flight_recorder import FlightRecorder
+from ft_launcher.agent.recovery.hang_blame import POLL as BLAME_POLL, HangBlame
+from ft_launcher.agent.ranks.gpu_env import heartbeat_warning
+from ft_launcher.agent.recovery.health_checks import HealthChecks
+from ft_launcher.agent.recovery.no_restart import NoRestart, is_excluded, mark_excluded, park_store_host
+from ft_launcher.agent.observation.section_use import SectionUse
+from ft_launcher.agent.observation.stragglers import StragglerWatch
+from ft_launcher.agent.observation.job_status import JobStatus
+from ft_launcher.agent.ranks.monitor_set import MonitorSet
+from ft_launcher.agent.node_state import NodeLife, NodeState
+from ft_launcher.agent.observation.timeout_learning import TimeoutLearner, default_state_path
+from ft_launcher.agent.launch_config import LaunchConfig
+from ft_launcher.agent.ranks.orphan_watchdog import OrphanWatchdog
+from ft_launcher.agent.ranks.process_wait import Unkillable
+from ft_launcher.agent.ranks.rank_output import RankOutput
+from ft_launcher.agent.recovery import failure_cause, live_recovery
+from ft_launcher.agent.ranks import inprocess_ranks
+from ft_launcher.agent.observation import nvrx_cycle_info, nvrx_logs
+from ft_launcher.agent.rounds import segments, store_threads
+from ft_launcher.agent.ranks.reserve_pool import ReservePool
+from ft_launcher.agent.recovery.restart_policy import RoundFacts, Verdict
+from ft_launcher.agent.rounds.round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
+from ft_launcher.agent.recovery.supervisor import Finished, Interrupted, Supervisor
+from ft_launcher.agent.ranks.workers import WorkerGroup, rank_env, set_wake_fd
 
 EXIT_OK, EXIT_FAILED = 0, 1
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -101,7 +104,7 @@ class NodeAgent:
         self._signal: Optional[int] = None
         self._signal_handled = False  # once True, waits no longer end on self._signal
         events.node = socket.gethostname()  # until the rendezvous gives this node its rank
-        self._excluded: Optional[str] = None   # why this node left the job (agent.no_restart)
+        self._excluded: Optional[str] = None   # why this node left the job (agent.recovery.no_restart)
         # the ranks that restart in their own process, from one cycle into the next; told the policy at _run
         self.carrier = InPlaceCarrier(cfg, events)
         # Where stack dumps go: the log dir, else a per-agent dir in the platform's temp dir
@@ -111,14 +114,14 @@ class NodeAgent:
         self.monitor_set: Optional[MonitorSet] = None
         self.reserves: Optional[ReservePool] = None
         self.flight: Optional[FlightRecorder] = None
-        self.watcher = None                               # agent.rendezvous.RoundWatcher, per store
+        self.watcher = None                               # agent.rounds.rendezvous.RoundWatcher, per store
         self.group: Optional[WorkerGroup] = None          # this cycle's ranks
         self.cycle_info: Optional[nvrx_cycle_info.CycleInfoWriter] = None
         self._deferred_restart: Optional[list] = None     # restart lines said once the cycle's ranks stopped
 
     @property
     def monitors(self) -> list:
-        """The node's monitor handles by local rank (agent.monitor_set)."""
+        """The node's monitor handles by local rank (agent.ranks.monitor_set)."""
         return self.monitor_set.handles if self.monitor_set is not None else []
 
     # ---- plumbing -----------------------------------------------------------------------
@@ -141,7 +144,7 @@ class NodeAgent:
         """MASTER_ADDR the ranks get from this node (round rank 0): with the static backend, the
         --master-addr the user gave when it names this node (torchrun passes it through), else this
         node's address (torchrun: --local-addr or the FQDN)."""
-        from .rendezvous import is_local_address
+        from ft_launcher.agent.rounds.rendezvous import is_local_address
 
         if self.cfg.rdzv_backend == "static" and not self.cfg.standalone and is_local_address(self.cfg.rdzv_host):
             return self.cfg.rdzv_host
@@ -151,7 +154,7 @@ class NodeAgent:
         host = self.cfg.local_addr or ("127.0.0.1" if self.cfg.standalone else socket.getfqdn())
         node_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         domain = None
-        if self.cfg.ft.segment:   # NVLink-domain segments (agent.segments)
+        if self.cfg.ft.segment:   # NVLink-domain segments (agent.rounds.segments)
             domain, why = segments.node_domain()
             if domain is None:
                 raise RendezvousError(f"segment {self.cfg.ft.segment}: this node's NVLink domain is unknown ({why}); "
@@ -194,8 +197,8 @@ class NodeAgent:
         # torch loads here, while the monitors start: their start-up costs the launch nothing
         with warnings.catch_warnings():  # torch's import-time warnings say nothing about this job
             warnings.simplefilter("ignore")
-            from .rendezvous import JobStore, RoundProtocol
-            from .store_failover import StoreFailover
+            from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
+            from ft_launcher.agent.rounds.store_failover import StoreFailover
         try:
             try:
                 self.store = JobStore(self.cfg, self.say, self._unhandled_signal)
@@ -258,7 +261,7 @@ class NodeAgent:
             self.flight.close()
         if self.watcher is not None:
             self.watcher.stop()
-        # this watcher, those replaced by a failover, abandoned connects (agent.store_threads)
+        # this watcher, those replaced by a failover, abandoned connects (agent.rounds.store_threads)
         store_threads.join_all(self.cfg.conf("keep_alive_interval") + 1.0)
         if self.monitor_set is not None:
             self.monitor_set.stop_all()
@@ -273,7 +276,7 @@ class NodeAgent:
         signal.set_wakeup_fd(-1)
 
     def _start_watcher(self) -> None:
-        from .rendezvous import RoundWatcher
+        from ft_launcher.agent.rounds.rendezvous import RoundWatcher
 
         if self.watcher is not None:
             self.watcher.stop()  # a watcher stuck in a call to a paused host stays stuck: it is a daemon
@@ -397,7 +400,7 @@ class NodeAgent:
         self.events.event("job_stopped", f"job stopped by {name} -> exiting {code}", signal=sig, exitcode=code)
         return code
 
-    # ---- stopping for good, leaving the job (agent.no_restart) -----------------------------
+    # ---- stopping for good, leaving the job (agent.recovery.no_restart) -----------------------------
     def _no_restart(self, reason: str, node_only: bool = False) -> int:
         code = self.cfg.ft.no_restart_exit_code
         self.life.to(NodeState.STOPPING, reason)
@@ -412,7 +415,7 @@ class NodeAgent:
         return code
 
     def _unkillable(self, exc: Unkillable) -> int:
-        """A rank SIGKILL did not end (agent.process_wait): this node leaves the job (exit
+        """A rank SIGKILL did not end (agent.ranks.process_wait): this node leaves the job (exit
         no_restart_exit_code), unless a signal is already ending it (then its code stands)."""
         self.life.to(NodeState.STOPPING, "a rank SIGKILL does not end")
         self.events.event("rank_unkillable", None, ranks=exc.ranks)
@@ -464,7 +467,7 @@ class NodeAgent:
             + (f" (restart {restarts}/{cfg.max_restarts})" if rnd.number else ""),
             world_size=rnd.world_size, nodes=[n.label() for n in rnd.active],
             spares=[n.label() for n in rnd.spares], master=f"{master[0]}:{master[1]}")
-        if rnd.group_rank == 0 and cfg.ft.cycle_info_dir:   # NVRx's cycle info file (agent.nvrx_cycle_info)
+        if rnd.group_rank == 0 and cfg.ft.cycle_info_dir:   # NVRx's cycle info file (agent.observation.nvrx_cycle_info)
             self._cycle_info().start(rnd.number, rnd.active, rnd.spares, cfg.applog_prefix and
                                      nvrx_logs.cycle_log_file(cfg.applog_prefix, rnd.number))
         previous = self.group
@@ -477,7 +480,7 @@ class NodeAgent:
                                lambda: [r.rank for r in self.group.ranks])
         self._apply_timeouts(self.learner.load())
         self.learner.begin_cycle(rnd.number)
-        self.progress.begin_cycle(rnd.number)   # the checkpoint iteration it starts from (agent.progress)
+        self.progress.begin_cycle(rnd.number)   # the checkpoint iteration it starts from (agent.recovery.progress)
         self.carrier.begin_cycle()
         self.live_news.begin_cycle(rnd.number, rnd.rank_offset)
         self._start_ranks(rnd, master, self.carrier.adopt(rnd.number, previous, self._unhandled_signal))
@@ -527,7 +530,7 @@ class NodeAgent:
         the verdict keeps are asked to stay and carried, the others stopped, the parts told."""
         if verdict is not None:   # else whatever raised (a signal, a lost store) has said where we go
             self.life.to(NodeState.RESTARTING if verdict.restart else NodeState.STOPPING, verdict.kind)
-        # first: they leave their step while we go on (agent.in_place_carrier)
+        # first: they leave their step while we go on (agent.ranks.in_place_carrier)
         keep = self.carrier.ask(rnd, verdict, self.me.node_id, self.group, self.monitor_set, self.blame)
         self.blame.end_cycle()
         self.live_news.poll(self.monitors)   # a cycle that ends at once still tells its recovery
@@ -569,7 +572,7 @@ class NodeAgent:
                           {n.node_id: n.nproc for n in rnd.active}, {n.node_id: n.host for n in rnd.active})
 
     def _supervise(self, rnd: Round) -> Verdict:
-        """Watch the cycle (agent.supervisor) until it ends; the verdict."""
+        """Watch the cycle (agent.recovery.supervisor) until it ends; the verdict."""
         sup = Supervisor(rnd, self.group, self.monitor_set, self.watcher, self.carrier, self.blame, self.events,
                          self._node_words(rnd), self.me.node_id, self._wake_r)
         try:
@@ -661,8 +664,8 @@ class NodeAgent:
         return f"node {rnd.group_rank} ({self.me.host})"
 
     def _fail(self, rnd: Round, failure: Failure) -> Verdict:
-        """Report what this node saw end the cycle (agent.supervisor) to the round; the verdict,
-        whoever decided it (agent.restart_policy)."""
+        """Report what this node saw end the cycle (agent.recovery.supervisor) to the round; the verdict,
+        whoever decided it (agent.recovery.restart_policy)."""
         reason = dict(failure.report, node_id=self.me.node_id)
         self.learner.freeze(self.monitors)   # what the ranks do from now on is no observation
         self.progress.poll(self.proto, rnd.number, self.monitors)   # this node's last steps count too
@@ -674,7 +677,7 @@ class NodeAgent:
                                f"exited 0 early and left its peers waiting")
             reason["early_exits"] = early
         verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
-        ours = verdict.detail.get("reporter") == self.proto.token   # decided from this report (agent.restart_policy)
+        ours = verdict.detail.get("reporter") == self.proto.token   # decided from this report (agent.recovery.restart_policy)
         if ours and verdict.kind == "stop":   # restarting is pointless: the stop's own line follows
             line = reason["what"]
         else:   # with what the policy added (a straggler left out, a node that keeps failing)
@@ -796,13 +799,13 @@ class NodeAgent:
             sel.close()
             self.watcher.watch(None)
 
-    # ---- what the monitors report (agent.monitor_set) -------------------------------------
+    # ---- what the monitors report (agent.ranks.monitor_set) -------------------------------------
     def _on_report(self, local_rank: int, report: dict) -> None:
         kind = report.get("kind")
         if kind == "hang":
             self.learner.freeze(self.monitors)   # before the dump request lets any hung rank resume
             self.flight.hang(report)   # every rank of the job dumps its trace before the monitor acts
-            self.blame.on_hang(local_rank, report)   # and the agents decide who hung (agent.hang_blame)
+            self.blame.on_hang(local_rank, report)   # and the agents decide who hung (agent.recovery.hang_blame)
             self.monitor_set.pending.setdefault(local_rank, []).append(report)
             held = ("its monitor holds it until the agents decide who hung" if self.carrier.declared
                     else "monitor is stopping it")

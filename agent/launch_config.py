@@ -55,12 +55,12 @@ class LaunchConfig:
     entry_args: List[str] = dataclasses.field(default_factory=list)
     # where the node count and the endpoint came from: a flag, a PET_* variable, SLURM or default
     origins: Dict[str, str] = dataclasses.field(default_factory=dict)
-    metrics_port: Optional[int] = None    # the node's Prometheus endpoint (agent.metrics); None: off
+    metrics_port: Optional[int] = None    # the node's Prometheus endpoint (agent.observation.metrics); None: off
     # Nodes that train when ft.active_world_size is set (active_world_size / nproc_per_node, 1 to
     # max_nodes); the other nodes stand by as warm spares. None: every node trains.
     active_nodes: Optional[int] = None
     signals: Tuple[int, ...] = ()         # --signals-to-handle: forwarded, then the job stops; (): the agent's own
-    # NVRx's log layout beside ours (agent.nvrx_logs): --ft-per-cycle-applog-prefix, --ft-nvrx-logfile
+    # NVRx's log layout beside ours (agent.observation.nvrx_logs): --ft-per-cycle-applog-prefix, --ft-nvrx-logfile
     applog_prefix: Optional[str] = None
     nvrx_logfile: Optional[str] = None
 

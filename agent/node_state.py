@@ -5,10 +5,10 @@
                     └─ any of them ──> stopping ──> finished
 
 - starting: the monitors start and the store is reached.
-- joining: in a rendezvous round (agent.rendezvous), waiting for the other nodes.
+- joining: in a rendezvous round (agent.rounds.rendezvous), waiting for the other nodes.
 - running: this node's ranks of the round run under supervision.
 - spare: a hot spare, waiting to be needed (`--nnodes MIN:MAX`).
-- restarting: a verdict restarts the job (agent.restart_policy), or the store host was lost and the
+- restarting: a verdict restarts the job (agent.recovery.restart_policy), or the store host was lost and the
   node moves to its successor: ranks are stopped or carried into the next round.
 - stopping: the job ends (complete, a spent budget, a stop, a signal) or this node leaves it.
 - finished: the agent's exit code is decided (reachable from every state: the way out).
@@ -16,7 +16,7 @@
 `NodeLife.to` makes a change. A change the diagram does not have is a defect of the agent: it
 is said in one line and made anyway (the job is not stopped over it), except where
 FT_LAUNCHER_STRICT_STATES=1 (the project's tests set it), where it raises. The state is what
-`ft_launcher status` shows for the agent (agent.job_status).
+`ft_launcher status` shows for the agent (agent.observation.job_status).
 """
 from __future__ import annotations
 

@@ -322,7 +322,7 @@ def result(args, contender: str, job, kill: bool) -> dict:
         out["transfer_mbs"] = rec["bytes"] / 1e6 / rec["seconds"]
     evs = events(job.dir) if contender != "torchft" else []
     told = [e["detail"] for e in evs if e.get("kind") == "live_recovery"]
-    if told:   # the launcher's own account of the incident (agent/live_recovery.py) wins
+    if told:   # the launcher's own account of the incident (agent/recovery.live_recovery.py) wins
         d = told[-1]
         out["event"] = {k: d.get(k) for k in ("resume_step", "steps_redone", "sources", "bytes", "transfer_s",
                                                "mb_per_s", "restore_s", "reason")}

@@ -13,7 +13,7 @@ Measures, on the example DDP job (gloo, checkpoint every 5 steps, 50 ms per step
               -> every rank stepping again; torchrun in the same run; also how each rank of the
               next cycle started (a reserve taken while still warming, a ready one, or cold)
 The in-place hang (hang-inplace) also counts the runs in which every victim (the ranks not
-SIGSTOPped) kept its process (hang blame, agent/hang_blame.py).
+SIGSTOPped) kept its process (hang blame, agent/recovery.hang_blame.py).
 ft_launcher runs with its default warm reserves (the fault is injected once every slot's reserve
 is warm, as in a job that has run for more than a few seconds), for comparison with
 `--ft-warm-reserves 0` (every restart cold), and with the training function under

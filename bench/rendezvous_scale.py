@@ -19,7 +19,7 @@ Per launcher and N it reports:
                   with the payload bytes (keys and values, both ways)
   keep-alive      ours: calls per agent per second on the watcher connection (keep-alive,
                   interrupt wait, peers' keep-alives, late joiners)
-The calls are counted inside the agents: ours with FT_LAUNCHER_STORE_STATS (agent/rendezvous.py),
+The calls are counted inside the agents: ours with FT_LAUNCHER_STORE_STATS (agent/rounds.rendezvous.py),
 torch's by wrapping its store classes in bench/torchrun_counted.py.
 """
 from __future__ import annotations

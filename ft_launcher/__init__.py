@@ -4,8 +4,8 @@ Every name is loaded on first use (PEP 562), so importing the package costs noth
 the rank monitors and the warm reserves are its subpackages `ft_launcher.agent` and
 `ft_launcher.rank_monitor` (the repository keeps them in agent/ and rank_monitor/ beside this
 folder; an installation puts them inside it), and they must start fast. The implementation of
-the names below is ft_launcher.rank_monitor.client (with rank_monitor.nvrx_types,
-rank_monitor.config and rank_monitor.inprocess). The calls are cheap no-ops (after one warning)
+the names below is ft_launcher.rank_monitor.rank_side.client (with rank_monitor.nvrx_types,
+rank_monitor.config and rank_monitor.rank_side.inprocess). The calls are cheap no-ops (after one warning)
 when the script is not running under ft_launcher. An NVRx script changes only its import:
 `from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient` becomes
 `from ft_launcher import RankMonitorClient`; the names below are those NVRx's fault_tolerance
@@ -26,14 +26,14 @@ if (not _os.path.isdir(_os.path.join(__path__[0], "agent"))
         and _os.path.isfile(_os.path.join(_checkout, "agent", "__init__.py"))):
     __path__.append(_checkout)
 
-_CLIENT = "ft_launcher.rank_monitor.client"
+_CLIENT = "ft_launcher.rank_monitor.rank_side.client"
 _LAZY = {name: _CLIENT for name in (
     "FtSectionWarning", "Preemption", "RankMonitorClient", "RankMonitorClientError", "WorkloadAction",
     "WorkloadControlRequest", "heartbeat", "on_preemption", "preempted", "section",
     "send_workload_control_request")}
-_LAZY.update({"RestartInPlace": "ft_launcher.rank_monitor.inprocess",
-              "restartable": "ft_launcher.rank_monitor.inprocess",
-              "LiveState": "ft_launcher.rank_monitor.live_state",
+_LAZY.update({"RestartInPlace": "ft_launcher.rank_monitor.rank_side.inprocess",
+              "restartable": "ft_launcher.rank_monitor.rank_side.inprocess",
+              "LiveState": "ft_launcher.rank_monitor.rank_side.live_state",
               "FaultToleranceConfig": "ft_launcher.rank_monitor.config",
               "HeartbeatTimeouts": "ft_launcher.rank_monitor.nvrx_types",
               "SectionTimeouts": "ft_launcher.rank_monitor.nvrx_types"})

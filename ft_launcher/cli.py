@@ -418,7 +418,7 @@ def entrypoint(args) -> List[str]:
 
 
 def _hooked_entrypoint(args, ft) -> List[str]:
-    """The rank's command; with install_exception_hook, through rank_monitor.excepthook."""
+    """The rank's command; with install_exception_hook, through rank_monitor.rank_side.excepthook."""
     command = entrypoint(args)
     if not ft.install_exception_hook:
         return command
@@ -426,7 +426,7 @@ def _hooked_entrypoint(args, ft) -> List[str]:
         print(f"{PROG}: install_exception_hook: --no-python runs no Python of ours first; the hook is "
               "not installed (a rank's exit code still reports its failure)", file=sys.stderr)
         return command
-    from ft_launcher.rank_monitor import excepthook
+    from ft_launcher.rank_monitor.rank_side import excepthook
     from ft_launcher.rank_monitor.own_modules import package_parent
 
     return excepthook.command(entry_kind(args), command, args.training_script,
@@ -457,7 +457,7 @@ def check_output_paths(log_dir: Optional[str], ft) -> None:
     if log_dir:
         check_writable_dir("--log-dir", log_dir)
     if ft.calc_ft_timeouts or ft.ft_state_path:
-        from ft_launcher.agent.timeout_learning import default_state_path
+        from ft_launcher.agent.observation.timeout_learning import default_state_path
 
         path = os.path.abspath(default_state_path(ft, log_dir))
         what = "--ft-state-path" if ft.ft_state_path else "ft_state.json (calc_ft_timeouts)"
@@ -468,7 +468,7 @@ def check_output_paths(log_dir: Optional[str], ft) -> None:
 
 def _slurm():
     try:
-        from ft_launcher.agent.slurm_env import slurm_info
+        from ft_launcher.agent.rounds.slurm_env import slurm_info
     except ImportError:
         return None
     try:
@@ -497,9 +497,9 @@ def _keys_set(ft_cli, ft) -> set:
 
 
 def _check_nic_keys(ft, given: set) -> None:
-    """NVRx's NIC link-state check (agent.health_checks): a template names its NIC by {nic}; asked
+    """NVRx's NIC link-state check (agent.recovery.health_checks): a template names its NIC by {nic}; asked
     for on a node without that folder of NICs, one line says it is skipped."""
-    from ft_launcher.agent.health_checks import nic_folder
+    from ft_launcher.agent.recovery.health_checks import nic_folder
 
     template = ft.link_state_path_template
     if template and "{nic}" not in template:
@@ -570,7 +570,7 @@ def _launch_config(args, origins):
     for line in nvrx_flags.notes(args) + nvrx_flags.key_notes(_keys_set(ft_cli, ft)):
         print(f"{PROG}: {line}", file=sys.stderr)
     _check_nic_keys(ft, _keys_set(ft_cli, ft) | set(ft_cli))
-    from ft_launcher.agent import numa_bind
+    from ft_launcher.agent.ranks import numa_bind
 
     for line in numa_bind.problems(nproc, ft.numa_bind_strict):
         print(f"{PROG}: {line}", file=sys.stderr)
@@ -635,20 +635,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     metrics = None
     if cfg.metrics_port is not None:  # bound before anything starts: a busy port is bad input
-        from ft_launcher.agent.metrics import Metrics, MetricsUnavailable
+        from ft_launcher.agent.observation.metrics import Metrics, MetricsUnavailable
 
         try:
             metrics = Metrics(cfg.metrics_port)
         except MetricsUnavailable as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return 2
-    from ft_launcher.agent import store_threads
+    from ft_launcher.agent.rounds import store_threads
     from ft_launcher.agent.agent import NodeAgent
-    from ft_launcher.agent.events import EventLog
+    from ft_launcher.agent.observation.events import EventLog
 
     stream = None
-    if cfg.nvrx_logfile:   # NVRx's launcher log: the agent's lines go there too (agent.nvrx_logs)
-        from ft_launcher.agent.nvrx_logs import LauncherLogTee
+    if cfg.nvrx_logfile:   # NVRx's launcher log: the agent's lines go there too (agent.observation.nvrx_logs)
+        from ft_launcher.agent.observation.nvrx_logs import LauncherLogTee
 
         stream = LauncherLogTee(sys.stderr, cfg.nvrx_logfile)
     events = EventLog(os.path.join(cfg.log_dir, "events.jsonl") if cfg.log_dir else None, stream)

@@ -26,8 +26,8 @@ FLAGS: Dict[str, tuple] = {
                           "restart_granularity chooses what restarts"),
     "ft-ignore-missing-cfg": (dict(action="store_true"), None),   # no config is ever required here
     "ft-rdzv-impl": (dict(choices=["barrier"]), None),             # our rounds are a barrier on the TCPStore
-    "ft-per-cycle-applog-prefix": ({}, None),   # built: agent.nvrx_logs
-    "ft-nvrx-logfile": ({}, None),              # built: agent.nvrx_logs
+    "ft-per-cycle-applog-prefix": ({}, None),   # built: agent.observation.nvrx_logs
+    "ft-nvrx-logfile": ({}, None),              # built: agent.observation.nvrx_logs
     "ft-enable-log-server": ({}, _LOG_SERVER),
     "ft-log-server-port": ({}, _LOG_SERVER),
     "ft-log-aggregator-count": ({}, _LOG_SERVER),
@@ -51,22 +51,22 @@ CFG_PATH_SPELLINGS = ("--ft-cfg_path", "--fault-tol-cfg-path")
 
 # fault-tolerance keys with no effect here -> what does their job (None: nothing to say)
 KEY_NOTES = {
-    "cycle_info_dir": None,   # built: agent.nvrx_cycle_info
-    "checkpoint_iteration_file": None,   # built: agent.progress
-    "min_progress_iterations": None,     # built: agent.progress
+    "cycle_info_dir": None,   # built: agent.observation.nvrx_cycle_info
+    "checkpoint_iteration_file": None,   # built: agent.recovery.progress
+    "min_progress_iterations": None,     # built: agent.recovery.progress
     "num_warmup_iterations": "section and out-of-section timeouts apply from the first step here; give a "
                              "longer first section (e.g. setup) or use calc_ft_timeouts",
-    "enable_nic_healthcheck": None,      # built: agent.health_checks (NIC port states)
+    "enable_nic_healthcheck": None,      # built: agent.recovery.health_checks (NIC port states)
     "enable_nic_monitor": None,
-    "enable_dist_storage_healthcheck": None,   # built: agent.health_checks (Lustre, NFS mounts)
-    "link_state_path_template": None,    # built: agent.health_checks
+    "enable_dist_storage_healthcheck": None,   # built: agent.recovery.health_checks (Lustre, NFS mounts)
+    "link_state_path_template": None,    # built: agent.recovery.health_checks
     "link_down_path_template": "no in-training NIC link_downed counters are read here (enable_nic_monitor); "
                                "NIC port states are checked before each rendezvous (enable_nic_healthcheck)",
     "pci_topo_file": "no GPU-to-NIC mapping is needed here: every NIC's port state is checked before each "
                      "rendezvous (enable_nic_healthcheck)",
     "skip_section_response": None,   # a section never waits for a response here
-    "segment": None,   # built: agent.segments
-    "numa_bind_strict": None,   # built: agent.numa_bind (its line comes from ft_launcher.cli)
+    "segment": None,   # built: agent.rounds.segments
+    "numa_bind_strict": None,   # built: agent.ranks.numa_bind (its line comes from ft_launcher.cli)
     "check_remaining_processes": None,   # every rank's process group is killed and checked here anyway
     "attribution_endpoint": _ATTRIBUTION,
     "attribution_stop_action": _ATTRIBUTION,

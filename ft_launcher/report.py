@@ -4,13 +4,13 @@ is a PNG drawn with matplotlib, embedded as base64: no network needed to view it
 summary on the console.
 
 Works on a finished job and on a running one: a last line still being written is skipped, and the
-running cycle's time in `step` comes from the agents' status files (agent.job_status).
+running cycle's time in `step` comes from the agents' status files (agent.observation.job_status).
 
 What it computes:
 - goodput: seconds every rank spent in completed `step` sections that were never redone, over
   world size x wall time (first cycle start to the job's end, or now). A cycle followed by a
   restart keeps only its steps up to its last completed `checkpointing` section (the job resumes
-  from there and does the rest again; agent.job_status.kept_work); the `cycle_summary` events
+  from there and does the rest again; agent.observation.job_status.kept_work); the `cycle_summary` events
   carry each rank's step count and seconds at that checkpoint; a cycle whose successor resumed
   from live state (a `live_recovery` event) keeps its steps up to the resume step. Hung time, restarts, start-up and
   checkpointing are loss: no `step` completes in them;
@@ -252,8 +252,8 @@ def _goodput_parts(events: List[dict], statuses: List[dict], cycles: Dict[int, d
     """({rank: seconds in completed steps}, {rank: of them, seconds in steps never redone},
     {rank: [steps, seconds] redone}). A cycle that a later cycle follows (a restart), or the last
     one of a failed or stopped job, keeps only its steps up to its last checkpoint
-    (agent.job_status.kept_work); the last cycle of a complete or running job keeps every step."""
-    from ft_launcher.agent.job_status import kept_work
+    (agent.observation.job_status.kept_work); the last cycle of a complete or running job keeps every step."""
+    from ft_launcher.agent.observation.job_status import kept_work
 
     per_cycle: Dict[int, Dict[int, dict]] = {}
     for e in _by_kind(events, "cycle_summary"):
@@ -272,7 +272,7 @@ def _goodput_parts(events: List[dict], statuses: List[dict], cycles: Dict[int, d
             per_cycle.setdefault(s["cycle"], {})[row["rank"]] = {
                 "steps": int(step.get("count", 0)), "step_total": float(step.get("total", 0.0)), "at_checkpoint": None}
     last = max(list(cycles) + list(per_cycle), default=None)
-    # a cycle resumed from live state (agent.live_recovery): the one before keeps its steps up to there
+    # a cycle resumed from live state (agent.recovery.live_recovery): the one before keeps its steps up to there
     live = {e["cycle"]: e["detail"].get("resume_step") for e in _by_kind(events, "live_recovery")}
     step_seconds: Dict[int, float] = {}
     useful: Dict[int, float] = {}
@@ -368,7 +368,7 @@ def live_words(live: dict) -> str:
     """A live_recovery event in words: where the job resumed and where each rank's state came from."""
     if live.get("resume_step") is None:
         return f"no live state ({live.get('reason')}): every rank loaded its checkpoint"
-    from ft_launcher.agent.live_recovery import source_words
+    from ft_launcher.agent.recovery.live_recovery import source_words
 
     sources = source_words(live.get("sources"), kept=False)
     rate = f" at {live['mb_per_s']:g} MB/s" if live.get("mb_per_s") else ""

@@ -1,10 +1,10 @@
 """`ft_launcher status [LOGDIR...]`: what a job is doing now, from the status files its agents keep
 in their log dirs (`<log dir>/status/<host>-<pid>.json`, rewritten about once a second; see
-agent.job_status). Under SLURM the log dir is on a shared filesystem, so any login node can read
+agent.observation.job_status). Under SLURM the log dir is on a shared filesystem, so any login node can read
 every node's file; with one log dir per node, name them all.
 
 With no LOGDIR it shows every job this user runs on this machine: each running agent registers in
-a per-user runtime dir (agent.job_status.runtime_dir: a link to its log dir's status file, or the
+a per-user runtime dir (agent.observation.job_status.runtime_dir: a link to its log dir's status file, or the
 file itself when the job has no --log-dir); entries of agents that are gone are removed. With none
 running, it reads the current dir as a log dir.
 
@@ -56,7 +56,7 @@ def read_status_files(dirs: Sequence[str]) -> List[dict]:
 
 def running_jobs() -> List[List[dict]]:
     """This user's running agents on this machine, grouped by job (newest first)."""
-    from ft_launcher.agent.job_status import runtime_dir
+    from ft_launcher.agent.observation.job_status import runtime_dir
 
     jobs: dict = {}
     for path in sorted(glob.glob(os.path.join(runtime_dir(), "*.json"))):

@@ -71,11 +71,11 @@ class FaultToleranceConfig:
     simulated_fault_base_delay: float = 10.0      # seconds after the rank starts, plus <=20% jitter
     simulated_fault_seed: int = 0
     simulated_fault_count: int = 1                # faults per job, one per cycle at most; -1: every cycle
-    # Warm reserves (agent.reserve_pool): warm interpreters per local rank slot that restarts use
+    # Warm reserves (agent.ranks.reserve_pool): warm interpreters per local rank slot that restarts use
     # instead of a cold start; 0 turns them off. A reserve not warm after the timeout is replaced.
     warm_reserves: int = 1
     warm_reserve_timeout: float = 120.0
-    # Stragglers (agent.stragglers): every straggler_window seconds each rank's mean time in
+    # Stragglers (agent.observation.stragglers): every straggler_window seconds each rank's mean time in
     # straggler_section is compared with the job's median; a rank over straggler_threshold x the
     # median for straggler_windows windows in a row is reported. straggler_window 0: off.
     straggler_section: str = "step"
@@ -84,12 +84,12 @@ class FaultToleranceConfig:
     straggler_windows: int = 3
     # Exclude a reported straggler's node at the next restart when a hot spare can take its place.
     straggler_exclude: bool = False
-    # Stopping when restarting is pointless (agent.progress): after this many cycles in a row
+    # Stopping when restarting is pointless (agent.recovery.progress): after this many cycles in a row
     # that ended without one completed `step` section on any rank (once the job has completed
     # one), the job stops; 0: never. Every agent then exits with no_restart_exit_code.
     max_no_progress_cycles: int = 3
     no_restart_exit_code: int = 93
-    # Health checks before each rendezvous (agent.health_checks): GPUs through NVML when present,
+    # Health checks before each rendezvous (agent.recovery.health_checks): GPUs through NVML when present,
     # the log and checkpoint directories writable, at least min_free_disk_gb free in them.
     health_checks: bool = True
     checkpoint_dir: Optional[str] = None
@@ -113,31 +113,31 @@ class FaultToleranceConfig:
     link_down_path_template: Optional[str] = None
     enable_ft_package: bool = False
     # NVRx 0.7's keys (nvidia-resiliency-ext 0.7.0, fault_tolerance/config.py). With a meaning here:
-    # GPU memory after a kill (agent.gpu_memory): wait at most gpu_memory_reclaim_timeout s,
+    # GPU memory after a kill (agent.ranks.gpu_memory): wait at most gpu_memory_reclaim_timeout s,
     # polling every gpu_memory_poll_interval s, until no GPU lists a dead rank's process holding
     # more than gpu_memory_tolerance_mb MB (ours wait 10 s and poll at 0.05 s by default, NVRx
     # 50 s and 2 s).
     gpu_memory_reclaim_timeout: float = 10.0
     gpu_memory_tolerance_mb: float = 512.0
     gpu_memory_poll_interval: float = 0.05
-    # A rank's uncaught exception is reported to the launcher at raise time (rank_monitor.excepthook).
+    # A rank's uncaught exception is reported to the launcher at raise time (rank_monitor.rank_side.excepthook).
     install_exception_hook: bool = False
     # Comma-separated paths that must exist and be readable before each rendezvous (health checks).
     storage_healthcheck_path: Optional[str] = None
-    # Progress by the checkpoint iteration this file holds, and the rise a cycle needs (agent.progress).
+    # Progress by the checkpoint iteration this file holds, and the rise a cycle needs (agent.recovery.progress).
     checkpoint_iteration_file: Optional[str] = None
     min_progress_iterations: int = 1
-    # NVRx's cycle_info files and NVRX_CURRENT_CYCLE_INFO (agent.nvrx_cycle_info).
+    # NVRx's cycle_info files and NVRX_CURRENT_CYCLE_INFO (agent.observation.nvrx_cycle_info).
     cycle_info_dir: Optional[str] = None
-    # Health checks before each rendezvous (agent.health_checks): NIC port states, Lustre/NFS.
+    # Health checks before each rendezvous (agent.recovery.health_checks): NIC port states, Lustre/NFS.
     enable_nic_healthcheck: bool = True
     enable_dist_storage_healthcheck: bool = False
     link_state_path_template: Optional[str] = None
-    # Nodes train in whole segments of this many nodes of one NVLink domain (agent.segments).
+    # Nodes train in whole segments of this many nodes of one NVLink domain (agent.rounds.segments).
     segment: Optional[int] = None
-    # With NVRX_GPUS_PER_NUMA: CPUs are bound, memory is not; true says so (agent.numa_bind).
+    # With NVRX_GPUS_PER_NUMA: CPUs are bound, memory is not; true says so (agent.ranks.numa_bind).
     numa_bind_strict: bool = True
-    # After the ranks stop, name what is left of their process groups (agent.workers).
+    # After the ranks stop, name what is left of their process groups (agent.ranks.workers).
     check_remaining_processes: bool = False
     # Accepted from NVRx 0.7, no effect here (ft_launcher/nvrx_flags.py says what does their job).
     num_warmup_iterations: int = 5

@@ -2,7 +2,7 @@
 monitors and the ranks agree on.
 
 The launcher turns torch's flight recorder on for the ranks (`TORCH_FR_BUFFER_SIZE`, see
-agent.flight_recorder). torch dumps it by itself only from NCCL's watchdog; to have every rank of
+agent.recovery.flight_recorder). torch dumps it by itself only from NCCL's watchdog; to have every rank of
 the job dump at the moment a monitor finds a hang, whatever the backend (gloo records too), each
 rank that runs our client keeps a daemon thread blocked on a named pipe of its slot:
 

@@ -46,7 +46,7 @@ from typing import Callable, Dict, Optional
 
 from filelock import FileLock
 
-from .timeout_calc import HB_INITIAL, HB_SUBSEQUENT, OUT_OF_SECTION, Observation, section_key
+from ft_launcher.rank_monitor.timeout_calc import HB_INITIAL, HB_SUBSEQUENT, OUT_OF_SECTION, Observation, section_key
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)   # 1: ft_launcher 0.1's flat section map, every value computed

@@ -1,7 +1,7 @@
 """How a helper process (a rank monitor, the orphan watchdog, a warm reserve) starts one of our
 modules so that nothing in the user's directory can stand in for it.
 
-`python -m agent.orphan_watchdog` put the current directory first on sys.path: a user's
+`python -m agent.ranks.orphan_watchdog` put the current directory first on sys.path: a user's
 `agent.py`, `agent/` or `rank_monitor.py` there was imported, or run, in place of ours. Our
 modules are imported as `ft_launcher.agent.*` and `ft_launcher.rank_monitor.*` (the one name the
 project owns), and a helper starts as `python -c BOOT ...`, where BOOT drops the current

@@ -1,6 +1,6 @@
 """PR_SET_PDEATHSIG=SIGKILL for the calling process: it dies when its parent does. Called by a
 rank monitor for itself, and between fork and exec for a rank where util-linux `setpriv` is
-missing (agent.workers)."""
+missing (agent.ranks.workers)."""
 import ctypes
 import signal
 

@@ -3,7 +3,7 @@
 Why: a DDP reducer keeps its gloo process group (and the group's sockets) alive after
 `destroy_process_group` (torch 2.13), and gloo cannot abort a collective. A rank that restarts in
 place would then leave its peers blocked in a collective that waits for its data: they learn that
-it is gone only when its sockets close. So at the restart point rank_monitor.inprocess shuts down
+it is gone only when its sockets close. So at the restart point rank_monitor.rank_side.inprocess shuts down
 (`shutdown(2)`, both directions; the descriptors stay valid for whoever still owns them) every
 established TCP connection that this process opened during the failed cycle to an address of the
 job (the nodes' addresses the agent passes in FT_LAUNCHER_JOB_ADDRS, and this host's own).

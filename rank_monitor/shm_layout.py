@@ -8,7 +8,7 @@ runs), H_MONITOR_NS (its liveness tick, which the agent watches) and, before it 
 hung rank, the stop words; the agent writes only H_STOP_REASON / H_STOP_DEADLINE_NS, just before
 it signals the rank to stop (what ft_launcher.preempted() reads), and, for an in-process restart,
 H_IP_REQUEST / H_IP_GO (the rank's words are H_IP_STATE, H_IP_SEEN, H_IP_FAIL_NS and the
-exception's text in the area after the request's). Live state (rank_monitor.live_state) is the
+exception's text in the area after the request's). Live state (rank_monitor.rank_side.live_state) is the
 rank's H_LIVE_* words and, on global rank 0, its recovery summary in the live text area. A rank's workload control request (NVRx's
 WorkloadControlRequest) is H_REQUEST_* plus its description in the request area after the names. Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
 re-reading before acting.
@@ -66,7 +66,7 @@ H_REQUEST_SEQ = 25      # bumped per request
 H_REQUEST_LEN = 26      # bytes of its description in the request area
 H_STOP_REASON = 27      # written by the agent before it signals the rank: STOP_* below
 H_STOP_DEADLINE_NS = 28 # monotonic ns at which the agent's SIGKILL follows
-# In-process restart (rank_monitor.inprocess, agent.inprocess_ranks). The client writes H_IP_STATE,
+# In-process restart (rank_monitor.rank_side.inprocess, agent.ranks.inprocess_ranks). The client writes H_IP_STATE,
 # H_IP_SEEN, H_IP_FAIL_NS and the text; the agent writes H_IP_REQUEST and H_IP_GO.
 H_IP_STATE = 29         # IP_* below
 H_IP_SEEN = 30          # the restart request (a cycle number) the rank last acted on
@@ -76,7 +76,7 @@ H_IP_GO = 33            # agent: run the function again as this cycle (its envir
 H_IP_TEXT_LEN = 34      # bytes of the exception's one-line summary in the text area
 H_FROZEN_NS = 35        # monitor: when it found this incarnation hung; its statistics are then those
                         # copied into the frozen area at that moment (0: live)
-# Live state (rank_monitor.live_state), written by the rank only:
+# Live state (rank_monitor.rank_side.live_state), written by the rank only:
 H_LIVE_STEP = 36        # the last completed step + 1 (0: none): `LiveState.commit` on exit, no syscall
 H_LIVE_CYCLE = 37       # the cycle whose `restore()` wrote the words below (0: none); written last
 H_LIVE_RESUME = 38      # that restore's resume step + 1 (0: no live state, the script's checkpoint)
@@ -301,7 +301,7 @@ def read_live(mm: mmap.mmap, words: memoryview) -> Optional[dict]:
     "sections": {name: {"enters", "closes", "enter_ns", "total", "max"}}} (monotonic ns, seconds);
     the checkpoint section's entry also has "at_close": {"steps", "step_total"}, the `step`
     section's closes and total seconds when it last closed; "live_step": the last step committed
-    under live state (rank_monitor.live_state), -1 when none.
+    under live state (rank_monitor.rank_side.live_state), -1 when none.
     None while no incarnation's data is current (see read_stats)."""
     start = words[H_START_NS]
     if not start or words[H_ATTACH_NS] < start:

@@ -20,7 +20,7 @@ import dataclasses
 import time
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from .config import FaultToleranceConfig
+from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
 OUT_OF_SECTION = "out_of_section"
 HB_INITIAL = "heartbeat:initial"

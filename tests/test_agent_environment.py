@@ -207,8 +207,8 @@ def test_a_store_lost_during_the_liveness_check_is_a_store_loss_not_a_traceback(
     """The restart round's liveness check (who of the previous round still ticks) reads the
     store through the protocol's one client: a lost store there is StoreLost, which fails over
     (it was torch's DistNetworkError, a traceback). In-process, a real store that goes away."""
-    from ft_launcher.agent.rendezvous import JobStore, RoundProtocol, _Liveness
-    from ft_launcher.agent.round_types import NodeInfo, StoreLost
+    from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol, _Liveness
+    from ft_launcher.agent.rounds.round_types import NodeInfo, StoreLost
     from ft_launcher.cli import launch_config
 
     base = ["--nnodes", 2, "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "lv"]
@@ -227,7 +227,7 @@ def test_a_store_lost_during_the_liveness_check_is_a_store_loss_not_a_traceback(
 def test_a_thread_stuck_in_a_store_call_does_not_abort_the_exit(launcher):
     """torch aborts a process whose daemon thread comes back from a store call during interpreter
     exit (SIGABRT: 134, where the agent meant 0, 1 or 93). The agent's exit goes past such a
-    thread (agent.store_threads); the plain exit is checked to abort, so the fault is real."""
+    thread (agent.rounds.store_threads); the plain exit is checked to abort, so the fault is real."""
     script = os.path.join(SCRIPTS, "stuck_store_exit.py")
     env = launcher.env({"TORCH_CPP_LOG_LEVEL": "ERROR"})
     plain = subprocess.run([sys.executable, script, "plain"], env=env, capture_output=True, text=True, timeout=60)

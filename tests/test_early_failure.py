@@ -1,5 +1,5 @@
 """A failure in the first seconds of a job, before any warm reserve is ready: the restart takes the
-reserve that is still warming (agent.reserve_pool) instead of starting a second, cold process that
+reserve that is still warming (agent.ranks.reserve_pool) instead of starting a second, cold process that
 would compete with it for the CPU; it is raised to the agent's priority and becomes the rank.
 Real agent, reserves and ranks (examples/ddp_train.py). The other branch (a reserve stuck warming
 is not taken: the restart starts cold) is in test_warm_reserves.

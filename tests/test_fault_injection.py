@@ -1,4 +1,4 @@
-"""The simulated-fault injector (agent/fault_injection.py) on real processes: a planned fault
+"""The simulated-fault injector (agent/recovery.fault_injection.py) on real processes: a planned fault
 fires into its rank once due, and never into anything else when that rank has already ended
 (it used to reach os.kill(-1, ...): every process the user may signal)."""
 import signal
@@ -7,7 +7,7 @@ import sys
 import time
 import types
 
-from ft_launcher.agent.fault_injection import FaultInjector
+from ft_launcher.agent.recovery.fault_injection import FaultInjector
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
 

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from ft_launcher.agent import gpu_memory
-from ft_launcher.agent.health_checks import HealthChecks
+from ft_launcher.agent.ranks import gpu_memory
+from ft_launcher.agent.recovery.health_checks import HealthChecks
 from conftest import EXAMPLE, SCRIPTS, read_events
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
@@ -114,7 +114,7 @@ def test_cuda_visible_devices_reach_every_rank_unchanged_in_order(launcher, tmp_
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
 
 
-# ---- GPU memory after a kill (agent.gpu_memory): NVML is not ours, so its query is stubbed;
+# ---- GPU memory after a kill (agent.ranks.gpu_memory): NVML is not ours, so its query is stubbed;
 # the processes are real.
 def test_gpu_release_wait_returns_once_the_dead_rank_process_is_gone():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])

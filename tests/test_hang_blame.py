@@ -1,4 +1,4 @@
-"""Hang blame end to end (agent/hang_blame.py): one rank hangs, its peers wait on it in a collective
+"""Hang blame end to end (agent/recovery.hang_blame.py): one rank hangs, its peers wait on it in a collective
 and their monitors fire too; the agents tell culprit from victims and only the culprit is replaced.
 
 examples/ddp_train.py under `ft.restartable`, real agents, monitors and ranks (test_fault_matrix's
@@ -124,8 +124,8 @@ def _held_rank(launcher, tmp_path, monkeypatch):
 
     from conftest import ROOT, SCRIPTS
     from ft_launcher.rank_monitor.config import FaultToleranceConfig
-    from ft_launcher.rank_monitor.monitor_handle import MonitorHandle
-    from ft_launcher.rank_monitor.server import ENV_HANG_VERDICT
+    from ft_launcher.rank_monitor.agent_side.monitor_handle import MonitorHandle
+    from ft_launcher.rank_monitor.monitor_side.server import ENV_HANG_VERDICT
 
     monkeypatch.setenv(ENV_HANG_VERDICT, "1")
     monkeypatch.setenv("FT_TEST_TOKEN", launcher.token)   # the fixture finds anything left behind
@@ -153,7 +153,7 @@ def _held_rank(launcher, tmp_path, monkeypatch):
 def test_a_held_rank_is_stopped_when_no_verdict_comes(launcher, tmp_path, monkeypatch):
     import time
 
-    from ft_launcher.rank_monitor.server import VERDICT_HOLD
+    from ft_launcher.rank_monitor.monitor_side.server import VERDICT_HOLD
 
     handle, rank, reported = _held_rank(launcher, tmp_path, monkeypatch)
     try:
@@ -201,7 +201,7 @@ def _dump(seqs, pending=None, ranks="[0, 1, 2]", group=("0", "default_pg")):
 
 
 def test_the_flight_recorder_blames_the_ranks_that_never_entered_the_stuck_collective():
-    from ft_launcher.agent.hang_blame import from_flight_recorder
+    from ft_launcher.agent.recovery.hang_blame import from_flight_recorder
 
     dumps = {0: _dump([4, 5], pending=5), 1: _dump([4]), 2: _dump([4, 5], pending=5)}
     found = from_flight_recorder(dumps, 3)
@@ -216,7 +216,7 @@ def test_the_flight_recorder_blames_the_ranks_that_never_entered_the_stuck_colle
 
 
 def test_a_stack_waits_inside_a_collective_or_not():
-    from ft_launcher.agent.hang_blame import stack_waits
+    from ft_launcher.agent.recovery.hang_blame import stack_waits
 
     def dump(*frames):
         return ('Thread 0x1 (most recent call first):\n  File "/x/rank_monitor/flight_recorder.py", line 89 in _serve\n\n'

@@ -317,11 +317,11 @@ def test_a_signal_while_waiting_for_restart_points_stops_the_job_at_once(launche
 
 def test_a_peers_loss_is_known_by_torchs_types_and_by_gloos_words_only_on_its_runtime_errors():
     """A rank whose collective failed because a peer went away waits for the restart that peer's
-    failure brings (rank_monitor.inprocess._peer_lost): torch's typed errors by type, gloo's bare
+    failure brings (rank_monitor.rank_side.inprocess._peer_lost): torch's typed errors by type, gloo's bare
     RuntimeError by its words (what gloo raised here when its peer exited), nothing else."""
     import torch.distributed as dist
 
-    from ft_launcher.rank_monitor.inprocess import _peer_lost
+    from ft_launcher.rank_monitor.rank_side.inprocess import _peer_lost
 
     gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                         "[127.0.0.1]:20911. This is typically caused by a remote worker crashing.")

@@ -1,4 +1,4 @@
-"""Live state (ft.LiveState, rank_monitor/live_state.py; agent/live_recovery.py): zero-rollback
+"""Live state (ft.LiveState, rank_monitor/rank_side.live_state.py; agent/recovery.live_recovery.py): zero-rollback
 in-place restarts, end to end with real agents, monitors and ranks, and the recovery plan alone.
 
 - examples/ddp_train.py --live on 2 agents x 2 ranks, checkpoint every 50 steps, a fault at step
@@ -29,7 +29,7 @@ import pytest
 
 from conftest import EXAMPLE, LAUNCHER, ROOT, SCRIPTS, Launcher, read_events, wait_for, wait_until_gone
 from test_fault_matrix import Job, progress
-from ft_launcher.rank_monitor.live_state import plan_recovery
+from ft_launcher.rank_monitor.rank_side.live_state import plan_recovery
 
 STEPS, CKPT, FAULT_STEP = 150, 50, 137
 LIVE_JOB = ["--steps", STEPS, "--ckpt-every", CKPT, "--step-time", 0, "--seed", 11]
@@ -64,7 +64,7 @@ def test_state_moves_into_fresh_objects_in_place():
     import torch
     import torch.nn as nn
 
-    from ft_launcher.rank_monitor import live_state
+    from ft_launcher.rank_monitor.rank_side import live_state
 
     torch.manual_seed(0)
     old = nn.Linear(4, 3)
@@ -98,7 +98,7 @@ def test_the_wire_packs_small_tensors_and_lands_every_byte_in_the_receivers_own_
     import torch
     import torch.nn as nn
 
-    from ft_launcher.rank_monitor import live_state
+    from ft_launcher.rank_monitor.rank_side import live_state
 
     if cap is not None:
         monkeypatch.setattr(live_state, "_CHUNK_BYTES", cap)
@@ -303,7 +303,7 @@ def test_a_rank_that_raised_is_suspect_and_heals_from_a_peer(launcher, tmp_path,
 
 def test_a_hang_keeps_its_victims_state_and_the_rank_that_hung_heals_from_a_peer(launcher, tmp_path, reference):
     """Rank 3 completes step 137 and then sleeps inside it; its peers block in step 138's
-    all-reduce until their step timers run out too. The hang blame (agent/hang_blame.py) finds
+    all-reduce until their step timers run out too. The hang blame (agent/recovery.hang_blame.py) finds
     rank 3 hung and the others waiting on it: they restart in place with their state at step 137,
     rank 3 is replaced and receives that state from a peer; the job ends exactly as a fault-free
     run, no completed step trained twice."""
@@ -483,9 +483,9 @@ def test_hsdp_a_killed_rank_heals_from_its_shard_in_the_other_replica(launcher, 
 
 
 def test_goodput_keeps_a_cycle_s_steps_up_to_the_live_resume_step():
-    """agent.job_status.kept_work: a cycle followed by a checkpoint restart keeps its steps up to the
+    """agent.observation.job_status.kept_work: a cycle followed by a checkpoint restart keeps its steps up to the
     checkpoint; followed by a live restore at step R, every step a rank completed up to R."""
-    from ft_launcher.agent.job_status import kept_work
+    from ft_launcher.agent.observation.job_status import kept_work
 
     ranks = {0: {"steps": 137, "step_total": 13.7, "at_checkpoint": {"steps": 100, "step_total": 10.0},
                  "live_step": 137},

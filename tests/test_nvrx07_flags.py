@@ -182,7 +182,7 @@ def test_every_key_is_either_built_or_has_its_line():
 
 
 def test_storage_healthcheck_path_is_checked_before_each_rendezvous(tmp_path):
-    from ft_launcher.agent.health_checks import HealthChecks
+    from ft_launcher.agent.recovery.health_checks import HealthChecks
 
     said = []
     ft = FaultToleranceConfig(storage_healthcheck_path=f"{tmp_path}, {tmp_path / 'missing'}")
@@ -239,7 +239,7 @@ def test_nvrx07_client_calls_work_and_the_hook_follows_the_jobs_config(launcher,
 import json  # noqa: E402
 import socket  # noqa: E402
 
-from ft_launcher.agent import nvrx_cycle_info, nvrx_logs  # noqa: E402
+from ft_launcher.agent.observation import nvrx_cycle_info, nvrx_logs  # noqa: E402
 
 CYCLE_RANK = os.path.join(SCRIPTS, "nvrx_cycle_rank.py")
 # NVRx 0.7's NVRxCycleInfo fields in their order (shared_utils/proto/nvrx_interface.proto)
@@ -335,7 +335,7 @@ def test_progress_is_the_checkpoint_iteration_and_feeds_the_no_progress_stop(lau
 
 
 def test_min_progress_iterations_counts_completed_steps_without_the_file():
-    from ft_launcher.agent.progress import ProgressTracker
+    from ft_launcher.agent.recovery.progress import ProgressTracker
 
     class Monitor:
         def __init__(self, steps):
@@ -361,8 +361,8 @@ def test_min_progress_iterations_counts_completed_steps_without_the_file():
 
 
 # ---- built: --ft-segment N (NVLink-domain segments; NVML's cluster UUID from tests/fake_nvml) ------
-from ft_launcher.agent import segments  # noqa: E402
-from ft_launcher.agent.round_types import NodeInfo  # noqa: E402
+from ft_launcher.agent.rounds import segments  # noqa: E402
+from ft_launcher.agent.rounds.round_types import NodeInfo  # noqa: E402
 from conftest import free_port, wait_for as _wait_for  # noqa: E402
 
 FAKE_NVML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_nvml")
@@ -427,7 +427,7 @@ def test_segment_on_a_node_without_an_nvlink_domain_is_one_line(launcher, tmp_pa
 
 
 # ---- built: NIC link state, distributed storage ----------------------------------------------------
-from ft_launcher.agent import health_checks  # noqa: E402
+from ft_launcher.agent.recovery import health_checks  # noqa: E402
 
 
 def test_a_nic_port_that_went_down_makes_the_node_leave_at_the_restart(launcher, tmp_path):
@@ -525,7 +525,7 @@ def test_the_client_runs_nvrx07_keyword_calls_outside_the_launcher(monkeypatch):
 
 def test_a_rank_restarted_in_place_goes_on_in_the_next_cycles_applog(launcher, tmp_path):
     """ft.restartable, rank 1 raises in step: both ranks restart in their own processes, and what
-    they print from then on goes to job_cycle1.log (agent.rank_output's redirect)."""
+    they print from then on goes to job_cycle1.log (agent.ranks.rank_output's redirect)."""
     from test_inprocess_restart import run_faulty, started
 
     applog = tmp_path / "app" / "job.log"
@@ -544,7 +544,7 @@ def test_a_rank_restarted_in_place_goes_on_in_the_next_cycles_applog(launcher, t
 
 
 # ---- built: NVRX_GPUS_PER_NUMA with --ft-numa-bind-strict ------------------------------------------
-from ft_launcher.agent import numa_bind  # noqa: E402
+from ft_launcher.agent.ranks import numa_bind  # noqa: E402
 
 
 def test_nvrx_gpus_per_numa_binds_each_rank_to_its_nodes_cpus(launcher, tmp_path):

@@ -84,7 +84,7 @@ def test_the_installed_package_holds_agent_and_rank_monitor_under_its_own_name(l
     packages = {p.name for p in target.iterdir() if (p / "__init__.py").exists()}
     assert packages == {"ft_launcher"}, packages
     assert (target / "ft_launcher" / "agent" / "agent.py").exists()
-    assert (target / "ft_launcher" / "rank_monitor" / "server.py").exists()
+    assert (target / "ft_launcher" / "rank_monitor" / "monitor_side" / "server.py").exists()
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(PROBE, tmp_path / "train.py")

@@ -1,4 +1,4 @@
-"""The restart decision (agent/restart_policy.py) on a real TCPStore: the round protocol's own
+"""The restart decision (agent/recovery.restart_policy.py) on a real TCPStore: the round protocol's own
 store calls, reporters racing in threads (each with its own store connection, as agents have).
 
 What is decided: one verdict per round whoever reports; the rung (in place only when every
@@ -13,10 +13,10 @@ import threading
 import pytest
 
 from ft_launcher.agent.launch_config import LaunchConfig
-from ft_launcher.agent.no_restart import mark_excluded
-from ft_launcher.agent.rendezvous import JobStore, RoundProtocol
-from ft_launcher.agent.restart_policy import NODE_FAILURE_LIMIT, RoundFacts, Verdict
-from ft_launcher.agent.round_types import NodeInfo
+from ft_launcher.agent.recovery.no_restart import mark_excluded
+from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
+from ft_launcher.agent.recovery.restart_policy import NODE_FAILURE_LIMIT, RoundFacts, Verdict
+from ft_launcher.agent.rounds.round_types import NodeInfo
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
 NODES = ["node-a", "node-b", "node-c"]

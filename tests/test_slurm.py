@@ -219,8 +219,8 @@ def reference(slurm_cluster, tmp_path_factory):
 
 
 def test_srun_gives_each_task_its_node_identity(slurm_cluster):
-    """The cluster itself: SLURM sets what agent.slurm_env reads, one task per emulated node."""
-    from ft_launcher.agent.slurm_env import slurm_info
+    """The cluster itself: SLURM sets what agent.rounds.slurm_env reads, one task per emulated node."""
+    from ft_launcher.agent.rounds.slurm_env import slurm_info
 
     res = slurm_cluster.run(["srun", "-N", "2", "--ntasks-per-node=1", "--label", "env"], timeout=60, check=False)
     assert res.returncode == 0, res.stderr

@@ -1,11 +1,11 @@
-"""Tests for agent/slurm_env.py: host list expansion and reading the SLURM environment."""
+"""Tests for agent/rounds.slurm_env.py: host list expansion and reading the SLURM environment."""
 
 import subprocess
 
 import pytest
 
-from ft_launcher.agent import slurm_env
-from ft_launcher.agent.slurm_env import SlurmInfo, expand_hostlist, slurm_info
+from ft_launcher.agent.rounds import slurm_env
+from ft_launcher.agent.rounds.slurm_env import SlurmInfo, expand_hostlist, slurm_info
 
 
 @pytest.mark.parametrize(

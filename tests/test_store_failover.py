@@ -1,4 +1,4 @@
-"""The job outlives the node hosting its store (agent/store_failover.py), with real agents on one
+"""The job outlives the node hosting its store (agent/rounds.store_failover.py), with real agents on one
 machine sharing a rendezvous and a log dir.
 
 By default, with a rank that does not import torch (tests/scripts/cycle_sleeper.py):

@@ -160,7 +160,7 @@ def test_reserve_killed_or_stalled_while_warming_is_never_used_and_the_restart_g
     pytest.param("asleep", marks=pytest.mark.slow),  # younger than a (long) cold start, but asleep
 ])
 def test_a_reserve_stuck_warming_is_not_taken_by_an_early_restart(launcher, tmp_path, evidence):
-    """The early rung (agent.reserve_pool): a restart before any reserve is ready takes the one
+    """The early rung (agent.ranks.reserve_pool): a restart before any reserve is ready takes the one
     still warming, unless the evidence says it is stuck: it has used twice the CPU time a cold rank
     of its slot took to its first step ("spinning": the probe's cold start is well under the 2 s
     the test waits, while the reserve spins), or, where the cold start was long (8 s), it has used

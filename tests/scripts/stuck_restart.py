@@ -11,7 +11,7 @@ import sys
 import time
 
 import ft_launcher as ft
-from ft_launcher.rank_monitor.inprocess import IN_PLACE_SIGNAL
+from ft_launcher.rank_monitor.rank_side.inprocess import IN_PLACE_SIGNAL
 
 OUT, STUCK, FAIL = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 

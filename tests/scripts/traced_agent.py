@@ -1,5 +1,5 @@
 """`python -m ft_launcher`, with every call the agent's main thread makes into ft_launcher.agent's
-modules recorded ("module.Qualified.name", in order) and written as JSON to $FT_TEST_WALK_FILE at
+modules recorded ("module.Qualified.name", the module by its own name without its package, in order) and written as JSON to $FT_TEST_WALK_FILE at
 exit: tests/test_node_state.py follows one failure's walk through the agent's parts with it."""
 import atexit
 import json
@@ -23,7 +23,7 @@ def record(frame, event, _arg):
     if event == "call":
         module = frame.f_globals.get("__name__", "")
         if module.startswith(PREFIX):
-            calls.append(f"{module[len(PREFIX):]}.{qualname(frame)}")
+            calls.append(f"{module.rsplit('.', 1)[1]}.{qualname(frame)}")
 
 
 def write():

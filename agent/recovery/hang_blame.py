@@ -1,0 +1,305 @@
+"""Hang blame: which rank hung (the culprit) and which only waited on it (the victims).
+
+When one rank hangs inside a step, its peers block in the same collective and their monitors'
+timers run out too. With hang blame on (the agent sets rank_monitor.monitor_side.server.ENV_HANG_VERDICT for
+its monitors), a monitor that finds a hang reports it, dumps the stack and holds the rank for a
+verdict (at most rank_monitor.monitor_side.server.VERDICT_HOLD seconds after the hang, then it stops the rank
+regardless; also when its agent is gone). The agents decide from evidence, in this order:
+
+1. the flight recorder (agent.recovery.flight_recorder gathers every rank's dump in the store): the oldest
+   collective some ranks wait in (not retired) and the ranks of its group that never entered it;
+   a rank that could not dump (stopped, holding the GIL) never entered it either;
+2. else the stack dumps: a hung rank whose main thread waits inside `torch.distributed` (or in a
+   backward pass, where DDP's reducer waits for its all-reduce) is a victim, any other a culprit;
+3. else (no evidence, or it blames nobody): every rank whose monitor fired is stopped, as before.
+
+One agent decides per cycle: the first to report a hang claims `r<c>/blame/decider`, decides
+within BLAME_WAIT seconds of its report (at once when the evidence is complete) and writes
+`r<c>/blame/verdict`; every agent with a hung rank reads it and tells its monitors: stop the
+culprits, release the victims (they then restart in place like the healthy ranks of a kill, and
+their monitors leave them alone). A culprit whose own monitor has not fired yet is killed by its
+agent when it is on the deciding node; a culprit elsewhere must have reported its hang by the
+deadline, else the verdict falls back to 3 (so a released victim never waits on a culprit nobody
+stops). A cycle that cannot restart in place (agent.recovery.restart_policy) is decided at once: every hung
+rank is stopped, as before. One `hang_blame` event (and line) says which evidence decided.
+
+Evidence in the store, per cycle: `r<c>/blame/hung` ("rank;" per hang report) and
+`r<c>/blame/stacks` ("rank:wait|run|?;" per stack dump). Everything runs in the agent's main
+loop (`tick`), with non-blocking store calls only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import signal
+import time
+from typing import Callable, Dict, List, Optional, Set
+
+BLAME_WAIT = 0.6    # seconds after the deciding agent's first hang report until it decides regardless
+STACK_WAIT = 0.4    # seconds a late hang report (stack evidence) waits for its rank's stack
+POLL = 0.005        # seconds between looks at the evidence while a verdict is pending
+GIVE_UP = 3.0       # seconds after which nobody polls any more (the monitors have long stopped their ranks)
+
+_FRAME = re.compile(r'File "([^"]+)", line \d+ in (\S+)')
+
+
+def stack_waits(stack: Optional[str]) -> Optional[bool]:
+    """Does a faulthandler dump show the rank's main thread (the "Current thread", which took
+    the dump signal) waiting inside a collective? None when the dump says nothing."""
+    if not stack or "Current thread" not in stack:
+        return None
+    block = stack.split("Current thread", 1)[1].split("\n\n", 1)[0]
+    frames = _FRAME.findall(block)
+    if not frames:
+        return None
+    path, func = frames[0]   # most recent call first
+    path = path.replace(os.sep, "/")
+    return "/torch/distributed/" in path or func == "_engine_run_backward"
+
+
+def _members(config: dict, group: tuple, world: int) -> List[int]:
+    for name in (group[0] if group else None, ""):
+        ranks = (config.get(name) or {}).get("ranks") if name is not None else None
+        if ranks:
+            try:
+                return sorted(int(r) for r in json.loads(ranks))
+            except (TypeError, ValueError):
+                pass
+    return list(range(world))
+
+
+def from_flight_recorder(dumps: Dict[int, bytes], world: int) -> Optional[dict]:
+    """The culprits by the flight recorder: the ranks of the stuck collective's group that never
+    entered it. None when the dumps show no stuck collective or blame all or none of its group."""
+    entered: Dict[int, Dict[tuple, int]] = {}
+    pending = []
+    config: dict = {}
+    for rank, data in dumps.items():
+        try:
+            trace = pickle.loads(data)
+        except Exception:  # noqa: BLE001 - a dump we cannot read is no evidence
+            continue
+        config = config or dict(trace.get("pg_config") or {})
+        mine = entered.setdefault(rank, {})
+        for e in trace.get("entries") or []:
+            if e.get("is_p2p"):
+                continue
+            group = tuple(e.get("process_group") or ())
+            seq = int(e.get("collective_seq_id") or 0)
+            mine[group] = max(mine.get(group, 0), seq)
+            if not e.get("retired") and e.get("state") != "completed":
+                pending.append((seq, str(group), str(e.get("profiling_name") or "?"), group))
+    if not pending:
+        return None
+    seq, _, name, group = min(pending)
+    members = _members(config, group, world)
+    victims = sorted(r for r in members if entered.get(r, {}).get(group, 0) >= seq)
+    culprits = sorted(r for r in members if r not in victims)
+    if not victims or not culprits:
+        return None
+    return {"evidence": "flight recorder", "culprits": culprits, "victims": victims, "collective": name,
+            "sequence": seq, "group": ":".join(group)}
+
+
+def _items(raw: Optional[bytes]) -> List[str]:
+    return [x for x in (raw or b"").decode().split(";") if x]
+
+
+class HangBlame:
+    """One agent's part (see the module docstring); `events` is the agent's EventLog."""
+
+    def __init__(self, events):
+        self.events = events
+        self.number: Optional[int] = None
+
+    def start_cycle(self, store, number: int, world: int, node_id: str, flight_recorder: bool,
+                    in_place_possible: Callable[[], bool], local_ranks: Callable[[], List[int]]) -> None:
+        self.store, self.number, self.world, self.node_id = store, number, world, node_id
+        self.flight_recorder = flight_recorder
+        self.in_place_possible = in_place_possible
+        self.local_ranks = local_ranks           # this node's global ranks
+        self.first: Optional[float] = None       # when this node saw its first hang report
+        self.decider = False
+        self.verdict: Optional[dict] = None
+        self.hung: Dict[int, dict] = {}          # local rank -> its hang report
+        self.told: Dict[int, bool] = {}          # local rank -> what its monitor was told (kill)
+        self.stacks: Dict[int, Optional[bool]] = {}   # global rank -> stack_waits (this node's)
+        self.killed: Set[int] = set()            # local ranks this agent killed as culprits
+        self.fr: Optional[dict] = None           # the flight recorder's finding, {} when undecided
+
+    def end_cycle(self) -> None:
+        self.number = None
+
+    # ---- evidence from this node's monitors ---------------------------------------------------
+    def _k(self, name: str) -> str:
+        return self.store.key(f"r{self.number}/blame/{name}")
+
+    def on_hang(self, local_rank: int, report: dict) -> None:
+        if self.number is None or report.get("cycle") != self.number or local_rank in self.hung:
+            return
+        self.hung[local_rank] = dict(report, seen=time.monotonic())
+        try:
+            self.store.client.append(self._k("hung"), f"{report.get('rank')};")
+            if self.first is None:
+                self.first = time.monotonic()
+                won = self.store.client.compare_set(self._k("decider"), "", self.node_id).decode()
+                self.decider = won == self.node_id
+        except Exception:  # noqa: BLE001 - no store, no blame: the monitors' hold ends the hang
+            self.first = self.first or time.monotonic()
+
+    def on_stack(self, report: dict) -> None:
+        if self.number is None or report.get("cycle") != self.number:
+            return
+        waits = stack_waits(report.get("stack") if report.get("complete") else None)
+        self.stacks[report.get("rank")] = waits
+        try:
+            self.store.client.append(self._k("stacks"), f"{report.get('rank')}:"
+                                     f"{'?' if waits is None else 'wait' if waits else 'run'};")
+        except Exception:  # noqa: BLE001
+            pass
+
+    # ---- the verdict ------------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """A verdict is awaited, or known but not yet told to a monitor: poll every POLL s."""
+        return (self.number is not None and self.first is not None and time.monotonic() < self.first + GIVE_UP
+                and (self.verdict is None or len(self.told) < len(self.hung)))
+
+    def tick(self, monitors, ranks, final: bool = False) -> None:
+        """Decide (the deciding agent) or read the verdict, and tell this node's monitors.
+        `final`: the cycle is ending: decide now with what is known."""
+        if self.number is None or self.first is None:
+            return
+        if self.verdict is None:
+            try:
+                if self.decider:
+                    self._decide(final)
+                if self.verdict is None and self.store.client.check([self._k("verdict")]):
+                    self.verdict = json.loads(self.store.client.get(self._k("verdict")))
+            except Exception:  # noqa: BLE001 - a lost store: the monitors' hold ends the hang
+                return
+        if self.verdict is None:
+            return
+        for local_rank, report in self.hung.items():
+            if local_rank in self.told:
+                continue
+            kill = self._kill(report, final)
+            if kill is None:
+                continue
+            self.told[local_rank] = kill
+            monitors[local_rank].hang_verdict(report.get("pid"), kill)
+        for rank in ranks:   # a culprit here whose monitor has not fired
+            if (rank.rank in self.verdict.get("culprits", []) and rank.local_rank not in self.hung
+                    and rank.local_rank not in self.killed and rank.exitcode is None):
+                self.killed.add(rank.local_rank)
+                try:
+                    os.killpg(rank.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def _kill(self, report: dict, final: bool) -> Optional[bool]:
+        v, rank = self.verdict, report.get("rank")
+        if rank in v.get("culprits", []):
+            return True
+        if rank in v.get("victims", []):
+            return False
+        if v.get("evidence") == "stacks":   # a rank that fired after the verdict: its own stack decides
+            if rank not in self.stacks:
+                waited = time.monotonic() - float(report.get("seen", 0) or 0)
+                return None if not final and waited < STACK_WAIT else True
+            return self.stacks[rank] is not True
+        return True
+
+    def released(self) -> Set[int]:
+        """Local ranks whose monitors were told to release them (victims: they restart in place)."""
+        return {lr for lr, kill in self.told.items() if not kill} if self.number is not None else set()
+
+    def blamed(self, local_rank: int) -> bool:
+        return self.number is not None and local_rank in self.killed
+
+    def words(self, rank: int) -> str:
+        """For the culprit's failure line: who waited on it, and the evidence."""
+        v = self.verdict if self.number is not None else None
+        if not v or rank not in v.get("culprits", []) or not v.get("victims"):
+            return ""
+        victims = v["victims"]
+        return (f"; rank{'s' if len(victims) > 1 else ''} {', '.join(map(str, victims))} "
+                f"{'were' if len(victims) > 1 else 'was'} waiting on it ({_evidence(v)})")
+
+    # ---- the deciding agent -------------------------------------------------------------------
+    def _decide(self, final: bool) -> None:
+        late = final or time.monotonic() >= self.first + BLAME_WAIT
+        c = self.store.client
+        if not self.in_place_possible():
+            return self._publish({"evidence": "none", "why": "the cycle does not restart in place",
+                                  "culprits": [], "victims": []}, quiet=True)
+        hung = {int(x) for x in _items(c.get(self._k("hung")) if c.check([self._k("hung")]) else b"")}
+        if self.flight_recorder and self.fr is None:
+            fr_key = self.store.key(f"r{self.number}/fr/")
+            if c.check([fr_key + "all_done"]) or late:
+                dumps = {r: c.get(f"{fr_key}dump/{r}") for r in range(self.world)
+                         if c.check([f"{fr_key}dump/{r}"])}
+                self.fr = (from_flight_recorder(dumps, self.world) or {}) if dumps else {}
+                if not c.check([fr_key + "all_done"]) and self.fr:   # incomplete: only where it is sure
+                    self.fr = self.fr if set(self.fr["culprits"]) <= hung else {}
+        if self.fr:
+            return self._publish_if_stoppable(dict(self.fr), hung, late)
+        if self.flight_recorder and self.fr is None and not late:
+            return   # the dumps are on their way
+        stacks = {}
+        for item in _items(c.get(self._k("stacks")) if c.check([self._k("stacks")]) else b""):
+            rank, _, how = item.partition(":")
+            stacks[int(rank)] = how
+        known = [r for r in hung if r in stacks]
+        if not late and (len(known) < self.world):
+            return
+        culprits = sorted(r for r in known if stacks[r] != "wait")
+        victims = sorted(r for r in known if stacks[r] == "wait")
+        if culprits and victims:
+            return self._publish_if_stoppable({"evidence": "stacks", "culprits": culprits, "victims": victims},
+                                              hung, late)
+        why = ("every hung rank's stack waits inside a collective" if victims else
+               "no hung rank's stack waits inside a collective" if culprits else "no stack dump")
+        if self.flight_recorder:
+            why = "the flight recorder found no collective some ranks never joined; " + why
+        self._publish({"evidence": "none", "why": why, "culprits": [], "victims": []})
+
+    def _publish_if_stoppable(self, verdict: dict, hung: Set[int], late: bool) -> None:
+        """Release victims only when every culprit will be stopped: it reported its hang, or it
+        is on this node (killed here)."""
+        mine = set(self.local_ranks())
+        unstopped = [r for r in verdict["culprits"] if r not in hung and r not in mine]
+        if not unstopped:
+            return self._publish(verdict)
+        if late:
+            self._publish({"evidence": "none", "culprits": [], "victims": [],
+                           "why": f"{_evidence(verdict)} blames rank(s) {', '.join(map(str, unstopped))}, "
+                                  f"whose monitor did not report a hang in time"})
+
+    def _publish(self, verdict: dict, quiet: bool = False) -> None:
+        verdict["decided_after"] = round(time.monotonic() - self.first, 3)
+        value = json.dumps(verdict, sort_keys=True)
+        won = self.store.client.compare_set(self._k("verdict"), "", value).decode()
+        self.verdict = json.loads(won)
+        v = self.verdict
+        if quiet:   # a full restart follows whoever hung: nothing to tell
+            return
+        if v.get("culprits"):
+            message = (f"hang blame ({_evidence(v)}): rank{'s' if len(v['culprits']) > 1 else ''} "
+                       f"{', '.join(map(str, v['culprits']))} hung; "
+                       + (f"rank{'s' if len(v['victims']) > 1 else ''} {', '.join(map(str, v['victims']))} "
+                          f"only waited on it and restart{'' if len(v['victims']) > 1 else 's'} in place"
+                          if v.get("victims") else "the others restart in place"))
+        else:
+            message = f"hang blame: no evidence tells culprit from victim ({v.get('why')}): every hung rank is stopped"
+        self.events.event("hang_blame", message, cycle=self.number, **{k: x for k, x in v.items()})
+
+
+def _evidence(v: dict) -> str:
+    if v.get("evidence") == "flight recorder":
+        return f"flight recorder: the hung never joined {v.get('collective')} (sequence {v.get('sequence')})"
+    if v.get("evidence") == "stacks":
+        return "stack dumps: the waiting ranks are inside a collective, the hung are not"
+    return v.get("evidence", "?")

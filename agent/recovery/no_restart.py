@@ -1,0 +1,75 @@
+"""The last rung of the ladder: stopping the job for good, and taking one node out of it.
+
+A job stops without a restart when a rank asks (ShutdownWorkload), when it has made no progress
+for `max_no_progress_cycles` cycles (agent.recovery.progress), or when a node leaves and too few can remain.
+The round's verdict (agent.recovery.restart_policy) is then of kind `stop` (first writer wins, as for any verdict)
+and every agent exits with `no_restart_exit_code` (93, NVRx's), saying why in one line, so that
+the scheduler does not requeue the job. Running out of restarts is a failure and stays exit 1.
+
+A node leaves (a rank's ExcludeThisNode request, a failed health check) by marking itself in the
+store (`excluded/<node_id>`, and the job-wide `excluded` counter): the others restart without it
+(a hot spare takes its place). If the job can no longer reach its minimum node count
+(`max nodes - excluded < min nodes`), it stops as above. The node that hosts the store cannot take
+it away: it leaves training but keeps serving the store (parked) until every other agent is gone.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional
+
+from ft_launcher.agent.rounds.keepalive import SilenceWatch
+
+
+class NoRestart(Exception):
+    """The job (or this node's part in it) ends here: exit with the no-restart code."""
+
+    def __init__(self, reason: str, node_only: bool = False):
+        super().__init__(reason)
+        self.reason = reason
+        self.node_only = node_only   # only this node leaves; the job may go on without it
+
+
+def mark_excluded(proto, node_id: str) -> int:
+    """Record that `node_id` leaves the job; returns how many nodes have left."""
+    if proto.exists(f"excluded/{node_id}"):
+        return proto.count("excluded")
+    proto.put(f"excluded/{node_id}", "1")
+    return proto.count("excluded", 1)
+
+
+def is_excluded(proto, node_id: str) -> bool:
+    return proto.exists(f"excluded/{node_id}")
+
+
+def too_few_left(min_nodes: int, max_nodes: int, excluded: int) -> Optional[str]:
+    """Why a job of `min_nodes`..`max_nodes` nodes cannot go on once `excluded` have left, or None."""
+    left = max_nodes - excluded
+    if left >= min_nodes:
+        return None
+    return (f"{excluded} node{'s' if excluded != 1 else ''} excluded: at most {left} of the "
+            f"{min_nodes} needed can remain")
+
+
+def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callable[[], Optional[int]],
+                    give_up: float) -> None:
+    """An excluded node that hosts the store keeps it up until every other agent has gone quiet
+    (its keep-alive counter stopped for `silent_limit` s) or `give_up` s have passed. Ends early
+    (returns) on a signal."""
+    silence = SilenceWatch(silent_limit)
+    deadline = time.monotonic() + give_up
+    while time.monotonic() < deadline and not stop():
+        now = time.monotonic()
+        try:
+            number = int(proto.get("round"))
+            ids: List[str] = []
+            for k in (number, number - 1):
+                if k >= 0:
+                    ids += [n.node_id for n in proto._nodes(k, proto.count(f"r{k}/joined"))]
+            ids = [i for i in dict.fromkeys(ids) if i != me_id]
+            counts = proto.get_many([f"alive/{i}" for i in ids])
+        except Exception:  # noqa: BLE001 - nobody left to serve
+            return
+        quiet = sum(silence.silent(node_id, count, now) for node_id, count in zip(ids, counts))
+        if ids and quiet == len(ids):
+            return
+        time.sleep(0.25)

@@ -1,0 +1,231 @@
+"""Store failover: the job outlives the node that hosts its store.
+
+Every agent remembers, refreshed at each round it joins, what the job needs to go on without the
+store: the round's members in rank order (trainers, then spares) and which of them hosts the
+store, the round number, the restarts used, the simulated faults fired, the version of the
+computed timeouts (the timeouts themselves are already applied to this agent's monitors) and the
+store's generation.
+
+When the store is lost (RoundWatcher, or any store call failing), every survivor computes alone,
+from that memory, the same list of successors: the members of the last round in their order,
+without the lost host. Candidate k hosts generation g+1+k of the store, where g is the lost
+store's generation, on port rdzv_port + g+1+k of its own address. So a job whose rendezvous
+port is P uses P, then P+1 after the first failover, P+2 after a second (or when the first
+successor is unreachable): open P to P+F on every node, F the failovers to survive.
+
+Each survivor goes down the list: the candidate that is itself hosts at once; any other it tries
+to reach for at most REACH_WITHIN seconds before it takes the next one. The successor seeds the
+new store (round, restarts used + 1, faults fired, timeouts version) and everybody joins the
+next round there, expecting the other survivors: the round closes as soon as they are all back,
+the spares take the lost node's place, and the ranks restart from their checkpoint. When fewer
+survivors remain than --nnodes MIN, or the failover would exceed the restart budget, every
+survivor ends at once with one line and exit 1, without waiting for a store.
+
+Split brain: a store host that was unreachable (paused, cut off) and comes back finds its peers
+silent; before it acts on that, `find_successor` probes the successors' ports for a store of
+this job that has already taken over (its first round closed there). If there is one, the old
+host stops its ranks and exits 1: two stores never both run the job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import socket
+import time
+from typing import Callable, List, Optional, Tuple
+
+from torch.distributed import DistNetworkError, TCPStore
+
+from ft_launcher.agent.launch_config import LaunchConfig
+from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol, connect_client
+from ft_launcher.agent.rounds.round_types import NodeInfo, Round, StoreLost, StoreReplaced
+
+FENCE_PROBES = 4  # successors a returning host probes for a store that took over
+
+
+def reach_within(cfg: LaunchConfig) -> float:
+    """Seconds a survivor tries one candidate before it falls back to the next: the time every
+    survivor needs to notice the loss (a paused host: the keep-alive limit) and a margin."""
+    return cfg.conf("keep_alive_interval") * (cfg.conf("keep_alive_max_attempt") + 1) + 2.0
+
+
+@dataclasses.dataclass
+class JobMemory:
+    """What this agent knows of the job, refreshed at each round it joins."""
+    round: Optional[Round] = None
+    late: List[NodeInfo] = dataclasses.field(default_factory=list)  # joined after it closed (RoundWatcher)
+    generation: int = 0
+    restarts_used: int = 0
+    faults_fired: int = 0
+    timeouts_version: int = 0
+
+    def members(self) -> List[NodeInfo]:
+        """The round's trainers in rank order, then every other node that joined it (spares,
+        late joiners) by infrastructure order: the same list on every agent that saw them."""
+        if self.round is None:
+            return []
+        active = list(self.round.active)
+        ids = {n.node_id for n in active}
+        others = {}
+        for node in self.round.spares + list(self.late):
+            if node.node_id not in ids:
+                others[node.node_id] = node
+        rest = sorted(others.values(), key=lambda n: (n.order_key is None, n.order_key or 0, n.stable))
+        return active + rest
+
+
+class StoreFailover:
+    def __init__(self, cfg: LaunchConfig, store: JobStore, proto: RoundProtocol, me: NodeInfo,
+                 say: Callable[[str], None], learner=None):
+        self.cfg = cfg
+        self.store = store
+        self.proto = proto
+        self.me = me
+        self.say = say
+        self.learner = learner
+        self.memory = JobMemory()
+        self._marked = 0  # the generation whose take-over this agent has recorded
+
+    @property
+    def enabled(self) -> bool:
+        return not self.cfg.standalone and self.cfg.rdzv_port > 0 and self.cfg.max_nodes > 1
+
+    def port(self, generation: int) -> int:
+        return self.cfg.rdzv_port + generation
+
+    # ---- memory ---------------------------------------------------------------------------
+    def remember(self, rnd: Round) -> List[NodeInfo]:
+        """Refresh the memory from the round just joined; returns its members (for the watcher's
+        fence). After a failover, records on the new store that it has taken the job over."""
+        mem = self.memory
+        mem.round = rnd
+        mem.late.clear()
+        mem.restarts_used = self.proto.restarts_used()
+        if self.cfg.ft.simulate_fault:
+            mem.faults_fired = self.proto.faults_fired()
+        if self.learner is not None:
+            mem.timeouts_version = max(mem.timeouts_version, getattr(self.learner, "version_seen", 0))
+        if mem.generation > self._marked:
+            self.proto.put("took_over", str(mem.generation))
+            self._marked = mem.generation
+        return mem.members()
+
+    def successors(self) -> List[NodeInfo]:
+        """The candidates in order: the last round's members without the store host."""
+        return [n for n in self.memory.members() if not n.hosts_store]
+
+    # ---- the failover ---------------------------------------------------------------------
+    def take_over(self, lost: StoreLost) -> Tuple[int, List[NodeInfo]]:
+        """Move this agent to the successor store. Returns the next round's number and the nodes
+        it expects there. Raises StoreReplaced when this agent was the host and has been
+        replaced, StoreLost (with the line to print) when the job cannot go on."""
+        if self.store.replaced:
+            raise StoreReplaced(self.store.replaced)
+        mem = self.memory
+        if not self.enabled or mem.round is None:
+            raise lost
+        cands = self.successors()
+        if len(cands) < self.cfg.min_nodes:
+            raise StoreLost(
+                f"{lost}; the job is below its minimum: {len(cands)} node(s) of the last round left "
+                f"without the store host, --nnodes needs at least {self.cfg.min_nodes} -> exiting 1")
+        used = mem.restarts_used + 1
+        if used > self.cfg.max_restarts:
+            raise StoreLost(f"{lost}; restart budget spent ({mem.restarts_used}/{self.cfg.max_restarts} "
+                            f"restarts used) -> exiting 1")
+        number = mem.round.number + 1
+        old = f"{self.store.host}:{self.store.port}"
+        self.say(f"{lost}: failing over (successors in order: "
+                 f"{', '.join(n.label() for n in cands)})")
+        for k, cand in enumerate(cands):
+            generation = mem.generation + 1 + k
+            port = self.port(generation)
+            if cand.node_id == self.me.node_id:
+                server = self._host(port)
+                if server is None:
+                    continue
+                self.store.adopt(cand.host, port, server)
+                self.me.hosts_store = True
+                self._seed(number, used, generation)
+            else:
+                client = self._reach(cand.host, port, reach_within(self.cfg))
+                if client is None:
+                    self.say(f"successor {cand.label()} did not answer at {cand.host}:{port} within "
+                             f"{reach_within(self.cfg):g}s; trying the next")
+                    continue
+                self.store.adopt(cand.host, port, None, client)
+                self.me.hosts_store = False
+            mem.generation = generation
+            self.say(f"store failover: generation {generation} of the store at {cand.host}:{port}"
+                     f"{' (hosted here)' if self.store.is_host else ''} replaces {old}; restarting in "
+                     f"cycle {number} (restart {used}/{self.cfg.max_restarts})")
+            return number, [dataclasses.replace(n, hosts_store=(n.node_id == cand.node_id)) for n in cands]
+        raise StoreLost(f"{lost}; no successor store could be reached -> exiting 1")
+
+    def _host(self, port: int) -> Optional[TCPStore]:
+        try:
+            return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                            timeout=datetime.timedelta(seconds=self.cfg.conf("read_timeout")))
+        except (DistNetworkError, RuntimeError) as exc:
+            self.say(f"cannot host the successor store on port {port}: {str(exc).splitlines()[0]}")
+            return None
+
+    def _seed(self, number: int, used: int, generation: int) -> None:
+        proto, mem = self.proto, self.memory
+        proto.count("restarts_used", used)
+        if mem.faults_fired:
+            proto.count("faults_fired", mem.faults_fired)
+        if mem.timeouts_version:
+            proto.count("timeouts_version", mem.timeouts_version)
+        proto.put("generation", str(generation))
+        proto.put("round", str(number))
+
+    def _reach(self, host: str, port: int, within: float) -> Optional[TCPStore]:
+        """A client of the store at host:port once something listens there, or None after `within` s."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            self.store.check_stop()
+            try:
+                with socket.create_connection((host, port), timeout=0.5):
+                    pass
+            except OSError:
+                time.sleep(0.05)
+                continue
+            client = _client(host, port, max(0.5, deadline - time.monotonic()),
+                             self.cfg.conf("read_timeout"))
+            if client is not None:
+                return client
+        return None
+
+    # ---- split brain ----------------------------------------------------------------------
+    def find_successor(self) -> Optional[str]:
+        """On the store host: a successor store of this job that has taken over, as the line to
+        print, else None. Probes each of the first FENCE_PROBES candidates' ports once."""
+        mem = self.memory
+        prefix = self.store.prefix
+        for k, cand in enumerate(self.successors()[:FENCE_PROBES]):
+            generation = mem.generation + 1 + k
+            port = self.port(generation)
+            try:
+                with socket.create_connection((cand.host, port), timeout=0.2):
+                    pass
+            except OSError:
+                continue
+            client = _client(cand.host, port, 1.0, 1.0)
+            if client is None:
+                continue
+            try:
+                if client.check([prefix + "took_over"]):
+                    return (f"this node hosted the rendezvous store but was unreachable, and the other "
+                            f"nodes moved the job to generation {generation} of the store at "
+                            f"{cand.host}:{port}: stopping this node's ranks -> exiting 1")
+            except (DistNetworkError, RuntimeError):
+                continue
+        return None
+
+
+def _client(host: str, port: int, within: float, timeout: float) -> Optional[TCPStore]:
+    """A TCPStore client, or None when none is made within `within` s (the caller moves on to
+    the next candidate)."""
+    client = connect_client(host, port, datetime.timedelta(seconds=timeout), within)
+    return None if client is None or isinstance(client, Exception) else client

@@ -1,0 +1,1 @@
+"""Code that runs in a rank monitor process: the deadline-driven RankMonitorServer."""

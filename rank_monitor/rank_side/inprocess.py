@@ -1,0 +1,306 @@
+"""In-process restart, the rank side: `ft_launcher.restartable(fn)`.
+
+The wrapper runs the training function; when the launcher restarts the job in place, it leaves
+the function, destroys the process group, waits at the agents' barrier, takes the new cycle's
+environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT, ...) and calls the
+function again, in the same process: torch, the CUDA context and every import stay.
+
+How it talks to the agent: the words H_IP_* of the rank's shared-memory record (shm_layout).
+- On entry it sets IP_RUNNING: the agent counts a node whose ranks all did as restartable.
+- The agent asks for a restart by writing H_IP_REQUEST (the next cycle's number) and sending
+  IN_PLACE_SIGNAL; the handler raises RestartInPlace in the main thread, where the function is
+  running. A main thread blocked in a collective leaves it when the collective fails (gloo: a peer's
+  sockets close as it dies or tears its group down) and the handler runs then; NCCL communicators
+  are aborted from the handler's helper thread so the blocked call returns.
+- When the function raises by itself, the rank reports it (IP_FAILED, the exception's one-line
+  summary, a byte on the agent's wake pipe) and waits, at most REPORT_WAIT, for the agent's request
+  before tearing its process group down, so that its peers' errors (their collectives fail when its
+  sockets close) reach the agents after the report that names the real cause. An exception that
+  says a peer is gone (PEER_LOST) waits up to PEER_GRACE for the restart that peer's failure brings
+  before it counts as this rank's own failure.
+- At the restart point it first shuts down the connections the failed cycle opened to the job's
+  nodes (rank_monitor.peer_sockets: a DDP reducer keeps a gloo group's sockets open, and a peer
+  waiting for this rank's data learns that it is gone only when they close), then destroys the
+  process group, frees what the failed call held (a full garbage collection, cheap because what
+  existed before the first call was frozen out of the collector's view, gc.freeze, as in a warm
+  reserve), empties the CUDA cache (empty_cuda_cache), sets IP_READY and waits for H_IP_GO; the
+  agent kills a rank that does not get there within inprocess_timeout and replaces it.
+- On H_IP_GO it reads the environment the agent wrote (shm_layout.env_file), updates os.environ,
+  starts a new incarnation of its monitor record (new sections, heartbeats) and calls the function.
+
+Live state (rank_monitor.rank_side.live_state): while a rank is inside `LiveState.commit` (its optimizer
+step), the restart signal waits: the handler only notes it (and NCCL's abort waits with it), and
+the commit's end acts on it, so a step is either wholly done or not begun. A rank whose function
+raised by itself (IP_FAILED) is marked suspect for the next call's `LiveState.restore`.
+
+Outside ft_launcher, or when the launcher's restart granularity is `job`, it only calls the function.
+SystemExit and KeyboardInterrupt pass through; so does an exception when no in-process restart can
+follow (the agent then ends the rank and restarts it the usual way).
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Callable, Optional
+
+from ft_launcher.rank_monitor import peer_sockets
+from ft_launcher.rank_monitor import shm_layout as L
+
+ENV_WAKE_FD = "FT_LAUNCHER_WAKE_FD"            # the agent's wake pipe (write end), inherited
+ENV_GRANULARITY = "FT_LAUNCHER_RESTART_GRANULARITY"
+ENV_EMPTY_CUDA_CACHE = "FT_LAUNCHER_EMPTY_CUDA_CACHE"
+IN_PLACE_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
+REPORT_WAIT = 1.0     # seconds a rank whose function raised waits for the agent's request
+PEER_GRACE = 2.0      # seconds a rank whose peer went away waits for the restart that peer's failure brings
+# What a collective or the store raises when a peer is gone (its process died or left its group):
+# torch's typed errors (DistNetworkError from a store or socket, DistBackendError from a backend such
+# as NCCL) and Python's ConnectionError by type; gloo raises a bare RuntimeError, known only by its words.
+PEER_LOST_TYPES = ("DistNetworkError", "DistBackendError")
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Read error",
+             "Write error", "Connection refused", "failed to recv", "Socket Timeout")
+POLL = 0.002          # seconds between looks at the record while waiting
+
+
+class RestartInPlace(BaseException):
+    """Raised in the main thread when the launcher restarts the job in place. A BaseException, so
+    `except Exception` in training code does not swallow it; let it pass."""
+
+
+class _State:
+    def __init__(self) -> None:
+        self.active = False          # the function is running in the main thread
+        self.raised_for = 0          # the request a RestartInPlace was already raised for
+        self.installed = False
+        self.in_commit = False       # inside LiveState.commit: a restart signal waits for its end
+        self.deferred = False        # a restart signal arrived inside a commit
+        self.failed_last = False     # the previous call raised by itself (not a restart's consequence)
+
+
+_STATE = _State()
+
+
+def _record():
+    """(mm, words) of the rank's record, or None outside ft_launcher."""
+    from ft_launcher.rank_monitor.rank_side.client import _ATT
+
+    if not _ATT.ensure():
+        return None
+    return _ATT.mm, _ATT.words
+
+
+def _wake_agent() -> None:
+    fd = os.environ.get(ENV_WAKE_FD)
+    if fd:
+        try:
+            os.write(int(fd), b"i")
+        except (OSError, ValueError):
+            pass
+
+
+def _on_restart_signal(signum, frame) -> None:
+    rec = _record()
+    if rec is None:
+        return
+    words = rec[1]
+    if _STATE.in_commit:   # the optimizer step finishes first (commit_done acts on the signal)
+        _STATE.deferred = True
+        return
+    request = words[L.H_IP_REQUEST]
+    _abort_nccl_async()
+    if _STATE.active and request > words[L.H_IP_SEEN] and request != _STATE.raised_for:
+        _STATE.raised_for = request
+        raise RestartInPlace(f"the launcher restarts the job in place (cycle {request})")
+
+
+def commit_done() -> None:
+    """The end of a LiveState.commit: act on a restart signal that arrived inside it."""
+    _STATE.in_commit = False
+    if _STATE.deferred:
+        _STATE.deferred = False
+        _on_restart_signal(IN_PLACE_SIGNAL, None)
+
+
+def _abort_nccl_async() -> None:
+    """NCCL collectives can be aborted: do it from a thread, so a main thread blocked in one returns."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() != "nccl":
+            return
+    except Exception:  # noqa: BLE001 - no default group
+        return
+
+    def abort():
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            c10d._abort_process_group()
+        except Exception:  # noqa: BLE001 - best effort: the hard bound is the agent's
+            pass
+
+    threading.Thread(target=abort, name="ft-nccl-abort", daemon=True).start()
+
+
+def _install() -> bool:
+    if _STATE.installed:
+        return True
+    try:
+        signal.signal(IN_PLACE_SIGNAL, _on_restart_signal)
+    except ValueError:   # not the main thread
+        return False
+    _STATE.installed = True
+    return True
+
+
+def _gloo_group() -> bool:
+    """A process group other than NCCL's is up: its collectives cannot be aborted."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    try:
+        return dist.get_backend() != "nccl"
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _teardown() -> None:
+    """Leave nothing of the failed cycle that holds the process group or memory."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        try:
+            if not _gloo_group():   # NCCL: abort first, so that nothing waits on a dead peer
+                from torch.distributed import distributed_c10d as c10d
+
+                c10d._abort_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - an aborted group may complain; it is gone either way
+            sys.stderr.write(f"ft_launcher: destroying the process group at the restart: {exc!r}\n")
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is not None and not c10d.is_initialized():
+        # An init_process_group that failed half-way (a peer died while it waited) took a group
+        # name; the next one must take the same name as its peers' ("0"), as after a destroy.
+        c10d._world.group_count = 0
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if (torch is not None and os.environ.get(ENV_EMPTY_CUDA_CACHE, "1") == "1"
+            and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        torch.cuda.empty_cache()
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    dist = sys.modules.get("torch.distributed")
+    types = tuple(getattr(dist, name) for name in PEER_LOST_TYPES if hasattr(dist, name))
+    if isinstance(exc, ConnectionError) or (types and isinstance(exc, types)):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_LOST)
+
+
+def _summary(exc: BaseException) -> str:
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = f" at {os.path.basename(where[0].filename)}:{where[0].lineno}" if where else ""
+    return f"{type(exc).__name__}: {exc}{at}".replace("\n", " ")[:400]
+
+
+def _wait(words, word: int, target: int, limit: Optional[float]) -> bool:
+    """Wait until words[word] >= target (at most `limit` s; None: as long as it takes)."""
+    deadline = None if limit is None else time.monotonic() + limit
+    while words[word] < target:
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL)
+    return True
+
+
+def _next_environment(path: str) -> None:
+    with open(path) as fh:
+        env = json.load(fh)
+    os.environ.update({k: str(v) for k, v in env.items()})
+
+
+class _Run:
+    def __init__(self, fn: Callable, args, kwargs) -> None:
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+
+    def __call__(self):
+        rec = _record() if os.environ.get(ENV_GRANULARITY, "job") != "job" else None
+        if rec is None or threading.current_thread() is not threading.main_thread() or not _install():
+            return self.fn(*self.args, **self.kwargs)
+        mm, words = rec
+        from ft_launcher.rank_monitor.rank_side.client import _ATT
+
+        # What exists before the first call (torch, every import) leaves the garbage collector's
+        # view, as in a warm reserve: the full collection at each restart then costs ~1 ms instead
+        # of ~135 ms with torch loaded, and so do the training loop's own old-generation collections.
+        gc.freeze()
+        while True:
+            sockets_before = set(peer_sockets.socket_inodes())
+            words[L.H_IP_FAIL_NS] = 0
+            words[L.H_IP_STATE] = L.IP_RUNNING
+            failed = False
+            _STATE.in_commit = _STATE.deferred = False
+            try:
+                _STATE.active = True
+                try:
+                    result = self.fn(*self.args, **self.kwargs)
+                finally:
+                    _STATE.active = False
+                words[L.H_IP_STATE] = L.IP_DONE
+                return result
+            except RestartInPlace:
+                _STATE.active = False
+            except (SystemExit, KeyboardInterrupt, GeneratorExit):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - the failure this wrapper exists for
+                _STATE.active = False
+                seen = words[L.H_IP_SEEN]
+                if _peer_lost(exc):   # most likely a consequence: the peer's failure brings the restart
+                    _wait(words, L.H_IP_REQUEST, seen + 1, PEER_GRACE)
+                if words[L.H_IP_REQUEST] <= seen:   # not a consequence of a restart
+                    failed = True
+                    traceback.print_exc()
+                    L.write_ip_text(mm, words, _summary(exc))
+                    words[L.H_IP_FAIL_NS] = time.monotonic_ns()
+                    words[L.H_IP_STATE] = L.IP_FAILED
+                    _wake_agent()
+                del exc
+            _STATE.failed_last = failed
+            seen = words[L.H_IP_SEEN]
+            if failed:
+                if not _wait(words, L.H_IP_REQUEST, seen + 1, REPORT_WAIT):
+                    sys.stderr.write("ft_launcher: no restart request yet for the exception above; tearing "
+                                     "down the process group and waiting for the launcher\n")
+            peer_sockets.shut_down_new_peer_connections(sockets_before)   # first: peers blocked on us go on
+            _teardown()
+            _wait(words, L.H_IP_REQUEST, seen + 1, None)   # the agent ends a rank it does not restart
+            request = words[L.H_IP_REQUEST]
+            words[L.H_IP_SEEN] = request
+            words[L.H_IP_STATE] = L.IP_READY
+            _wake_agent()
+            _wait(words, L.H_IP_GO, request, None)          # the agent kills a rank it gives up on
+            _next_environment(L.env_file(os.environ[L.ENV_SHM]))
+            _ATT.new_cycle()
+
+
+def restartable(fn: Optional[Callable] = None):
+    """Run `fn` so that the launcher can restart it in this process (see the module docstring):
+    `@ft_launcher.restartable` over the training function, or `ft_launcher.restartable(train)(...)`.
+    The function must build everything that holds the process group (the group itself, DDP,
+    optimizers over DDP's parameters) and reload the last checkpoint on every call."""
+    if fn is None:
+        return restartable
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return _Run(fn, args, kwargs)()
+
+    return run
