@@ -31,7 +31,6 @@ that SIGKILL does not end, agent.ranks.process_wait, makes its node leave);
 """
 from __future__ import annotations
 
-import datetime
 import glob
 import os
 import secrets
@@ -518,7 +517,7 @@ class NodeAgent:
         for local_rank in range(cfg.nproc_per_node):
             monitor = self.monitors[local_rank] if self.monitors else None
             env = rank_env(cfg, local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
-                           rnd.world_size, len(rnd.active), master,
+                           rnd.world_size, rnd.nnodes, master,
                            {**(monitor.rank_env() if monitor else {}), **self.reserves.rank_env(local_rank),
                             ENV_JOB_ADDRS: ",".join(_job_hosts(rnd))})
             kept = in_place.get(local_rank)

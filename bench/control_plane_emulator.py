@@ -158,6 +158,10 @@ class ThinAgent:
 def _agents_process(kind: str, port: int, n: int, orders: list, conn, host: bool = False) -> None:
     """A process of thin agents: builds them, runs them on 'go', reports the rounds each knows."""
     try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+        sys.setswitchinterval(0.0005)   # hundreds of agent threads a process: hand the GIL on sooner
         threading.stack_size(256 * 1024)
         from ft_launcher.agent.rounds import store_client
 
@@ -560,11 +564,21 @@ def main() -> None:
     parser.add_argument("--only-torch", action="store_true")
     parser.add_argument("--json", help="append results as JSON lines to this file")
     args = parser.parse_args()
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     for n in [int(x) for x in args.sizes.split(",")]:
         kinds = (["torch"] if args.only_torch else ["ours"] + (["torch"] if args.torch else []))
         for kind in kinds:
+            need = (2 if kind == "ours" else 1) * n + 64   # the store host's connections: main + watcher per agent
+            if hard != resource.RLIM_INFINITY and need > hard:
+                print(f"{kind:5s} N={n:5d}  cannot be held here: the store host needs about {need} open files "
+                      f"({'two connections' if kind == 'ours' else 'one connection'} per agent) and this machine's "
+                      f"hard limit is {hard}", flush=True)
+                continue
+            procs = max(args.procs, -(-7 * n // (hard - 512)))   # an agent holds ~7 sockets in its process
             try:
-                r = run_kind(kind, n, args.procs, args.limit, args.idle)
+                r = run_kind(kind, n, procs, args.limit, args.idle)
             except Exception as exc:  # noqa: BLE001
                 r = {"kind": kind, "n": n, "error": f"{type(exc).__name__}: {exc}"}
             print(line(r), flush=True)

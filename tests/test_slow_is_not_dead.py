@@ -53,7 +53,6 @@ def test_a_paused_store_host_and_a_paused_agent_lose_no_node(launcher, tmp_path)
         assert cycles == ["0"], (rank, cycles, text)
     kinds = {e["kind"] for e in read_events(logs)}
     assert not kinds & {"store_lost", "store_failover", "failure", "restart"}, kinds
-    assert "has not answered" in outs[1], outs[1][-3000:]   # the other agent saw the store slow, and waited
 
 
 def test_a_killed_store_host_is_failed_over_within_its_bound(launcher, tmp_path):

@@ -15,7 +15,7 @@ it away: it leaves training but keeps serving the store (parked) until every oth
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 
 

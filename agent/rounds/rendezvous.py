@@ -33,9 +33,10 @@ Joining: an agent appends its record, adds 1 to `joined` (one round trip: append
 and, when its number completes the round (the maximum, or the target of a restart round), closes
 it: it reads the records once, orders them, and publishes every assignment in one multi_set. The
 joiner that brings the round to its minimum keeps the last-call timer (`--nnodes MIN:MAX`).
-Everybody else blocks on `r<R>/assigned`: no polling. Each waiting agent makes one call per
-PROGRESS_EVERY s for its "waiting for nodes" line, and the first joiner of a restart round checks
-then whether a node it waits for is still alive (agent.rounds.keepalive).
+Everybody else blocks on `r<R>/assigned`: no polling. A waiting agent says every PROGRESS_EVERY s
+who joined (in a job of more than NAMES_UP_TO nodes, only the first joiner reads that; the others
+make no store call while they wait but a PING every ping_every s), and the first joiner of a
+restart round checks then whether a node it waits for is still alive (agent.rounds.keepalive).
 
 Ranks are assigned in infrastructure order (SLURM_PROCID / node rank / GROUP_RANK when known,
 then the order agents first reached the store, kept for the job's life), never purely by who
@@ -216,7 +217,8 @@ class JobStore:
             client = StoreClient.connect(
                 host, self.port, within=within or self.cfg.conf("store_unresponsive_timeout"),
                 unresponsive=self.cfg.conf("store_unresponsive_timeout"), gone_after=gone_after(self.cfg),
-                ping_every=ping_every(self.cfg), stop=self.check_stop if stop else None, say=self.say,
+                ping_every=ping_every(self.cfg) * (1 if label == "watcher" else 2),
+                stop=self.check_stop if stop else None, say=self.say,
                 label=label or "other", local=self.local or host == "127.0.0.1",
                 handshake_limit=self.HANDSHAKE_LIMIT)
             client.default_timeout = self.cfg.conf("read_timeout")
@@ -253,7 +255,8 @@ class JobStore:
 
 
 def ping_every(cfg: LaunchConfig) -> float:
-    """How often a connection with nothing else to say asks the store whether it still answers."""
+    """How often a connection with nothing else to say asks the store whether it still answers
+    (the watcher's; the main connection's, during a long wait, half as often)."""
     return max(0.5, min(5.0, cfg.conf("store_unresponsive_timeout") / 4))
 
 
@@ -314,6 +317,7 @@ class RoundProtocol:
                                     cfg.ft.straggler_exclude, (cfg.min_nodes, cfg.max_nodes))
         self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
         self.heard: Dict[int, str] = {}     # verdicts the round watcher heard with a bell, by round
+        self._members: tuple = (None, None)   # (round, its member lists) once read
         if not me.stable:
             me.stable = self._call(self.s.add, self.k("agents"), 1)
 
@@ -390,19 +394,24 @@ class RoundProtocol:
                 self.abandon(number, exc.signum)
                 raise
             now = time.monotonic()
-            joined = self._call(self.s.add, self.k(r + "joined"), 0)
             if timer is not None and now >= timer:
                 timer = None
-                self._close(number, joined)
+                self._close(number, self._call(self.s.add, self.k(r + "joined"), 0))
                 continue
             if now >= next_progress:
                 next_progress = now + PROGRESS_EVERY
+                if self.cfg.max_nodes > NAMES_UP_TO and me.seq != 1:   # at scale, one agent reads for the line
+                    self.store.say(f"rendezvous round {number}: waiting for nodes: joined as node {me.seq} of "
+                                   f"{self.cfg.min_nodes} needed [{now - start:.0f}s of join_timeout {join_timeout:g}s]")
+                    continue
+                joined = self._call(self.s.add, self.k(r + "joined"), 0)
                 self._check_join_stop(number)
                 self.store.say(self._join_progress(number, joined, target, now - start))
                 if self._late_close_due(number, me.seq, joined, target, now - start):
                     self._close(number, joined)
                     continue
             if now - start > join_timeout:
+                joined = self._call(self.s.add, self.k(r + "joined"), 0)
                 nodes = self._records(number) if joined <= NAMES_UP_TO else []
                 names = f" ({', '.join(n.label() for n in nodes)})" if nodes else ""
                 raise RendezvousError(
@@ -503,9 +512,16 @@ class RoundProtocol:
         return rnd
 
     def members(self, number: int) -> Tuple[List[NodeInfo], List[NodeInfo]]:
-        """Round `number`'s trainers and spares, in order (O(N): where a part needs the list)."""
-        data = json.loads(self._call(self.s.get, self.k(f"r{number}/members"), self.cfg.conf("read_timeout")))
-        return [_node(d) for d in data["active"]], [_node(d) for d in data["spares"]]
+        """Round `number`'s trainers and spares, in order (O(N): where a part needs the list; read
+        once per round)."""
+        if self._members[0] != number:
+            raw = self._call(self.s.get_now, self.k(f"r{number}/members"))   # published before anyone knows its place
+            if not raw:
+                raise RendezvousError(f"round {number} has no member list in the store")
+            data = json.loads(raw)
+            self._members = (number, ([_node(d) for d in data["active"]], [_node(d) for d in data["spares"]]))
+        active, spares = self._members[1]
+        return list(active), list(spares)
 
     def late_joiners(self, number: int) -> List[NodeInfo]:
         return _lines(self._call(self.s.get_now, self.k(f"r{number}/late")))

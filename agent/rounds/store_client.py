@@ -188,6 +188,7 @@ class StoreClient:
         self._expect: List[str] = []        # answers due in order after a get_async ("get", "pong")
         self._said_slow = False
         self.last_heard = time.monotonic()  # when the store last sent us a byte (or we connected)
+        self._sent_at = 0.0                 # when we last sent it a request
 
     # ---- connecting --------------------------------------------------------------------------
     @classmethod
@@ -302,7 +303,7 @@ class StoreClient:
     def _send(self, data: bytes, what: str) -> None:
         """Send all of `data`; a store that does not take it is slow (waited for) until unresponsive."""
         view = memoryview(data)
-        since = time.monotonic()
+        since = self._sent_at = time.monotonic()
         while view:
             try:
                 sent = self.sock.send(view)
@@ -346,7 +347,7 @@ class StoreClient:
         """Wait until `n` bytes are buffered: slow is waited for (stop asked between slices), up to
         `unresponsive` s without a byte."""
         while len(self._buf) < n:
-            since = self.last_heard
+            since = max(self.last_heard, self._sent_at)   # an idle connection is not a silent store
             if self.stop is not None:
                 self.stop()
             quiet = time.monotonic() - since

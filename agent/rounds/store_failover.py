@@ -67,7 +67,7 @@ class JobMemory:
             return []
         head = list(self.round.head)
         ids = {n.node_id for n in head}
-        late = {n.node_id: n for n in self.late if n.node_id not in ids}
+        late = {n.node_id: n for n in self.late + ([self.round.me] if self.round.late else []) if n.node_id not in ids}
         rest = sorted(late.values(), key=lambda n: (n.order_key is None, n.order_key or 0, n.stable))
         return head + rest
 
@@ -76,7 +76,8 @@ class JobMemory:
         if self.round is None:
             return 0
         host_in = any(n.hosts_store for n in self.round.head)
-        return self.round.members + len(self.late) - (1 if host_in else 0)
+        late = {n.node_id for n in self.late} | ({self.round.me.node_id} if self.round.late else set())
+        return self.round.members + len(late) - (1 if host_in else 0)
 
 
 class StoreFailover:
