@@ -383,6 +383,7 @@ class RoundProtocol:
         next_progress = start + 1.0  # the first line soon, then every PROGRESS_EVERY s
         join_timeout = self.cfg.conf("join_timeout")
         assigned = self.k(r + "assigned")
+        closed_seen = False
         while True:
             deadline = min(next_progress, start + join_timeout, timer or float("inf"))
             try:
@@ -406,6 +407,11 @@ class RoundProtocol:
                     continue
                 joined = self._call(self.s.add, self.k(r + "joined"), 0)
                 self._check_join_stop(number)
+                if self._call(self.s.check, [self.k(r + "closed")]):
+                    if closed_seen:   # closed a tick ago and still not published: its closer died
+                        self._publish(number)
+                        continue
+                    closed_seen = True
                 self.store.say(self._join_progress(number, joined, target, now - start))
                 if self._late_close_due(number, me.seq, joined, target, now - start):
                     self._close(number, joined)
@@ -438,10 +444,16 @@ class RoundProtocol:
     def _close(self, number: int, count: int) -> bool:
         """Close round `number` with `count` joiners (first closer wins) and publish every
         assignment. True when this agent closed it."""
-        r = f"r{number}/"
         mine = f"{count}:{self.token}"
-        if self._call(self.s.compare_set, self.k(r + "closed"), "", mine).decode() != mine:
+        if self._call(self.s.compare_set, self.k(f"r{number}/closed"), "", mine).decode() != mine:
             return False
+        self._publish(number)
+        return True
+
+    def _publish(self, number: int) -> None:
+        """Every assignment of closed round `number`, then `assigned` (idempotent: a closer that
+        died before publishing is stood in for by whoever notices, from the same records)."""
+        r = f"r{number}/"
         nodes = order(self._records(number))
         train = self.training_nodes
         active, spares = nodes[:train], nodes[train:]
@@ -451,7 +463,7 @@ class RoundProtocol:
                 self.abandon_with(number, {"kind": "stop", "what": f"rendezvous round {number}: segment "
                                            f"{self.cfg.ft.segment}: " + segments.shortfall(nodes, train,
                                                                                             self.cfg.ft.segment)})
-                return True
+                return
             active, spares = chosen
         members = active + spares
         keys, values = [], []
@@ -472,7 +484,6 @@ class RoundProtocol:
                                "spares": [dataclasses.asdict(n) for n in spares]}, separators=(",", ":"))]
         self._call(self.s.multi_set, keys, values)
         self._call(self.s.set, self.k(r + "assigned"), "ok")
-        return True
 
     def abandon_with(self, number: int, reason: dict) -> None:
         """End round `number` before it trains: `reason` as its interrupt and verdict, and the
