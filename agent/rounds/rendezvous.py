@@ -105,18 +105,22 @@ def host_store(host: str, port: int, read_timeout: float):
     endpoint gets an IPv4 socket, so the server sees its clients' own addresses (on a dual-stack
     socket it sees IPv4-mapped IPv6 ones, whose reverse lookups go to DNS: where DNS does not
     answer, each costs the server 5 s with every new connection waiting behind it). Raises
-    OSError (EADDRINUSE when the port is taken). torch is imported here, by the one agent that
-    hosts the store."""
+    OSError (EADDRINUSE when the port is taken). torch is imported here, once the port is bound,
+    by the one agent that hosts the store."""
     import datetime
-
-    from torch.distributed import TCPStore
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
+        # torch only once the port is free (an agent that finds it taken, another agent of this
+        # host hosting, goes on as a client without importing torch); it listens once the server
+        # can answer: until then a client is refused, and waits for the host to start
+        from torch.distributed import TCPStore
+
         listener.listen(socket.SOMAXCONN)
+
         store = TCPStore(host if family == socket.AF_INET else "::1", listener.getsockname()[1], is_master=True,
                          wait_for_workers=False, timeout=datetime.timedelta(seconds=read_timeout),
                          master_listen_fd=listener.fileno())
