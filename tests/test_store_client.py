@@ -35,6 +35,17 @@ def server():
         proc.wait()
 
 
+def _stop(proc):
+    """SIGSTOP `proc` and await the stop (a signal is delivered asynchronously)."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with open(f"/proc/{proc.pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+
+
 def _client(port, **kw):
     return StoreClient.connect("127.0.0.1", port, within=10, **kw)
 
@@ -88,7 +99,7 @@ def test_a_paused_store_is_slow_not_dead_and_a_killed_one_is_dead_at_once(server
     lines = []
     c = _client(port, unresponsive=20.0, ping_every=1.0, say=lines.append)
     c.set("k", "v")
-    os.kill(proc.pid, signal.SIGSTOP)
+    _stop(proc)
     threading.Timer(4.0, lambda: os.kill(proc.pid, signal.SIGCONT)).start()
     start = time.monotonic()
     assert c.add("slow", 1) == 1   # answered once the store runs again
@@ -120,7 +131,7 @@ def test_a_paused_store_is_slow_not_dead_and_a_killed_one_is_dead_at_once(server
 def test_a_store_paused_past_the_limit_is_unresponsive(server):
     proc, port = server
     c = _client(port, unresponsive=1.5, ping_every=0.5)
-    os.kill(proc.pid, signal.SIGSTOP)
+    _stop(proc)
     try:
         start = time.monotonic()
         with pytest.raises(StoreUnreachable) as lost:
@@ -173,7 +184,7 @@ def test_a_silent_running_program_on_this_host_is_not_a_store_and_a_stopped_one_
     finally:
         srv.close()
     proc, port = server
-    os.kill(proc.pid, signal.SIGSTOP)   # a paused store: waited for, then answered
+    _stop(proc)   # a paused store: waited for, then answered
     threading.Timer(2.5, lambda: os.kill(proc.pid, signal.SIGCONT)).start()
     lines = []
     c = StoreClient.connect("127.0.0.1", port, within=30, handshake_limit=1.0, say=lines.append)
