@@ -64,6 +64,7 @@ import os
 import secrets
 import socket
 import time
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ft_launcher.agent.rounds import segments, store_client
@@ -127,14 +128,15 @@ def host_store(host: str, port: int, read_timeout: float):
     except BaseException:
         listener.close()
         raise
-    return HostedStore(store, listener)
+    listener.detach()   # the server owns the descriptor now (it closes it when it stops)
+    return HostedStore(store)
 
 
 class HostedStore:
-    """torch's store server and the listening socket it serves on (both live as long as this)."""
+    """torch's store server, serving on a listening socket of ours."""
 
-    def __init__(self, store, listener: socket.socket):
-        self.store, self.listener = store, listener
+    def __init__(self, store):
+        self.store = store
         self.port = store.port
 
 
@@ -222,7 +224,7 @@ class JobStore:
                 host, self.port, within=within or self.cfg.conf("store_unresponsive_timeout"),
                 unresponsive=self.cfg.conf("store_unresponsive_timeout"), gone_after=gone_after(self.cfg),
                 ping_every=ping_every(self.cfg) * (1 if label == "watcher" else 2),
-                stop=self.check_stop if stop else None, say=self.say,
+                stop=self._stop_check() if stop else None, say=self.say,
                 label=label or "other", local=self.local or host == "127.0.0.1",
                 handshake_limit=self.HANDSHAKE_LIMIT)
             client.default_timeout = self.cfg.conf("read_timeout")
@@ -236,6 +238,17 @@ class JobStore:
 
     def key(self, name: str) -> str:
         return self.prefix + name
+
+    def _stop_check(self) -> Callable[[], None]:
+        """check_stop for this store's clients, without a reference to this store (a client that
+        held one would keep a store hosted here alive, through the cycle, after its last user)."""
+        ref = weakref.ref(self)
+
+        def check() -> None:
+            store = ref()
+            if store is not None:
+                store.check_stop()
+        return check
 
     def check_stop(self) -> None:
         """Raise Stopped if a signal asked this agent to stop."""

@@ -244,7 +244,7 @@ class StoreFailover:
         try:
             client = StoreClient.connect(host, port, within=within,
                                          unresponsive=self.cfg.conf("store_unresponsive_timeout"),
-                                         gone_after=gone_after(self.cfg), stop=self.store.check_stop,
+                                         gone_after=gone_after(self.cfg), stop=self.store._stop_check(),
                                          say=self.say, label=label, handshake_limit=within)
         except StoreError:
             return None
