@@ -739,11 +739,6 @@ class _Liveness:
         return len(self.expected) - len(dead)
 
 
-def present_values(client: StoreClient, keys: List[str]) -> List[Optional[bytes]]:
-    """The values of `keys`, None for a key not (yet) in the store, without blocking."""
-    return [v if v else None for v in client.multi_get_now(keys)] if keys else []
-
-
 # ---- optional call counting (bench/rendezvous_scale.py) ---------------------------------------
 _STATS_DIR = os.environ.get("FT_LAUNCHER_STORE_STATS")
 _MARKS: Dict[str, float] = {}
