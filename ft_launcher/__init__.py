@@ -49,10 +49,12 @@ if (not _os.path.isdir(_os.path.join(__path__[0], "agent"))
 
 _CLIENT = "ft_launcher.rank_monitor.rank_side.client"
 _LAZY = {name: _CLIENT for name in (
-    "FtSectionWarning", "Preemption", "RankMonitorClient", "RankMonitorClientError", "WorkloadAction",
-    "WorkloadControlRequest", "heartbeat", "on_preemption", "preempted", "section",
+    "FtSectionWarning", "Preemption", "RankMonitorClient", "RankMonitorClientError", "heartbeat", "on_preemption",
+    "preempted", "section",
     "send_workload_control_request")}
-_LAZY.update({"RestartInPlace": "ft_launcher.rank_monitor.rank_side.inprocess",
+_LAZY.update({"WorkloadAction": "ft_launcher.rank_monitor.workload_requests",
+              "WorkloadControlRequest": "ft_launcher.rank_monitor.workload_requests",
+              "RestartInPlace": "ft_launcher.rank_monitor.rank_side.inprocess",
               "restartable": "ft_launcher.rank_monitor.rank_side.inprocess",
               "LiveState": "ft_launcher.rank_monitor.rank_side.live_state",
               "FaultToleranceConfig": "ft_launcher.rank_monitor.config",
