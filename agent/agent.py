@@ -759,13 +759,10 @@ class NodeAgent:
         """The job is over: say so, and if this agent hosts the store, keep it up (bounded)
         until every node has read the verdict, so none mistakes the end for a lost store."""
         try:
-            left = self.proto.mark_left(rnd.number)
-            deadline = time.monotonic() + 10
-            while self.store.is_host and left < len(rnd.active) + len(rnd.spares) and time.monotonic() < deadline:
-                if self._signal is not None:  # a signal ends this wait within a second
-                    deadline = min(deadline, time.monotonic() + 1.0)
-                time.sleep(0.02)
-                left = self.proto.left_count(rnd.number)
+            self.proto.mark_left(rnd.number)
+            everyone = len(rnd.active) + len(rnd.spares)
+            self.store.linger(lambda: self.proto.left_count(rnd.number) >= everyone, 10,
+                              stop=lambda: self._signal is not None, grace=1.0)   # a signal: within a second
         except RendezvousError:
             pass
 

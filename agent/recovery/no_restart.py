@@ -47,8 +47,8 @@ def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callabl
     (its keep-alive counter stopped for `silent_limit` s) or `give_up` s have passed. Ends early
     (returns) on a signal."""
     silence = SilenceWatch(silent_limit)
-    deadline = time.monotonic() + give_up
-    while time.monotonic() < deadline and not stop():
+
+    def everyone_gone() -> bool:
         now = time.monotonic()
         try:
             number = int(proto.get("round"))
@@ -59,8 +59,8 @@ def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callabl
             ids = [i for i in dict.fromkeys(ids) if i != me_id]
             counts = proto.get_many([f"alive/{i}" for i in ids])
         except Exception:  # noqa: BLE001 - nobody left to serve
-            return
+            return True
         quiet = sum(silence.silent(node_id, count, now) for node_id, count in zip(ids, counts))
-        if ids and quiet == len(ids):
-            return
-        time.sleep(0.25)
+        return bool(ids) and quiet == len(ids)
+
+    store.linger(everyone_gone, give_up, stop=lambda: bool(stop()), poll=0.25)

@@ -62,6 +62,7 @@ from ft_launcher.agent.recovery.progress import ProgressTracker
 from ft_launcher.agent.recovery.restart_policy import NODE_FAILURE_LIMIT, PolicyInputs, RestartPolicy, RoundFacts, Verdict
 from ft_launcher.agent.rounds.round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
 
+LINGER_POLL = 0.02   # seconds between looks while a leaving store host keeps the store up
 WAIT_SLICE = 0.25     # seconds: the longest a wait goes without looking for a signal
 PROGRESS_EVERY = 5.0  # seconds between "still waiting for ..." lines
 WATCHED_PEERS = 2     # keep-alive counters each agent watches: the next nodes in the round's order
@@ -203,6 +204,20 @@ class JobStore:
             except DistNetworkError as exc:
                 raise StoreLost(f"lost the rendezvous store at {self.host}:{self.port} "
                                 f"({str(exc).splitlines()[0]})") from None
+
+    def linger(self, done: Callable[[], bool], within: float, stop: Callable[[], bool] = lambda: False,
+               grace: float = 0.0, poll: float = LINGER_POLL) -> None:
+        """This agent hosts the store and leaves: keep the store up until `done()` (the other
+        agents have read what they need; asked every `poll` s), at most `within` s; once `stop()`
+        (a signal), at most `grace` s more. Every agent that leaves while hosting the store
+        lingers here."""
+        if not self.is_host:
+            return
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and not done():
+            if stop():
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(poll)
 
     def _port_flag(self) -> str:
         return "--master-port" if self.cfg.rdzv_backend == "static" else "--rdzv-endpoint"
@@ -387,11 +402,8 @@ class RoundProtocol:
             if self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text).decode() == text:
                 verdict = self.policy.decide(reason, RoundFacts(number, [], [], {}), PolicyInputs())
                 self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
-            left = self.mark_left(number)
-            deadline = time.monotonic() + 1.0
-            while self.store.is_host and left < self.count(f"r{number}/joined") and time.monotonic() < deadline:
-                time.sleep(0.02)
-                left = self.left_count(number)
+            self.mark_left(number)
+            self.store.linger(lambda: self.left_count(number) >= self.count(f"r{number}/joined"), 1.0)
         except RendezvousError:
             pass
 
