@@ -6,7 +6,7 @@ first report wins (compare-and-set on `r<R>/interrupt`, agent.rounds.rendezvous)
 `RestartPolicy.decide` and writes the resulting `Verdict` to `r<R>/verdict`, which every agent
 then reads and applies. Nothing else decides: the agent only carries out a verdict.
 
-A failure climbs the ladder only as far as it must (DESIGN.md, "The recovery ladder"):
+A failure climbs the ladder only as far as it must (docs/architecture.md, docs/recovery.md):
 
 - rung `in_process`: every rank of the job declared itself restartable (`ft.restartable`) in
   this round and the granularity allows it: the healthy ranks leave the failed step and run
