@@ -9,14 +9,12 @@ the scheduler does not requeue the job. Running out of restarts is a failure and
 A node leaves (a rank's ExcludeThisNode request, a failed health check) by marking itself in the
 store (`excluded/<node_id>`, and the job-wide `excluded` counter): the others restart without it
 (a hot spare takes its place). If the job can no longer reach its minimum node count
-(`max nodes - excluded < min nodes`), it stops as above. The node that hosts the store cannot take
+(`max nodes - excluded < min nodes`, the restart policy's `too_few_left`), it stops as above. The node that hosts the store cannot take
 it away: it leaves training but keeps serving the store (parked) until every other agent is gone.
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional
-
 
 
 class NoRestart(Exception):
@@ -40,15 +38,6 @@ def is_excluded(proto, node_id: str) -> bool:
     return proto.exists(f"excluded/{node_id}")
 
 
-def too_few_left(min_nodes: int, max_nodes: int, excluded: int) -> Optional[str]:
-    """Why a job of `min_nodes`..`max_nodes` nodes cannot go on once `excluded` have left, or None."""
-    left = max_nodes - excluded
-    if left >= min_nodes:
-        return None
-    return (f"{excluded} node{'s' if excluded != 1 else ''} excluded: at most {left} of the "
-            f"{min_nodes} needed can remain")
-
-
 def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callable[[], Optional[int]],
                     give_up: float) -> None:
     """An excluded node that hosts the store keeps it up until no other agent of the last two
@@ -56,8 +45,7 @@ def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callabl
     `give_up` s have passed. Ends early (returns) on a signal. `silent_limit`: seconds between looks."""
     from ft_launcher.agent.rounds.keepalive import probe
 
-    deadline = time.monotonic() + give_up
-    while time.monotonic() < deadline and not stop():
+    def everyone_gone() -> bool:
         try:
             number = int(proto.get("round"))
             nodes = {}
@@ -65,10 +53,8 @@ def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callabl
                 if k >= 0:
                     nodes.update({n.node_id: n for n in proto._nodes(k)})
         except Exception:  # noqa: BLE001 - nobody left to serve
-            return
-        others = [n for i, n in nodes.items() if i != me_id]
-        if others and not any(probe(n.host, n.alive_port, 0.5) for n in others if n.alive_port):
-            return
-        end = time.monotonic() + min(silent_limit, 1.0)
-        while time.monotonic() < end and not stop():
-            time.sleep(0.05)
+            return True
+        others = [n for i, n in nodes.items() if i != me_id and n.alive_port]
+        return bool(others) and not any(probe(n.host, n.alive_port, 0.5) for n in others)
+
+    store.linger(everyone_gone, give_up, stop=lambda: bool(stop()), poll=min(silent_limit, 1.0))
