@@ -111,6 +111,7 @@ def host_store(host: str, port: int, read_timeout: float):
     by the one agent that hosts the store."""
     import datetime
 
+    guard = _host_guard(port)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -128,16 +129,36 @@ def host_store(host: str, port: int, read_timeout: float):
                          master_listen_fd=listener.fileno())
     except BaseException:
         listener.close()
+        if guard is not None:
+            guard.close()
         raise
     listener.detach()   # the server owns the descriptor now (it closes it when it stops)
-    return HostedStore(store)
+    return HostedStore(store, guard)
+
+
+def _host_guard(port: int) -> Optional[socket.socket]:
+    """Two agents of one host may both find the port free and both import torch; only one may
+    host. The first to bind this host-wide name (a Linux abstract socket: released when its
+    process ends, no file left) does; the other gets EADDRINUSE, as if the port were taken."""
+    if not port or not hasattr(socket, "AF_UNIX"):
+        return None
+    guard = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        guard.bind(f"\0ft_launcher-store-{port}")
+    except OSError as exc:
+        guard.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise
+        return None   # no abstract sockets here: the TCP bind alone decides
+    return guard
 
 
 class HostedStore:
     """torch's store server, serving on a listening socket of ours."""
 
-    def __init__(self, store):
+    def __init__(self, store, guard: Optional[socket.socket] = None):
         self.store = store
+        self.guard = guard
         self.port = store.port
 
 
@@ -420,10 +441,21 @@ class RoundProtocol:
         join_timeout = self.cfg.conf("join_timeout")
         assigned = self.k(r + "assigned")
         closed_seen = False
+        # at scale only the first joiner reads who joined for its lines; the others say theirs
+        # between the slices of one wait, without a store call
+        reads = self.cfg.max_nodes <= NAMES_UP_TO or me.seq == 1
+        said = [start + 1.0]
+
+        def line() -> None:
+            now = time.monotonic()
+            if now >= said[0]:
+                said[0] = now + PROGRESS_EVERY
+                self.store.say(f"rendezvous round {number}: waiting for nodes: joined as node {me.seq} of "
+                               f"{self.cfg.min_nodes} needed [{now - start:.0f}s of join_timeout {join_timeout:g}s]")
         while True:
-            deadline = min(next_progress, start + join_timeout, timer or float("inf"))
+            deadline = min(next_progress if reads else float("inf"), start + join_timeout, timer or float("inf"))
             try:
-                self._call(self.s.wait, [assigned], max(0.0, deadline - time.monotonic()))
+                self._call(self.s.wait, [assigned], max(0.0, deadline - time.monotonic()), None if reads else line)
                 break
             except StoreTimeout:
                 pass
@@ -435,12 +467,8 @@ class RoundProtocol:
                 timer = None
                 self._close(number, self._call(self.s.add, self.k(r + "joined"), 0))
                 continue
-            if now >= next_progress:
+            if reads and now >= next_progress:
                 next_progress = now + PROGRESS_EVERY
-                if self.cfg.max_nodes > NAMES_UP_TO and me.seq != 1:   # at scale, one agent reads for the line
-                    self.store.say(f"rendezvous round {number}: waiting for nodes: joined as node {me.seq} of "
-                                   f"{self.cfg.min_nodes} needed [{now - start:.0f}s of join_timeout {join_timeout:g}s]")
-                    continue
                 joined = self._call(self.s.add, self.k(r + "joined"), 0)
                 self._check_join_stop(number)
                 if self._call(self.s.check, [self.k(r + "closed")]):
@@ -603,12 +631,16 @@ class RoundProtocol:
         """Stop joining round `number`: record a shutdown there so that the other joiners stop
         too; if this agent hosts the store, keep it up (at most 1 s) until they have read it."""
         reason = {"kind": "shutdown", "signal": sig, "node_id": self.me.node_id}
+        client = self.s
+        stop, client.stop = client.stop, None   # the signal being acted on ends none of these calls
         try:
             self.abandon_with(number, reason)
             self.mark_left(number)
             self.store.linger(lambda: self.left_count(number) >= self.count(f"r{number}/joined"), 1.0)
         except (RendezvousError, Stopped):
             pass
+        finally:
+            client.stop = stop
 
     def _join_progress(self, number: int, joined: int, target: Optional[int], waited: float) -> str:
         """One line: who joined round `number`, who is missing, how long it has waited (the

@@ -186,6 +186,7 @@ class StoreClient:
         self._nonce = 0
         self._waiting = False               # a WAIT is outstanding (async use: begin_wait)
         self._expect: List[str] = []        # answers due in order after a get_async ("get", "pong")
+        self._tick: Optional[Callable[[], None]] = None   # called between a wait's slices
         self._said_slow = False
         self.last_heard = time.monotonic()  # when the store last sent us a byte (or we connected)
         self._sent_at = 0.0                 # when we last sent it a request
@@ -471,10 +472,11 @@ class StoreClient:
         self._call("ping", bytes([PING]) + nonce, read)
         return time.monotonic() - start
 
-    def wait(self, keys: Sequence[str], timeout=None) -> None:
+    def wait(self, keys: Sequence[str], timeout=None, tick: Optional[Callable[[], None]] = None) -> None:
         """Block until every key in `keys` exists: one WAIT request, answered by the store when
         they do. StoreTimeout after `timeout` s (None: no limit; the wait is then cancelled);
-        PINGs every `ping_every` s learn whether the store still answers."""
+        PINGs every `ping_every` s learn whether the store still answers. `tick()` is called
+        between the local slices (a line to say), without any store traffic."""
         limit = None if timeout is None else _seconds(timeout)
         request = bytes([WAIT]) + _Q.pack(len(keys)) + b"".join(_key(k) for k in keys)
         with self._lock:
@@ -483,6 +485,7 @@ class StoreClient:
             self._send(request, "wait")
             nbytes = len(request) + 1
             start = time.monotonic()
+            self._tick = tick
             try:
                 try:
                     event = self._next_event(start, limit)
@@ -497,6 +500,7 @@ class StoreClient:
                         raise StoreTimeout(f"wait for {list(keys)[:3]} timed out after {limit:g}s")
                 self._drain_pings("wait")
             finally:
+                self._tick = None
                 self._count_msg("wait", nbytes)
 
     def _quiet_cancel(self) -> None:
@@ -531,6 +535,8 @@ class StoreClient:
                 return "timeout"
             if self.stop is not None:
                 self.stop()
+            if self._tick is not None:
+                self._tick()
             if self._pings and now - self._pings[0] > self.unresponsive:
                 raise self._lost(f"the store has not answered for {now - self._pings[0]:.0f}s (its host still "
                                  f"holds the connection: a paused or hung store)", "unresponsive")
