@@ -162,6 +162,9 @@ def _agents_process(kind: str, port: int, n: int, orders: list, conn, host: bool
 
         resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
         sys.setswitchinterval(0.0005)   # hundreds of agent threads a process: hand the GIL on sooner
+        from ft_launcher.agent.rounds import store_client as client_module
+
+        client_module.SLICE = 2.0   # these agents get no signals: look for one less often than 4 times a second
         threading.stack_size(256 * 1024)
         from ft_launcher.agent.rounds import store_client
 
@@ -347,14 +350,13 @@ def _free_port() -> int:
     """A port P with P+1..P+HEAD free too (the successors' stores: rdzv port + generation)."""
     import socket
 
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + HEAD > 60999:
-            continue
+    import random
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    while True:   # below the ephemeral range: thousands of client connections take ports there
+        port = random.randint(max(1024, low - 8000), low - HEAD - 1)
         try:
-            for k in range(1, HEAD + 1):
+            for k in range(0, HEAD + 1):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", port + k))
             return port

@@ -530,22 +530,21 @@ class RoundProtocol:
                 return
             active, spares = chosen
         members = active + spares
+        records = [dataclasses.asdict(n) for n in members]
         keys, values = [], []
         offset = 0
         for i, node in enumerate(members):
-            peers = [members[(i + step) % len(members)] for step in range(1, min(WATCHED_PEERS, len(members) - 1) + 1)]
-            place = {"g": i if i < len(active) else None, "o": offset,
-                     "p": [dataclasses.asdict(p) for p in peers]}
+            peers = [records[(i + step) % len(members)] for step in range(1, min(WATCHED_PEERS, len(members) - 1) + 1)]
+            place = {"g": i if i < len(active) else None, "o": offset, "p": peers}
             if i < len(active):
                 offset += node.nproc
             keys.append(self.k(f"{r}at/{node.node_id}"))
             values.append(json.dumps(place, separators=(",", ":")))
         info = {"world": sum(n.nproc for n in active), "nnodes": len(active), "nspares": len(spares),
-                "head": [dataclasses.asdict(n) for n in members[:HEAD]]}
+                "head": records[:HEAD]}
         keys += [self.k(r + "info"), self.k(r + "members")]
         values += [json.dumps(info, separators=(",", ":")),
-                   json.dumps({"active": [dataclasses.asdict(n) for n in active],
-                               "spares": [dataclasses.asdict(n) for n in spares]}, separators=(",", ":"))]
+                   json.dumps({"active": records[:len(active)], "spares": records[len(active):]}, separators=(",", ":"))]
         self._call(self.s.multi_set, keys, values)
         self._call(self.s.set, self.k(r + "assigned"), "ok")
 

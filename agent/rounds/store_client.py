@@ -352,7 +352,7 @@ class StoreClient:
             if self.stop is not None:
                 self.stop()
             quiet = time.monotonic() - since
-            if quiet > self.unresponsive:
+            if quiet > self.unresponsive and not self._fill(0, what):   # read first: a starved client is not a silent store
                 raise self._lost(f"the store has not answered for {quiet:.0f}s (its host still holds the "
                                  f"connection: a paused or hung store)", "unresponsive")
             if quiet > self.ping_every and not self._said_slow and self.say is not None:
@@ -537,7 +537,7 @@ class StoreClient:
                 self.stop()
             if self._tick is not None:
                 self._tick()
-            if self._pings and now - self._pings[0] > self.unresponsive:
+            if self._pings and now - self._pings[0] > self.unresponsive and not self._fill(0, "wait"):
                 raise self._lost(f"the store has not answered for {now - self._pings[0]:.0f}s (its host still "
                                  f"holds the connection: a paused or hung store)", "unresponsive")
             if self._pings and now - self._pings[0] > self.ping_every and not self._said_slow and self.say:
