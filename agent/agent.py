@@ -296,8 +296,7 @@ class NodeAgent:
         try:
             self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake, self.failover.find_successor,
                                         lambda node: self.events.event("spare_joined", None, spare=node.label(),
-                                                                       node_id=node.node_id), self.alive,
-                                        heard=self.proto.heard)
+                                                                       node_id=node.node_id), self.alive)
         except RendezvousError as exc:   # the store went away before the watcher could reach it
             raise StoreLost(str(exc)) from None
         self.watcher.late_joiners = self.failover.memory.late

@@ -93,7 +93,7 @@ class ThinAgent:
         if self.watcher is not None:
             self.watcher.stop()
         self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.woken.set, self.failover.find_successor,
-                                    None, self.alive, self.loop, heard=self.proto.heard)
+                                    None, self.alive, self.loop)
         self.watcher.late_joiners = self.failover.memory.late
 
     def run(self, go: threading.Event) -> None:

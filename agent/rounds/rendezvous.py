@@ -16,9 +16,8 @@ training cycle; what it costs the store host is O(N) bytes in all (O(1) per agen
     r<R>/members           all members in order (JSON), read only where a part needs the list
     r<R>/assigned          set last by the closer (or "abandoned" by a joiner's signal): the one
                            key every joiner waits on, blocking in the store
-    r<R>/late              records of nodes that joined after the round closed (spares)
-    r<R>/bells, r<R>/bell/<k>  news for every watcher of round R (an interrupt, a late joiner):
-                           each watcher has one WAIT outstanding on the next bell
+    r<R>/late, r<R>/nlate  records (and count) of nodes that joined after the round closed
+                           (spares); the watchers at the head of the order read them
     r<R>/worker_store      "addr:port" of the fresh store the workers of this round use
     r<R>/interrupt         why the round ends early: a failure or a shutdown (first writer wins)
     r<R>/verdict           what the job does next (restart or stop), written by that first writer
@@ -32,7 +31,8 @@ training cycle; what it costs the store host is O(N) bytes in all (O(1) per agen
 Joining: an agent appends its record, adds 1 to `joined` (one round trip: append has no answer)
 and, when its number completes the round (the maximum, or the target of a restart round), closes
 it: it reads the records once, orders them, and publishes every assignment in one multi_set. The
-joiner that brings the round to its minimum keeps the last-call timer (`--nnodes MIN:MAX`).
+joiner that brings the round to its minimum keeps the last-call timer (`--nnodes MIN:MAX`). Each
+agent's watcher holds one WAIT on `r<R>/interrupt` while the round runs.
 Everybody else blocks on `r<R>/assigned`: no polling. A waiting agent says every PROGRESS_EVERY s
 who joined (in a job of more than NAMES_UP_TO nodes, only the first joiner reads that; the others
 make no store call while they wait but a PING every ping_every s), and the first joiner of a
@@ -373,7 +373,6 @@ class RoundProtocol:
         self.progress = ProgressTracker(ft.max_no_progress_cycles, ft.min_progress_iterations,
                                         ft.checkpoint_iteration_file)
         self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
-        self.heard: Dict[int, str] = {}     # verdicts the round watcher heard with a bell, by round
         self._members: tuple = (None, None)   # (round, its member lists) once read
         if not me.stable:
             me.stable = self._call(self.s.add, self.k("agents"), 1)
@@ -573,7 +572,7 @@ class RoundProtocol:
 
         if not place:   # joined after the round closed: a spare until the next round; the others hear of it
             self._call(self.s.append, self.k(r + "late"), _record(me) + "\n")
-            self.ring(number, "late:" + _record(me))
+            self._call(self.s.add, self.k(r + "nlate"), 1)   # the head's watchers hear of it
             rnd = Round.assigned(number, me, None, 0, info["world"], info["nnodes"], info["nspares"],
                                  head[:WATCHED_PEERS], head, loader)
             rnd.late = True
@@ -703,11 +702,9 @@ class RoundProtocol:
                 self.put(f"r{number}/origin", json.dumps(verdict.origin))
             if verdict.restart:
                 self._publish_target(number, verdict, facts)
-            text = verdict.to_json()
-            self._call(self.s.set, self.k(f"r{number}/verdict"), text)
+            self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
             if verdict.restart:
                 self._call(self.s.set, self.k("round"), str(number + 1))
-            self.ring(number, "verdict:" + text)   # the watchers hear the verdict with the bell
         return self.verdict(number)
 
     def policy_inputs(self, report: dict, facts: RoundFacts) -> PolicyInputs:
@@ -756,10 +753,6 @@ class RoundProtocol:
                    [json.dumps([dataclasses.asdict(n) for n in expected], separators=(",", ":")),
                     str(len(expected))])
 
-    def ring(self, number: int, news: str) -> None:
-        """Tell every watcher of round `number` (agent.rounds.round_watcher): one bell each."""
-        k = self._call(self.s.add, self.k(f"r{number}/bells"), 1)
-        self._call(self.s.set, self.k(f"r{number}/bell/{k}"), news)
 
     def verdict(self, number: int) -> Verdict:
         """The verdict of interrupted round `number`. Its decider writes it just after winning
@@ -767,7 +760,7 @@ class RoundProtocol:
         line naming it (RendezvousError: exit 1)."""
         key = self.k(f"r{number}/verdict")
         timeout = self.cfg.conf("close_timeout")
-        known = self.heard.get(number) or self._call(self.s.get_now, key)   # the bell brought it, or it is there
+        known = self._call(self.s.get_now, key)   # there already, when the interrupt woke us
         if known:
             return Verdict.from_json(known)
         if not self.store.wait_key(self.s, key, timeout):

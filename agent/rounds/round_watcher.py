@@ -1,23 +1,25 @@
 """The round watcher: what an agent learns between its own store calls, without polling.
 
 For the round it is given (`watch`), a RoundWatcher
-- holds one WAIT on the round's next bell (agent.rounds.rendezvous: an interrupt, a late joiner):
-  the agent is woken the moment the round is interrupted, and late joiners are recorded (a
-  failover must know them);
+- holds one WAIT on the round's `r<R>/interrupt` (agent.rounds.rendezvous): the agent is woken the
+  moment the round is interrupted, whoever wrote it (a decider that died before its verdict too);
 - holds one connection to the liveness port of each of the WATCHED_PEERS nodes after this one in
   the round's order (agent.rounds.keepalive): a peer whose process dies is known at once, one
   whose host is gone within gone_after s; a slow peer is never taken for dead;
 - accepts the connections of the nodes that watch this one;
 - asks the store whether it still answers when nothing else was heard from it for ping_every
   s; a store that is dead or gone is lost at once, one that holds its connection but has not
-  answered for store_unresponsive_timeout s is lost then, and never before (slow is not dead).
+  answered for store_unresponsive_timeout s is lost then, and never before (slow is not dead);
+- at the head of the order (the store's possible successors, at most HEAD nodes), reads every
+  keep_alive_interval on a connection of its own whether a node joined the round late, and
+  records it (a failover must count it).
 On the store host it also fences itself: when a peer dies, or when the watcher itself did not
 run for a while (this process was paused), `fence()` looks for a successor store that took the
 job over meanwhile; if there is one, `store.replaced` is set.
 
 Watchers run on a WatchLoop: one thread and one selector. An agent has its own; the emulator in
 bench/ runs many agents' watchers on one loop. Their cost at the store host is one WAIT per
-round and one PING per ping_every s per agent.
+round and one PING per ping_every s per agent, and one small read a second per head node.
 """
 from __future__ import annotations
 
@@ -127,10 +129,12 @@ class RoundWatcher:
     def __init__(self, store: JobStore, cfg: LaunchConfig, me: NodeInfo, wake: Callable[[], None],
                  fence: Optional[Callable[[], Optional[str]]] = None,
                  on_late_joiner: Optional[Callable[[NodeInfo], None]] = None,
-                 listener: Optional[AliveListener] = None, loop: Optional[WatchLoop] = None,
-                 heard: Optional[dict] = None):
+                 listener: Optional[AliveListener] = None, loop: Optional[WatchLoop] = None):
         self.s = store.new_client(label="watcher", stop=False)
-        self.heard = heard   # where a verdict heard with the round's bell goes (RoundProtocol.heard)
+        self.news = None        # the head's connection for late joiners (opened when at the head)
+        self._late_seen = 0
+        self._next_news = 0.0
+        self.news_every = cfg.conf("keep_alive_interval")
         self.store = store
         self.me = me
         self.wake = wake
@@ -149,7 +153,6 @@ class RoundWatcher:
         self._lock = threading.Lock()
         self._round: Optional[Round] = None
         self._watching: Optional[Round] = None      # the round the loop has set up
-        self._bell = 0                              # the bell the outstanding WAIT is for
         self._peers: Dict[socket.socket, NodeInfo] = {}
         self.interrupted_round: Optional[int] = None
         self.dead_peers: List[NodeInfo] = []
@@ -211,19 +214,26 @@ class RoundWatcher:
                 self.loop.unregister(conn)
         self._close_peers()
         self.s.close()
+        if self.news is not None:
+            self.news.close()
 
     def next_due(self, now: float) -> float:
         """Seconds until this watcher has something to do."""
         if self._lost:
             return 1.0
         oldest = self.s.oldest_ping
-        if oldest is not None:
-            return max(0.0, min(oldest + self.ping_every, oldest + self.unresponsive) - now)
-        return max(0.0, self.s.last_heard + self.ping_every - now)
+        due = [oldest + self.ping_every, oldest + self.unresponsive] if oldest is not None else \
+            [self.s.last_heard + self.ping_every]
+        if self.news is not None:
+            due.append(self._next_news)
+        return max(0.0, min(due) - now)
 
     def tick(self, now: float) -> None:
         if self._lost or self._halted:
             return
+        if self.news is not None and now >= self._next_news:
+            self._next_news = now + self.news_every
+            self._read_late()
         oldest = self.s.oldest_ping
         try:
             if oldest is None:
@@ -255,15 +265,17 @@ class RoundWatcher:
     def _on_store(self, mask: int) -> None:
         try:
             events = self.s.events()
-            if events:
-                self._said_slow = False
-            for event in events:
-                if event == "stop" and self._watching is not None:   # the bell rang: what is the news?
-                    self.s.get_async(self.store.key(f"r{self._watching.number}/bell/{self._bell}"))
-                elif isinstance(event, tuple):
-                    self._news(event[1].decode(errors="replace"))
         except StoreUnreachable as exc:
             self._store_lost(f"lost the rendezvous store at {self.store.host}:{self.store.port} ({exc})")
+            return
+        if events:
+            self._said_slow = False
+        if "stop" in events:
+            rnd = self._watching
+            with self._lock:
+                if rnd is not None and self._round is rnd and self.interrupted_round != rnd.number:
+                    self.interrupted_round = rnd.number
+                    self.wake()
 
     def _rewatch(self) -> None:
         with self._lock:
@@ -275,47 +287,45 @@ class RoundWatcher:
             if self.s.waiting:
                 self.s.cancel_async_wait()
             self._watching = rnd
-            self._bell = 0
             if rnd is None:
                 return
+            if self.news is None and any(n.node_id == self.me.node_id for n in rnd.head):
+                self.news = self.store.new_client(label="news", stop=False)   # the head counts late joiners
+            self._late_seen = 0
             for peer in rnd.peers:
                 if peer.alive_port and peer.node_id != self.me.node_id:
                     sock = watch_connection(peer.host, peer.alive_port, self.gone_after)
                     self._peers[sock] = peer
                     self.loop.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
                                        lambda mask, s=sock: self._on_peer(s, mask))
-            self._next_bell()
+            self.s.begin_wait([self.store.key(f"r{rnd.number}/interrupt")])
         except StoreUnreachable as exc:
             self._store_lost(f"lost the rendezvous store at {self.store.host}:{self.store.port} ({exc})")
 
-    def _next_bell(self) -> None:
-        self._bell += 1
-        self.s.begin_wait([self.store.key(f"r{self._watching.number}/bell/{self._bell}")])
-
-    def _news(self, news: str) -> None:
-        """The bell the watcher waited on rang with `news`: a late joiner (then wait for the
-        next bell), else the round's interrupt."""
+    def _read_late(self) -> None:
+        """At the head: the nodes that joined the watched round after it closed (once each)."""
         rnd = self._watching
         if rnd is None:
             return
-        if news.startswith("late:"):
+        try:
+            count = self.news.add(self.store.key(f"r{rnd.number}/nlate"), 0)
+            if count <= self._late_seen:
+                return
+            raw = self.news.get_now(self.store.key(f"r{rnd.number}/late"))
+        except StoreUnreachable:
+            return   # the watcher's own connection says what the store's loss means
+        self._late_seen = count
+        known = {n.node_id for n in self.late_joiners} | {self.me.node_id}
+        for line in raw.decode(errors="replace").splitlines():
             try:
-                node = _node(news[5:])
+                node = _node(line)
             except (ValueError, TypeError):
-                node = None
-            known = {n.node_id for n in self.late_joiners} | {self.me.node_id}
-            if node is not None and node.node_id not in known:
+                continue
+            if node.node_id not in known:
+                known.add(node.node_id)
                 self.late_joiners.append(node)
                 if self.on_late_joiner is not None:
                     self.on_late_joiner(node)
-            self._next_bell()
-            return
-        if news.startswith("verdict:") and self.heard is not None:
-            self.heard[rnd.number] = news[len("verdict:"):]
-        with self._lock:
-            if self._round is rnd and self.interrupted_round != rnd.number:
-                self.interrupted_round = rnd.number
-                self.wake()
 
     def _on_peer(self, sock: socket.socket, mask: int) -> None:
         peer = self._peers.get(sock)
