@@ -162,6 +162,8 @@ def _agents_process(kind: str, port: int, n: int, orders: list, conn, host: bool
 
         resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
         sys.setswitchinterval(0.0005)   # hundreds of agent threads a process: hand the GIL on sooner
+        if not host:   # the agents' thousands of threads must not starve the store's one (CFS is fair per thread)
+            os.nice(10)
         from ft_launcher.agent.rounds import store_client as client_module
 
         client_module.SLICE = 2.0   # these agents get no signals: look for one less often than 4 times a second
