@@ -291,6 +291,7 @@ class RoundWatcher:
                 return
             if self.news is None and any(n.node_id == self.me.node_id for n in rnd.head):
                 self.news = self.store.new_client(label="news", stop=False)   # the head counts late joiners
+                self.news.unresponsive = 2 * self.news_every   # its reads never hold the loop for long
             self._late_seen = 0
             for peer in rnd.peers:
                 if peer.alive_port and peer.node_id != self.me.node_id:
@@ -312,8 +313,10 @@ class RoundWatcher:
             if count <= self._late_seen:
                 return
             raw = self.news.get_now(self.store.key(f"r{rnd.number}/late"))
-        except StoreUnreachable:
-            return   # the watcher's own connection says what the store's loss means
+        except StoreUnreachable:   # the watcher's own connection says what the store's loss means
+            self.news.close()
+            self.news = None
+            return
         self._late_seen = count
         known = {n.node_id for n in self.late_joiners} | {self.me.node_id}
         for line in raw.decode(errors="replace").splitlines():
