@@ -183,6 +183,33 @@ def test_busy_port_and_rendezvous_timeout_are_one_line_errors(launcher, tmp_path
     assert "timed out after 1s: 1 of 2 needed nodes joined" in res.stderr and "1 missing" in res.stderr
 
 
+@pytest.mark.parametrize("flags,origin", [
+    (["--rdzv-endpoint", "nosuchhost.invalid:29400"], "from --rdzv-endpoint"),
+    (["--rdzv-backend", "static", "--node-rank", "1", "--master-addr", "nosuchhost.invalid"], "from --master-addr"),
+], ids=["rdzv-endpoint", "master-addr"])
+def test_a_rendezvous_host_name_that_does_not_resolve_is_said_at_once_and_while_waiting(launcher, flags, origin):
+    """A mistyped endpoint host: the agent says the name does not resolve as soon as it looks for the
+    store (not 'waiting for the host to start', and not only when join_timeout runs out), says it
+    again while it keeps looking the name up (it may appear late), and its last line says it too."""
+    proc = launcher.start(["--nnodes", "2", *flags, "--rdzv-conf", "join_timeout=7", SLEEPER])
+    lines = []   # (seconds since the agent's first line, line)
+    first = None
+    for line in proc.stderr:
+        first = first or time.monotonic()
+        lines.append((time.monotonic() - first, line.rstrip("\n")))
+    proc.wait(timeout=30)
+    assert proc.returncode == 1, lines
+    said = [(t, l) for t, l in lines if "does not resolve" in l and l.startswith("[ft_launcher")]
+    assert len(said) >= 2, lines
+    assert said[0][0] < 4.0, lines   # within a few seconds of the start, not at join_timeout's end
+    assert all(f"the rendezvous host name 'nosuchhost.invalid' ({origin}) does not resolve" in l for _, l in said)
+    assert said[1][0] - said[0][0] >= 4.0   # again while waiting, not a burst
+    assert not any("waiting for the rendezvous host" in l for _, l in lines), lines
+    last = lines[-1][1]
+    assert last.startswith("ft_launcher: error: no rendezvous store answered") and "does not resolve" in last, lines
+    assert not any("Traceback" in l for _, l in lines)
+
+
 def test_redirects_keep_console_clean_and_filter_selects_ranks(launcher, tmp_path):
     logs = tmp_path / "logs"
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--log-dir", logs, "--redirects", "3",
