@@ -187,7 +187,8 @@ class NodeAgent:
         self.watchdog.tidy_at_exit(os.path.dirname(self.status.registry))
         self.output = RankOutput(self.events.disk_warning)
         set_wake_fd(self._wake_w)   # an in-process restartable rank that raised wakes us through it
-        self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog)  # before monitors, reserves
+        self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog,  # before monitors, reserves
+                                     keep_dir=self._run_dir)
         self.blame = HangBlame(self.events)
         os.environ[ENV_HANG_VERDICT] = "1"   # our monitors hold a hung rank for the blame verdict
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
