@@ -104,10 +104,12 @@ FT_HELP = {
     "straggler_windows": "windows in a row a rank must be slow before it is reported",
     "straggler_exclude": "at the next restart, leave a straggler's node out when a hot spare can replace it",
     "max_no_progress_cycles": "stop the job after this many cycles in a row without a completed step (0: never)",
+    "max_identical_failures": "stop the job after this many failures in a row with the same traceback and no "
+                              "progress between (0: never)",
     "no_restart_exit_code": "exit code of every agent when the job stops and must not be requeued",
     "health_checks": "check GPUs (NVML), log/checkpoint dirs and free disk before each rendezvous",
-    "checkpoint_dir": "a directory the health checks require writable, with free disk",
-    "min_free_disk_gb": "GB that must be free in the log and checkpoint directories",
+    "checkpoint_dir": "a directory the health checks require writable, with min_free_disk_gb free",
+    "min_free_disk_gb": "GB that must be free in the checkpoint directory (the log directory: a warning)",
     "restart_granularity": "what a failure restarts: rank, node, job, or auto (rank with ft.restartable, else job)",
     "inprocess_timeout": "seconds a healthy rank has to reach the restart point before it is replaced",
     "active_world_size": "ranks that train (a multiple of --nproc-per-node); other nodes stand by as warm spares",
@@ -411,10 +413,38 @@ def entrypoint(args) -> List[str]:
         raise UsageError(f"training script {script} is a directory, not a file")
     if not os.path.isfile(script):
         raise UsageError(f"training script not found: {script}")
+    not_python = _not_python(script)
+    if not_python:
+        raise UsageError(f"training script {script} is not a Python script ({not_python}): to run it as a "
+                         f"program, add --no-python")
     if args.run_path:
         runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
         return [sys.executable, "-u", "-c", runner, script] + rest
     return [sys.executable, "-u", script] + rest
+
+
+def _not_python(script: str) -> Optional[str]:
+    """Why `script` is a program rather than Python (a shell script passed without --no-python,
+    which every rank would fail with a SyntaxError), or None. Only a file that python cannot
+    compile counts, and only with a non-Python `#!` line or a shell's file extension."""
+    try:
+        with open(script, "rb") as fh:
+            source = fh.read(1 << 20)
+    except OSError:
+        return None
+    first = source.split(b"\n", 1)[0].decode("utf-8", errors="replace").strip()
+    shebang = first[2:].strip() if first.startswith("#!") else None
+    if shebang is not None and "python" in shebang:
+        return None
+    if shebang is None and not script.endswith((".sh", ".bash", ".zsh")):
+        return None
+    try:
+        compile(source, script, "exec")
+        return None
+    except (SyntaxError, ValueError) as exc:
+        lineno = getattr(exc, "lineno", None)
+        where = f"python cannot parse it: {type(exc).__name__}" + (f" at line {lineno}" if lineno else "")
+        return f"it starts with '#!{shebang}'; {where}" if shebang else where
 
 
 def _hooked_entrypoint(args, ft) -> List[str]:

@@ -88,9 +88,14 @@ class FaultToleranceConfig:
     # that ended without one completed `step` section on any rank (once the job has completed
     # one), the job stops; 0: never. Every agent then exits with no_restart_exit_code.
     max_no_progress_cycles: int = 3
+    # After this many failures in a row with the same traceback and no progress in between (an
+    # import error, a script python cannot run), the job stops: a restart would fail the same way
+    # (agent.recovery.restart_policy). 0: never.
+    max_identical_failures: int = 2
     no_restart_exit_code: int = 93
     # Health checks before each rendezvous (agent.recovery.health_checks): GPUs through NVML when present,
-    # the log and checkpoint directories writable, at least min_free_disk_gb free in them.
+    # the log and checkpoint directories writable, min_free_disk_gb free in the checkpoint directory (the log
+    # directory: a warning below it, a failure only where logs no longer fit).
     health_checks: bool = True
     checkpoint_dir: Optional[str] = None
     min_free_disk_gb: float = 1.0
@@ -202,6 +207,8 @@ class FaultToleranceConfig:
             raise ConfigError(f"straggler_threshold must be above 1 (a ratio to the median), got {self.straggler_threshold}")
         if self.straggler_windows < 1:
             raise ConfigError(f"straggler_windows must be at least 1, got {self.straggler_windows}")
+        if self.max_identical_failures < 0:
+            raise ConfigError(f"max_identical_failures must be 0 (never) or more, got {self.max_identical_failures}")
         if not 1 <= self.no_restart_exit_code <= 255:
             raise ConfigError(f"no_restart_exit_code must be 1-255, got {self.no_restart_exit_code}")
         if not (self.inprocess_timeout > 0 and math.isfinite(self.inprocess_timeout)):
@@ -627,6 +634,7 @@ _PARSERS = {
     "straggler_windows": lambda k, v, s: _int(k, v, s),
     "straggler_exclude": _bool,
     "max_no_progress_cycles": lambda k, v, s: _int(k, v, s),
+    "max_identical_failures": lambda k, v, s: _int(k, v, s),
     "no_restart_exit_code": lambda k, v, s: _int(k, v, s),
     "health_checks": _bool,
     "checkpoint_dir": lambda k, v, s: None if v is None or str(v).strip() == "" else str(v),

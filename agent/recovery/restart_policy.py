@@ -23,9 +23,10 @@ A failure climbs the ladder only as far as it must (DESIGN.md, "The recovery lad
   NODE_FAILURE_LIMIT times in a row without progress, while a spare is there to take over.
 - no restart: the restart budget is spent (`restart` False, exit 1), or kind `stop` (exit 93):
   a rank asked for it (ShutdownWorkload), a node's leaving leaves fewer than the job's minimum
-  (`max nodes - excluded < min nodes`), or a failure after `max_no_progress_cycles` cycles in a
-  row without a completed step (agent.recovery.progress): restarting is pointless, and the failure
-  becomes a stop (its line kept in `detail["failure"]`).
+  (`max nodes - excluded < min nodes`), a failure after `max_no_progress_cycles` cycles in a
+  row without a completed step (agent.recovery.progress), or the `max_identical_failures`-th
+  failure in a row with the same traceback and no progress between (`RoundFacts.repeats`):
+  restarting is pointless, and the failure becomes a stop (its line kept in `detail["failure"]`).
 
 Store keys it keeps (under the run's prefix): `restarts_used` (the budget spent),
 `r<R>/restartable` (nodes whose ranks all declared themselves restartable in round R),
@@ -121,6 +122,9 @@ class RoundFacts:
     spares: List[str]                 # node ids waiting as hot spares
     nproc: Dict[str, int]             # ranks per node id
     hosts: Dict[str, str] = dataclasses.field(default_factory=dict)   # node id -> host, for lines
+    # the cycles just before this one that failed with this failure's traceback, in a row, with no
+    # progress since (gathered by the round protocol from the rounds' reports)
+    repeats: List[int] = dataclasses.field(default_factory=list)
 
     def node_of(self, rank: Optional[int]) -> Optional[str]:
         if rank is None:
@@ -139,7 +143,7 @@ class RestartPolicy:
 
     def __init__(self, store, max_restarts: int, granularity: str = "auto",
                  progress: Optional[ProgressTracker] = None, straggler_exclude: bool = False,
-                 nodes: Tuple[int, int] = (1, 1)):
+                 nodes: Tuple[int, int] = (1, 1), identical_failure_limit: int = 0):
         if granularity not in GRANULARITIES:
             raise ValueError(f"restart granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
         self.store = store
@@ -149,6 +153,7 @@ class RestartPolicy:
         self.progress = progress or ProgressTracker(0)
         self.straggler_exclude = straggler_exclude
         self.nodes = nodes   # the job's (min, max) node count: a node's leaving may leave too few
+        self.identical_failure_limit = identical_failure_limit   # max_identical_failures (0: off)
 
     # -- what the agents tell it while a round runs ----------------------------------------
     def declare_restartable(self, number: int) -> None:
@@ -168,6 +173,13 @@ class RestartPolicy:
             return verdict
         if leaving:
             verdict.exclude = list(verdict.exclude) + [leaving]
+        limit = self.identical_failure_limit
+        if limit and facts.repeats and len(facts.repeats) + 1 >= limit:
+            verdict.kind, verdict.detail["failure"] = "stop", verdict.what
+            verdict.what = (f"{verdict.what}: the same error as in cycle {facts.repeats[0]}, "
+                            f"{len(facts.repeats) + 1} failures in a row before any progress "
+                            f"(max_identical_failures={limit}); restarting cannot help")
+            return verdict
         pointless = self.progress.stop_reason(self.store, facts.number)
         if pointless:                           # a stop, the budget untouched
             verdict.kind, verdict.detail["failure"], verdict.what = "stop", verdict.what, pointless

@@ -305,7 +305,8 @@ class RoundProtocol:
         self.policy = RestartPolicy(self, cfg.max_restarts, cfg.ft.restart_granularity,
                                     ProgressTracker(cfg.ft.max_no_progress_cycles, cfg.ft.min_progress_iterations,
                                                     cfg.ft.checkpoint_iteration_file),
-                                    cfg.ft.straggler_exclude, (cfg.min_nodes, cfg.max_nodes))
+                                    cfg.ft.straggler_exclude, (cfg.min_nodes, cfg.max_nodes),
+                                    cfg.ft.max_identical_failures)
         self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
         if not me.stable:
             me.stable = self._call(self.s.add, self.k("agents"), 1)
@@ -502,11 +503,34 @@ class RoundProtocol:
         winner = self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text)
         if winner.decode() == text:
             facts = facts or RoundFacts(number, [], [], {})
+            facts = dataclasses.replace(facts, repeats=self._same_error_before(number, reason))
             verdict = self.policy.decide(dict(reason, reporter=self.token), facts)
             self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
             if verdict.restart:
                 self._call(self.s.set, self.k("round"), str(number + 1))
         return self.verdict(number)
+
+    def _same_error_before(self, number: int, reason: dict) -> List[int]:
+        """The rounds just before `number` whose failure had the same traceback as `reason`'s
+        (its `error` signature, agent.ranks.rank_output), in a row, none with progress (the
+        restart policy's `repeats`). With a checkpoint iteration file progress is judged only as
+        the policy decides: not here."""
+        signature = (reason.get("error") or {}).get("signature")
+        if (not signature or reason.get("kind") != "failure" or self.cfg.ft.checkpoint_iteration_file
+                or self.exists(f"r{number}/progress")):
+            return []
+        same: List[int] = []
+        for k in range(number - 1, -1, -1):
+            if not self.exists(f"r{k}/interrupt"):
+                break
+            try:
+                before = json.loads(self.get(f"r{k}/interrupt"))
+            except ValueError:
+                break
+            if (before.get("error") or {}).get("signature") != signature or self.exists(f"r{k}/progress"):
+                break
+            same.insert(0, k)
+        return same
 
     def verdict(self, number: int) -> Verdict:
         """The verdict of interrupted round `number`. Its decider writes it just after winning
