@@ -514,15 +514,16 @@ def test_goodput_counts_only_steps_never_redone(launcher, tmp_path):
 
 
 def test_incident_of_a_simulated_hang_says_what_the_console_says(launcher, tmp_path):
-    """A simulated rank_hung: the incident names the rank the agent blamed on its console line (and
-    the rank column agrees), 'noticed after' is the monitor's own measure (the hung section's time
-    open, as in the same line), and the stack dumps are links, relative to the report, that open."""
+    """A rank SIGSTOPped in step 60 (as a simulated rank_hung: placed by step, since a fault timed from
+    the start landed in setup on a busy machine): the incident names the rank the agent blamed on its
+    console line (and the rank column agrees), 'noticed after' is the monitor's own measure (the hung
+    section's time open, as in the same line), and the stack dumps are links, relative to the report,
+    that open."""
     logs = tmp_path / "logs"
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
                         "--ft-rank-section-timeouts", "setup:60,step:2,checkpointing:20",
-                        "--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_hung",
-                        "--ft-simulated-fault-rank", "1", "--ft-simulated-fault-base-delay", "4",
-                        EXAMPLE, "--steps", "300", "--step-time", 0.02, "--ckpt-dir", tmp_path / "ck"], timeout=150)
+                        EXAMPLE, "--steps", "300", "--step-time", 0.02, "--ckpt-dir", tmp_path / "ck",
+                        "--hang-in", "step", "--hang-by", "sigstop", "--fail-rank", 1, "--hold-step", 60], timeout=150)
     assert res.returncode == 0, res.stderr[-3000:]
     failure = read_events(logs, "failure")[0]
     blamed = failure["rank"]
