@@ -105,17 +105,26 @@ class Verdict:
 
     def rung_words(self) -> str:
         """How the restart happens, for the operator's line."""
-        if not self.restart:
-            return "no restart"
-        if self.rung != "in_process":
-            return "restarting all ranks"
-        parts = ["healthy ranks restart in place"]
-        if self.replace_nodes:
-            parts.append(f"node{'s' if len(self.replace_nodes) > 1 else ''} of the failure restart"
-                         f"{'' if len(self.replace_nodes) > 1 else 's'} all ranks")
-        if self.replace_ranks:
-            parts.append("rank " + ", ".join(map(str, self.replace_ranks)) + " replaced (failed again at once)")
-        return "; ".join(parts)
+        return rung_words(self.restart, self.rung, self.replace_nodes, self.replace_ranks)
+
+
+def rung_words(restart: bool, rung: str, replace_nodes=(), replace_ranks=(), done: bool = False) -> str:
+    """How a verdict restarts the job, in the words of the console's line (`done`: as the report
+    tells it afterwards)."""
+    if not restart:
+        return "no restart"
+    if rung != "in_process":
+        return "restarted every rank" if done else "restarting all ranks"
+    parts = ["healthy ranks kept their processes" if done else "healthy ranks restart in place"]
+    if replace_nodes:
+        many = len(replace_nodes) > 1
+        parts.append(f"node{'s' if many else ''} " + ", ".join(map(str, replace_nodes))
+                     + (" restarted all their ranks" if done and many else " restarted all its ranks" if done
+                        else f" restart{'' if many else 's'} all ranks"))
+    if replace_ranks:
+        parts.append("rank " + ", ".join(map(str, replace_ranks))
+                     + (" replaced after failing again at once" if done else " replaced (failed again at once)"))
+    return f"restarted in place ({'; '.join(parts)})" if done else "; ".join(parts)
 
 
 @dataclasses.dataclass

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Tuple
 
+from ft_launcher.agent.recovery.failure_cause import hang_place
+from ft_launcher.agent.recovery.restart_policy import rung_words
+
 if TYPE_CHECKING:
     from ft_launcher.report.analysis import Incident, Job
 
@@ -43,9 +46,10 @@ def waiting_words(blame: dict) -> str:
 
 
 def hang_words(hang: dict) -> Tuple[str, str]:
-    """(what happened, who noticed) for the blamed hang, in the words and numbers of its event."""
+    """(what happened, who noticed) for the blamed hang, in the words and numbers of its event
+    (the place as the console's line says it: agent.recovery.failure_cause.hang_place)."""
     hd = hang["detail"]
-    place = f"section '{hd['section']}'" if hd.get("section") else str(hd.get("reason", "?")).replace("_", " ")
+    place = hang_place(hd)
     what = f"rank {hang.get('rank')} hung in {place}"
     noticed = (f"its rank monitor ({place} open {float(hd.get('elapsed') or 0):.2f} s > timeout "
                f"{num(hd.get('timeout'))} s)")
@@ -53,17 +57,9 @@ def hang_words(hang: dict) -> Tuple[str, str]:
 
 
 def restart_words(restart: dict) -> str:
-    """How a restart event restarted the job: every rank, or in place and what was replaced."""
-    if restart.get("rung") != "in_process":
-        return "restarted every rank"
-    words = "restarted in place (healthy ranks kept their processes"
-    if restart.get("replace_nodes"):
-        words += "; node " + ", ".join(map(str, restart["replace_nodes"])) + " restarted all its ranks"
-    if restart.get("replace_ranks"):
-        words += "; rank " + ", ".join(map(str, restart["replace_ranks"])) + " replaced after failing again at once"
-    return words + ")"
-
-
+    """How a restart event restarted the job (the verdict's words, agent.recovery.restart_policy)."""
+    return rung_words(True, restart.get("rung", "job"), restart.get("replace_nodes") or (),
+                      restart.get("replace_ranks") or (), done=True)
 
 
 def incident_line(job: "Job", inc: "Incident") -> str:
