@@ -32,6 +32,7 @@ that SIGKILL does not end, agent.ranks.process_wait, makes its node leave);
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import secrets
 import selectors
@@ -115,6 +116,7 @@ class NodeAgent:
         self.monitor_set: Optional[MonitorSet] = None
         self.reserves: Optional[ReservePool] = None
         self.flight: Optional[FlightRecorder] = None
+        self.output: Optional[RankOutput] = None          # the ranks' streams (agent.ranks.rank_output)
         self.watcher = None                               # agent.rounds.rendezvous.RoundWatcher, per store
         self.group: Optional[WorkerGroup] = None          # this cycle's ranks
         self.cycle_info: Optional[nvrx_cycle_info.CycleInfoWriter] = None
@@ -190,7 +192,8 @@ class NodeAgent:
         self.watchdog.tidy_at_exit(os.path.dirname(self.status.registry))
         self.output = RankOutput(self.events.disk_warning)
         set_wake_fd(self._wake_w)   # an in-process restartable rank that raised wakes us through it
-        self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog)  # before monitors, reserves
+        self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog,  # before monitors, reserves
+                                     keep_dir=self._run_dir)
         self.blame = HangBlame(self.events)
         os.environ[ENV_HANG_VERDICT] = "1"   # our monitors hold a hung rank for the blame verdict
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
@@ -285,6 +288,8 @@ class NodeAgent:
             except OSError:
                 pass
         self.watchdog.close()
+        if self.output is not None:
+            self.output.flush()   # a traceback still held back goes out whole
         MonitorHandle.tidy_run_dir(self._run_dir, remove_if_empty=not self.cfg.log_dir)
         signal.set_wakeup_fd(-1)
 
@@ -691,6 +696,9 @@ class NodeAgent:
             reason["what"] += (f", after rank{'s' if len(early) > 1 else ''} {', '.join(map(str, early))} "
                                f"exited 0 early and left its peers waiting")
             reason["early_exits"] = early
+        error = self.output.error(rnd.number, reason["rank"]) if reason.get("rank") is not None else None
+        if error:   # its traceback: the same one again before any progress stops the job (restart_policy)
+            reason["error"] = {"signature": hashlib.sha1(error[0].encode()).hexdigest()[:16], "exception": error[1]}
         verdict = self.proto.interrupt(rnd.number, reason, lambda: self._facts(rnd))
         ours = verdict.detail.get("reporter") == self.proto.token   # decided from this report (agent.recovery.restart_policy)
         if ours and verdict.kind == "stop":   # restarting is pointless: the stop's own line follows
@@ -700,7 +708,18 @@ class NodeAgent:
             line = f"{what} -> {'restarting in place' if verdict.in_process else 'stopping all ranks'}"
         self.events.event("failure", line, rank=reason.get("rank"),
                           **{k: v for k, v in reason.items() if k not in ("rank",)})
+        self._name_culprit(rnd.number, verdict if not ours else None, reason.get("rank"))
         return self._announce(rnd, verdict)
+
+    def _name_culprit(self, cycle: int, theirs: Optional[Verdict], rank: Optional[int]) -> None:
+        """The failure's line is out: the victims' tracebacks held back by agent.ranks.rank_output
+        become one line each naming it. `theirs`: another report decided the round."""
+        if theirs is not None:
+            rank = theirs.rank
+        if rank is not None:
+            self.output.culprit(cycle, [rank], f"rank {rank}, the failure above")
+        else:
+            self.output.culprit(cycle, None, "the failure above" + (" (another node)" if theirs else ""))
 
     def _rank_request(self, rnd: Round, reason: dict) -> Verdict:
         """A rank's ShutdownWorkload or ExcludeThisNode: the policy makes it a stop, or leaves this
@@ -731,6 +750,8 @@ class NodeAgent:
             action = ("restarting this node's ranks in place" if verdict.in_process
                       else "stopping this node's ranks")
             self.say(f"{verdict.what} (on another node) -> {action}")
+        if verdict.kind in ("failure", "stop"):
+            self._name_culprit(rnd.number, verdict, None)
         return self._announce(rnd, verdict)
 
     def _early_exits(self) -> List[int]:

@@ -81,6 +81,9 @@ def parse_args():
     p.add_argument("--hang-in", default=None, metavar="PHASE",
                    help="--fail-rank hangs in PHASE at --hold-step (cycle 0 only): it sleeps, no heartbeat, "
                         "until the launcher's monitor finds it")
+    p.add_argument("--hang-by", choices=("sleep", "sigstop"), default="sleep",
+                   help="how --hang-in hangs: sleep forever, or SIGSTOP itself (as a simulated rank_hung: "
+                        "the monitor's SIGCONT for the stack dump resumes it)")
     p.add_argument("--cuda-hang-in", default=None, metavar="PHASE",
                    help="--fail-rank gets stuck in a CUDA kernel that never ends in PHASE (--device cuda)")
     args = p.parse_args()
@@ -104,6 +107,7 @@ class Hooks:
         self.exit0_in = args.exit0_in if me else None
         self.cuda_hang_in = args.cuda_hang_in if me else None
         self.hang_in = args.hang_in if me else None
+        self.hang_by = args.hang_by
         self.step = args.hold_step
 
     def at(self, phase, step=None):
@@ -116,6 +120,9 @@ class Hooks:
             os._exit(0)
         if self.hang_in == phase:   # a real hang: only a section or heartbeat timeout finds it
             print(f"rank {args_rank()} hangs in {phase} at step {step} (simulated)", flush=True)
+            if self.hang_by == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return
             while True:
                 time.sleep(3600)
         if self.cuda_hang_in == phase:   # a kernel that spins for ~forever, then wait for it

@@ -349,10 +349,38 @@ def entrypoint(args) -> List[str]:
         raise UsageError(f"training script {script} is a directory, not a file")
     if not os.path.isfile(script):
         raise UsageError(f"training script not found: {script}")
+    not_python = _not_python(script)
+    if not_python:
+        raise UsageError(f"training script {script} is not a Python script ({not_python}): to run it as a "
+                         f"program, add --no-python")
     if args.run_path:
         runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
         return [sys.executable, "-u", "-c", runner, script] + rest
     return [sys.executable, "-u", script] + rest
+
+
+def _not_python(script: str) -> Optional[str]:
+    """Why `script` is a program rather than Python (a shell script passed without --no-python,
+    which every rank would fail with a SyntaxError), or None. Only a file that python cannot
+    compile counts, and only with a non-Python `#!` line or a shell's file extension."""
+    try:
+        with open(script, "rb") as fh:
+            source = fh.read(1 << 20)
+    except OSError:
+        return None
+    first = source.split(b"\n", 1)[0].decode("utf-8", errors="replace").strip()
+    shebang = first[2:].strip() if first.startswith("#!") else None
+    if shebang is not None and "python" in shebang:
+        return None
+    if shebang is None and not script.endswith((".sh", ".bash", ".zsh")):
+        return None
+    try:
+        compile(source, script, "exec")
+        return None
+    except (SyntaxError, ValueError) as exc:
+        lineno = getattr(exc, "lineno", None)
+        where = f"python cannot parse it: {type(exc).__name__}" + (f" at line {lineno}" if lineno else "")
+        return f"it starts with '#!{shebang}'; {where}" if shebang else where
 
 
 def _hooked_entrypoint(args, ft) -> List[str]:

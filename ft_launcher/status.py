@@ -144,8 +144,9 @@ def render(agents: List[dict], now: Optional[float] = None) -> str:
 def main(argv: Sequence[str]) -> int:
     from ft_launcher.cli import UsageError, _Parser
 
-    parser = _Parser(prog=PROG, description="What a running job is doing, from its agents' status files "
-                     "(<log dir>/status/*.json; the job must run with --log-dir).")
+    parser = _Parser(prog=PROG, description="What a job is doing, from its agents' status files: with no "
+                     "LOGDIR, every job this user runs on this machine (with or without --log-dir); with LOGDIR, "
+                     "the job run with that --log-dir (<log dir>/status/*.json), running or finished.")
     parser.add_argument("log_dirs", nargs="*", metavar="LOGDIR",
                         help="the job's --log-dir (several: one per node); default: every job this user "
                              "runs on this machine, else the current dir")

@@ -95,9 +95,17 @@ S_TOTAL_NS = 6
 S_TIMEOUT = 7           # override, same encoding as H_TO_*
 S_NAMELEN = 8
 # The checkpoint section's slot only (CHECKPOINT_SECTION): the `step` section's closes and total ns
-# as this section last closed, i.e. the steps a restart from that checkpoint keeps (goodput).
+# as this section last closed normally, i.e. the steps a restart from that checkpoint keeps
+# (goodput), and how long that occurrence took; the same for its last occurrence that ended in an
+# exception, with the section's enter count then (it is the latest occurrence when that count is
+# still S_ENTERS), so that the agent can tell a checkpoint that failed from one that was done.
 S_AT_STEP_CLOSES = 9
 S_AT_STEP_TOTAL_NS = 10
+S_AT_CLOSE_NS = 11
+S_RAISED_STEP_CLOSES = 12
+S_RAISED_STEP_TOTAL_NS = 13
+S_RAISED_NS = 14
+S_RAISED_ENTERS = 15
 SLOT_WORDS = 16
 CHECKPOINT_SECTION = "checkpointing"   # NVRx's name for the section that saves a checkpoint
 STEP_SECTION = "step"
@@ -299,8 +307,10 @@ def read_live(mm: mmap.mmap, words: memoryview) -> Optional[dict]:
     """What a rank is doing now, for the agent's status and metrics (read-only, never on the rank's
     path): {"start_ns", "hb_last_ns" (0: none yet), "open": [(name, enter_ns), ...] innermost last,
     "sections": {name: {"enters", "closes", "enter_ns", "total", "max"}}} (monotonic ns, seconds);
-    the checkpoint section's entry also has "at_close": {"steps", "step_total"}, the `step`
-    section's closes and total seconds when it last closed; "live_step": the last step committed
+    the checkpoint section's entry also has "at_close": {"steps", "step_total", "took"}, the `step`
+    section's closes and total seconds when it last closed normally and how long that took, or
+    None; "open": whether it is open now; "raised": {"steps", "step_total", "took"} when its latest
+    occurrence ended in an exception, else None; "live_step": the last step committed
     under live state (rank_monitor.rank_side.live_state), -1 when none.
     None while no incarnation's data is current (see read_stats)."""
     start = words[H_START_NS]
@@ -315,8 +325,16 @@ def read_live(mm: mmap.mmap, words: memoryview) -> Optional[dict]:
         sections[name] = {"enters": words[b + S_ENTERS], "closes": words[b + S_CLOSES], "enter_ns": enter_ns,
                           "total": words[b + S_TOTAL_NS] / 1e9, "max": words[b + S_MAX_NS] / 1e9}
         if name == CHECKPOINT_SECTION:
+            took = words[b + S_AT_CLOSE_NS]
             sections[name]["at_close"] = {"steps": words[b + S_AT_STEP_CLOSES],
-                                          "step_total": words[b + S_AT_STEP_TOTAL_NS] / 1e9}
+                                          "step_total": words[b + S_AT_STEP_TOTAL_NS] / 1e9,
+                                          "took": took / 1e9} if took else None
+            sections[name]["open"] = bool(words[b + S_OPEN])
+            raised = words[b + S_RAISED_ENTERS]
+            sections[name]["raised"] = {"steps": words[b + S_RAISED_STEP_CLOSES],
+                                        "step_total": words[b + S_RAISED_STEP_TOTAL_NS] / 1e9,
+                                        "took": words[b + S_RAISED_NS] / 1e9} \
+                if raised and raised == words[b + S_ENTERS] and not words[b + S_OPEN] else None
         if words[b + S_OPEN]:
             opened.append((name, enter_ns))
     opened.sort(key=lambda item: item[1])

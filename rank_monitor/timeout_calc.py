@@ -1,6 +1,6 @@
 """Computed timeouts: from observed section / out-of-section / heartbeat times to new timeouts.
 
-The rule, per timeout (documented in docs/recovery.md):
+The rule, per timeout (documented in docs/hang-detection.md):
 - evidence: only a timeout with at least `calc_min_observations` observations (closes of the
   section, heartbeat intervals, out-of-section spans; over all ranks and nodes) is computed;
 - candidate = max(observed max x safety_factor, calc_timeout_floor): the floor keeps a

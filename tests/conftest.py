@@ -4,8 +4,12 @@ prove with psutil that nothing they started outlives the test.
 Every process a test launches carries FT_TEST_TOKEN=<unique> in its environment; ranks,
 monitors, watchdogs and grandchildren inherit it, so even an orphan reparented to init is
 found. Zombies count as gone (this machine's PID 1 reaps late). Files count too: whatever of ours
-(`ft_launcher*`) appeared in /dev/shm or the temp dir during the test and is still there once its
-processes are gone is a leak (tests that start processes run one at a time, under the lock).
+appeared in /dev/shm or the temp dir during the test, is still there once its processes are gone,
+and carries in its name the pid of a process this test started (every such file is named after
+its agent's pid: `ft_launcher_<pid>_...`, `ft_launcher-<pid>`, `ft_launcher_reserves_<pid>_...`,
+`ft_launcher_fr_<pid>_...`) is a leak. The test's pids are those it launched and those a light
+sampler (TokenWatch) saw carrying its token; files of other jobs on the machine, or of an earlier
+test, are never blamed on it.
 """
 import json
 import os
@@ -14,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 
@@ -119,6 +124,7 @@ class Launcher:
         self.token = token
         self.tmp = tmp_path
         self.procs = []
+        self.owned = set()   # pids of agents a test started another way (its leak check covers them)
 
     def env(self, extra=None):
         env = dict(os.environ)
@@ -155,16 +161,80 @@ KEPT = ("ft_launcher_logs_",)
 
 
 def kept_on_purpose(path):
-    """--redirects' logs, and a run dir (no --log-dir) that holds only the stack dumps of a hang:
-    the hang line named them, so they stay for the operator."""
+    """--redirects' logs, and a run dir (no --log-dir) that holds only the stack dumps and the
+    flight-recorder dumps (`cycle_<c>/flight_recorder`) of a hang: the hang's lines named them, so
+    they stay for the operator."""
     if os.path.basename(path).startswith(KEPT):
         return True
     try:
         names = os.listdir(path) if re.fullmatch(r"ft_launcher-\d+", os.path.basename(path)) else []
-        return bool(names) and all(n.startswith("stack_local") and os.path.getsize(os.path.join(path, n)) > 0
-                                   for n in names)
+        return bool(names) and all(
+            (n.startswith("stack_local") and os.path.getsize(os.path.join(path, n)) > 0)
+            or (re.fullmatch(r"cycle_\d+", n) and os.listdir(os.path.join(path, n)) == ["flight_recorder"])
+            for n in names)
     except OSError:
         return False
+
+
+# the agent pid in the names of the files our processes make (see the module docstring)
+OWNER_PID = re.compile(r"^ft_launcher(?:_reserves|_fr)?[-_](\d+)(?:_|$)")
+RUNTIME_DIR = re.compile(r"^ft_launcher-jobs-\d+$")   # agent.observation.job_status.runtime_dir: <host>-<pid>.json
+
+
+class TokenWatch:
+    """The pids of every process that carried a test's token while the test ran, sampled by a
+    daemon thread (each new pid's environment is read once), so that the files of a process
+    that ended before the teardown are still known as the test's own."""
+
+    INTERVAL = 0.2
+
+    def __init__(self, token):
+        self.needle = f"FT_TEST_TOKEN={token}".encode() + b"\0"
+        self.pids = set()
+        self._checked = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="token-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(self.INTERVAL):
+            self.sample()
+
+    def sample(self):
+        try:
+            pids = {int(n) for n in os.listdir("/proc") if n.isdigit()}
+        except OSError:
+            return
+        self._checked &= pids   # a pid used again later is read again
+        for pid in pids - self._checked:
+            self._checked.add(pid)
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    if self.needle in fh.read() + b"\0":
+                        self.pids.add(pid)
+            except OSError:
+                continue
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.sample()
+        return self.pids
+
+
+def owner_pids(path):
+    """The pids a file of ours names: its agent's, or for the runtime dir the agents listed in it."""
+    name = os.path.basename(path)
+    found = OWNER_PID.match(name)
+    if found:
+        return {int(found.group(1))}
+    if RUNTIME_DIR.match(name):
+        try:
+            entries = os.listdir(path)
+        except OSError:
+            return set()
+        return {int(m.group(1)) for m in (re.search(r"-(\d+)\.json$", e) for e in entries) if m}
+    return set()
 
 
 def ours_on_disk():
@@ -181,16 +251,26 @@ def ours_on_disk():
     return found
 
 
+def leaked_files(before, pids):
+    """Files of ours that appeared since `before` and name one of `pids` (this test's processes)."""
+    return sorted(p for p in ours_on_disk() - before if owner_pids(p) & pids)
+
+
 @pytest.fixture
 def launcher(tmp_path):
     token = uuid.uuid4().hex
     before = ours_on_disk()
+    watch = TokenWatch(token)
     helper = Launcher(token, tmp_path)
-    yield helper
-    helper.cleanup()
-    left = wait_until_gone(token, timeout=5)
-    for proc in left:
-        proc.kill()
+    try:
+        yield helper
+    finally:
+        watch.sample()   # the processes still running, before they are killed
+        helper.cleanup()
+        left = wait_until_gone(token, timeout=5)
+        for proc in left:
+            proc.kill()
+        pids = watch.stop() | {p.pid for p in helper.procs} | helper.owned
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()) for p in left]}"
-    leaked = sorted(ours_on_disk() - before)
+    leaked = leaked_files(before, pids)
     assert not leaked, f"files left behind in /dev/shm or the temp dir: {leaked}"

@@ -1,6 +1,7 @@
 """A real SLURM cluster on this one host, as a session-scoped pytest fixture (``slurm_cluster``).
 
-Owns: installing slurm-wlm + munge (apt-get, as root, when missing), bringing up a private
+Owns: installing slurm-wlm + munge (apt-get, as root, when missing, and only when asked: see
+SYSTEM_SETUP below), bringing up a private
 ``munged``, one ``slurmctld`` and one ``slurmd -N nK`` per emulated node in a private temporary
 directory, waiting until every node is idle, and tearing all of it down afterwards (jobs
 cancelled, every daemon and step daemon it started ended, no process left behind).
@@ -9,9 +10,16 @@ The emulated nodes n1..n3 all run on this host: each has its own slurmd port, sp
 file; their names are mapped to 127.0.0.1 in /etc/hosts so that programs (the launcher's
 rendezvous endpoint = first host of the node list) can resolve them.
 
-Where the cluster cannot be had (not root, apt-get fails, a daemon does not start, nodes never
-become idle) the fixture calls ``pytest.skip`` with the reason: never a silent pass. With
-FT_REQUIRE_SLURM=1 in the environment it fails instead (for CI, where SLURM must be tested).
+A test run changes nothing on the machine unless asked: only with FT_TEST_SYSTEM_SETUP=1 in the
+environment does the fixture install the packages and add the names to /etc/hosts (that line is
+removed again when the session ends). `.ci/run` sets it; a user's `pytest` does not, and then
+runs the SLURM tests where SLURM is installed and n1-n3 resolve, and skips them (saying how to
+opt in) elsewhere.
+
+Where the cluster cannot be had (not root, not asked to set it up, apt-get fails, a daemon does
+not start, nodes never become idle) the fixture calls ``pytest.skip`` with the reason: never a
+silent pass. With FT_REQUIRE_SLURM=1 in the environment it fails instead (for CI, where SLURM
+must be tested).
 
 Tests that use the fixture are marked ``slurm`` automatically (``-m "not slurm"`` leaves them out);
 tests/conftest.py imports the fixture and that hook (pytest 9 refuses ``pytest_plugins`` outside
@@ -43,6 +51,12 @@ NEEDED_BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "
 NODE_NAMES = ("n1", "n2", "n3")
 PARTITION = "ft"
 START_DEADLINE_S = 60.0
+SYSTEM_SETUP = "FT_TEST_SYSTEM_SETUP"   # =1: the tests may apt-get packages and edit /etc/hosts
+HOSTS_MARK = "  # ft_launcher tests: emulated SLURM nodes"
+
+
+def system_setup_allowed() -> bool:
+    return os.environ.get(SYSTEM_SETUP, "") not in ("", "0")
 
 
 class ClusterUnavailable(Exception):
@@ -83,6 +97,9 @@ def ensure_installed() -> None:
     missing = [b for b in NEEDED_BINARIES if shutil.which(b) is None]
     if not missing:
         return
+    if not system_setup_allowed():
+        raise ClusterUnavailable(f"SLURM is not installed ({', '.join(missing)} missing); {SYSTEM_SETUP}=1 lets "
+                                 f"the tests install it (`{APT_LINE}`)")
     if os.geteuid() != 0:
         raise ClusterUnavailable(f"SLURM is not installed ({', '.join(missing)} missing) and not root to apt-get it")
     if shutil.which("apt-get") is None:
@@ -99,8 +116,23 @@ def ensure_installed() -> None:
         raise ClusterUnavailable(f"`{APT_LINE}` failed (exit {res.returncode}): {tail}")
 
 
-def ensure_hosts(names: Iterable[str], hosts_file: str = "/etc/hosts") -> None:
-    """Map each name to 127.0.0.1 in /etc/hosts unless it already resolves there (idempotent)."""
+def _resolves(name: str) -> bool:
+    try:
+        socket.gethostbyname(name)
+        return True
+    except OSError:
+        return False
+
+
+def ensure_hosts(names: Iterable[str], hosts_file: str = "/etc/hosts") -> str | None:
+    """Map each name to 127.0.0.1 in /etc/hosts unless it already resolves (idempotent); only
+    with SYSTEM_SETUP. Returns the line it added (for remove_hosts_line), or None."""
+    names = list(names)
+    if all(_resolves(n) for n in names):
+        return None
+    if not system_setup_allowed():
+        raise ClusterUnavailable(f"the emulated node names {', '.join(names)} do not resolve; {SYSTEM_SETUP}=1 lets "
+                                 f"the tests map them to 127.0.0.1 in {hosts_file} (for the session)")
     path = Path(hosts_file)
     text = path.read_text()
     known = set()
@@ -109,10 +141,12 @@ def ensure_hosts(names: Iterable[str], hosts_file: str = "/etc/hosts") -> None:
         if len(fields) >= 2:
             known.update(fields[1:])
     add = [n for n in names if n not in known]
+    added = None
     if add:
         sep = "" if text.endswith("\n") or not text else "\n"
+        added = "127.0.0.1 " + " ".join(add) + HOSTS_MARK
         try:
-            path.write_text(text + sep + "127.0.0.1 " + " ".join(add) + "  # ft_launcher tests: emulated SLURM nodes\n")
+            path.write_text(text + sep + added + "\n")
         except OSError as e:
             raise ClusterUnavailable(f"cannot map {', '.join(add)} to 127.0.0.1 in {hosts_file}: {e}") from None
     for n in names:
@@ -120,6 +154,21 @@ def ensure_hosts(names: Iterable[str], hosts_file: str = "/etc/hosts") -> None:
             socket.gethostbyname(n)
         except OSError as e:
             raise ClusterUnavailable(f"node name {n} does not resolve after adding it to {hosts_file}: {e}")
+    return added
+
+
+def remove_hosts_line(line: str | None, hosts_file: str = "/etc/hosts") -> None:
+    """Undo ensure_hosts: remove the one line it added (anything else in the file stays)."""
+    if not line:
+        return
+    path = Path(hosts_file)
+    try:
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [l for l in lines if l.rstrip("\n") != line]
+        if len(kept) != len(lines):
+            path.write_text("".join(kept))
+    except OSError:
+        pass
 
 
 class SlurmCluster:
@@ -133,6 +182,7 @@ class SlurmCluster:
         self.conf = root / "slurm.conf"
         self.munge_socket = root / "munge" / "munge.socket.2"
         self.procs: dict[str, subprocess.Popen] = {}
+        self.hosts_line: str | None = None   # what ensure_hosts added to /etc/hosts (removed by stop)
         self.startup_s: float | None = None
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SALLOC_", "SRUN_"))}
         env["SLURM_CONF"] = str(self.conf)
@@ -354,6 +404,8 @@ class SlurmCluster:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(leftover, timeout=10)
+        remove_hosts_line(self.hosts_line)
+        self.hosts_line = None
 
 
 def start_cluster(nodes: Sequence[str] = NODE_NAMES) -> SlurmCluster:
@@ -361,10 +413,11 @@ def start_cluster(nodes: Sequence[str] = NODE_NAMES) -> SlurmCluster:
     if os.geteuid() != 0:
         raise ClusterUnavailable("the local SLURM cluster needs root (daemons run as SlurmUser=root)")
     ensure_installed()
-    ensure_hosts(nodes)
+    hosts_line = ensure_hosts(nodes)
     root = Path(tempfile.mkdtemp(prefix="ft-slurm-"))
     root.chmod(0o700)
     cluster = SlurmCluster(root, nodes)
+    cluster.hosts_line = hosts_line
     try:
         cluster.start()
     except BaseException:

@@ -110,6 +110,32 @@ def test_a_failing_log_disk_costs_one_warning_line_not_the_job(launcher, tmp_pat
         assert len(warnings) == 1 and "the job goes on" in warnings[0], err[-3000:]
 
 
+def test_a_small_log_disk_warns_and_the_job_runs_while_its_logs_fit(launcher, tmp_path):
+    """An empty 100 MB tmpfs as the log dir (less than min_free_disk_gb=1): the job runs and
+    completes, one warning line saying how much room is left; a 4 MB one (the logs no longer fit)
+    fails the health check with the no-restart code, saying so."""
+    if not _can_mount(tmp_path):
+        pytest.skip("mounting a tmpfs needs root")
+    for size, code in (("100m", 0), ("4m", 93)):
+        logs, out = tmp_path / f"logs_{size}", tmp_path / f"out_{size}"
+        with _tmpfs(logs, f"size={size}"):
+            res = launcher.run(["--standalone", "--nproc-per-node", 2, "--ft-warm-reserves", 0, "--log-dir", logs,
+                                os.path.join(SCRIPTS, "cycle_sleeper.py"), out, 0.2], timeout=60)
+            kinds = [e["kind"] for e in read_events(logs)]
+        lines = res.stderr.splitlines()
+        assert res.returncode == code, res.stderr[-3000:]
+        if code == 0:
+            warnings = [l for l in lines if "warning: log directory" in l]
+            assert len(warnings) == 1, res.stderr[-3000:]
+            assert (f"log directory {logs} has 10" in warnings[0] and " MB free, less than min_free_disk_gb=1: the job "
+                    "goes on while its logs fit (it stops below 8 MB)" in warnings[0]), warnings
+            assert kinds[-1] == "job_complete" and (out / "rank_1.txt").exists()
+        else:
+            assert (f"health check failed on this node: log directory {logs} has 4.2 MB free: too little for the "
+                    f"job's logs (it needs at least 8 MB) -> exiting 93 (no restart)") in lines[-1], lines[-1]
+            assert kinds[-1] == "node_left" and not out.exists()
+
+
 @contextlib.contextmanager
 def _frozen(pid):
     """`pid` frozen in a cgroup-v1 freezer cgroup (state D) until the block ends; then thawed."""

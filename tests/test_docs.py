@@ -401,15 +401,20 @@ def test_every_page_in_docs_is_linked_from_the_readme():
 
 
 # ---- events ---------------------------------------------------------------------------------
-def test_every_event_kind_the_agent_writes_is_listed_in_operations():
+def test_every_event_kind_the_agent_writes_is_in_operations_with_its_meaning():
     kinds = set()
-    for path in glob.glob(os.path.join(ROOT, "agent", "*.py")) + glob.glob(os.path.join(ROOT, "ft_launcher", "*.py")):
+    for path in (glob.glob(os.path.join(ROOT, "agent", "**", "*.py"), recursive=True)
+                 + glob.glob(os.path.join(ROOT, "ft_launcher", "**", "*.py"), recursive=True)):
         kinds |= set(re.findall(r"\.event\(\s*\"([a-z_]+)\"", _read(path)))
+        kinds |= set(re.findall(r"\.event\(\s*kind or \"([a-z_]+)\"", _read(path)))   # a monitor's other reports
         kinds |= set(re.findall(r"args = \(\"([a-z_]+)\",", _read(path)))   # the restart event's arguments
-    assert {"hang", "restart", "cycle_start", "job_complete"} <= kinds
+    assert {"hang", "restart", "cycle_start", "job_complete", "straggler", "monitor_report"} <= kinds
     text = _read(os.path.join(ROOT, "docs", "operations.md"))
     section = text.split("## events.jsonl", 1)[1].split("\n## ", 1)[0]
-    assert not [k for k in sorted(kinds) if f"`{k}`" not in section], "event kinds not in docs/operations.md"
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| (.*) \|$", section, re.M))   # | `kind` | meaning |
+    assert not sorted(kinds - set(rows)), "event kinds without a row in docs/operations.md's events.jsonl table"
+    assert not [k for k, meaning in rows.items() if len(meaning.split()) < 4], "a row without a meaning"
+    assert not sorted(set(rows) - kinds), "rows for kinds the agent does not write"
 
 
 # ---- the README's first two commands ------------------------------------------------------------
@@ -434,3 +439,15 @@ def test_the_readme_first_commands_are_what_ci_and_the_first_hour_test_run():
     assert launch[0] == "ft_launcher" and "examples/ddp_train.py" in launch and "--hang-in" in launch
     cli.build_parser().parse_args(launch[1:])
     assert test.endswith("&& python -m pytest -q") and '".[test]"' in test
+
+
+def test_status_help_says_it_finds_jobs_with_or_without_a_log_dir(capsys):
+    """`ft_launcher status` with no LOGDIR finds this user's running jobs, --log-dir or not: its
+    help used to say the job must run with --log-dir."""
+    from ft_launcher import status
+
+    with pytest.raises(SystemExit):
+        status.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "must run with --log-dir" not in text
+    assert "every job this user runs on this machine (with or without --log-dir)" in text

@@ -70,7 +70,7 @@ def test_a_state_file_that_cannot_be_written_later_is_a_warning_not_a_failure(la
     assert unwritable and f"cannot write {state_dir / 'ft_state.json'}" in err
 
 
-def _readme_command(marker, doc="docs/recovery.md"):
+def _readme_command(marker, doc="docs/simulated-faults.md"):
     """The docs' `ft_launcher ...` command that contains `marker`, as argv without the program."""
     import shlex
 
@@ -117,9 +117,14 @@ def test_readme_first_command_is_quiet_and_a_rerun_says_the_run_is_finished(laun
     res = launcher.run(args, timeout=180, extra_env={"TMPDIR": str(scratch)})  # the example's ./ckpt: tmp_path
     took = time.monotonic() - start
     assert res.returncode == 0, res.stderr
-    # The launcher's lines and the script's output, nothing else: no warnings, no source lines, but
-    # for rank 0's own error (torch prefixes it `[rank0]:`) when its collective peer is stopped.
-    assert all(line.startswith(("[ft_launcher ", "[rank0]:")) for line in res.stderr.splitlines()), res.stderr
+    # The launcher's lines and the script's output, nothing else: no warnings, no source lines; rank
+    # 0's error when its collective peer is stopped is one line after the one naming rank 1, no traceback.
+    lines = res.stderr.splitlines()
+    assert all(line.startswith(("[ft_launcher ", "[rank 0] ")) for line in lines), res.stderr
+    assert "Traceback" not in res.stderr
+    victim = [i for i, l in enumerate(lines) if l.startswith("[rank 0] ")]
+    culprit = next(i for i, l in enumerate(lines) if "rank 1 on node 0 (127.0.0.1) hung in section 'step'" in l)
+    assert all(i > culprit and "(it was waiting on rank 1, the failure above" in lines[i] for i in victim), res.stderr
     assert [l.split()[0] for l in res.stdout.splitlines()] == ["step", "rank", "resumed", "step", "step", "FINAL"], res.stdout
     assert "rank 1 hangs in step at step 150 (simulated)" in res.stdout
     assert "rank 1 hang detected: section 'step' elapsed" in res.stderr and "stack dump: " in res.stderr

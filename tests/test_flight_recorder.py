@@ -41,6 +41,27 @@ def test_hang_dumps_every_rank_and_names_the_collective_never_joined(launcher, t
     assert "rank 1 done cycle 1" in res.stdout
 
 
+def test_without_a_log_dir_the_line_names_dumps_that_outlive_the_launcher(launcher, tmp_path):
+    """No --log-dir: the flight-recorder line names a folder that still holds the dumps and the
+    analysis once the launcher has exited (the agent's run dir in the temp dir, kept like the stack
+    dumps there); it used to name a scratch folder removed at the exit."""
+    import re
+    import shutil
+
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+                       + TIMEOUTS + [HANG, "12", "1", "5"], timeout=150)
+    assert res.returncode == 0, res.stderr
+    line = next(l for l in res.stderr.splitlines() if "flight recorder: gloo:all_reduce" in l)
+    out = re.search(r"\(dumps of ranks 0, 1 in (\S+)\)", line).group(1)
+    run_dir = os.path.dirname(os.path.dirname(out))
+    try:
+        assert os.path.basename(run_dir).startswith("ft_launcher-") and out.endswith("cycle_0/flight_recorder")
+        assert os.path.getsize(os.path.join(out, "rank_0")) > 0 and os.path.getsize(os.path.join(out, "rank_1")) > 0
+        assert "missing ranks: {1}" in open(os.path.join(out, "fr_trace.txt")).read()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)   # what the operator would read, then remove
+
+
 def test_two_agents_gather_every_nodes_dump_through_the_store(launcher, tmp_path):
     logs = tmp_path / "logs"   # one log dir for both agents, as on a shared filesystem
     port = free_port()

@@ -1,6 +1,7 @@
 """The launcher end to end: real agents, a real rendezvous, real ranks, real signals."""
 import json
 import os
+import re
 import signal
 import time
 
@@ -183,6 +184,33 @@ def test_busy_port_and_rendezvous_timeout_are_one_line_errors(launcher, tmp_path
     assert "timed out after 1s: 1 of 2 needed nodes joined" in res.stderr and "1 missing" in res.stderr
 
 
+@pytest.mark.parametrize("flags,origin", [
+    (["--rdzv-endpoint", "nosuchhost.invalid:29400"], "from --rdzv-endpoint"),
+    (["--rdzv-backend", "static", "--node-rank", "1", "--master-addr", "nosuchhost.invalid"], "from --master-addr"),
+], ids=["rdzv-endpoint", "master-addr"])
+def test_a_rendezvous_host_name_that_does_not_resolve_is_said_at_once_and_while_waiting(launcher, flags, origin):
+    """A mistyped endpoint host: the agent says the name does not resolve as soon as it looks for the
+    store (not 'waiting for the host to start', and not only when join_timeout runs out), says it
+    again while it keeps looking the name up (it may appear late), and its last line says it too."""
+    proc = launcher.start(["--nnodes", "2", *flags, "--rdzv-conf", "join_timeout=7", SLEEPER])
+    lines = []   # (seconds since the agent's first line, line)
+    first = None
+    for line in proc.stderr:
+        first = first or time.monotonic()
+        lines.append((time.monotonic() - first, line.rstrip("\n")))
+    proc.wait(timeout=30)
+    assert proc.returncode == 1, lines
+    said = [(t, l) for t, l in lines if "does not resolve" in l and l.startswith("[ft_launcher")]
+    assert len(said) >= 2, lines
+    assert said[0][0] < 4.0, lines   # within a few seconds of the start, not at join_timeout's end
+    assert all(f"the rendezvous host name 'nosuchhost.invalid' ({origin}) does not resolve" in l for _, l in said)
+    assert said[1][0] - said[0][0] >= 4.0   # again while waiting, not a burst
+    assert not any("waiting for the rendezvous host" in l for _, l in lines), lines
+    last = lines[-1][1]
+    assert last.startswith("ft_launcher: error: no rendezvous store answered") and "does not resolve" in last, lines
+    assert not any("Traceback" in l for _, l in lines)
+
+
 def test_redirects_keep_console_clean_and_filter_selects_ranks(launcher, tmp_path):
     logs = tmp_path / "logs"
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--log-dir", logs, "--redirects", "3",
@@ -196,10 +224,12 @@ def test_redirects_keep_console_clean_and_filter_selects_ranks(launcher, tmp_pat
     assert "[rank 1] hello from rank 1" in res.stdout and "hello from rank 0" not in res.stdout
 
 
-def test_a_cycles_rank_tracebacks_come_before_the_restart_line(launcher, tmp_path):
-    """The operator reads the cause before the action: rank 1 crashes in 'step' (exit 1 at once),
-    rank 0 then fails in its collective and prints a traceback; it (teed, and without a log dir
-    written straight to the console) is out before 'restarting all ranks: cycle 1'."""
+def test_the_culprit_is_named_first_and_a_victims_collective_error_is_one_line(launcher, tmp_path):
+    """The operator reads who failed before its consequences: rank 1 crashes in 'step' (exit 1 at
+    once), rank 0 then fails in its collective (gloo: connection closed by peer). The launcher's line
+    naming rank 1 comes first; rank 0's 12-line traceback becomes one line that points at rank 1 (the
+    whole traceback stays in its log file when there is one), and all of it is out before
+    'restarting all ranks: cycle 1'."""
     # --max-restarts 2: torch 2.13 sometimes aborts a 2-rank DDP gloo process at its exit ('terminate
     # called without an active exception', seen once here in cycle 1, also without any launcher), which
     # is not what this test is about
@@ -209,6 +239,73 @@ def test_a_cycles_rank_tracebacks_come_before_the_restart_line(launcher, tmp_pat
                             "--ckpt-dir", tmp_path / f"ckpt_{name}"], timeout=90)
         assert res.returncode == 0, res.stderr
         lines = res.stderr.splitlines()
+        culprit = next(i for i, l in enumerate(lines) if "rank 1 on node 0 (127.0.0.1) exited with code 1" in l)
         restart = next(i for i, l in enumerate(lines) if "restarting all ranks: cycle 1" in l)
-        tracebacks = [i for i, l in enumerate(lines) if "Traceback (most recent call last)" in l]
-        assert tracebacks and max(tracebacks) < restart, (name, res.stderr[-4000:])
+        victim = [i for i, l in enumerate(lines) if l.startswith("[rank 0] ")]
+        assert "Traceback" not in res.stderr, (name, res.stderr[-4000:])
+        assert len(victim) == 1 and culprit < victim[0] < restart, (name, res.stderr[-4000:])
+        line = lines[victim[0]]
+        assert re.search(r"Connection (closed|reset) by peer", line), line
+        assert "(it was waiting on rank 1, the failure above: its " in line
+        assert "GLHF" not in line   # torch's advice cut off: one line
+        if name == "teed":
+            log = tmp_path / "logs" / "cycle_0" / "rank_0.log"
+            assert f"-line traceback folded; whole in {log})" in line
+            assert "Traceback (most recent call last)" in log.read_text()
+        else:
+            assert "traceback folded; --log-dir keeps every rank's output)" in line
+
+
+def test_a_real_error_prints_its_whole_traceback_at_once(launcher, tmp_path):
+    """Only a victim's collective error is held back and folded: rank 1's own exception (raised in
+    its step) reaches the console whole, before the launcher's line about it."""
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", EXAMPLE, "--steps", "20",
+                        "--raise-in", "step", "--fail-rank", "1", "--hold-step", "5", "--ckpt-dir", tmp_path / "ckpt"],
+                       timeout=90)
+    assert res.returncode == 0, res.stderr
+    lines = res.stderr.splitlines()
+    raised = next(i for i, l in enumerate(lines) if "RuntimeError: simulated exception in step" in l)
+    culprit = next(i for i, l in enumerate(lines) if "rank 1 on node 0 (127.0.0.1) exited with code 1" in l)
+    assert raised < culprit and "Traceback (most recent call last)" in "\n".join(lines[:raised]), res.stderr[-4000:]
+    assert "in train" in "\n".join(lines[:raised]) and "hooks.at" in "\n".join(lines[:raised])   # its frames, all of them
+
+
+def test_the_same_error_again_before_any_progress_stops_the_job_with_its_traceback_printed_once(launcher, tmp_path):
+    """A script that cannot import a module fails the same way in every rank and cycle: its
+    traceback is printed once, every later one is a line naming where it was first; the second
+    cycle failing the same way, before any step, stops the job (93) in one line instead of
+    spending the budget. max_identical_failures 0 turns that off."""
+    script = os.path.join(SCRIPTS, "import_error.py")
+    logs = tmp_path / "logs"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "3", "--log-dir", logs, script],
+                       timeout=120)
+    assert res.returncode == 93, res.stderr
+    assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr
+    error = "ModuleNotFoundError: No module named 'ft_launcher_tests_no_such_module'"
+    same = [l for l in res.stderr.splitlines() if error in l and "(the same error as rank " in l]
+    assert len(same) == 3, res.stderr   # the other rank of cycle 0, both of cycle 1
+    assert sum("in cycle 0: traceback not repeated; whole in " in l for l in same) == 2, same
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("ft_launcher: error: rank ") and "exited with code 1: the same error as in cycle 0, " \
+        "2 failures in a row before any progress (max_identical_failures=2); restarting cannot help -> the job " \
+        "stops without a restart: exiting 93" in last, last
+    assert sorted({e["cycle"] for e in read_events(logs, "cycle_start")}) == [0, 1]
+    for cycle in (0, 1):   # each rank's log file has it whole
+        assert error in (logs / f"cycle_{cycle}" / "rank_1.log").read_text()
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--ft-max-identical-failures",
+                        "0", script], timeout=120)
+    assert res.returncode == 1 and "restart budget spent (2/2" in res.stderr.strip().splitlines()[-1], res.stderr
+    assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr
+
+
+def test_a_shell_script_passed_as_the_script_is_one_line_that_suggests_no_python(launcher, tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/bash\nset -e\nif [ -n \"$RANK\" ]; then echo rank $RANK; fi\n")
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", script], timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"ft_launcher: error: training script {script} is not a Python script (it starts with '#!/bin/bash'; python "
+        f"cannot parse it: SyntaxError at line 3): to run it as a program, add --no-python"]
+    script.chmod(0o755)
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--no-python", script], timeout=60)
+    assert res.returncode == 0 and "rank 1" in res.stdout, res.stderr

@@ -205,14 +205,15 @@ def test_exclude_this_node_without_enough_nodes_left_stops_every_agent_with_93(l
 
 @pytest.mark.slow
 def test_a_node_failing_its_disk_check_is_left_out_and_the_job_runs_on_the_others(launcher, tmp_path):
-    """--nnodes 1:2: the node first in order demands an absurd amount of free disk; it leaves with
-    93 before the rendezvous, saying why, and the other node trains alone."""
+    """--nnodes 1:2: the node first in order demands an absurd amount of free disk in its checkpoint
+    directory; it leaves with 93 before the rendezvous, saying why, and the other node trains alone."""
+    ckpt = tmp_path / "ckpt"
     first, second, logs = two_agents(launcher, tmp_path, "1:2", ["--steps", 5],
-                                     extra_second=["--ft-min-free-disk-gb", "1e9"])
+                                     extra_second=["--ft-min-free-disk-gb", "1e9", "--ft-checkpoint-dir", ckpt])
     (rc1, _, err1), (rc2, _, err2) = finish(first, second)
     assert rc1 == 0, err1
     assert rc2 == 93, err2
-    assert ("health check failed on this node: log directory " + str(logs)) in last_line(err2)
+    assert ("health check failed on this node: checkpoint directory " + str(ckpt)) in last_line(err2)
     assert "GB free, less than min_free_disk_gb=1e+09 -> exiting 93 (no restart)" in last_line(err2)
     starts = read_events(logs, "cycle_start")
     assert len(starts) == 1 and starts[0]["detail"]["world_size"] == 1
@@ -230,12 +231,15 @@ def test_an_unwritable_checkpoint_dir_fails_the_health_check_with_the_chosen_exi
 
 
 def test_too_little_free_disk_fails_the_health_check(launcher, tmp_path):
-    logs = tmp_path / "logs"
-    res = launcher.run(["--standalone", "--nproc-per-node", 1, *QUIET, "--log-dir", logs,
+    """min_free_disk_gb is the room a checkpoint directory must have; a log directory below it
+    only warns (tests/test_agent_environment.py: a small log disk)."""
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    res = launcher.run(["--standalone", "--nproc-per-node", 1, *QUIET, "--log-dir", logs, "--ft-checkpoint-dir", ckpt,
                         "--ft-min-free-disk-gb", "1e9", OPS, tmp_path / "out", "--steps", 3], timeout=60)
     assert res.returncode == 93, res.stderr
-    assert f"health check failed on this node: log directory {logs} has " in last_line(res.stderr)
+    assert f"health check failed on this node: checkpoint directory {ckpt} has " in last_line(res.stderr)
     assert "GB free, less than min_free_disk_gb=1e+09 -> exiting 93 (no restart)" in last_line(res.stderr)
+    assert f"warning: log directory {logs} has " in res.stderr   # the log dir's own check came first: a warning
     assert [e["kind"] for e in read_events(logs)][-1] == "node_left"
     off = launcher.run(["--standalone", "--nproc-per-node", 1, *QUIET, "--log-dir", logs, "--ft-health-checks",
                         "false", "--ft-min-free-disk-gb", "1e9", OPS, tmp_path / "out", "--steps", 3], timeout=60)

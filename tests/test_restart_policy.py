@@ -161,3 +161,18 @@ def test_verdict_json_round_trip_keeps_the_report():
     assert again.detail == {"exitcode": -9, "hang": {"section": "step"}}
     fields = again.event_fields()
     assert fields["exitcode"] == -9 and fields["rung"] == "in_process" and fields["replace_ranks"] == [3]
+
+
+def test_the_same_error_again_before_any_progress_stops_the_job_with_the_budget_untouched():
+    """PolicyInputs.repeats (the round protocol's: earlier rounds, in a row, that failed with this
+    failure's traceback, no progress since): the max_identical_failures-th such failure is a stop."""
+    policy = RestartPolicy(5, identical_failure_limit=2)
+    first = decide(policy, 0, 1, PolicyInputs(progress=["none"]))
+    assert first.kind == "failure" and first.restart
+    again = decide(policy, 1, 1, PolicyInputs(restarts_used=1, progress=["none", "none"], repeats=[0]))
+    assert again.kind == "stop" and not again.restart and again.restarts_used == 0
+    assert again.what.endswith(": the same error as in cycle 0, 2 failures in a row before any progress "
+                               "(max_identical_failures=2); restarting cannot help"), again.what
+    assert again.detail["failure"] == failure(1)["what"]
+    assert decide(RestartPolicy(5, identical_failure_limit=3), 1, 1, PolicyInputs(repeats=[0])).restart
+    assert decide(RestartPolicy(5), 1, 1, PolicyInputs(repeats=[0])).restart   # 0: off

@@ -19,15 +19,19 @@ path does nothing more for it.
   Until then the agent samples every 20 ms (for the first 30 s of a cycle; then at its own
   `--monitor-interval`), so a first-step time is exact or late by at most one sample.
 - `cycle_summary` (once per node and cycle, when it ends): per rank, the cycle's completed
-  sections (count, total and max seconds), the first-step time, and `at_checkpoint` (the `step`
-  count and seconds as the rank's last `checkpointing` section closed); the cycle's wall seconds.
-  `ft_launcher report` computes goodput from these.
+  sections (count, total and max seconds), the first-step time, `at_checkpoint` (the `step`
+  count and seconds as the rank's last `checkpointing` section closed normally, and how long that
+  one took) and `checkpoint_unfinished` (the same for a `checkpointing` still open at the end, or
+  left by an exception, and how long it lasted); the cycle's wall seconds. `ft_launcher report`
+  computes goodput from these.
 
 Goodput (here, in the status file and the Prometheus gauge; the report uses the same rule, see
 kept_work): seconds in completed `step` sections that survived, over ranks x wall time. A cycle
 that ends the job complete, or is still running, keeps all its steps; a cycle followed by a
-restart (or ending a failed or stopped job) keeps only the steps done before its last completed
-`checkpointing` section, since the job resumes from that checkpoint and redoes the rest; unless the
+restart (or ending a failed or stopped job) keeps only the steps done before the checkpoint it
+resumes from (resume_point: the last `checkpointing` section a rank completed, or one a rank other
+than the failure's had done its part of and was waiting in for its peers), since the job redoes
+the rest; unless the
 next cycle resumed from live state (agent.recovery.live_recovery): then it keeps every step up to the resume
 step (`live_step` in `cycle_summary`: each rank's last completed step under ft.LiveState). Hung
 time, restarts and start-up never count (no `step` closes then).
@@ -38,7 +42,7 @@ import json
 import os
 import socket
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from ft_launcher.rank_monitor import atomic_file
 from ft_launcher.rank_monitor.shm_layout import CHECKPOINT_SECTION as CHECKPOINT
@@ -62,14 +66,35 @@ def mono_to_wall(ns: int, now_wall: float, now_ns: int) -> float:
     return now_wall - (now_ns - ns) / 1e9
 
 
-def kept_work(ranks: Dict[int, dict], live_resume: Optional[int] = None) -> Dict[int, tuple]:
+def resume_point(ranks: Dict[int, dict], culprits=()) -> Tuple[int, Optional[str]]:
+    """(steps, why) of the checkpoint a cycle that ended in a restart resumes from: the latest one
+    a rank completed, its `checkpointing` section closed normally ({"at_checkpoint": {"steps",
+    "step_total", "took"}}), or one a rank had done its part of: a rank other than the failure's
+    (`culprits`) that was still in `checkpointing` when the cycle ended, or left it by an exception
+    ({"checkpoint_unfinished": {"steps", "step_total", "for"}}), after twice its last completed
+    checkpoint's time and a second more: it was waiting on its peers (a barrier, a collective),
+    not saving. `why` says so for the latter, else None."""
+    best, why = max([(r["at_checkpoint"]["steps"], None) for r in ranks.values() if r.get("at_checkpoint")],
+                    default=(0, None), key=lambda m: m[0])
+    for rank, r in sorted(ranks.items()):
+        unfinished, took = r.get("checkpoint_unfinished"), (r.get("at_checkpoint") or {}).get("took")
+        if not unfinished or rank in culprits or took is None or unfinished["steps"] <= best:
+            continue
+        if unfinished["for"] >= max(2 * took, took + 1.0):
+            best = unfinished["steps"]
+            why = (f"rank {rank} had been in its checkpointing section for {unfinished['for']:.1f} s, waiting on its "
+                   f"peers (its last completed one took {took:.2f} s)")
+    return best, why
+
+
+def kept_work(ranks: Dict[int, dict], live_resume: Optional[int] = None, culprits=()) -> Dict[int, tuple]:
     """{rank: (steps kept, step seconds kept)} of a cycle that ended in a restart, from each rank's
-    {"steps", "step_total", "at_checkpoint": {"steps", "step_total"} or None, "live_step"}. The job
-    resumes at the latest checkpoint any rank completed (the cycle's resume point); a rank that closed its
-    own `checkpointing` there keeps exactly its step time up to it, another rank (one that does not
-    enter the section) keeps the same share of its steps at its mean step time. `live_resume`: the
-    next cycle resumed from live state at this step; a rank keeps its steps up to it (those it
-    completed after it, by its `live_step`, are redone) at its mean step time."""
+    {"steps", "step_total", "at_checkpoint", "checkpoint_unfinished", "live_step"}. The job resumes
+    at the cycle's resume point (resume_point); a rank whose own `checkpointing` began there keeps
+    exactly its step time up to it, another rank (one that does not enter the section) keeps the
+    same share of its steps at its mean step time. `live_resume`: the next cycle resumed from live
+    state at this step; a rank keeps its steps up to it (those it completed after it, by its
+    `live_step`, are redone) at its mean step time."""
     if live_resume is not None and live_resume >= 0:
         out = {}
         for rank, r in ranks.items():
@@ -79,13 +104,14 @@ def kept_work(ranks: Dict[int, dict], live_resume: Optional[int] = None) -> Dict
             kept = max(0, count - redone)
             out[rank] = (kept, total * kept / count if count else 0.0)
         return out
-    marks = [r["at_checkpoint"]["steps"] for r in ranks.values() if r.get("at_checkpoint")]
-    resume = max(marks, default=0)
+    resume, _ = resume_point(ranks, culprits)
     out = {}
     for rank, r in ranks.items():
-        at, count, total = r.get("at_checkpoint"), int(r.get("steps") or 0), float(r.get("step_total") or 0.0)
-        if at and at["steps"] == resume:
-            out[rank] = (resume, float(at["step_total"]))
+        count, total = int(r.get("steps") or 0), float(r.get("step_total") or 0.0)
+        own = next((m for m in (r.get("at_checkpoint"), r.get("checkpoint_unfinished")) if m and m["steps"] == resume),
+                   None)
+        if own:
+            out[rank] = (resume, float(own["step_total"]))
         else:
             kept = min(resume, count)
             out[rank] = (kept, total * kept / count if count else 0.0)
@@ -122,6 +148,8 @@ class JobStatus:
         self.redone: Dict[int, list] = {}             # rank -> [steps, seconds] redone after a restart
         self._tail: Dict[int, tuple] = {}             # the last ended cycle's steps after its checkpoint
         self._work: Dict[int, dict] = {}              # the last ended cycle's work (kept_work's input)
+        self._work_cycle: Optional[int] = None
+        self._culprits: Dict[Optional[int], set] = {}   # cycle -> ranks where its failure began (kept_work)
         self._live_pending = False                    # its tail waits for the next cycle's live restore
         self.snapshot: dict = {}                      # read by the metrics thread (replaced, never mutated)
         events.listeners.append(self._on_event)
@@ -131,6 +159,10 @@ class JobStatus:
     def _on_event(self, record: dict) -> None:
         if record["kind"] in ("failure", "restart", "hang") and record.get("cycle") is not None:
             self._incidents.setdefault(record["cycle"], record["time"])
+        if record["kind"] == "failure" and record.get("rank") is not None:   # where a failure began
+            self._culprits.setdefault(record.get("cycle"), set()).add(record["rank"])
+        elif record["kind"] == "hang_blame":
+            self._culprits.setdefault(record.get("cycle"), set()).update(record["detail"].get("culprits") or [])
 
     def on_state(self, state) -> None:
         """The node's state changed (agent.node_state): what `ft_launcher status` shows."""
@@ -184,9 +216,14 @@ class JobStatus:
                     row["heartbeat_age"] = round(max(0, now_ns - live["hb_last_ns"]) / 1e9, 3)
                 row["sections"] = {k: {"count": v["closes"], "total": round(v["total"], 6), "max": round(v["max"], 6)}
                                    for k, v in live["sections"].items()}
-                at = (live["sections"].get(CHECKPOINT) or {}).get("at_close")
-                if at and live["sections"][CHECKPOINT]["closes"]:
-                    row["at_checkpoint"] = {"steps": at["steps"], "step_total": round(at["step_total"], 6)}
+                ckpt = live["sections"].get(CHECKPOINT) or {}
+                at = ckpt.get("at_close")
+                if at and ckpt["closes"]:
+                    row["at_checkpoint"] = {"steps": at["steps"], "step_total": round(at["step_total"], 6),
+                                            "took": round(at["took"], 6)}
+                unfinished = self._unfinished_checkpoint(live, ckpt, now_ns)
+                if unfinished:
+                    row["checkpoint_unfinished"] = unfinished
                 if live.get("live_step", -1) >= 0:
                     row["live_step"] = live["live_step"]
                 step = live["sections"].get(STEP)
@@ -214,6 +251,20 @@ class JobStatus:
         if force or now - self._last_write >= WRITE_EVERY:
             self._write()
 
+    @staticmethod
+    def _unfinished_checkpoint(live: dict, ckpt: dict, now_ns: int) -> Optional[dict]:
+        """The rank's latest `checkpointing` occurrence when it is still open or ended in an
+        exception: the `step` work before it and how long it lasted (resume_point weighs it)."""
+        step = live["sections"].get(STEP) or {"closes": 0, "total": 0.0}
+        if ckpt.get("open"):
+            return {"steps": step["closes"], "step_total": round(step["total"], 6),
+                    "for": round(max(0, now_ns - ckpt["enter_ns"]) / 1e9, 3), "ended": "open"}
+        raised = ckpt.get("raised")
+        if raised:
+            return {"steps": raised["steps"], "step_total": round(raised["step_total"], 6),
+                    "for": round(raised["took"], 3), "ended": "raised"}
+        return None
+
     def cycle_end(self) -> None:
         """Before the monitors forget the cycle: its per-rank section totals as one event."""
         if self.group is None:
@@ -228,6 +279,8 @@ class JobStatus:
                 entry["first_step"] = round(self._first_step[row["rank"]], 6)
             if row.get("at_checkpoint"):
                 entry["at_checkpoint"] = row["at_checkpoint"]
+            if row.get("checkpoint_unfinished"):
+                entry["checkpoint_unfinished"] = row["checkpoint_unfinished"]
             if row.get("live_step") is not None:
                 entry["live_step"] = row["live_step"]
             ranks[str(row["rank"])] = entry
@@ -248,10 +301,13 @@ class JobStatus:
         for row in self._ranks:
             step = row["sections"].get(STEP) or {}
             work[row["rank"]] = {"steps": step.get("count", 0), "step_total": step.get("total", 0.0),
-                                 "at_checkpoint": row.get("at_checkpoint"), "live_step": row.get("live_step")}
-        self._work = work
+                                 "at_checkpoint": row.get("at_checkpoint"),
+                                 "checkpoint_unfinished": row.get("checkpoint_unfinished"),
+                                 "live_step": row.get("live_step")}
+        self._work, self._work_cycle = work, self.cycle
         self._live_pending = any(w["live_step"] is not None for w in work.values())
-        for rank, (steps, seconds) in kept_work(work).items():
+        culprits = self._culprits.get(self.cycle, set())
+        for rank, (steps, seconds) in kept_work(work, culprits=culprits).items():
             self.kept[rank] = self.kept.get(rank, 0.0) + seconds
             self._tail[rank] = (work[rank]["steps"] - steps, max(0.0, work[rank]["step_total"] - seconds))
 
@@ -261,7 +317,7 @@ class JobStatus:
         if not self._live_pending:
             return
         if resume >= 0:
-            ckpt = kept_work(self._work)
+            ckpt = kept_work(self._work, culprits=self._culprits.get(self._work_cycle, set()))
             for rank, (steps, seconds) in kept_work(self._work, resume).items():
                 extra_steps, extra = steps - ckpt[rank][0], max(0.0, seconds - ckpt[rank][1])
                 self.kept[rank] = self.kept.get(rank, 0.0) + extra

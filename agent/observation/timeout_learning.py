@@ -7,7 +7,7 @@ writes ft_state.json atomically and publishes the timeouts with a version number
 applies a new version to its monitors at once, so the running job is protected by the learned
 values, and the next cycle and the next job start from the file.
 
-What counts as an observation (docs/recovery.md's rule): a failed cycle contributes what its ranks had
+What counts as an observation (docs/hang-detection.md's rule): a failed cycle contributes what its ranks had
 completed when the failure became known, nothing after. A monitor that finds its rank hung
 freezes that rank's statistics before it resumes or signals it (shm_layout.freeze_stats), so the
 hung occurrence never counts, even where it closes after all (a SIGSTOPped rank resumed for its

@@ -2,8 +2,21 @@
 
 Captured streams come through pipes that one reader thread serves for all ranks: each complete
 line is written to the rank's file `<log_dir>/cycle_<c>/rank_<r>.log` and, when teed, to the
-agent's stdout as `[rank N] line`. Streams that are neither captured nor filtered out are
-inherited directly (no thread, no copy).
+agent's stdout as `[rank N] line`. A stdout that is neither captured nor filtered out is
+inherited directly (no thread, no copy); a stderr bound for the console always comes through the
+agent, so that it can tell a failure's culprit before its victims:
+
+- A Python traceback (agent.ranks.tracebacks) reaches the console whole, once complete. One
+  whose exception is only a collective's error from peers that went away (gloo's "Connection
+  closed by peer", NCCL's abort, ...) is held back (at most HOLD seconds) until the agent names
+  the failure's culprit (`culprit`, after its own line): for a rank other than the culprit it then
+  becomes one line, its exception and whom it was waiting on (the whole traceback stays in the
+  rank's log file); with no culprit named in time, or for the culprit itself, it is printed whole.
+  Nothing else is held back: a real error prints as soon as its traceback is complete.
+- A traceback the console has already shown (the same text, from another rank or an earlier
+  cycle) is one line: its exception and "the same error as rank R in cycle C".
+- The last traceback of each rank and cycle is kept (`error`): the agent feeds it to the restart
+  policy, which stops a job that fails the same way again before any progress.
 
 With NVRx's per-cycle application log (--ft-per-cycle-applog-prefix, agent.observation.nvrx_logs) both
 streams of every rank are also appended, line by line, to that cycle's one file for the whole job,
@@ -22,7 +35,13 @@ import selectors
 import subprocess
 import sys
 import threading
-from typing import Callable, Dict, Optional
+import time
+from typing import Callable, Collection, Dict, List, Optional, Tuple
+
+from ft_launcher.agent.ranks import tracebacks
+from ft_launcher.agent.ranks.tracebacks import Block
+
+HOLD = 5.0   # seconds a victim's traceback waits for the failure's culprit to be named
 
 
 class RankOutput:
@@ -33,11 +52,17 @@ class RankOutput:
         self._wake_r, self._wake_w = os.pipe()
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._open: Dict[int, dict] = {}
+        self._out_lock = threading.RLock()      # tracebacks: what reaches the console, and in which order
+        self._reading: List[dict] = []           # stderr sinks with a traceback being read
+        self._held: List[Tuple[dict, Block, float]] = []   # victims' tracebacks: (sink, block, deadline)
+        self._culprits: Dict[int, Tuple[Optional[frozenset], str]] = {}   # cycle -> (ranks or None, words)
+        self._shown: Dict[str, Tuple[int, int]] = {}   # traceback signature -> (rank, cycle) that showed it
+        self._errors: Dict[Tuple[int, int], Block] = {}   # (cycle, rank) -> its last traceback
         self._thread = threading.Thread(target=self._serve, name="ft-rank-output", daemon=True)
         self._thread.start()
 
     def plan(self, rank: int, capture: int, tee: int, show: bool, log_file: Optional[str],
-             applog: Optional[tuple] = None):
+             applog: Optional[tuple] = None, cycle: int = 0):
         """Return (stdout, stderr) for Popen and a handle for attach()/finish().
 
         capture and tee are stream masks (1 stdout, 2 stderr, 3 both): a captured stream goes to
@@ -55,15 +80,17 @@ class RankOutput:
             to_console = show and (bool(tee & bit) or not capture & bit)
             if not to_file and not to_console and app is None:
                 args.append(subprocess.DEVNULL)
-            elif not to_file and not tee & bit and app is None:
-                args.append(None)  # plain console: inherit, no copy
+            elif not to_file and not tee & bit and app is None and bit == 1:
+                args.append(None)  # plain console stdout: inherit, no copy
             else:
                 r, w = os.pipe()
                 args.append(w)
                 sinks.append((r, dict(file=fh if to_file else None,
                                       console=console if to_console else None,
                                       prefix=f"[rank {rank}] ".encode() if tee & bit else b"", rest=b"",
-                                      app=app, app_prefix=applog[1].encode() if app else b"")))
+                                      app=app, app_prefix=applog[1].encode() if app else b"",
+                                      errors=bit == 2, rank=rank, cycle=cycle, log_path=log_file if to_file else None,
+                                      block=None)))
         return args[0], args[1], ((sinks, fh) if sinks or fh else None)
 
     def open_log(self, path: str):
@@ -89,11 +116,14 @@ class RankOutput:
 
     def _serve(self) -> None:
         while True:
-            for key, _ in self._sel.select():
+            waiting = self._reading or self._held
+            for key, _ in self._sel.select(timeout=0.1 if waiting else None):
                 if key.data is None:
                     os.read(self._wake_r, 4096)
                     continue
                 self._pump(key.fd, key.data)
+            if waiting:
+                self._due(time.monotonic())
 
     def _pump(self, fd: int, sink: dict) -> None:
         try:
@@ -102,6 +132,8 @@ class RankOutput:
             data = b""
         if not data:
             self._emit(sink, sink["rest"], final=True)
+            if sink.get("block") is not None:   # the stream ended: its traceback is complete
+                self._complete(sink)
             with self._lock:
                 self._sel.unregister(fd)
                 self._open.pop(fd, None)
@@ -113,8 +145,7 @@ class RankOutput:
         sink["rest"] = data[cut:]
         self._emit(sink, data[:cut])
 
-    @staticmethod
-    def _emit(sink: dict, data: bytes, final: bool = False) -> None:
+    def _emit(self, sink: dict, data: bytes, final: bool = False) -> None:
         if not data:
             return
         if final and not data.endswith(b"\n"):
@@ -130,14 +161,137 @@ class RankOutput:
                 sink["app"].write(b"".join(sink["app_prefix"] + line + b"\n" for line in lines))
             except (OSError, ValueError):
                 pass
-        if sink["console"] is not None:
-            prefix = sink["prefix"]
-            text = b"".join(prefix + line + b"\n" for line in data.split(b"\n")[:-1])
-            try:
-                sink["console"].buffer.write(text)
-                sink["console"].flush()
-            except (OSError, ValueError):
-                pass
+        if sink.get("errors"):
+            self._read_errors(sink, data.split(b"\n")[:-1])
+        elif sink["console"] is not None:
+            self._write(sink, data.split(b"\n")[:-1])
+
+    @staticmethod
+    def _write(sink: dict, lines: List[bytes]) -> None:
+        if sink["console"] is None or not lines:
+            return
+        prefix = sink["prefix"]
+        try:
+            sink["console"].buffer.write(b"".join(prefix + line + b"\n" for line in lines))
+            sink["console"].flush()
+        except (OSError, ValueError):
+            pass
+
+    @staticmethod
+    def _say(sink: dict, text: str) -> None:
+        """A line of ours about the rank's output, teed or not: `[rank N] text`."""
+        if sink["console"] is None:
+            return
+        try:
+            sink["console"].buffer.write(f"[rank {sink['rank']}] {text}\n".encode("utf-8", errors="replace"))
+            sink["console"].flush()
+        except (OSError, ValueError):
+            pass
+
+    # ---- tracebacks on stderr (see the module docstring) --------------------------------------
+    def _read_errors(self, sink: dict, lines: List[bytes]) -> None:
+        now = time.monotonic()
+        with self._out_lock:
+            passing: List[bytes] = []
+            for line in lines:
+                block = sink["block"]
+                if block is not None and block.complete(now):
+                    self._complete(sink)
+                    block = None
+                if block is None:
+                    if tracebacks.starts(line):
+                        self._write(sink, passing)
+                        passing = []
+                        sink["block"] = Block(line, now)
+                        self._reading.append(sink)
+                    else:
+                        passing.append(line)
+                else:
+                    block.add(line, now)
+            self._write(sink, passing)
+
+    def _complete(self, sink: dict) -> None:
+        """The traceback being read on `sink` is whole: show it, fold it, or hold it."""
+        with self._out_lock:
+            block, sink["block"] = sink["block"], None
+            if sink in self._reading:
+                self._reading.remove(sink)
+            if block is None:
+                return
+            self._errors[(sink["cycle"], sink["rank"])] = block
+            if sink["console"] is None:
+                return
+            if block.victim():
+                culprit = self._culprits.get(sink["cycle"])
+                if culprit is None:
+                    self._held.append((sink, block, time.monotonic() + HOLD))
+                else:
+                    self._release(sink, block, culprit)
+                return
+            self._show(sink, block)
+
+    def _show(self, sink: dict, block: Block) -> None:
+        """The whole traceback, or one line when the console has shown the same one before."""
+        signature = block.signature()
+        seen = self._shown.get(signature)
+        if seen is None:
+            self._shown[signature] = (sink["rank"], sink["cycle"])
+            self._write(sink, block.lines)
+            return
+        rank, cycle = seen
+        where = f"rank {rank}" + (f" in cycle {cycle}" if cycle != sink["cycle"] else "")
+        self._say(sink, f"{tracebacks.short(block.exception())} (the same error as {where}: traceback not repeated"
+                        + (f"; whole in {sink['log_path']})" if sink["log_path"] else ")"))
+
+    def _release(self, sink: dict, block: Block, culprit: Tuple[Optional[frozenset], str]) -> None:
+        ranks, words = culprit
+        if ranks is not None and sink["rank"] in ranks:   # its own failure: the real error
+            self._show(sink, block)
+            return
+        kept = (f"whole in {sink['log_path']}" if sink["log_path"]
+                else "--log-dir keeps every rank's output")
+        self._say(sink, f"{tracebacks.short(block.exception())} (it was waiting on {words}: "
+                        f"its {len(block.lines)}-line traceback folded; {kept})")
+
+    def _due(self, now: float) -> None:
+        """Tracebacks whose time has come: complete ones, and held ones no culprit claimed."""
+        with self._out_lock:
+            for sink in [s for s in self._reading if s["block"] is not None and s["block"].complete(now)]:
+                self._complete(sink)
+            for entry in [e for e in self._held if e[2] <= now]:
+                self._held.remove(entry)
+                self._show(entry[0], entry[1])
+
+    def culprit(self, cycle: int, ranks: Optional[Collection[int]], words: str) -> None:
+        """The agent has said which rank(s) failed in `cycle` (None: on another node), in `words`
+        (`rank 1`, ...): the victims' tracebacks held for it are folded into one line each."""
+        with self._out_lock:
+            culprit = (frozenset(ranks) if ranks is not None else None, words)
+            self._culprits.setdefault(cycle, culprit)
+            for entry in [e for e in self._held if e[0]["cycle"] == cycle]:
+                self._held.remove(entry)
+                self._release(entry[0], entry[1], self._culprits[cycle])
+
+    def error(self, cycle: int, rank: int) -> Optional[Tuple[str, str]]:
+        """(signature, exception line) of the last traceback rank `rank` printed in `cycle`, or None."""
+        block = self._errors.get((cycle, rank))
+        return None if block is None else (block.signature(), block.exception())
+
+    def flush(self) -> None:
+        """The agent is ending: every traceback still being read or held goes out whole."""
+        with self._out_lock:
+            for sink in list(self._reading):
+                self._complete(sink)
+            held, self._held = self._held, []
+            for sink, block, _ in held:
+                self._show(sink, block)
+
+    def recycle(self, handle, rank: int, cycle: int) -> None:
+        """A rank restarted in place is rank `rank` of `cycle` from now on."""
+        if handle is None:
+            return
+        for _, sink in handle[0]:
+            sink["rank"], sink["cycle"] = rank, cycle
 
     def redirect(self, handle, log_file: Optional[str], applog: Optional[str] = None, rank: int = 0):
         """A rank restarted in place goes on in the next cycle's log file (and in `applog`, the
@@ -166,6 +320,7 @@ class RankOutput:
             for _, sink in sinks:
                 if sink["file"] is old:
                     sink["file"] = new
+                    sink["log_path"] = log_file
         old.close()
         return sinks, new
 

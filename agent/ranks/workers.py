@@ -153,7 +153,7 @@ class WorkerGroup:
         applog = ((nvrx_logs.cycle_log_file(cfg.applog_prefix, cycle),
                    nvrx_logs.rank_prefix(rank, int(env.get("WORLD_SIZE", "1")))) if cfg.applog_prefix else None)
         stdout, stderr, handle = self.output.plan(
-            rank, cfg.capture.get(local_rank, 0), cfg.tee.get(local_rank, 0), show, log_file, applog)
+            rank, cfg.capture.get(local_rank, 0), cfg.tee.get(local_rank, 0), show, log_file, applog, cycle)
         start_ns = time.monotonic_ns()
         try:
             proc = reserve.activate(env, stdout, stderr, " ".join(cfg.entrypoint)) if reserve else None
@@ -175,6 +175,7 @@ class WorkerGroup:
         """Take over a rank of the previous cycle that restarts in place, as global rank
         `global_rank`; its captured output goes on in this cycle's log file."""
         rank.rank, rank.start_ns, rank.in_place, rank.warm = global_rank, time.monotonic_ns(), True, False
+        self.output.recycle(rank.output, global_rank, cycle)
         if self.cfg.log_dir or self.cfg.applog_prefix:   # the directory is made (or its failure said) by RankOutput
             rank.output = self.output.redirect(
                 rank.output,

@@ -15,7 +15,9 @@ that did not complete and the ranks that never joined it.
   the store, and once every node has done so (or `JOB_WAIT` seconds after the request) tells its
   monitors (`on_done`, over each monitor's control channel). Only then do monitors dump stacks and stop ranks, and an agent
   that ends a cycle first lets its thread finish that dump (`end_cycle`).
-- The agent that asked gathers the dumps into `<log dir>/cycle_<c>/flight_recorder/rank_<r>` and
+- The agent that asked gathers the dumps into `<log dir>/cycle_<c>/flight_recorder/rank_<r>` (no
+  log dir: the agent's run dir in the temp dir, `ft_launcher-<agent pid>/`, which outlives the
+  agent like the stack dumps it holds, so the line that names the folder stays true) and
   runs `python -m torch.distributed.flight_recorder.fr_trace` on them (its output kept beside
   them in `fr_trace.txt`), then says in one line and a `flight_recorder` event which collective
   never completed and which ranks never joined it. Where torch lacks a piece (no recorder, the
@@ -70,8 +72,10 @@ def recorder_env(env: Dict[str, str]) -> Dict[str, str]:
 class FlightRecorder:
     """One agent's part: its dump directory, a thread per cycle, the analysis where it asked."""
 
-    def __init__(self, log_dir: Optional[str], events, say: Callable[[str], None], watchdog=None):
+    def __init__(self, log_dir: Optional[str], events, say: Callable[[str], None], watchdog=None,
+                 keep_dir: Optional[str] = None):
         self.log_dir = log_dir
+        self.keep_dir = keep_dir   # where the gathered dumps go without a log dir: kept after the exit
         self.events = events
         self.say = say
         self.enabled = buffer_size(dict(os.environ)) > 0
@@ -145,7 +149,7 @@ class FlightRecorder:
     # ---- the gathering agent's part -------------------------------------------------------
     def _analyze(self, number: int, dumps: Dict[int, bytes], skipped: Dict[int, str], world: int,
                  hang: dict) -> None:
-        base = self.log_dir or self.dir
+        base = self.log_dir or self.keep_dir or self.dir
         out_dir = os.path.join(base, f"cycle_{number}", "flight_recorder")
         try:
             os.makedirs(out_dir, exist_ok=True)

@@ -4,9 +4,13 @@
   device answers (handle, memory info), none has retired pages pending or uncorrectable volatile
   ECC errors. Without NVML (no driver, no package: a CPU node) the check is skipped, and the agent
   says so once.
-- The log directory and the checkpoint directory (`checkpoint_dir`) take a new file, and have at
-  least `min_free_disk_gb` GB free; each path of `storage_healthcheck_path` (NVRx 0.7's key,
-  comma-separated) exists and is readable.
+- The log directory and the checkpoint directory (`checkpoint_dir`) take a new file. The
+  checkpoint directory must have `min_free_disk_gb` GB free (a checkpoint is large). The log
+  directory only needs room for logs (megabytes): below `min_free_disk_gb` the job goes on and one
+  warning line per check says how much room is left; only below LOG_ROOM_MB, where the logs no
+  longer fit, does the check fail (and the node leave, with the no-restart code where too few
+  remain). Each path of `storage_healthcheck_path` (NVRx 0.7's key, comma-separated) exists and
+  is readable.
 
 - NIC link state (NVRx 0.7's enable_nic_healthcheck, on by default as in NVRx): when the agent
   starts it reads the state of each RDMA NIC's port, `link_state_path_template` with `{nic}` for
@@ -34,6 +38,8 @@ import tempfile
 from typing import List, Optional, Tuple
 
 from ft_launcher.agent.ranks import gpu_memory
+
+LOG_ROOM_MB = 8.0   # free MB below which a log directory fails the check: a cycle's logs would not fit
 
 
 def check_gpus() -> Tuple[Optional[str], Optional[str]]:
@@ -77,21 +83,49 @@ def check_gpus() -> Tuple[Optional[str], Optional[str]]:
             pass
 
 
+def _room(free_bytes: float) -> str:
+    """Free space in words: GB from 1 GB up, else MB."""
+    return f"{free_bytes / 1e9:.1f} GB" if free_bytes >= 1e9 else f"{free_bytes / 1e6:.1f} MB"
+
+
 def check_directory(what: str, path: str, min_free_gb: float) -> Optional[str]:
     """One line when `path` cannot take a file or has less than `min_free_gb` GB free."""
+    failure, free = _writable_room(what, path)
+    if failure:
+        return failure
+    if free < min_free_gb * 1e9:
+        return f"{what} {path} has {_room(free)} free, less than min_free_disk_gb={min_free_gb:g}"
+    return None
+
+
+def check_log_directory(path: str, min_free_gb: float) -> Tuple[Optional[str], Optional[str]]:
+    """(failure, warning) for the log directory: a failure when it cannot take a file or has less
+    than LOG_ROOM_MB free (the logs no longer fit); a warning when it has less than
+    `min_free_gb` GB free but the logs fit (the job goes on)."""
+    failure, free = _writable_room("log directory", path)
+    if failure:
+        return failure, None
+    if free < LOG_ROOM_MB * 1e6:
+        return (f"log directory {path} has {_room(free)} free: too little for the job's logs (it needs at least "
+                f"{LOG_ROOM_MB:g} MB)"), None
+    if free < min_free_gb * 1e9:
+        return None, (f"log directory {path} has {_room(free)} free, less than min_free_disk_gb={min_free_gb:g}: "
+                      f"the job goes on while its logs fit (it stops below {LOG_ROOM_MB:g} MB)")
+    return None, None
+
+
+def _writable_room(what: str, path: str) -> Tuple[Optional[str], float]:
+    """(a line when `path` cannot take a file or its free space cannot be read, its free bytes)."""
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
-        return f"{what} {path} is not writable ({exc.strerror or exc})"
+        return f"{what} {path} is not writable ({exc.strerror or exc})", 0.0
     try:
-        free = shutil.disk_usage(path).free / 1e9
+        return None, float(shutil.disk_usage(path).free)
     except OSError as exc:
-        return f"cannot read the free disk space of {what} {path} ({exc.strerror or exc})"
-    if free < min_free_gb:
-        return f"{what} {path} has {free:.1f} GB free, less than min_free_disk_gb={min_free_gb:g}"
-    return None
+        return f"cannot read the free disk space of {what} {path} ({exc.strerror or exc})", 0.0
 
 
 class HealthChecks:
@@ -140,13 +174,14 @@ class HealthChecks:
             self.say(skipped)
         if failure:
             return failure
-        dirs: List[Tuple[str, str]] = []
         if self.log_dir:
-            dirs.append(("log directory", self.log_dir))
+            failure, warning = check_log_directory(self.log_dir, ft.min_free_disk_gb)
+            if failure:
+                return failure
+            if warning:
+                self.say(f"warning: {warning}")
         if ft.checkpoint_dir:
-            dirs.append(("checkpoint directory", ft.checkpoint_dir))
-        for what, path in dirs:
-            failure = check_directory(what, path, ft.min_free_disk_gb)
+            failure = check_directory("checkpoint directory", ft.checkpoint_dir, ft.min_free_disk_gb)
             if failure:
                 return failure
         failure = check_storage_paths(ft.storage_healthcheck_path)

@@ -23,9 +23,10 @@ A failure climbs the ladder only as far as it must (docs/architecture.md, docs/r
   NODE_FAILURE_LIMIT times in a row without progress, while a spare is there to take over.
 - no restart: the restart budget is spent (`restart` False, exit 1), or kind `stop` (exit 93):
   a rank asked for it (ShutdownWorkload), a node's leaving leaves fewer than the job's minimum
-  (`max nodes - excluded < min nodes`), or a failure after `max_no_progress_cycles` cycles in a
-  row without a completed step (agent.recovery.progress): restarting is pointless, and the failure
-  becomes a stop (its line kept in `detail["failure"]`).
+  (`max nodes - excluded < min nodes`), a failure after `max_no_progress_cycles` cycles in a
+  row without a completed step (agent.recovery.progress), or the `max_identical_failures`-th
+  failure in a row with the same traceback and no progress between (`PolicyInputs.repeats`):
+  restarting is pointless, and the failure becomes a stop (its line kept in `detail["failure"]`).
 
 The policy is pure: `decide(report, facts, inputs)` reads and writes nothing. The round protocol
 (agent.rounds.rendezvous) gathers its inputs (`PolicyInputs`: the budget spent, the nodes excluded
@@ -104,17 +105,26 @@ class Verdict:
 
     def rung_words(self) -> str:
         """How the restart happens, for the operator's line."""
-        if not self.restart:
-            return "no restart"
-        if self.rung != "in_process":
-            return "restarting all ranks"
-        parts = ["healthy ranks restart in place"]
-        if self.replace_nodes:
-            parts.append(f"node{'s' if len(self.replace_nodes) > 1 else ''} of the failure restart"
-                         f"{'' if len(self.replace_nodes) > 1 else 's'} all ranks")
-        if self.replace_ranks:
-            parts.append("rank " + ", ".join(map(str, self.replace_ranks)) + " replaced (failed again at once)")
-        return "; ".join(parts)
+        return rung_words(self.restart, self.rung, self.replace_nodes, self.replace_ranks)
+
+
+def rung_words(restart: bool, rung: str, replace_nodes=(), replace_ranks=(), done: bool = False) -> str:
+    """How a verdict restarts the job, in the words of the console's line (`done`: as the report
+    tells it afterwards)."""
+    if not restart:
+        return "no restart"
+    if rung != "in_process":
+        return "restarted every rank" if done else "restarting all ranks"
+    parts = ["healthy ranks kept their processes" if done else "healthy ranks restart in place"]
+    if replace_nodes:
+        many = len(replace_nodes) > 1
+        parts.append(f"node{'s' if many else ''} " + ", ".join(map(str, replace_nodes))
+                     + (" restarted all their ranks" if done and many else " restarted all its ranks" if done
+                        else f" restart{'' if many else 's'} all ranks"))
+    if replace_ranks:
+        parts.append("rank " + ", ".join(map(str, replace_ranks))
+                     + (" replaced after failing again at once" if done else " replaced (failed again at once)"))
+    return f"restarted in place ({'; '.join(parts)})" if done else "; ".join(parts)
 
 
 @dataclasses.dataclass
@@ -151,6 +161,9 @@ class PolicyInputs:
     origins: Dict[int, dict] = dataclasses.field(default_factory=dict)   # earlier rounds' origins, by round
     slow: List[str] = dataclasses.field(default_factory=list)            # nodes marked as stragglers
     last_iteration: Optional[int] = None   # checkpoint_iteration_file's value when this failure was judged
+    # the rounds just before this one that failed with this failure's traceback, in a row, with no
+    # progress since (the `error` signature of their reports, agent.ranks.rank_output)
+    repeats: List[int] = dataclasses.field(default_factory=list)
 
     def progressed(self, back: int) -> bool:
         """Did round (this one - back) make progress?"""
@@ -162,7 +175,7 @@ class RestartPolicy:
 
     def __init__(self, max_restarts: int, granularity: str = "auto", straggler_exclude: bool = False,
                  nodes: Tuple[int, int] = (1, 1), no_progress_limit: int = 0, min_progress_iterations: int = 1,
-                 iteration_file: Optional[str] = None):
+                 iteration_file: Optional[str] = None, identical_failure_limit: int = 0):
         if granularity not in RESTART_GRANULARITIES:
             raise ValueError(f"restart granularity {granularity!r}: expected one of {', '.join(RESTART_GRANULARITIES)}")
         self.max_restarts = max_restarts
@@ -172,6 +185,7 @@ class RestartPolicy:
         self.no_progress_limit = no_progress_limit           # max_no_progress_cycles (0: never stop for it)
         self.min_progress_iterations = max(1, int(min_progress_iterations))
         self.iteration_file = iteration_file                 # progress by checkpoint iteration, else by steps
+        self.identical_failure_limit = identical_failure_limit   # max_identical_failures (0: off)
 
     # -- the decision --------------------------------------------------------------------------
     def decide(self, report: dict, facts: RoundFacts, inputs: PolicyInputs) -> Verdict:
@@ -186,7 +200,7 @@ class RestartPolicy:
             return verdict
         if leaving:
             verdict.exclude = list(verdict.exclude) + [leaving]
-        pointless = self.no_progress(inputs)
+        pointless = self.same_error_again(verdict.what, inputs) or self.no_progress(inputs)
         if pointless:                           # a stop, the budget untouched
             verdict.kind, verdict.detail["failure"], verdict.what = "stop", verdict.what, pointless
             return verdict
@@ -219,6 +233,15 @@ class RestartPolicy:
             return None
         return (f"{excluded} node{'s' if excluded != 1 else ''} excluded: at most {left} of the "
                 f"{min_nodes} needed can remain")
+
+    def same_error_again(self, what: str, inputs: PolicyInputs) -> Optional[str]:
+        """Why the job must stop: this failure is the `max_identical_failures`-th in a row with the
+        same traceback and no progress between (a restart would fail the same way), or None."""
+        limit = self.identical_failure_limit
+        if not limit or not inputs.repeats or len(inputs.repeats) + 1 < limit:
+            return None
+        return (f"{what}: the same error as in cycle {inputs.repeats[0]}, {len(inputs.repeats) + 1} failures in a "
+                f"row before any progress (max_identical_failures={limit}); restarting cannot help")
 
     def no_progress(self, inputs: PolicyInputs) -> Optional[str]:
         """Why the job must stop instead of restarting: `max_no_progress_cycles` cycles in a row

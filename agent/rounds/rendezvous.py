@@ -80,6 +80,11 @@ from ft_launcher.agent.rounds.round_types import (HEAD, NodeInfo, RendezvousErro
 LINGER_POLL = 0.02   # seconds between looks while a leaving store host keeps the store up
 WAIT_SLICE = store_client.SLICE   # seconds: the longest a wait goes without looking for a signal
 PROGRESS_EVERY = 5.0  # seconds between "still waiting for ..." lines
+# An endpoint host name that does not resolve: said at once, then again after these gaps (the
+# last one repeats); looked up again once a second meanwhile (a name can appear late: a
+# Kubernetes service, a DNS record still propagating)
+UNRESOLVED_SAY_GAPS = (5.0, 10.0, 20.0, 30.0)
+UNRESOLVED_RETRY = 1.0
 WATCHED_PEERS = 2     # nodes each agent watches: the next ones in the round's order
 NAMES_UP_TO = 32      # a "waiting for nodes" line names the nodes while no more have joined
 
@@ -99,6 +104,17 @@ def is_local_address(host: str) -> bool:
         except OSError:
             continue
     return False
+
+
+def name_lookup_error(host: str) -> Optional[str]:
+    """None when `host` resolves (or is an address), else the resolver's reason in words."""
+    try:
+        socket.getaddrinfo(host, None)
+        return None
+    except socket.gaierror as exc:
+        return exc.strerror or str(exc)
+    except (OSError, UnicodeError) as exc:
+        return str(exc)
 
 
 def host_store(host: str, port: int, read_timeout: float):
@@ -184,12 +200,20 @@ class JobStore:
         self.replaced: Optional[str] = None  # set when a successor store took the job over from us
         self.server = None
         self.host, self.port = cfg.rdzv_host, cfg.rdzv_port
+        self.reach_host = self.host   # what this agent's own clients connect to
         want_host = cfg.is_host
         if want_host is None:
             want_host = cfg.standalone or is_local_address(self.host)
         self.local = cfg.standalone or is_local_address(self.host)
         if want_host:
             bind = self.host if not cfg.standalone else "127.0.0.1"
+            unresolved = name_lookup_error(bind)
+            if unresolved:   # asked to host (static node 0, is_host=true): the store listens on every
+                # address anyway; this agent's own clients reach it on the loopback
+                say(f"the rendezvous host name {self.host!r} ({self._endpoint_flag()}) does not resolve on "
+                    f"this node ({unresolved}); hosting the store here on port {self.port} all the same: "
+                    f"the other nodes must reach this node by that name")
+                bind = self.reach_host = "127.0.0.1"
             try:
                 self.server = host_store(bind, self.port, cfg.conf("read_timeout"))
                 self.port = self.server.port
@@ -207,40 +231,71 @@ class JobStore:
                                       f"{str(exc).splitlines()[0]}") from None
         if self.is_host:
             raise_file_limit(cfg.max_nodes)
-            self.client = self.new_client("main", host="127.0.0.1" if cfg.standalone else None)
+            self.client = self.new_client("main", host="127.0.0.1" if cfg.standalone else self.reach_host)
         else:
             self.client = self._connect()
 
     def adopt(self, host: str, port: int, server, client: Optional[StoreClient] = None) -> None:
         """Use the successor store at host:port from now on (`server`: hosted by this agent)."""
         self.host, self.port = host, port
+        self.reach_host = host
         self.server = server
         self.is_host = server is not None
         self.client = client if client is not None else self.new_client("main")
 
     def _connect(self) -> StoreClient:
-        deadline = time.monotonic() + self.cfg.conf("join_timeout")
+        """Wait (up to join_timeout) until something listens at the endpoint, then shake hands. A
+        host name that does not resolve is said at once and again while waiting
+        (UNRESOLVED_SAY_GAPS): the lookup is retried, since a name can appear late."""
+        join_timeout = self.cfg.conf("join_timeout")
+        start = time.monotonic()
+        deadline = start + join_timeout
         told = False
+        unresolved: Optional[str] = None
+        say_at, gaps = start, list(UNRESOLVED_SAY_GAPS)
         while True:  # wait until something listens at the endpoint
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5):
                     break
-            except OSError:
+            except OSError as exc:
                 self.check_stop()
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                unresolved = (exc.strerror or str(exc)) if isinstance(exc, socket.gaierror) else None
+                if now > deadline:
+                    why = (f": the host name {self.host!r} ({self._endpoint_flag()}) does not resolve ({unresolved})"
+                           if unresolved else "")
                     raise RendezvousError(
                         f"no rendezvous store answered at {self.host}:{self.port} within "
-                        f"join_timeout={self.cfg.conf('join_timeout'):g}s") from None
-                if not told and time.monotonic() > deadline - self.cfg.conf("join_timeout") + 3:
+                        f"join_timeout={join_timeout:g}s{why}") from None
+                if unresolved:
+                    if now >= say_at:
+                        self.say(f"the rendezvous host name {self.host!r} ({self._endpoint_flag()}) does not "
+                                 f"resolve: {unresolved}; looking it up again every {UNRESOLVED_RETRY:g}s until "
+                                 f"join_timeout={join_timeout:g}s (a name can appear late, e.g. a Kubernetes "
+                                 f"service) [waited {now - start:.0f}s]")
+                        say_at = now + (gaps.pop(0) if len(gaps) > 1 else gaps[0])
+                    self._pause(UNRESOLVED_RETRY)
+                    continue
+                if not told and now > start + 3:
                     self.say(f"waiting for the rendezvous host {self.host}:{self.port} to start")
                     told = True
                 time.sleep(0.05)
-        return self.new_client("main", within=self.cfg.conf("join_timeout"))
+        return self.new_client("main", within=join_timeout)
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep, looking for a signal every WAIT_SLICE."""
+        end = time.monotonic() + seconds
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(WAIT_SLICE, left))
+            self.check_stop()
 
     def new_client(self, label: Optional[str] = None, within: Optional[float] = None,
                    host: Optional[str] = None, stop: bool = True) -> StoreClient:
         """A separate connection (each thread uses its own)."""
-        host = host or self.host
+        host = host or self.reach_host
         try:
             client = StoreClient.connect(
                 host, self.port, within=within or self.cfg.conf("store_unresponsive_timeout"),
@@ -306,6 +361,13 @@ class JobStore:
     def _port_flag(self) -> str:
         return "--master-port" if self.cfg.rdzv_backend == "static" else "--rdzv-endpoint"
 
+    def _endpoint_flag(self) -> str:
+        """Where the endpoint's host came from, for a line about it."""
+        origin = self.cfg.origins.get("endpoint")
+        if not origin or origin == "default":
+            origin = "--master-addr" if self.cfg.rdzv_backend == "static" else "--rdzv-endpoint"
+        return f"from {origin}"
+
 
 def ping_every(cfg: LaunchConfig) -> float:
     """How often a connection with nothing else to say asks the store whether it still answers
@@ -367,7 +429,8 @@ class RoundProtocol:
         ft = cfg.ft
         self.policy = RestartPolicy(cfg.max_restarts, ft.restart_granularity, ft.straggler_exclude,
                                     (cfg.min_nodes, cfg.max_nodes), ft.max_no_progress_cycles,
-                                    ft.min_progress_iterations, ft.checkpoint_iteration_file)
+                                    ft.min_progress_iterations, ft.checkpoint_iteration_file,
+                                    ft.max_identical_failures)
         # this node's progress (agent.recovery.progress): its agent polls it; when this node decides
         # a verdict, it judges the cycle and reads the history the policy counts
         self.progress = ProgressTracker(ft.max_no_progress_cycles, ft.min_progress_iterations,
@@ -725,7 +788,27 @@ class RoundProtocol:
         return PolicyInputs(restarts_used=self.count("restarts_used"), excluded=self.count("excluded"),
                             restartable=self.count(f"r{number}/restartable"),
                             progress=self.progress.history(self, number), origins=origins, slow=slow,
-                            last_iteration=self.progress.last)
+                            last_iteration=self.progress.last, repeats=self._same_error_before(number, report))
+
+    def _same_error_before(self, number: int, reason: dict) -> List[int]:
+        """The rounds just before `number` whose failure had the same traceback as `reason`'s
+        (its `error` signature, agent.ranks.rank_output), in a row, none with progress (the
+        restart policy's `repeats`). After ProgressTracker.judge: this round's progress is known."""
+        signature = (reason.get("error") or {}).get("signature")
+        if not signature or self.exists(f"r{number}/progress"):
+            return []
+        same: List[int] = []
+        for k in range(number - 1, -1, -1):
+            if not self.exists(f"r{k}/interrupt"):
+                break
+            try:
+                before = json.loads(self.get(f"r{k}/interrupt"))
+            except ValueError:
+                break
+            if (before.get("error") or {}).get("signature") != signature or self.exists(f"r{k}/progress"):
+                break
+            same.insert(0, k)
+        return same
 
     def declare_restartable(self, number: int) -> None:
         """This node's ranks all run under ft.restartable in round `number` (once per node)."""

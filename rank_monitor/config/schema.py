@@ -116,15 +116,22 @@ class FaultToleranceConfig:
     # one), the job stops; 0: never. Every agent then exits with no_restart_exit_code.
     max_no_progress_cycles: int = key(3, as_int,
         "stop the job after this many cycles in a row without a completed step (0: never)")
+    # After this many failures in a row with the same traceback and no progress in between (an
+    # import error, a script python cannot run), the job stops: a restart would fail the same way
+    # (agent.recovery.restart_policy). 0: never.
+    max_identical_failures: int = key(2, as_int,
+        "stop the job after this many failures in a row with the same traceback and no progress between (0: never)")
     no_restart_exit_code: int = key(93, as_int,
                                     "exit code of every agent when the job stops and must not be requeued")
     # Health checks before each rendezvous (agent.recovery.health_checks): GPUs through NVML when present,
-    # the log and checkpoint directories writable, at least min_free_disk_gb free in them.
+    # the log and checkpoint directories writable, min_free_disk_gb free in the checkpoint directory (the log
+    # directory: a warning below it, a failure only where logs no longer fit).
     health_checks: bool = key(True, boolean,
                               "check GPUs (NVML), log/checkpoint dirs and free disk before each rendezvous")
     checkpoint_dir: Optional[str] = key(None, optional_str,
-                                        "a directory the health checks require writable, with free disk")
-    min_free_disk_gb: float = key(1.0, number, "GB that must be free in the log and checkpoint directories")
+                                        "a directory the health checks require writable, with min_free_disk_gb free")
+    min_free_disk_gb: float = key(1.0, number,
+                                  "GB that must be free in the checkpoint directory (the log directory: a warning)")
     # In-process restart (issue 11). Which processes a failure replaces: rank (only the failed
     # rank; the others restart in place), node (every rank of its node), job (every rank: a full
     # restart); auto: rank when the script uses ft.restartable, else job.
@@ -250,6 +257,8 @@ class FaultToleranceConfig:
             raise ConfigError(f"straggler_threshold must be above 1 (a ratio to the median), got {self.straggler_threshold}")
         if self.straggler_windows < 1:
             raise ConfigError(f"straggler_windows must be at least 1, got {self.straggler_windows}")
+        if self.max_identical_failures < 0:
+            raise ConfigError(f"max_identical_failures must be 0 (never) or more, got {self.max_identical_failures}")
         if not 1 <= self.no_restart_exit_code <= 255:
             raise ConfigError(f"no_restart_exit_code must be 1-255, got {self.no_restart_exit_code}")
         if not (self.inprocess_timeout > 0 and math.isfinite(self.inprocess_timeout)):

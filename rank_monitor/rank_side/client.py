@@ -472,7 +472,9 @@ class _Section:
 class _CheckpointSection(_Section):
     """The checkpoint section (`checkpointing`): as it closes, it also notes how many `step`
     sections had closed and their total time, the work a restart from this checkpoint keeps (the
-    launcher's goodput). Only this section pays for it; every other section is a plain _Section."""
+    launcher's goodput), and how long it took; a close by an exception is noted apart (that
+    checkpoint may not exist). Only this section pays for it; every other section is a plain
+    _Section."""
 
     __slots__ = ()
 
@@ -484,10 +486,17 @@ class _CheckpointSection(_Section):
         closes = w[b + 3]
         _Section.__exit__(self, exc_type, exc, tb)
         step = _ATT.slots.get(L.STEP_SECTION)
-        if w[b + 3] != closes and step is not None:
-            s = L.slot_base(step)
-            w[b + L.S_AT_STEP_TOTAL_NS] = w[s + 6]   # the step slot's S_TOTAL_NS
-            w[b + L.S_AT_STEP_CLOSES] = w[s + 3]     # ... and S_CLOSES
+        if w[b + 3] != closes:
+            s = L.slot_base(step) if step is not None else None
+            if exc_type is None:
+                w[b + L.S_AT_STEP_TOTAL_NS] = w[s + 6] if s is not None else 0   # the step slot's S_TOTAL_NS
+                w[b + L.S_AT_STEP_CLOSES] = w[s + 3] if s is not None else 0     # ... and S_CLOSES
+                w[b + L.S_AT_CLOSE_NS] = w[b + 5]                              # this one's S_LAST_NS
+            else:
+                w[b + L.S_RAISED_STEP_TOTAL_NS] = w[s + 6] if s is not None else 0
+                w[b + L.S_RAISED_STEP_CLOSES] = w[s + 3] if s is not None else 0
+                w[b + L.S_RAISED_NS] = w[b + 5]
+                w[b + L.S_RAISED_ENTERS] = w[b + 2]                            # S_ENTERS: this occurrence
         return False
 
 
