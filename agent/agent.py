@@ -31,7 +31,6 @@ that SIGKILL does not end, agent.ranks.process_wait, makes its node leave);
 """
 from __future__ import annotations
 
-import datetime
 import glob
 import hashlib
 import os
@@ -58,7 +57,7 @@ from ft_launcher.agent.recovery.flight_recorder import FlightRecorder
 from ft_launcher.agent.recovery.hang_blame import POLL as BLAME_POLL, HangBlame
 from ft_launcher.agent.ranks.gpu_env import heartbeat_warning
 from ft_launcher.agent.recovery.health_checks import HealthChecks
-from ft_launcher.agent.recovery.no_restart import NoRestart, is_excluded, mark_excluded, park_store_host
+from ft_launcher.agent.recovery.no_restart import NoRestart, mark_excluded, park_store_host
 from ft_launcher.agent.observation.section_use import SectionUse
 from ft_launcher.agent.observation.stragglers import StragglerWatch
 from ft_launcher.agent.observation.job_status import JobStatus
@@ -73,6 +72,7 @@ from ft_launcher.agent.recovery import failure_cause, live_recovery
 from ft_launcher.agent.ranks import inprocess_ranks
 from ft_launcher.agent.observation import nvrx_cycle_info, nvrx_logs
 from ft_launcher.agent.rounds import segments, store_threads
+from ft_launcher.agent.rounds.keepalive import AliveListener
 from ft_launcher.agent.ranks.reserve_pool import ReservePool
 from ft_launcher.agent.recovery.restart_policy import RoundFacts, Verdict
 from ft_launcher.agent.rounds.round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
@@ -80,6 +80,7 @@ from ft_launcher.agent.recovery.supervisor import Finished, Interrupted, Supervi
 from ft_launcher.agent.ranks.workers import WorkerGroup, rank_env, set_wake_fd
 
 EXIT_OK, EXIT_FAILED = 0, 1
+NAMED_UP_TO = 256   # a round of at most this many nodes names them in its events (reading the list is O(N))
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -162,7 +163,7 @@ class NodeAgent:
                 raise RendezvousError(f"segment {self.cfg.ft.segment}: this node's NVLink domain is unknown ({why}); "
                                       f"without --ft-segment the job trains on any nodes")
         return NodeInfo(node_id=node_id, host=host, order_key=self.cfg.order_key, nproc=self.cfg.nproc_per_node,
-                        domain=domain)
+                        domain=domain, alive_port=self.alive.port)
 
     # ---- main ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -175,11 +176,13 @@ class NodeAgent:
             self.status.finish(code)
 
     def _run(self) -> int:
+        marks = {"agent_start": time.time()}   # start-up phases (bench/rendezvous_scale.py reads them)
         self.say(self.cfg.summary())
         for sig in self.cfg.signals or FORWARDED_SIGNALS:
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         self.watchdog = OrphanWatchdog()
+        marks["watchdog"] = time.time()
         # What the agent leaves on disk if it is SIGKILLed: its monitors' records, its stack-dump dir,
         # its entry in this user's runtime dir (`ft_launcher status`) and that dir once it is empty
         self.watchdog.remove_matching_at_exit(MonitorHandle.record_pattern(os.getpid()))
@@ -196,12 +199,20 @@ class NodeAgent:
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         self.monitor_set = MonitorSet(self.cfg, self._run_dir, self.watchdog, self.events)
         self.monitor_set.start(pool)
+        marks["monitors_started"] = time.time()
         self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
-        # torch loads here, while the monitors start: their start-up costs the launch nothing
+        marks["reserves"] = time.time()
+        # no torch here: the store's client is ours (agent.rounds.store_client); only the agent that
+        # hosts the job's store, or a round's workers' store (node 0), imports torch
         with warnings.catch_warnings():  # torch's import-time warnings say nothing about this job
             warnings.simplefilter("ignore")
             from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
             from ft_launcher.agent.rounds.store_failover import StoreFailover
+            from ft_launcher.agent.rounds import rendezvous
+        marks["imports"] = time.time()
+        for name, when in marks.items():
+            rendezvous.mark(name, when)
+        self.alive = AliveListener("127.0.0.1" if self.cfg.standalone else "")   # this node's liveness port
         try:
             try:
                 self.store = JobStore(self.cfg, self.say, self._unhandled_signal)
@@ -223,8 +234,10 @@ class NodeAgent:
                 self.stragglers = StragglerWatch(self.cfg.ft, self.events)
                 self.section_use = SectionUse(self.events)
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
+                rendezvous.mark("store")
                 self._start_watcher()
                 self.monitor_set.ready()
+                rendezvous.mark("monitors_ready")
                 code = self._cycles_failing_over()
                 return self._job_stopped(code) if code > 128 else code
             except StoreReplaced as exc:
@@ -281,46 +294,48 @@ class NodeAgent:
         signal.set_wakeup_fd(-1)
 
     def _start_watcher(self) -> None:
-        from ft_launcher.agent.rounds.rendezvous import RoundWatcher
+        from ft_launcher.agent.rounds.round_watcher import RoundWatcher
 
         if self.watcher is not None:
-            self.watcher.stop()  # a watcher stuck in a call to a paused host stays stuck: it is a daemon
-        self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake, self.failover.find_successor,
-                                    lambda node: self.events.event("spare_joined", None, spare=node.label(),
-                                                                   node_id=node.node_id))
-        self.watcher.fence_members = self.failover.memory.members()
+            self.watcher.stop()
+        try:
+            self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake, self.failover.find_successor,
+                                        lambda node: self.events.event("spare_joined", None, spare=node.label(),
+                                                                       node_id=node.node_id), self.alive)
+        except RendezvousError as exc:   # the store went away before the watcher could reach it
+            raise StoreLost(str(exc)) from None
         self.watcher.late_joiners = self.failover.memory.late
-        self.proto._call(self.watcher.s.add, self.store.key(f"alive/{self.me.node_id}"), 1)   # a lost store: StoreLost
         self.watcher.start()
 
     def _cycles_failing_over(self) -> int:
         """The cycles; when the store host is lost, again on the successor store."""
-        number, expected = None, None
+        number, target = None, None
         while True:
             try:
-                return self._cycles(number, expected)
+                return self._cycles(number, target)
             except StoreLost as exc:  # the store host is gone: move to its successor
                 self.life.to(NodeState.RESTARTING, "the store host was lost")
                 self.events.event("store_lost", None, error=str(exc))
-                number, expected = self.failover.take_over(exc)
+                number, target = self.failover.take_over(exc)
                 self._start_watcher()
                 self.events.event("store_failover", None, host=self.store.host, port=self.store.port,
                                   generation=self.failover.memory.generation, next_cycle=number,
                                   hosted_here=self.store.is_host)
 
-    def _cycles(self, number: Optional[int] = None, expected: Optional[List[NodeInfo]] = None) -> int:
+    def _cycles(self, number: Optional[int] = None, target: Optional[int] = None) -> int:
         number = self.proto.current_round() if number is None else number
         while True:
             self._check_signal(None)
             unhealthy = self.health.run()
+            rendezvous_mark("health_checks")
             if unhealthy:
                 self._leave_job(f"health check failed on this node: {unhealthy}")
             self.life.to(NodeState.JOINING, f"round {number}")
             try:
-                rnd = self.proto.join(number, expected)
+                rnd = self.proto.join(number, target)
             except Stopped as exc:
                 return self._stopped_waiting(exc, f"the other nodes (rendezvous round {number})")
-            self.watcher.fence_members = self.failover.remember(rnd)
+            self.failover.remember(rnd)
             self.events.cycle = number
             try:
                 if rnd.group_rank is None:
@@ -354,9 +369,7 @@ class NodeAgent:
                 slow = f"slow/{self.me.node_id}"
                 self._leave_job(self._excluded or (f"excluded as a straggler: {self.proto.get(slow)}"
                                                    if self.proto.exists(slow) else verdict.what))
-            dead = {n["node_id"] for n in verdict.dead_nodes} | set(verdict.exclude)
-            expected = [n for n in rnd.active + rnd.spares if n.node_id not in dead
-                        and not is_excluded(self.proto, n.node_id)]
+            target = None   # the next round's target: in the store, with the verdict (RoundProtocol.interrupt)
             number = verdict.next_round
 
     def _check_signal(self, rnd: Optional[Round]) -> None:
@@ -458,10 +471,9 @@ class NodeAgent:
         self.life.to(NodeState.RUNNING, f"cycle {rnd.number}")
         worker_store = None
         if rnd.group_rank == 0:
-            from torch.distributed import TCPStore
+            from ft_launcher.agent.rounds.rendezvous import host_store
 
-            worker_store = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=cfg.conf("read_timeout")))
+            worker_store = host_store("0.0.0.0", 0, cfg.conf("read_timeout"))   # torch's, on an IPv4 socket of ours
             master = (self._master_host(), worker_store.port)
             self.proto.publish_worker_store(rnd.number, *master)
         else:
@@ -469,12 +481,11 @@ class NodeAgent:
         restarts = self.proto.restarts_used()
         self.events.event(
             "cycle_start",
-            f"cycle {rnd.number}: node {rnd.group_rank} of {len(rnd.active)}, ranks "
+            f"cycle {rnd.number}: node {rnd.group_rank} of {rnd.nnodes}, ranks "
             f"{rnd.rank_offset}-{rnd.rank_offset + cfg.nproc_per_node - 1} of {rnd.world_size}"
-            + (f", {len(rnd.spares)} hot spare(s)" if rnd.spares else "")
+            + (f", {rnd.nspares} hot spare(s)" if rnd.nspares else "")
             + (f" (restart {restarts}/{cfg.max_restarts})" if rnd.number else ""),
-            world_size=rnd.world_size, nodes=[n.label() for n in rnd.active],
-            spares=[n.label() for n in rnd.spares], master=f"{master[0]}:{master[1]}")
+            world_size=rnd.world_size, master=f"{master[0]}:{master[1]}", **_names(rnd))
         if rnd.group_rank == 0 and cfg.ft.cycle_info_dir:   # NVRx's cycle info file (agent.observation.nvrx_cycle_info)
             self._cycle_info().start(rnd.number, rnd.active, rnd.spares, cfg.applog_prefix and
                                      nvrx_logs.cycle_log_file(cfg.applog_prefix, rnd.number))
@@ -513,9 +524,9 @@ class NodeAgent:
         for local_rank in range(cfg.nproc_per_node):
             monitor = self.monitors[local_rank] if self.monitors else None
             env = rank_env(cfg, local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
-                           rnd.world_size, len(rnd.active), master,
+                           rnd.world_size, rnd.nnodes, master,
                            {**(monitor.rank_env() if monitor else {}), **self.reserves.rank_env(local_rank),
-                            ENV_JOB_ADDRS: ",".join(dict.fromkeys(n.host for n in rnd.active))})
+                            ENV_JOB_ADDRS: ",".join(_job_hosts(rnd))})
             kept = in_place.get(local_rank)
             if kept is not None:   # at its restart point: it runs its function again, same process
                 rank = self.group.adopt(kept, rnd.rank_offset + local_rank, rnd.number)
@@ -626,12 +637,13 @@ class NodeAgent:
         """Every rank of this node ended 0: the job completes when every node's have."""
         if self.learner.enabled:
             self.learner.publish(self.proto, self.monitors)
-        if self.proto.mark_done(rnd.number) >= len(rnd.active):
+        if self.proto.mark_done(rnd.number) >= rnd.nnodes:
             self.proto.interrupt(rnd.number, {"kind": "complete"})
         else:
             self.say("all local ranks finished; waiting for the other nodes")
 
     def _ranks_started(self) -> None:
+        rendezvous_mark("ranks_started")
         ranks = self.group.ranks
         if any(r.warm or r.in_place for r in ranks):
             self.say("ranks started: " + ", ".join(
@@ -687,7 +699,7 @@ class NodeAgent:
         error = self.output.error(rnd.number, reason["rank"]) if reason.get("rank") is not None else None
         if error:   # its traceback: the same one again before any progress stops the job (restart_policy)
             reason["error"] = {"signature": hashlib.sha1(error[0].encode()).hexdigest()[:16], "exception": error[1]}
-        verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
+        verdict = self.proto.interrupt(rnd.number, reason, lambda: self._facts(rnd))
         ours = verdict.detail.get("reporter") == self.proto.token   # decided from this report (agent.recovery.restart_policy)
         if ours and verdict.kind == "stop":   # restarting is pointless: the stop's own line follows
             line = reason["what"]
@@ -715,7 +727,7 @@ class NodeAgent:
         if reason.get("leaving"):
             self._excluded = reason["what"]   # leaves even if another node's report won the round
             mark_excluded(self.proto, self.me.node_id)
-        verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
+        verdict = self.proto.interrupt(rnd.number, reason, lambda: self._facts(rnd))
         ours = verdict.detail.get("reporter") == self.proto.token
         self.events.event("workload_request", f"{verdict.what if ours else reason['what']} -> stopping all ranks",
                           rank=reason["rank"], action=reason["action"], description=reason["description"])
@@ -781,7 +793,7 @@ class NodeAgent:
         until every node has read the verdict, so none mistakes the end for a lost store."""
         try:
             self.proto.mark_left(rnd.number)
-            everyone = len(rnd.active) + len(rnd.spares)
+            everyone = rnd.members + (1 if rnd.late else 0)
             self.store.linger(lambda: self.proto.left_count(rnd.number) >= everyone, 10,
                               stop=lambda: self._signal is not None, grace=1.0)   # a signal: within a second
         except RendezvousError:
@@ -789,9 +801,10 @@ class NodeAgent:
 
     def _wait_as_spare(self, rnd: Round) -> Verdict:
         self.life.to(NodeState.SPARE, f"round {rnd.number}")
-        self.say(f"hot spare: {len(rnd.active)} node(s) are training; waiting to be needed")
+        self.say(f"hot spare: {rnd.nnodes} node(s) are training; waiting to be needed")
         self.status.spare(rnd.number)
-        self.events.event("spare_waiting", None, active=[n.label() for n in rnd.active])
+        self.events.event("spare_waiting", None, **({"active": _names(rnd)["nodes"]} if _names(rnd) else
+                                                    {"nnodes": rnd.nnodes}))
         self.reserves.arm()  # so that taking over skips the cold start
         self.reserves.fill()
         self.watcher.watch(rnd)
@@ -814,7 +827,7 @@ class NodeAgent:
                     reason = dict(failure_cause.peers_lost(self.watcher.dead_peers).report, node_id=self.me.node_id)
                     self.events.event("failure", f"{reason['what']} -> the hot spare asks for a new round",
                                       what=reason["what"])
-                    verdict = self.proto.interrupt(rnd.number, reason, self._facts(rnd))
+                    verdict = self.proto.interrupt(rnd.number, reason, lambda: self._facts(rnd))
                     return self._announce(rnd, verdict)
         finally:
             sel.close()
@@ -842,3 +855,25 @@ class NodeAgent:
         else:
             self.events.event(kind or "monitor_report", None, rank=report.get("rank"), **report)
 
+
+def _names(rnd: Round) -> dict:
+    """The round's nodes by label, for events, in a round small enough to read them; else {}."""
+    if rnd.members > NAMED_UP_TO:
+        return {}
+    return {"nodes": [n.label() for n in rnd.active], "spares": [n.label() for n in rnd.spares]}
+
+
+def _job_hosts(rnd: Round) -> List[str]:
+    """The job's node addresses for the ranks (FT_LAUNCHER_JOB_ADDRS, rank_monitor.peer_sockets):
+    every training node's in a round of at most NAMED_UP_TO nodes; past that, reading the list in
+    every agent would cost the store host O(N^2): this node's, its watched peers' and the head's."""
+    if rnd.members <= NAMED_UP_TO:
+        return list(dict.fromkeys(n.host for n in rnd.active))
+    return list(dict.fromkeys([rnd.me.host] + [n.host for n in rnd.peers + rnd.head]))
+
+
+def rendezvous_mark(name: str) -> None:
+    """A start-up phase's time, for bench/rendezvous_scale.py (kept only with FT_LAUNCHER_STORE_STATS)."""
+    from ft_launcher.agent.rounds.rendezvous import mark
+
+    mark(name)

@@ -20,6 +20,9 @@ RDZV_CONF_DEFAULTS = {
     # node counts as dead (torch's dynamic handler spells them the same way).
     "keep_alive_interval": 1.0,
     "keep_alive_max_attempt": 3,
+    # Ours: how long a store that still holds its connections (alive: paused, starved, busy) may
+    # go without answering before the agents give it up and fail over (agent.rounds.store_client).
+    "store_unresponsive_timeout": 20.0,
 }
 
 

@@ -5,9 +5,7 @@ torch's c10d rendezvous (`torch.distributed.run`, through bench/torchrun_counted
     python bench/rendezvous_scale.py [--sizes 2,8,32] [--hold 3]
 
 The first agent starts alone and hosts the store; the others start once it listens, together for
-N <= 8 and --stagger s apart above (on 2 cores, 32 agents importing torch at once starve each
-other's store handshakes past ft_launcher's 4 s limit for telling a store from a foreign program
-on the port: some agents then exit 1, and the round never fills).
+N <= 8 and --stagger s apart above (as the measurements in docs/store-and-scale.md were taken).
 
 Per launcher and N it reports:
   start->ranks    the last agent's start -> every rank process started (both launchers;
@@ -17,8 +15,12 @@ Per launcher and N it reports:
   ops/agent       store calls per agent in the round, by the round protocol (ours: the main
                   connection; torch: every TCPStore/PrefixStore call of the agent), mean and max,
                   with the payload bytes (keys and values, both ways)
-  keep-alive      ours: calls per agent per second on the watcher connection (keep-alive,
-                  interrupt wait, peers' keep-alives, late joiners)
+  keep-alive      ours: calls per agent per second on the watcher connection (the round's
+                  bell wait, store pings; node liveness is TCP, not the store)
+  start-up        ours: the last agent's start-up by phase (python and imports, orphan
+                  watchdog, monitors, reserves, rendezvous imports, store connection, monitors
+                  ready, health checks, join, round known, ranks started), from marks the agent
+                  keeps with FT_LAUNCHER_STORE_STATS
 The calls are counted inside the agents: ours with FT_LAUNCHER_STORE_STATS (agent/rounds.rendezvous.py),
 torch's by wrapping its store classes in bench/torchrun_counted.py.
 """
@@ -104,6 +106,7 @@ def run_agents(kind: str, n: int, hold: float, limit: float, stagger: float = 0.
                     pass
                 proc.wait()
     result = {"kind": kind, "n": n, "codes_ok": sum(1 for c in codes if c == 0), "dir": work}
+    spawned = {p.pid: t for p, t in zip(procs, starts)}
     rank_starts = []
     for path in glob.glob(os.path.join(out, "rank_*")):
         with open(path) as fh:
@@ -113,7 +116,9 @@ def run_agents(kind: str, n: int, hold: float, limit: float, stagger: float = 0.
     records = []
     for path in glob.glob(os.path.join(stats, "*.json")):
         with open(path) as fh:
-            records.append(json.load(fh))
+            record = json.load(fh)
+        record["spawned"] = spawned.get(int(os.path.basename(path).split(".")[0]))
+        records.append(record)
     result["agents_counted"] = len(records)
 
     def totals(label):
@@ -131,6 +136,7 @@ def run_agents(kind: str, n: int, hold: float, limit: float, stagger: float = 0.
                 by_method[method] = by_method.get(method, 0) + count
         result["by_method"] = {m: round(c / len(records), 1) for m, c in sorted(by_method.items())}
     if kind == "ft_launcher" and records:
+        result["startup"] = startup(records)
         joined = [r["marks"].get("joined_at") for r in records]
         known = [r["marks"].get("round_known_at") for r in records]
         if all(joined) and all(known):
@@ -147,6 +153,32 @@ def run_agents(kind: str, n: int, hold: float, limit: float, stagger: float = 0.
                   max(1e-9, r["marks"].get("exit_at", 0) - r["marks"].get("joined_at", 0)) for r in records]
         result["keepalive_bytes_per_s"] = statistics.mean(wbytes)
     return result
+
+
+PHASES = ("agent_start", "watchdog", "monitors_started", "reserves", "imports", "store", "monitors_ready",
+          "health_checks", "joined_at", "round_known_at", "ranks_started")
+
+
+def startup(records: list) -> dict:
+    """The last-spawned agent's start-up by phase (seconds from the previous mark; the first from
+    its spawn), and each phase's mean over the agents."""
+    def phases(r):
+        marks, prev, out = r["marks"], r.get("spawned"), {}
+        if prev is None:
+            return None
+        for name in PHASES:
+            if name in marks:
+                out[name] = marks[name] - prev
+                prev = marks[name]
+        return out
+    rows = [(r["spawned"], phases(r)) for r in records if r.get("spawned")]
+    rows = [(t, p) for t, p in rows if p]
+    if not rows:
+        return {}
+    last = max(rows)[1]
+    mean = {name: statistics.mean(p[name] for _, p in rows if name in p) for name in PHASES
+            if any(name in p for _, p in rows)}
+    return {"last": {k: round(v, 2) for k, v in last.items()}, "mean": {k: round(v, 2) for k, v in mean.items()}}
 
 
 def line(r: dict) -> str:
@@ -173,6 +205,9 @@ def main() -> None:
             result = run_agents(kind, n, args.hold, args.limit, args.stagger if n > 8 else 0.0)
             print(line(result), flush=True)
             print("    calls per agent by method:", json.dumps(result.get("by_method", {})), flush=True)
+            if result.get("startup"):
+                print("    start-up of the last agent by phase (s):", json.dumps(result["startup"]["last"]), flush=True)
+                print("    start-up, mean over agents (s):", json.dumps(result["startup"]["mean"]), flush=True)
             if not args.keep:
                 shutil.rmtree(result["dir"], ignore_errors=True)
 

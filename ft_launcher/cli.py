@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
           "etcd and etcd-v2 are a one-line error")
     _flag(p, "rdzv-endpoint", default="", help="HOST[:PORT] of the rendezvous store (default port 29400)")
     _flag(p, "rdzv-id", default=None, help="job id shared by all nodes (default SLURM_JOB_ID or 'none')")
-    _flag(p, "rdzv-conf", default="", help="k=v,... : join_timeout, last_call_timeout, close_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_max_attempt")
+    _flag(p, "rdzv-conf", default="", help="k=v,... : join_timeout, last_call_timeout, close_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_max_attempt, store_unresponsive_timeout")
     _flag(p, "standalone", action="store_true", help="single node, local store on a free port")
     _flag(p, "max-restarts", type=int, default=0, help="job-wide restart budget (default 0)")
     _flag(p, "monitor-interval", type=float, default=0.1, help="fallback polling period of the agent in seconds")

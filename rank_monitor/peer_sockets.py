@@ -48,20 +48,24 @@ def _addr(hex_addr: str) -> str:
     return str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ip)
 
 
-def established() -> Dict[int, Tuple[str, str]]:
-    """inode -> (local IP, remote IP) of the established TCP connections on this host."""
-    out = {}
+def tcp_table(state: str):
+    """(local address field, remote address field, inode) of this host's TCP sockets in `state`
+    (/proc/net/tcp's hex code: 01 established, 0A listening)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as fh:
                 next(fh)
                 for line in fh:
                     parts = line.split()
-                    if len(parts) > 9 and parts[3] == ESTABLISHED:
-                        out[int(parts[9])] = (_addr(parts[1]), _addr(parts[2]))
+                    if len(parts) > 9 and parts[3] == state:
+                        yield parts[1], parts[2], int(parts[9])
         except (OSError, StopIteration, ValueError):
             continue
-    return out
+
+
+def established() -> Dict[int, Tuple[str, str]]:
+    """inode -> (local IP, remote IP) of the established TCP connections on this host."""
+    return {inode: (_addr(local), _addr(remote)) for local, remote, inode in tcp_table(ESTABLISHED)}
 
 
 def job_addresses() -> Set[str]:

@@ -175,7 +175,8 @@ class JobStatus:
 
     def cycle_start(self, rnd, restarts_used: int, group, monitors) -> None:
         self.cycle, self.node = rnd.number, rnd.group_rank
-        self.world_size, self.nodes = rnd.world_size, [n.label() for n in rnd.active]
+        self.world_size = rnd.world_size
+        self.nodes = [n.label() for n in rnd.active] if rnd.members <= 256 else [f"{rnd.nnodes} nodes"]
         self.restarts_used, self.group, self.monitors = restarts_used, group, monitors
         self.cycle_started = time.time()
         self._first_step, self._stepping_sent = {}, False

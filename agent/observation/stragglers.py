@@ -85,7 +85,7 @@ class StragglerWatch:
         fresh = time.time() - 2 * self.ft.straggler_window
         means: Dict[int, float] = {}
         node_of: Dict[int, Tuple[int, str]] = {}
-        for g in range(len(rnd.active)):
+        for g in range(rnd.nnodes):
             key = f"r{rnd.number}/strag/{g}"
             if not proto.exists(key):
                 continue

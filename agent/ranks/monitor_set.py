@@ -31,6 +31,7 @@ class MonitorSet:
         self.pending: Dict[int, List[dict]] = {}
         self._starts: list = []
         self._stalled: set = set()
+        self._last_check = self._resumed = time.monotonic()   # check_ticks: when this agent last ran, resumed
 
     # ---- start and stop -------------------------------------------------------------------
     def start(self, pool) -> None:
@@ -76,7 +77,15 @@ class MonitorSet:
 
     def check_ticks(self) -> None:
         """A monitor that stopped ticking (SIGSTOPped, wedged) protects nothing: end it, so the
-        death path replaces it and restarts its rank."""
+        death path replaces it and restarts its rank. Slow is not dead: when this agent did not
+        run for a while either (the node was paused, or starved), its monitors get STALL_LIMIT
+        of running time to tick again before they are judged."""
+        now = time.monotonic()
+        if now - self._last_check > STALL_LIMIT:   # this agent itself did not run: paused with its node
+            self._resumed = now
+        self._last_check = now
+        if now - self._resumed < STALL_LIMIT:
+            return
         for local_rank, monitor in enumerate(self.handles):
             stalled = monitor.stalled_for()
             if stalled > STALL_LIMIT and monitor.pid not in self._stalled:

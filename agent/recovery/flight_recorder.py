@@ -194,6 +194,10 @@ class FlightRecorder:
         self.events.event("flight_recorder", message, cycle=number, summary=message, **detail)
 
 
+class _Halted(Exception):
+    """The cycle ended while its dump service waited."""
+
+
 class _Cycle(threading.Thread):
     """One cycle's dump service on one agent (its own store connection)."""
 
@@ -202,7 +206,7 @@ class _Cycle(threading.Thread):
         self.owner, self.store, self.s = owner, store, client
         self.number = rnd.number
         self.world = rnd.world_size
-        self.nodes = len(rnd.active)
+        self.nodes = rnd.nnodes
         self.node_id = node_id
         self.ranks = ranks
         self.asked = False
@@ -232,12 +236,12 @@ class _Cycle(threading.Thread):
         self.served.wait(FR.HOLD_SECONDS)
 
     def run(self) -> None:
-        from torch.distributed import DistNetworkError   # torch is loaded by now (a store exists)
+        from ft_launcher.agent.rounds.store_client import StoreUnreachable
 
         try:
             self._run()
         except Exception as exc:  # noqa: BLE001 - never the job's end: say it and let monitors go on
-            if not isinstance(exc, DistNetworkError):   # a store gone at the cycle's end: nothing to say
+            if not isinstance(exc, StoreUnreachable):   # a store gone at the cycle's end: nothing to say
                 self.owner.say(f"warning: flight-recorder dump in cycle {self.number} failed: "
                                f"{str(exc).splitlines()[0] if str(exc) else repr(exc)}")
         finally:
@@ -248,20 +252,19 @@ class _Cycle(threading.Thread):
                 pass
 
     def _run(self) -> None:
-        import datetime
+        from ft_launcher.agent.rounds.store_client import StoreTimeout, StoreUnreachable
 
-        from torch.distributed import DistNetworkError, DistStoreError
-
-        while True:
+        def halted():   # asked between the wait's local slices: no store traffic while it waits
             if self.halt.is_set():
-                return
-            try:
-                self.s.wait([self.k("request")], datetime.timedelta(seconds=WAIT_SLICE))
-                break
-            except DistStoreError:   # a timeout: wait again
-                continue
-            except DistNetworkError:   # a lost store: stop
-                return
+                raise _Halted()
+
+        self.s.stop = halted
+        try:
+            self.s.wait([self.k("request")])   # one WAIT, answered when a request (or CLOSED) is written
+        except (_Halted, StoreTimeout, StoreUnreachable):   # the cycle ended, or the store is lost
+            return
+        finally:
+            self.s.stop = None
         raw = self.s.get(self.k("request")).decode()
         if raw == CLOSED:
             return
@@ -282,7 +285,7 @@ class _Cycle(threading.Thread):
         left = started + JOB_WAIT - time.monotonic()
         if left > 0:
             try:
-                self.s.wait([self.k("all_done")], datetime.timedelta(seconds=left))
+                self.s.wait([self.k("all_done")], left)
             except Exception:  # noqa: BLE001 - a node that did not finish in time is named below
                 pass
         if self.owner.on_done is not None:   # the monitors may go on

@@ -14,10 +14,7 @@ it away: it leaves training but keeps serving the store (parked) until every oth
 """
 from __future__ import annotations
 
-import time
-from typing import Callable, List, Optional
-
-from ft_launcher.agent.rounds.keepalive import SilenceWatch
+from typing import Callable, Optional
 
 
 class NoRestart(Exception):
@@ -43,24 +40,21 @@ def is_excluded(proto, node_id: str) -> bool:
 
 def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callable[[], Optional[int]],
                     give_up: float) -> None:
-    """An excluded node that hosts the store keeps it up until every other agent has gone quiet
-    (its keep-alive counter stopped for `silent_limit` s) or `give_up` s have passed. Ends early
-    (returns) on a signal."""
-    silence = SilenceWatch(silent_limit)
+    """An excluded node that hosts the store keeps it up until no other agent of the last two
+    rounds is alive any more (its liveness port, agent.rounds.keepalive, no longer answers) or
+    `give_up` s have passed. Ends early (returns) on a signal. `silent_limit`: seconds between looks."""
+    from ft_launcher.agent.rounds.keepalive import probe
 
     def everyone_gone() -> bool:
-        now = time.monotonic()
         try:
             number = int(proto.get("round"))
-            ids: List[str] = []
+            nodes = {}
             for k in (number, number - 1):
                 if k >= 0:
-                    ids += [n.node_id for n in proto._nodes(k, proto.count(f"r{k}/joined"))]
-            ids = [i for i in dict.fromkeys(ids) if i != me_id]
-            counts = proto.get_many([f"alive/{i}" for i in ids])
+                    nodes.update({n.node_id: n for n in proto._nodes(k)})
         except Exception:  # noqa: BLE001 - nobody left to serve
             return True
-        quiet = sum(silence.silent(node_id, count, now) for node_id, count in zip(ids, counts))
-        return bool(ids) and quiet == len(ids)
+        others = [n for i, n in nodes.items() if i != me_id and n.alive_port]
+        return bool(others) and not any(probe(n.host, n.alive_port, 0.5) for n in others)
 
-    store.linger(everyone_gone, give_up, stop=lambda: bool(stop()), poll=0.25)
+    store.linger(everyone_gone, give_up, stop=lambda: bool(stop()), poll=min(silent_limit, 1.0))

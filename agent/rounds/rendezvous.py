@@ -1,80 +1,92 @@
 """Rendezvous: the job-wide TCPStore and the round protocol the agents run on it.
 
-One agent hosts torch's `TCPStore` at the rendezvous endpoint; every agent talks to it. All keys
-live under `ft/<run_id>/`. A *round* is one training cycle:
+One agent hosts torch's `TCPStore` (libuv backend) at the rendezvous endpoint; every agent talks
+to it through its own client of that wire protocol (agent.rounds.store_client: no torch in a
+non-host agent, slow told from dead). All keys live under `ft/<run_id>/`. A *round* is one
+training cycle; what it costs the store host is O(N) bytes in all (O(1) per agent):
 
+    r<R>/records           every joiner's NodeInfo, one JSON line each (append)
     r<R>/joined            counter; each agent's `add` gives it a join sequence number
-    r<R>/node/<seq>        JSON NodeInfo of that joiner
-    r<R>/closed            the number of joiners admitted (set once, by compare_set)
+    r<R>/target            how many nodes a restart round expects back (written with the verdict
+                           of round R-1; a failover's survivors know it themselves)
+    r<R>/closed            "<count>:<token>" of the closer (compare_set: one closer per round)
+    r<R>/at/<node_id>      the closer's assignment for that node: its node rank (or spare), rank
+                           offset, and the WATCHED_PEERS nodes it watches
+    r<R>/info              the round's shape: world size, nodes, spares, the head of the order
+    r<R>/members           all members in order (JSON), read only where a part needs the list
+    r<R>/assigned          set last by the closer (or "abandoned" by a joiner's signal): the one
+                           key every joiner waits on, blocking in the store
+    r<R>/late, r<R>/nlate  records (and count) of nodes that joined after the round closed
+                           (spares); the watchers at the head of the order read them
     r<R>/worker_store      "addr:port" of the fresh store the workers of this round use
     r<R>/interrupt         why the round ends early: a failure or a shutdown (first writer wins)
     r<R>/verdict           what the job does next (restart or stop), written by that first writer
     r<R>/done, r<R>/left   barrier counters for a round that succeeds
     restarts_used          the job-wide restart budget spent so far
-    excluded, excluded/<id>  nodes that left the job (agent.recovery.no_restart): a join stops the job once
-                           too few can remain
+    excluded, excluded/<id>  nodes that left the job (agent.recovery.no_restart)
     r<R>/progress, r<R>/strag/<g>  a step completed in round R (agent.recovery.progress); node g's
                            straggler window (agent.observation.stragglers)
-    alive/<node_id>        keep-alive counters (each agent watches the WATCHED_PEERS nodes after it)
     generation, took_over  which store this is (0: the first; a failover's successor: 1, 2, ...)
 
+Joining: an agent appends its record, adds 1 to `joined` (one round trip: append has no answer)
+and, when its number completes the round (the maximum, or the target of a restart round), closes
+it: it reads the records once, orders them, and publishes every assignment in one multi_set. The
+joiner that brings the round to its minimum keeps the last-call timer (`--nnodes MIN:MAX`). Each
+agent's watcher holds one WAIT on `r<R>/interrupt` while the round runs.
+Everybody else blocks on `r<R>/assigned`: no polling. A waiting agent says every PROGRESS_EVERY s
+who joined (in a job of more than NAMES_UP_TO nodes, only the first joiner reads that; the others
+make no store call while they wait but a PING every ping_every s), and the first joiner of a
+restart round checks then whether a node it waits for is still alive (agent.rounds.keepalive).
+
 Ranks are assigned in infrastructure order (SLURM_PROCID / node rank / GROUP_RANK when known,
-then the order agents first reached the store, kept for the job's life), never purely by who joined first. With `--nnodes MIN:MAX`,
-the first MIN nodes in that order train and the others wait as hot spares for the next round.
-Waits block in the store (`TCPStore.wait`), so a closed round is seen at once, not on a 1 s poll.
+then the order agents first reached the store, kept for the job's life), never purely by who
+joined first. With `--nnodes MIN:MAX`, the first MIN nodes in that order train and the others
+wait as hot spares for the next round.
 
-Every wait here is cut into slices of at most WAIT_SLICE seconds and asks the agent's `stop`
-callable between slices, so a signal ends any wait (for the store host, for peers, for the
-workers' store, for a verdict) within a second with `Stopped`. A signal while a round is being
-joined is written to that round as a shutdown: the other joiners stop too, instead of closing a
-round with a node that is gone. While it waits for peers, the agent says after 1 s, then every
-PROGRESS_EVERY seconds, who joined and who is missing.
+Every wait asks the agent's `stop` callable between local slices (no store traffic), so a signal
+ends any wait within a second with `Stopped`. A signal while a round is being joined is written
+to that round as a shutdown: the other joiners stop too.
 
-A store host that stops answering (killed, paused, cut off) is noticed by the RoundWatcher: a
-store call that fails, or one that has not returned within the keep-alive limit (a paused host
-never answers and torch's client then never returns). agent/rounds.store_failover.py takes it from there.
+A lost store host (agent.rounds.store_client tells dead, gone and unresponsive from slow) is
+noticed by the RoundWatcher (agent.rounds.round_watcher) or by any store call;
+agent.rounds.store_failover takes it from there.
 
-With FT_LAUNCHER_STORE_STATS=<dir> every store call is counted (calls and payload bytes per
-method and per connection) and written to <dir>/<pid>.json at exit (bench/rendezvous_scale.py);
-unset, the clients are torch's own objects, untouched.
+With FT_LAUNCHER_STORE_STATS=<dir> every store call is counted (calls and bytes per method and
+per connection) and written to <dir>/<pid>.json at exit (bench/rendezvous_scale.py).
 """
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import datetime
 import errno
 import json
 import os
 import secrets
 import socket
-import threading
 import time
-from typing import Callable, Dict, List, Optional
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
 
-from torch.distributed import DistNetworkError, DistStoreError, TCPStore
-
-from ft_launcher.agent.rounds import segments, store_threads
-from ft_launcher.agent.rounds.keepalive import SilenceWatch
+from ft_launcher.agent.rounds import segments, store_client
+from ft_launcher.agent.rounds.keepalive import probe
+from ft_launcher.agent.rounds.store_client import NotAStore, StoreClient, StoreTimeout, StoreUnreachable
 from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.recovery.no_restart import NoRestart
 from ft_launcher.agent.recovery.progress import ProgressTracker
 from ft_launcher.agent.recovery.restart_policy import NODE_FAILURE_LIMIT, PolicyInputs, RestartPolicy, RoundFacts, Verdict
-from ft_launcher.agent.rounds.round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
+from ft_launcher.agent.rounds.round_types import (HEAD, NodeInfo, RendezvousError, Round, Stopped, StoreLost,
+                                                  StoreReplaced)
 
 LINGER_POLL = 0.02   # seconds between looks while a leaving store host keeps the store up
-WAIT_SLICE = 0.25     # seconds: the longest a wait goes without looking for a signal
+WAIT_SLICE = store_client.SLICE   # seconds: the longest a wait goes without looking for a signal
 PROGRESS_EVERY = 5.0  # seconds between "still waiting for ..." lines
 # An endpoint host name that does not resolve: said at once, then again after these gaps (the
 # last one repeats); looked up again once a second meanwhile (a name can appear late: a
 # Kubernetes service, a DNS record still propagating)
 UNRESOLVED_SAY_GAPS = (5.0, 10.0, 20.0, 30.0)
 UNRESOLVED_RETRY = 1.0
-WATCHED_PEERS = 2     # keep-alive counters each agent watches: the next nodes in the round's order
-
-
-def _td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
+WATCHED_PEERS = 2     # nodes each agent watches: the next ones in the round's order
+NAMES_UP_TO = 32      # a "waiting for nodes" line names the nodes while no more have joined
 
 
 def is_local_address(host: str) -> bool:
@@ -86,8 +98,8 @@ def is_local_address(host: str) -> bool:
         return False
     for family, _, _, _, addr in infos:
         try:
-            with socket.socket(family, socket.SOCK_DGRAM) as probe:
-                probe.bind((addr[0], 0))
+            with socket.socket(family, socket.SOCK_DGRAM) as probe_sock:
+                probe_sock.bind((addr[0], 0))
             return True
         except OSError:
             continue
@@ -105,25 +117,78 @@ def name_lookup_error(host: str) -> Optional[str]:
         return str(exc)
 
 
-def _port_taken(host: str, port: int) -> bool:
-    """After torch could not listen on `port`: whether something else holds it (EADDRINUSE on a
-    bind of our own), told by errno, since torch's DistNetworkError carries none."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
+def host_store(host: str, port: int, read_timeout: float):
+    """torch's TCPStore server (libuv) listening on `port` (0: any free port) of every address of
+    `host`'s family. The listening socket is ours, handed to torch (master_listen_fd): an IPv4
+    endpoint gets an IPv4 socket, so the server sees its clients' own addresses (on a dual-stack
+    socket it sees IPv4-mapped IPv6 ones, whose reverse lookups go to DNS: where DNS does not
+    answer, each costs the server 5 s with every new connection waiting behind it). Raises
+    OSError (EADDRINUSE when the port is taken). torch is imported here, once the port is bound,
+    by the one agent that hosts the store."""
+    import datetime
+
+    guard = _host_guard(port)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
+        # torch only once the port is free (an agent that finds it taken, another agent of this
+        # host hosting, goes on as a client without importing torch); it listens once the server
+        # can answer: until then a client is refused, and waits for the host to start
+        from torch.distributed import TCPStore
+
+        listener.listen(socket.SOMAXCONN)
+
+        store = TCPStore(host if family == socket.AF_INET else "::1", listener.getsockname()[1], is_master=True,
+                         wait_for_workers=False, timeout=datetime.timedelta(seconds=read_timeout),
+                         master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        if guard is not None:
+            guard.close()
+        raise
+    listener.detach()   # the server owns the descriptor now (it closes it when it stops)
+    return HostedStore(store, guard)
+
+
+def _host_guard(port: int) -> Optional[socket.socket]:
+    """Two agents of one host may both find the port free and both import torch; only one may
+    host. The first to bind this host-wide name (a Linux abstract socket: released when its
+    process ends, no file left) does; the other gets EADDRINUSE, as if the port were taken."""
+    if not port or not hasattr(socket, "AF_UNIX"):
+        return None
+    guard = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        guard.bind(f"\0ft_launcher-store-{port}")
+    except OSError as exc:
+        guard.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise
+        return None   # no abstract sockets here: the TCP bind alone decides
+    return guard
+
+
+class HostedStore:
+    """torch's store server, serving on a listening socket of ours."""
+
+    def __init__(self, store, guard: Optional[socket.socket] = None):
+        self.store = store
+        self.guard = guard
+        self.port = store.port
+
+
+def gone_after(cfg: LaunchConfig) -> float:
+    """Seconds within which a peer host that stops answering at the TCP level is known gone."""
+    return cfg.conf("keep_alive_interval") * (cfg.conf("keep_alive_max_attempt") + 1)
 
 
 class JobStore:
     """The job's store: hosted here or reached as a client; keys are namespaced per run id."""
 
-    # A listener that does not answer as a TCPStore within this is foreign. A real store answers
-    # in milliseconds (its server is a native thread, never held up by the host agent's Python);
-    # the endpoint is only tried once something listens there.
-    HANDSHAKE_LIMIT = 4.0
+    # A running program on this host that holds the port and has not answered the store's
+    # handshake within this is not a store (agent.rounds.store_client: a paused one is waited for).
+    HANDSHAKE_LIMIT = store_client.HANDSHAKE_LIMIT
 
     def __init__(self, cfg: LaunchConfig, say: Callable[[str], None],
                  stop: Optional[Callable[[], Optional[int]]] = None):
@@ -133,49 +198,55 @@ class JobStore:
         self.prefix = f"ft/{cfg.rdzv_id}/"
         self.is_host = False
         self.replaced: Optional[str] = None  # set when a successor store took the job over from us
-        self.server: Optional[TCPStore] = None
+        self.server = None
         self.host, self.port = cfg.rdzv_host, cfg.rdzv_port
         self.reach_host = self.host   # what this agent's own clients connect to
-        timeout = _td(cfg.conf("read_timeout"))
         want_host = cfg.is_host
         if want_host is None:
             want_host = cfg.standalone or is_local_address(self.host)
+        self.local = cfg.standalone or is_local_address(self.host)
         if want_host:
             bind = self.host if not cfg.standalone else "127.0.0.1"
             unresolved = name_lookup_error(bind)
             if unresolved:   # asked to host (static node 0, is_host=true): the store listens on every
-                # address anyway; torch's own client of it would retry the name for its whole timeout
+                # address anyway; this agent's own clients reach it on the loopback
                 say(f"the rendezvous host name {self.host!r} ({self._endpoint_flag()}) does not resolve on "
                     f"this node ({unresolved}); hosting the store here on port {self.port} all the same: "
                     f"the other nodes must reach this node by that name")
                 bind = self.reach_host = "127.0.0.1"
             try:
-                self.server = TCPStore(bind, self.port,
-                                       is_master=True, wait_for_workers=False, timeout=timeout)
+                self.server = host_store(bind, self.port, cfg.conf("read_timeout"))
                 self.port = self.server.port
                 self.is_host = True
-            except (DistNetworkError, RuntimeError) as exc:
-                if not _port_taken(self.host if not cfg.standalone else "127.0.0.1", self.port):
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
                     raise RendezvousError(f"cannot host the rendezvous store on port {self.port}: "
-                                          f"{str(exc).splitlines()[0]}") from None
+                                          f"{exc.strerror or exc}") from None
                 if cfg.is_host:
                     raise RendezvousError(
                         f"port {self.port} is already in use: cannot host the rendezvous store there "
                         f"(pick another {self._port_flag()} port)") from None
-        self.client = _counted(self.server, "main") if self.is_host else _counted(self._connect(timeout), "main")
+            except RuntimeError as exc:   # torch's own errors
+                raise RendezvousError(f"cannot host the rendezvous store on port {self.port}: "
+                                      f"{str(exc).splitlines()[0]}") from None
+        if self.is_host:
+            raise_file_limit(cfg.max_nodes)
+            self.client = self.new_client("main", host="127.0.0.1" if cfg.standalone else self.reach_host)
+        else:
+            self.client = self._connect()
 
-    def adopt(self, host: str, port: int, server: Optional[TCPStore], client: Optional[TCPStore] = None) -> None:
+    def adopt(self, host: str, port: int, server, client: Optional[StoreClient] = None) -> None:
         """Use the successor store at host:port from now on (`server`: hosted by this agent)."""
         self.host, self.port = host, port
         self.reach_host = host
         self.server = server
         self.is_host = server is not None
-        self.client = _counted(server if server is not None else client, "main")
+        self.client = client if client is not None else self.new_client("main")
 
-    def _connect(self, timeout: datetime.timedelta) -> TCPStore:
-        """Wait (up to join_timeout) until the store answers at the endpoint. A host name that
-        does not resolve is said at once and again while waiting (UNRESOLVED_SAY_GAPS): the
-        lookup is retried, since a name can appear late."""
+    def _connect(self) -> StoreClient:
+        """Wait (up to join_timeout) until something listens at the endpoint, then shake hands. A
+        host name that does not resolve is said at once and again while waiting
+        (UNRESOLVED_SAY_GAPS): the lookup is retried, since a name can appear late."""
         join_timeout = self.cfg.conf("join_timeout")
         start = time.monotonic()
         deadline = start + join_timeout
@@ -209,7 +280,7 @@ class JobStore:
                     self.say(f"waiting for the rendezvous host {self.host}:{self.port} to start")
                     told = True
                 time.sleep(0.05)
-        return self.new_client(timeout, "main")
+        return self.new_client("main", within=join_timeout)
 
     def _pause(self, seconds: float) -> None:
         """Sleep, looking for a signal every WAIT_SLICE."""
@@ -221,21 +292,40 @@ class JobStore:
             time.sleep(min(WAIT_SLICE, left))
             self.check_stop()
 
-    def new_client(self, timeout: Optional[datetime.timedelta] = None, label: Optional[str] = None) -> TCPStore:
+    def new_client(self, label: Optional[str] = None, within: Optional[float] = None,
+                   host: Optional[str] = None, stop: bool = True) -> StoreClient:
         """A separate connection (each thread uses its own)."""
-        timeout = timeout or _td(self.cfg.conf("read_timeout"))
-        client = connect_client(self.reach_host, self.port, timeout, self.HANDSHAKE_LIMIT, self.check_stop)
-        if client is None:
+        host = host or self.reach_host
+        try:
+            client = StoreClient.connect(
+                host, self.port, within=within or self.cfg.conf("store_unresponsive_timeout"),
+                unresponsive=self.cfg.conf("store_unresponsive_timeout"), gone_after=gone_after(self.cfg),
+                ping_every=ping_every(self.cfg) * (1 if label == "watcher" else 2),
+                stop=self._stop_check() if stop else None, say=self.say,
+                label=label or "other", local=self.local or host == "127.0.0.1",
+                handshake_limit=self.HANDSHAKE_LIMIT)
+            client.default_timeout = self.cfg.conf("read_timeout")
+            return client
+        except NotAStore as exc:
             raise RendezvousError(
                 f"port {self.port} on {self.host} is in use by another program that is not a "
-                f"rendezvous store (pick another {self._port_flag()} port)")
-        if isinstance(client, Exception):
-            raise RendezvousError(f"cannot reach the rendezvous store at {self.host}:{self.port}: "
-                                  f"{str(client).splitlines()[0]}")
-        return _counted(client, label or "other")
+                f"rendezvous store ({exc}; pick another {self._port_flag()} port)") from None
+        except StoreUnreachable as exc:
+            raise RendezvousError(f"cannot reach the rendezvous store at {self.host}:{self.port}: {exc}") from None
 
     def key(self, name: str) -> str:
         return self.prefix + name
+
+    def _stop_check(self) -> Callable[[], None]:
+        """check_stop for this store's clients, without a reference to this store (a client that
+        held one would keep a store hosted here alive, through the cycle, after its last user)."""
+        ref = weakref.ref(self)
+
+        def check() -> None:
+            store = ref()
+            if store is not None:
+                store.check_stop()
+        return check
 
     def check_stop(self) -> None:
         """Raise Stopped if a signal asked this agent to stop."""
@@ -243,23 +333,16 @@ class JobStore:
         if sig:
             raise Stopped(sig)
 
-    def wait_key(self, client: TCPStore, key: str, timeout: float) -> bool:
-        """Wait up to `timeout` s for `key` to exist, in slices so that a signal ends the wait
-        (Stopped); False when the time is up, StoreLost when the store goes away."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.check_stop()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                client.wait([key], _td(min(WAIT_SLICE, left)))
-                return True
-            except DistStoreError:
-                continue
-            except DistNetworkError as exc:
-                raise StoreLost(f"lost the rendezvous store at {self.host}:{self.port} "
-                                f"({str(exc).splitlines()[0]})") from None
+    def wait_key(self, client: StoreClient, key: str, timeout: float) -> bool:
+        """Wait up to `timeout` s for `key` to exist, blocking in the store (a signal ends the
+        wait: Stopped); False when the time is up, StoreLost when the store goes away."""
+        try:
+            client.wait([key], timeout)
+            return True
+        except StoreTimeout:
+            return False
+        except StoreUnreachable as exc:
+            raise StoreLost(f"lost the rendezvous store at {self.host}:{self.port} ({exc})") from None
 
     def linger(self, done: Callable[[], bool], within: float, stop: Callable[[], bool] = lambda: False,
                grace: float = 0.0, poll: float = LINGER_POLL) -> None:
@@ -286,27 +369,53 @@ class JobStore:
         return f"from {origin}"
 
 
-def connect_client(host: str, port: int, timeout: datetime.timedelta, within: float,
-                   check_stop: Optional[Callable[[], None]] = None):
-    """A TCPStore client of host:port; the exception torch raised; or None when none came within
-    `within` s (a listener that is not a store, a host that stopped answering). torch's connect
-    is not interruptible and can block for good, so it runs in a thread of agent.rounds.store_threads;
-    `check_stop` (which raises to end the wait) is asked between slices."""
-    box: list = []
+def ping_every(cfg: LaunchConfig) -> float:
+    """How often a connection with nothing else to say asks the store whether it still answers
+    (the watcher's; the main connection's, during a long wait, half as often)."""
+    return max(0.5, min(5.0, cfg.conf("store_unresponsive_timeout") / 4))
 
-    def connect():
-        try:
-            box.append(TCPStore(host, port, is_master=False, timeout=timeout))
-        except Exception as exc:  # noqa: BLE001 - the caller says it in one line or moves on
-            box.append(exc)
 
-    thread = store_threads.start(connect, "ft-store-connect")
-    deadline = time.monotonic() + within
-    while not box and time.monotonic() < deadline:
-        if check_stop is not None:
-            check_stop()
-        thread.join(min(WAIT_SLICE, max(0.0, deadline - time.monotonic())))
-    return box[0] if box else None
+def raise_file_limit(max_nodes: int) -> None:
+    """The store host holds two connections per agent (and the watchers' inbound ones): lift the
+    soft limit on open files to the hard one, and say when even that is too low."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        return
+    need = 2 * max_nodes + 64
+    if hard != resource.RLIM_INFINITY and hard < need:
+        print(f"[ft_launcher] warning: the store host may open at most {hard} files, but {max_nodes} "
+              f"nodes need about {need} connections: raise `ulimit -n`", flush=True)
+
+
+def _record(node: NodeInfo) -> str:
+    return json.dumps(dataclasses.asdict(node), separators=(",", ":"))
+
+
+def _node(data) -> NodeInfo:
+    if isinstance(data, (bytes, str)):
+        data = json.loads(data)
+    names = {f.name for f in dataclasses.fields(NodeInfo)}
+    return NodeInfo(**{k: v for k, v in data.items() if k in names})
+
+
+def order(nodes: List[NodeInfo]) -> List[NodeInfo]:
+    """Infrastructure order: order key, then the order agents first reached the store."""
+    return sorted(nodes, key=lambda n: (n.order_key is None, n.order_key or 0, n.stable))
+
+
+def _lines(raw: bytes) -> List[NodeInfo]:
+    """The records of a blob of JSON lines, the first of each node id kept."""
+    out: Dict[str, NodeInfo] = {}
+    for line in raw.decode().splitlines():
+        if line.strip():
+            node = _node(line)
+            out.setdefault(node.node_id, node)
+    return list(out.values())
 
 
 class RoundProtocol:
@@ -327,11 +436,12 @@ class RoundProtocol:
         self.progress = ProgressTracker(ft.max_no_progress_cycles, ft.min_progress_iterations,
                                         ft.checkpoint_iteration_file)
         self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
+        self._members: tuple = (None, None)   # (round, its member lists) once read
         if not me.stable:
             me.stable = self._call(self.s.add, self.k("agents"), 1)
 
     @property
-    def s(self):
+    def s(self) -> StoreClient:
         """The store's client: a failover swaps the store under this protocol (JobStore.adopt)."""
         return self.store.client
 
@@ -343,19 +453,22 @@ class RoundProtocol:
             raise StoreReplaced(self.store.replaced)
         try:
             return fn(*args)
-        except DistNetworkError as exc:
-            raise StoreLost(f"lost the rendezvous store at {self.store.host}:{self.store.port} "
-                            f"({str(exc).splitlines()[0]})") from None
+        except StoreUnreachable as exc:
+            raise StoreLost(f"lost the rendezvous store at {self.store.host}:{self.store.port} ({exc})") from None
 
     # -- plain job-wide values (under the run's prefix) --------------------------------------
     def put(self, name: str, value: str) -> None:
         self._call(self.s.set, self.k(name), value)
 
     def get(self, name: str) -> str:
-        return self._call(self.s.get, self.k(name)).decode()
+        try:
+            return self._call(self.s.get, self.k(name), self.cfg.conf("read_timeout")).decode()
+        except StoreTimeout:
+            raise RendezvousError(f"the store has no {name!r} after read_timeout="
+                                  f"{self.cfg.conf('read_timeout'):g}s") from None
 
     def get_many(self, names: List[str]) -> List[str]:
-        return [v.decode() for v in self._call(self.s.multi_get, [self.k(n) for n in names])] if names else []
+        return [v.decode() for v in self._call(self.s.multi_get_now, [self.k(n) for n in names])] if names else []
 
     def exists(self, name: str) -> bool:
         return bool(self._call(self.s.check, [self.k(name)]))
@@ -367,73 +480,193 @@ class RoundProtocol:
         value = self._call(self.s.compare_set, self.k("round"), "", "0")
         return int(value)
 
-    def join(self, number: int, expected: Optional[List[NodeInfo]] = None) -> Round:
-        """Join round `number`; returns once it is closed. `expected`: the nodes of the previous
-        round, so a restart round closes as soon as every one of them that is still alive
-        (its keep-alive still ticking) is back, instead of waiting out last_call_timeout."""
+    # -- joining -----------------------------------------------------------------------------
+    def join(self, number: int, target: Optional[int] = None) -> Round:
+        """Join round `number`; returns once it is closed and this agent knows its place.
+        `target`: how many nodes a restart round expects back (a failover's survivors); else the
+        target the verdict of the previous round left in the store, if any."""
         me = dataclasses.replace(self.me)
-        me.seq = self._call(self.s.add, self.k(f"r{number}/joined"), 1)
-        self._call(self.s.set, self.k(f"r{number}/node/{me.seq}"), json.dumps(dataclasses.asdict(me)))
-        closed_key = self.k(f"r{number}/closed")
+        r = f"r{number}/"
+        me.seq, raw = self._call(self.s.join_step, self.k(r + "records"), _record(me) + "\n", self.k(r + "joined"),
+                                 self.k(r + "target"))   # one round trip
+        _mark("joined_at")
+        if target is None:
+            target = int(raw) if raw else None
+        need = self.training_nodes
         start = time.monotonic()
+        timer = None   # the last-call deadline, kept by the joiner that brought the round to its minimum
+        if me.seq >= self.cfg.max_nodes or (target and me.seq >= max(target, need)):
+            self._close(number, me.seq)
+        elif me.seq == need:
+            timer = start + self._last_call
         next_progress = start + 1.0  # the first line soon, then every PROGRESS_EVERY s
-        min_since = None
         join_timeout = self.cfg.conf("join_timeout")
-        liveness = _Liveness(self, expected or [])
-        while not self._call(self.s.check, [closed_key]):
-            self._check_join_stop(number)
-            joined = self._call(self.s.add, self.k(f"r{number}/joined"), 0)
+        assigned = self.k(r + "assigned")
+        closed_seen = False
+        # at scale only the first joiner reads who joined for its lines; the others say theirs
+        # between the slices of one wait, without a store call
+        reads = self.cfg.max_nodes <= NAMES_UP_TO or me.seq == 1
+        said = [start + 1.0]
+
+        def line() -> None:
             now = time.monotonic()
-            if now >= next_progress:
-                next_progress = now + PROGRESS_EVERY
-                self.store.say(self._join_progress(number, joined, expected, now - start))
-            enough = joined >= self.training_nodes and self._whole_segments(number, joined)
-            if enough and min_since is None:
-                min_since = now
-            full = joined >= self.cfg.max_nodes
-            if full and not enough:
-                raise RendezvousError(f"rendezvous round {number}: segment {self.cfg.ft.segment}: "
-                                      + segments.shortfall(self._nodes(number, joined), self.training_nodes,
-                                                           self.cfg.ft.segment))
-            everyone_back = enough and expected is not None and joined >= max(
-                liveness.alive_count(number, joined, now), self.training_nodes)
-            last_call_over = min_since is not None and now - min_since >= self._last_call
-            if full or everyone_back or last_call_over:
-                self._call(self.s.compare_set, closed_key, "", str(joined))
+            if now >= said[0]:
+                said[0] = now + PROGRESS_EVERY
+                self.store.say(f"rendezvous round {number}: waiting for nodes: joined as node {me.seq} of "
+                               f"{self.cfg.min_nodes} needed [{now - start:.0f}s of join_timeout {join_timeout:g}s]")
+        while True:
+            deadline = min(next_progress if reads else float("inf"), start + join_timeout, timer or float("inf"))
+            try:
+                self._call(self.s.wait, [assigned], max(0.0, deadline - time.monotonic()), None if reads else line)
                 break
+            except StoreTimeout:
+                pass
+            except Stopped as exc:
+                self.abandon(number, exc.signum)
+                raise
+            now = time.monotonic()
+            if timer is not None and now >= timer:
+                timer = None
+                self._close(number, self._call(self.s.add, self.k(r + "joined"), 0))
+                continue
+            if reads and now >= next_progress:
+                next_progress = now + PROGRESS_EVERY
+                joined = self._call(self.s.add, self.k(r + "joined"), 0)
+                self._check_join_stop(number)
+                if self._call(self.s.check, [self.k(r + "closed")]):
+                    if closed_seen:   # closed a tick ago and still not published: its closer died
+                        self._publish(number)
+                        continue
+                    closed_seen = True
+                self.store.say(self._join_progress(number, joined, target, now - start))
+                if self._late_close_due(number, me.seq, joined, target, now - start):
+                    self._close(number, joined)
+                    continue
             if now - start > join_timeout:
-                nodes = self._nodes(number, joined)
+                joined = self._call(self.s.add, self.k(r + "joined"), 0)
+                nodes = self._records(number) if joined <= NAMES_UP_TO else []
+                names = f" ({', '.join(n.label() for n in nodes)})" if nodes else ""
                 raise RendezvousError(
                     f"rendezvous round {number} timed out after {join_timeout:g}s: "
-                    f"{joined} of {self.cfg.min_nodes} needed nodes joined "
-                    f"({', '.join(n.label() for n in nodes)}); "
+                    f"{joined} of {self.cfg.min_nodes} needed nodes joined{names}; "
                     f"{self.cfg.min_nodes - joined} missing")
-            try:
-                self.s.wait([closed_key], _td(WAIT_SLICE))  # returns the moment the round closes
-            except DistStoreError:
-                pass
-            except DistNetworkError:
-                self._call(self.s.check, [closed_key])  # raises StoreLost
-        admitted = int(self._call(self.s.get, closed_key))
-        nodes = self._nodes(number, admitted)
-        nodes.sort(key=lambda n: (n.order_key is None, n.order_key or 0, n.stable))
+        return self._my_round(number, me)
+
+    def _late_close_due(self, number: int, seq: int, joined: int, target: Optional[int], waited: float) -> bool:
+        """A round that nobody closed in time: the first joiner of a restart round finds that
+        the nodes still missing are dead; or the minimum is there and the last-call timer's
+        keeper is gone (any agent, after twice the last call)."""
+        if joined < self.training_nodes:
+            return False
+        expected = self._expected(number) if target and seq == 1 and joined < target else []
+        if expected:
+            return _Liveness(self, expected).alive_count(number, joined, time.monotonic()) <= joined
+        return waited > 2 * self._last_call + PROGRESS_EVERY
+
+    def _expected(self, number: int) -> List[NodeInfo]:
+        raw = self._call(self.s.get_now, self.k(f"r{number}/expect"))
+        return [_node(d) for d in json.loads(raw)] if raw else []
+
+    def _close(self, number: int, count: int) -> bool:
+        """Close round `number` with `count` joiners (first closer wins) and publish every
+        assignment. True when this agent closed it."""
+        mine = f"{count}:{self.token}"
+        if self._call(self.s.compare_set, self.k(f"r{number}/closed"), "", mine).decode() != mine:
+            return False
+        self._publish(number)
+        return True
+
+    def _publish(self, number: int) -> None:
+        """Every assignment of closed round `number`, then `assigned` (idempotent: a closer that
+        died before publishing is stood in for by whoever notices, from the same records)."""
+        r = f"r{number}/"
+        nodes = order(self._records(number))
         train = self.training_nodes
         active, spares = nodes[:train], nodes[train:]
         if self.cfg.ft.segment:   # whole NVLink-domain segments train (agent.rounds.segments)
             chosen = segments.split(nodes, train, self.cfg.ft.segment)
             if chosen is None:
-                raise RendezvousError(f"rendezvous round {number}: segment {self.cfg.ft.segment}: "
-                                      + segments.shortfall(nodes, train, self.cfg.ft.segment))
+                self.abandon_with(number, {"kind": "stop", "what": f"rendezvous round {number}: segment "
+                                           f"{self.cfg.ft.segment}: " + segments.shortfall(nodes, train,
+                                                                                            self.cfg.ft.segment)})
+                return
             active, spares = chosen
-        if me.seq > admitted:  # joined after the round closed: wait for the next one
-            return Round(number, me, active, spares + [me])
-        return Round(number, me, active, spares)
+        members = active + spares
+        records = [dataclasses.asdict(n) for n in members]
+        keys, values = [], []
+        offset = 0
+        for i, node in enumerate(members):
+            peers = [records[(i + step) % len(members)] for step in range(1, min(WATCHED_PEERS, len(members) - 1) + 1)]
+            place = {"g": i if i < len(active) else None, "o": offset, "p": peers}
+            if i < len(active):
+                offset += node.nproc
+            keys.append(self.k(f"{r}at/{node.node_id}"))
+            values.append(json.dumps(place, separators=(",", ":")))
+        info = {"world": sum(n.nproc for n in active), "nnodes": len(active), "nspares": len(spares),
+                "head": records[:HEAD]}
+        keys += [self.k(r + "info"), self.k(r + "members")]
+        values += [json.dumps(info, separators=(",", ":")),
+                   json.dumps({"active": records[:len(active)], "spares": records[len(active):]}, separators=(",", ":"))]
+        self._call(self.s.multi_set, keys, values)
+        self._call(self.s.set, self.k(r + "assigned"), "ok")
 
-    def _whole_segments(self, number: int, joined: int) -> bool:
-        """With `segment`: do the nodes that joined hold enough whole segments to train?"""
-        if not self.cfg.ft.segment:
-            return True
-        return segments.split(self._nodes(number, joined), self.training_nodes, self.cfg.ft.segment) is not None
+    def abandon_with(self, number: int, reason: dict) -> None:
+        """End round `number` before it trains: `reason` as its interrupt and verdict, and the
+        joiners woken."""
+        text = json.dumps(dict(reason, reporter=self.token), sort_keys=True)
+        if self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text).decode() == text:
+            verdict = self.policy.decide(reason, RoundFacts(number, [], [], {}), PolicyInputs())
+            self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
+        self._call(self.s.set, self.k(f"r{number}/assigned"), "abandoned")
+
+    def _my_round(self, number: int, me: NodeInfo) -> Round:
+        """This agent's place in closed round `number`: one read of its assignment and the shape."""
+        r = f"r{number}/"
+        state, place, info = self._call(self.s.multi_get_now, [self.k(r + "assigned"), self.k(f"{r}at/{me.node_id}"),
+                                                               self.k(r + "info")])
+        if state == b"abandoned":
+            self._check_join_stop(number)
+            raise RendezvousError(f"rendezvous round {number} was abandoned")
+        info = json.loads(info)
+        head = [_node(d) for d in info["head"]]
+
+        def loader() -> Tuple[List[NodeInfo], List[NodeInfo]]:
+            return self.members(number)
+
+        if not place:   # joined after the round closed: a spare until the next round; the others hear of it
+            self._call(self.s.append, self.k(r + "late"), _record(me) + "\n")
+            self._call(self.s.add, self.k(r + "nlate"), 1)   # the head's watchers hear of it
+            rnd = Round.assigned(number, me, None, 0, info["world"], info["nnodes"], info["nspares"],
+                                 head[:WATCHED_PEERS], head, loader)
+            rnd.late = True
+        else:
+            place = json.loads(place)
+            rnd = Round.assigned(number, me, place["g"], place["o"], info["world"], info["nnodes"], info["nspares"],
+                                 [_node(d) for d in place["p"]], head, loader)
+        _mark("round_known_at")
+        return rnd
+
+    def members(self, number: int) -> Tuple[List[NodeInfo], List[NodeInfo]]:
+        """Round `number`'s trainers and spares, in order (O(N): where a part needs the list; read
+        once per round)."""
+        if self._members[0] != number:
+            raw = self._call(self.s.get_now, self.k(f"r{number}/members"))   # published before anyone knows its place
+            if not raw:
+                raise RendezvousError(f"round {number} has no member list in the store")
+            data = json.loads(raw)
+            self._members = (number, ([_node(d) for d in data["active"]], [_node(d) for d in data["spares"]]))
+        active, spares = self._members[1]
+        return list(active), list(spares)
+
+    def late_joiners(self, number: int) -> List[NodeInfo]:
+        return _lines(self._call(self.s.get_now, self.k(f"r{number}/late")))
+
+    def _records(self, number: int) -> List[NodeInfo]:
+        return _lines(self._call(self.s.get_now, self.k(f"r{number}/records")))
+
+    def _nodes(self, number: int, count: int = 0) -> List[NodeInfo]:
+        """The nodes that joined round `number` (agent.recovery.no_restart)."""
+        return self._records(number)
 
     @property
     def training_nodes(self) -> int:
@@ -443,11 +676,7 @@ class RoundProtocol:
         return min(self.cfg.active_nodes, self.cfg.min_nodes) if self.cfg.active_nodes else self.cfg.min_nodes
 
     def _check_join_stop(self, number: int) -> None:
-        """Stopped if this agent got a signal (then the round is told) or another joiner did."""
-        sig = self.store.stop() if self.store.stop else None
-        if sig:
-            self.abandon(number, sig)
-            raise Stopped(sig)
+        """Stopped if another joiner's signal abandoned the round; NoRestart if too few nodes can remain."""
         short = self.policy.too_few_left(self.count("excluded"))
         if short:
             raise NoRestart(f"the job cannot go on: {short}")
@@ -456,27 +685,31 @@ class RoundProtocol:
             if verdict.kind == "shutdown":
                 self.mark_left(number)
                 raise Stopped(int(verdict.signal or 15), by_peer=True)
+            if verdict.kind == "stop":
+                raise RendezvousError(verdict.what)
 
     def abandon(self, number: int, sig: int) -> None:
         """Stop joining round `number`: record a shutdown there so that the other joiners stop
         too; if this agent hosts the store, keep it up (at most 1 s) until they have read it."""
         reason = {"kind": "shutdown", "signal": sig, "node_id": self.me.node_id}
-        text = json.dumps(dict(reason, reporter=self.token), sort_keys=True)
+        client = self.s
+        stop, client.stop = client.stop, None   # the signal being acted on ends none of these calls
         try:
-            if self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text).decode() == text:
-                verdict = self.policy.decide(reason, RoundFacts(number, [], [], {}), PolicyInputs())
-                self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
+            self.abandon_with(number, reason)
             self.mark_left(number)
             self.store.linger(lambda: self.left_count(number) >= self.count(f"r{number}/joined"), 1.0)
-        except RendezvousError:
+        except (RendezvousError, Stopped):
             pass
+        finally:
+            client.stop = stop
 
-    def _join_progress(self, number: int, joined: int, expected: Optional[List[NodeInfo]],
-                       waited: float) -> str:
-        """One line: who joined round `number`, who is missing, how long it has waited."""
-        nodes = self._nodes(number, joined)
+    def _join_progress(self, number: int, joined: int, target: Optional[int], waited: float) -> str:
+        """One line: who joined round `number`, who is missing, how long it has waited (the
+        names while few have joined: reading them is O(N))."""
+        nodes = self._records(number) if joined <= NAMES_UP_TO else []
         need = self.cfg.min_nodes
         missing = ""
+        expected = self._expected(number) if target and joined <= NAMES_UP_TO else []
         if expected:
             ids = {n.node_id for n in nodes}
             gone = [n.label() for n in expected if n.node_id not in ids]
@@ -487,15 +720,11 @@ class RoundProtocol:
             missing = f"; missing: node rank {', '.join(absent)}" if absent else ""
         if not missing and joined < need:
             missing = f"; {need - joined} more needed"
-        return (f"rendezvous round {number}: waiting for nodes: {joined} of {need} joined "
-                f"({', '.join(n.label() for n in nodes)}){missing} "
+        if not missing and target and joined < target:
+            missing = f"; {target - joined} more expected back"
+        names = f" ({', '.join(n.label() for n in nodes)})" if nodes else ""
+        return (f"rendezvous round {number}: waiting for nodes: {joined} of {need} joined{names}{missing} "
                 f"[{waited:.0f}s of join_timeout {self.cfg.conf('join_timeout'):g}s]")
-
-    def _nodes(self, number: int, count: int) -> List[NodeInfo]:
-        if count <= 0:
-            return []
-        raw = self._call(self.s.multi_get, [self.k(f"r{number}/node/{i}") for i in range(1, count + 1)])
-        return [NodeInfo(**json.loads(value)) for value in raw]
 
     # -- the workers' store address --------------------------------------------------------
     def publish_worker_store(self, number: int, addr: str, port: int) -> None:
@@ -505,18 +734,27 @@ class RoundProtocol:
         key = self.k(f"r{number}/worker_store")
         if not self.store.wait_key(self.s, key, self.cfg.conf("read_timeout")):
             raise RendezvousError(f"round {number}: node 0 never published the workers' store")
-        host, _, port = self._call(self.s.get, key).decode().rpartition(":")
+        host, _, port = self._call(self.s.get_now, key).decode().rpartition(":")
         return host, int(port)
 
     # -- ending a round ----------------------------------------------------------------------
-    def interrupt(self, number: int, reason: dict, facts: Optional[RoundFacts] = None) -> Verdict:
+    def facts(self, number: int) -> RoundFacts:
+        """What the decider of round `number`'s verdict knows (reads the member list)."""
+        active, spares = self.members(number)
+        return RoundFacts(number, [n.node_id for n in active], [n.node_id for n in spares],
+                          {n.node_id: n.nproc for n in active}, {n.node_id: n.host for n in active})
+
+    def interrupt(self, number: int, reason: dict, facts=None) -> Verdict:
         """Report a failure, shutdown, stop or completion of round `number`. The first reporter's
-        policy decides the verdict (agent.recovery.restart_policy); returns it, whoever decided it."""
+        policy decides the verdict (agent.recovery.restart_policy); returns it, whoever decided it.
+        `facts`: RoundFacts, or a callable that makes them (only the decider needs them)."""
         # The reporter's token makes the text unique: two agents with the same report (the same
         # silent peer) must not both think they won.
         text = json.dumps(dict(reason, reporter=self.token), sort_keys=True)
         winner = self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text)
         if winner.decode() == text:
+            if callable(facts):
+                facts = facts()
             facts = facts or RoundFacts(number, [], [], {})
             report = dict(reason, reporter=self.token)
             inputs = self.policy_inputs(report, facts)
@@ -525,6 +763,8 @@ class RoundProtocol:
                 self.count("restarts_used", verdict.restarts_used - inputs.restarts_used)
             if verdict.origin is not None:
                 self.put(f"r{number}/origin", json.dumps(verdict.origin))
+            if verdict.restart:
+                self._publish_target(number, verdict, facts)
             self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
             if verdict.restart:
                 self._call(self.s.set, self.k("round"), str(number + 1))
@@ -541,20 +781,14 @@ class RoundProtocol:
         for k in range(number - 1, max(-1, number - NODE_FAILURE_LIMIT), -1):
             if self.exists(f"r{k}/origin"):
                 origins[k] = json.loads(self.get(f"r{k}/origin"))
-        slow = ([n for n in facts.active if self.exists(f"slow/{n}")]
-                if self.policy.straggler_exclude and facts.spares else [])
+        slow = []
+        if self.policy.straggler_exclude and facts.spares:   # one read for all of them
+            marks = self._call(self.s.multi_get_now, [self.k(f"slow/{n}") for n in facts.active])
+            slow = [n for n, mark in zip(facts.active, marks) if mark]
         return PolicyInputs(restarts_used=self.count("restarts_used"), excluded=self.count("excluded"),
                             restartable=self.count(f"r{number}/restartable"),
                             progress=self.progress.history(self, number), origins=origins, slow=slow,
                             last_iteration=self.progress.last, repeats=self._same_error_before(number, report))
-
-    def declare_restartable(self, number: int) -> None:
-        """This node's ranks all run under ft.restartable in round `number` (once per node)."""
-        self.count(f"r{number}/restartable", 1)
-
-    def in_place_possible(self, facts: RoundFacts) -> bool:
-        """Would a failure of round `facts.number` restart in place now (agent.recovery.hang_blame asks)?"""
-        return self.policy.in_place_possible(facts, self.count(f"r{facts.number}/restartable"))
 
     def _same_error_before(self, number: int, reason: dict) -> List[int]:
         """The rounds just before `number` whose failure had the same traceback as `reason`'s
@@ -576,21 +810,52 @@ class RoundProtocol:
             same.insert(0, k)
         return same
 
+    def declare_restartable(self, number: int) -> None:
+        """This node's ranks all run under ft.restartable in round `number` (once per node)."""
+        self.count(f"r{number}/restartable", 1)
+
+    def in_place_possible(self, facts: RoundFacts) -> bool:
+        """Would a failure of round `facts.number` restart in place now (agent.recovery.hang_blame asks)?"""
+        return self.policy.in_place_possible(facts, self.count(f"r{facts.number}/restartable"))
+
+    def _publish_target(self, number: int, verdict: Verdict, facts: RoundFacts) -> None:
+        """The nodes round `number + 1` expects back: the round's members and late joiners,
+        less the dead, the excluded and those that left the job."""
+        if not facts.active:
+            return
+        try:
+            active, spares = self.members(number)
+        except RendezvousError:
+            return
+        nodes = active + spares + self.late_joiners(number)
+        gone = {n["node_id"] for n in verdict.dead_nodes} | set(verdict.exclude)
+        left = self._call(self.s.multi_get_now, [self.k(f"excluded/{n.node_id}") for n in nodes])
+        expected = [n for n, out in zip(nodes, left) if n.node_id not in gone and not out]
+        nxt = f"r{number + 1}/"
+        self._call(self.s.multi_set, [self.k(nxt + "expect"), self.k(nxt + "target")],
+                   [json.dumps([dataclasses.asdict(n) for n in expected], separators=(",", ":")),
+                    str(len(expected))])
+
+
     def verdict(self, number: int) -> Verdict:
         """The verdict of interrupted round `number`. Its decider writes it just after winning
         the interrupt; if that node dies in between, the wait ends after close_timeout with one
         line naming it (RendezvousError: exit 1)."""
         key = self.k(f"r{number}/verdict")
         timeout = self.cfg.conf("close_timeout")
+        known = self._call(self.s.get_now, key)   # there already, when the interrupt woke us
+        if known:
+            return Verdict.from_json(known)
         if not self.store.wait_key(self.s, key, timeout):
             try:
-                who = json.loads(self.get(f"r{number}/interrupt")).get("node_id") or "another node"
+                who = json.loads(self._call(self.s.get_now, self.k(f"r{number}/interrupt"))).get("node_id") \
+                    or "another node"
             except (RendezvousError, ValueError, AttributeError):
                 who = "another node"
             raise RendezvousError(
                 f"round {number} was interrupted by {who}, but its verdict did not come within "
                 f"close_timeout={timeout:g}s (the deciding node died before writing it?) -> exiting 1")
-        return Verdict.from_json(self._call(self.s.get, key))
+        return Verdict.from_json(self._call(self.s.get_now, key))
 
     def interrupted(self, number: int) -> bool:
         return bool(self._call(self.s.check, [self.k(f"r{number}/interrupt")]))
@@ -616,241 +881,32 @@ class RoundProtocol:
 
 
 class _Liveness:
-    """Which of the previous round's nodes still tick their keep-alive counters."""
+    """Which of the nodes a restart round expects are still alive: those that joined, and those
+    whose liveness port still answers (agent.rounds.keepalive)."""
 
-    def __init__(self, proto: "RoundProtocol", expected: List[NodeInfo]):
+    def __init__(self, proto: RoundProtocol, expected: List[NodeInfo]):
         self.proto = proto
         self.expected = {n.node_id: n for n in expected}
-        self.silence = SilenceWatch(proto.cfg.conf("keep_alive_interval") * proto.cfg.conf("keep_alive_max_attempt"))
-        self.next_check = 0.0
-        self.count = len(expected)
 
     def alive_count(self, number: int, joined: int, now: float) -> int:
-        if not self.expected or now < self.next_check:
-            return self.count
-        self.next_check = now + 0.25
-        joined_ids = {n.node_id for n in self.proto._nodes(number, joined)}
-        missing = [i for i in self.expected if i not in joined_ids]
-        counts = self.proto._call(present_values, self.proto.s, [self.proto.k(f"alive/{i}") for i in missing])
-        dead = sum(self.silence.silent(node_id, count, now) for node_id, count in zip(missing, counts))
-        self.count = len(self.expected) - dead
-        return self.count
-
-
-class RoundWatcher(threading.Thread):
-    """Background thread with its own store connection: wakes the agent the moment the round
-    is interrupted, keeps this node's keep-alive counter ticking, and reports peers whose
-    counters stop (a node that died without a word).
-
-    It also notices a lost store host: a call that fails, or one still not back after the
-    keep-alive limit (a paused host never answers). On the store host it fences itself: when
-    the peers it knows (`fence_members`) fall silent, `fence()` looks for a successor store that
-    took the job over while this host was unreachable; if there is one, `store.replaced` is set."""
-
-    def __init__(self, store: JobStore, cfg: LaunchConfig, me: NodeInfo, wake: Callable[[], None],
-                 fence: Optional[Callable[[], Optional[str]]] = None,
-                 on_late_joiner: Optional[Callable[[NodeInfo], None]] = None):
-        super().__init__(name="ft-round-watcher", daemon=True)
-        store_threads.track(self)   # joined (bounded) when the agent ends, even once replaced
-        self.s = store.new_client(label="watcher")
-        self.store = store
-        self.me = me
-        self.wake = wake
-        self.fence = fence
-        self.fence_members: List[NodeInfo] = []
-        # nodes that joined the watched round after it closed (they wait as spares): a store
-        # failover must know them too (agent/rounds.store_failover.py shares this list)
-        self.late_joiners: List[NodeInfo] = []
-        self._known_joined = 0
-        self.on_late_joiner = on_late_joiner
-        self.interval = cfg.conf("keep_alive_interval")
-        self.max_silent = cfg.conf("keep_alive_max_attempt") * self.interval
-        self._lock = threading.Lock()
-        self._round: Optional[Round] = None
-        self._halt = threading.Event()  # not _stop: Thread.join calls its own _stop()
-        self.interrupted_round: Optional[int] = None
-        self.dead_peers: List[NodeInfo] = []
-        self._lost: Optional[str] = None
-        self._call_since: Optional[float] = None  # when the store call in progress began
-        self._next_fence = 0.0
-
-    @property
-    def store_lost(self) -> Optional[str]:
-        """Why the store is lost (a failed call, a call that never returns, a successor that
-        replaced this host), else None."""
-        if self._lost or self.store.replaced:
-            return self._lost or self.store.replaced
-        since = self._call_since
-        # On the host a call to its own store only stalls when this whole process was paused:
-        # that is the fence's business (a successor may have taken over), not a lost store.
-        if since is not None and not self.store.is_host and time.monotonic() - since > self.max_silent + self.interval:
-            return (f"the rendezvous store at {self.store.host}:{self.store.port} has not answered for "
-                    f"{time.monotonic() - since:.1f}s")
-        return None
-
-    def watch(self, rnd: Optional[Round]) -> None:
-        with self._lock:
-            self._round = rnd
-            self.dead_peers = []
-            self._known_joined = len(rnd.active) + len(rnd.spares) if rnd is not None else 0
-        self._silence = SilenceWatch(self.max_silent)
-
-    def stop(self, wait: float = 0.0) -> None:
-        """Stop; with `wait`, give the thread that long to leave its store call. A daemon thread
-        still inside torch's store code when the interpreter exits aborts the process ("terminate
-        called without an active exception")."""
-        self._halt.set()
-        if wait and self.is_alive() and threading.current_thread() is not self:
-            self.join(wait)
-
-    def run(self) -> None:
-        alive_key = self.store.key(f"alive/{self.me.node_id}")
-        self._silence = SilenceWatch(self.max_silent)
-        next_beat = 0.0
-        while not self._halt.is_set():
-            try:
-                now = time.monotonic()
-                if now >= next_beat:
-                    self._call_since = now
-                    self.s.add(alive_key, 1)
-                    next_beat = now + self.interval
-                    self._check_peers(now)
-                    self._call_since = None
-                with self._lock:
-                    rnd = self._round
-                if rnd is None:
-                    self._halt.wait(min(self.interval, 0.1))
-                    continue
-                key = self.store.key(f"r{rnd.number}/interrupt")
-                try:
-                    self._call_since = time.monotonic()
-                    self.s.wait([key], _td(max(0.01, next_beat - time.monotonic())))
-                    self._call_since = None
-                    with self._lock:
-                        if self._round is rnd and self.interrupted_round != rnd.number:
-                            self.interrupted_round = rnd.number
-                            self.wake()
-                except DistStoreError:
-                    self._call_since = None
-            except DistNetworkError as exc:
-                self._call_since = None
-                if self._halt.is_set():
-                    return
-                self._lost = (f"lost the rendezvous store at {self.store.host}:{self.store.port} "
-                              f"({str(exc).splitlines()[0]})")
-                self.wake()
-                return
-
-    def _check_peers(self, now: float) -> None:
-        with self._lock:
-            rnd = self._round
-        if rnd is not None:
-            self._find_late_joiners(rnd)
-        members = rnd.active + rnd.spares if rnd is not None else self.fence_members
-        peers = ring_peers(members, self.me.node_id)
-        if not peers:
-            return
-        counts = present_values(self.s, [self.store.key(f"alive/{n.node_id}") for n in peers])
-        dead = [node for node, count in zip(peers, counts) if self._silence.silent(node.node_id, count, now)]
-        if dead and self.fence is not None and self.store.is_host and now >= self._next_fence:
-            self._next_fence = now + self.interval
-            where = self.fence()
-            if where:
-                self.store.replaced = where
-                self.wake()
-                return
-        if dead and rnd is not None:
-            with self._lock:
-                if self._round is rnd and not self.dead_peers:
-                    self.dead_peers = dead
-                    self.wake()
-
-
-    def _find_late_joiners(self, rnd: Round) -> None:
-        joined = int(self.s.add(self.store.key(f"r{rnd.number}/joined"), 0))
-        if joined <= self._known_joined:
-            return
-        raw = self.s.multi_get([self.store.key(f"r{rnd.number}/node/{i}")
-                                for i in range(self._known_joined + 1, joined + 1)])
-        self._known_joined = joined
-        known = {n.node_id for n in rnd.active + rnd.spares + self.late_joiners}
-        for value in raw:
-            node = NodeInfo(**json.loads(value))
-            if node.node_id not in known:
-                self.late_joiners.append(node)
-                if self.on_late_joiner is not None:
-                    self.on_late_joiner(node)
-
-
-def ring_peers(members: List[NodeInfo], me_id: str, count: int = WATCHED_PEERS) -> List[NodeInfo]:
-    """The `count` nodes after this one in `members`, wrapping around: the peers whose keep-alives
-    this agent watches. Every node is watched by `count` others, and each agent reads `count`
-    counters a tick whatever the job's size (all peers would be O(N) per agent, O(N^2) at the host)."""
-    ids = [n.node_id for n in members]
-    if me_id not in ids:
-        return [n for n in members][:count]
-    i = ids.index(me_id)
-    return [members[(i + step) % len(members)] for step in range(1, min(count, len(members) - 1) + 1)]
-
-
-def present_values(client, keys: List[str]) -> List[Optional[bytes]]:
-    """The values of `keys`, None for a key not (yet) in the store, without blocking on it
-    (a plain get waits for a missing key). One call when all exist, else one check per key."""
-    if not keys:
-        return []
-    if client.check(keys):
-        return list(client.multi_get(keys))
-    present = [k for k in keys if client.check([k])]
-    values = dict(zip(present, client.multi_get(present))) if present else {}
-    return [values.get(k) for k in keys]
+        joined_ids = {n.node_id for n in self.proto._records(number)}
+        missing = [n for i, n in self.expected.items() if i not in joined_ids]
+        dead = [n for n in missing if not probe(n.host, n.alive_port)]
+        return len(self.expected) - len(dead)
 
 
 # ---- optional call counting (bench/rendezvous_scale.py) ---------------------------------------
 _STATS_DIR = os.environ.get("FT_LAUNCHER_STORE_STATS")
-_STATS: Dict[str, Dict[str, list]] = {}
 _MARKS: Dict[str, float] = {}
 
 
-def _size(value) -> int:
-    if isinstance(value, (bytes, str)):
-        return len(value)
-    if isinstance(value, (list, tuple)):
-        return sum(_size(v) for v in value)
-    return 8 if isinstance(value, (int, float)) else 0
+def mark(name: str, when: Optional[float] = None) -> None:
+    """Remember when `name` first happened in this agent (only with FT_LAUNCHER_STORE_STATS)."""
+    if _STATS_DIR:
+        _MARKS.setdefault(name, time.time() if when is None else when)
 
 
-class _CountingStore:
-    """A TCPStore client that counts its calls and their payload bytes (keys and values, both
-    ways) per method, under a label (main: the round protocol; watcher: keep-alives and
-    interrupts). Only built when FT_LAUNCHER_STORE_STATS is set."""
-
-    def __init__(self, inner, label: str):
-        self._inner = inner
-        self._table = _STATS.setdefault(label, {})
-
-    def __getattr__(self, name):
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args):
-            row = self._table.setdefault(name, [0, 0])
-            row[0] += 1
-            row[1] += sum(_size(a) for a in args if not isinstance(a, datetime.timedelta))
-            if name == "add" and len(args) == 2 and args[1] == 1 and str(args[0]).endswith("/joined"):
-                _MARKS.setdefault("joined_at", time.time())
-            result = attr(*args)
-            row[1] += _size(result)
-            if name == "get" and str(args[0]).endswith("/closed"):
-                _MARKS["round_known_at"] = time.time()
-            return result
-        return call
-
-
-def _counted(client, label: str):
-    if not _STATS_DIR or client is None or isinstance(client, _CountingStore):
-        return client
-    return _CountingStore(client, label)
+_mark = mark
 
 
 def _write_stats() -> None:
@@ -858,10 +914,11 @@ def _write_stats() -> None:
     try:
         os.makedirs(_STATS_DIR, exist_ok=True)
         with open(os.path.join(_STATS_DIR, f"{os.getpid()}.json"), "w") as fh:
-            json.dump({"calls": _STATS, "marks": _MARKS}, fh)
+            json.dump({"calls": store_client.STATS, "marks": _MARKS}, fh)
     except OSError:
         pass
 
 
 if _STATS_DIR:
+    store_client.counting(True)
     atexit.register(_write_stats)

@@ -1,11 +1,15 @@
 """What a round is and how a rendezvous fails: the node records, the round's membership and
-rank layout, and the errors. Free of torch, so the agent can start its helper processes (orphan
-watchdog, rank monitors) while torch is still being imported for the store.
+rank layout, and the errors. Free of torch.
+
+A Round carries what this agent needs, O(1) in the job's size: its node rank, rank offset, the
+world size, how many nodes train and wait, the few peers it watches and the head of the member
+order (the store's successors). The full member lists (`active`, `spares`) are read from the
+store only where a part needs them (`loader`: the decider of a verdict, node 0's extras).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 
 class RendezvousError(RuntimeError):
@@ -42,30 +46,78 @@ class NodeInfo:
     seq: int = 0
     hosts_store: bool = False  # this node's agent hosts the job's store (the one a failover replaces)
     domain: Optional[str] = None  # its NVLink domain, with `segment` set (agent.rounds.segments)
+    alive_port: int = 0           # its agent's liveness port (agent.rounds.keepalive); 0: none
 
     def label(self) -> str:
         order = "" if self.order_key is None else f" order={self.order_key}"
         return f"{self.host}{order}"
 
 
-@dataclasses.dataclass
 class Round:
-    number: int
-    me: NodeInfo
-    active: List[NodeInfo]
-    spares: List[NodeInfo]
+    """One round as this agent knows it. Built from full lists (`Round(number, me, active,
+    spares)`) or from the closer's assignment (`Round.assigned`), whose lists load on first use."""
+
+    def __init__(self, number: int, me: NodeInfo, active: Optional[List[NodeInfo]] = None,
+                 spares: Optional[List[NodeInfo]] = None):
+        self.number = number
+        self.me = me
+        self._active, self._spares = active, spares
+        self.loader: Optional[Callable[[], Tuple[List[NodeInfo], List[NodeInfo]]]] = None
+        self.peers: List[NodeInfo] = []
+        self.head: List[NodeInfo] = []
+        self.late = False   # joined after the round closed: a spare until the next round
+        if active is not None:
+            ids = [n.node_id for n in active]
+            self._group_rank = ids.index(me.node_id) if me.node_id in ids else None
+            self._rank_offset = sum(n.nproc for n in active[: self._group_rank or 0])
+            self._world_size = sum(n.nproc for n in active)
+            self.nnodes, self.nspares = len(active), len(spares or [])
+            members = list(active) + list(spares or [])
+            self.head = members[:HEAD]
+
+    @classmethod
+    def assigned(cls, number: int, me: NodeInfo, group_rank: Optional[int], rank_offset: int, world_size: int,
+                 nnodes: int, nspares: int, peers: List[NodeInfo], head: List[NodeInfo],
+                 loader: Callable[[], Tuple[List[NodeInfo], List[NodeInfo]]]) -> "Round":
+        rnd = cls(number, me)
+        rnd._group_rank, rnd._rank_offset, rnd._world_size = group_rank, rank_offset, world_size
+        rnd.nnodes, rnd.nspares, rnd.peers, rnd.head, rnd.loader = nnodes, nspares, peers, head, loader
+        return rnd
+
+    def _load(self) -> None:
+        if self._active is None:
+            active, spares = self.loader()
+            if self.late and all(n.node_id != self.me.node_id for n in spares):
+                spares = spares + [self.me]
+            self._active, self._spares = active, spares
+
+    @property
+    def active(self) -> List[NodeInfo]:
+        """The training nodes in rank order (read from the store on first use)."""
+        self._load()
+        return self._active
+
+    @property
+    def spares(self) -> List[NodeInfo]:
+        self._load()
+        return self._spares or []
 
     @property
     def group_rank(self) -> Optional[int]:
-        for i, node in enumerate(self.active):
-            if node.node_id == self.me.node_id:
-                return i
-        return None
+        return self._group_rank
 
     @property
     def world_size(self) -> int:
-        return sum(node.nproc for node in self.active)
+        return self._world_size
 
     @property
     def rank_offset(self) -> int:
-        return sum(node.nproc for node in self.active[: self.group_rank])
+        return self._rank_offset
+
+    @property
+    def members(self) -> int:
+        """How many nodes the round admitted (trainers and spares)."""
+        return self.nnodes + self.nspares
+
+
+HEAD = 5   # members at the head of the order every agent knows: the store host and its next successors

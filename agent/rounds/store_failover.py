@@ -1,14 +1,15 @@
 """Store failover: the job outlives the node that hosts its store.
 
 Every agent remembers, refreshed at each round it joins, what the job needs to go on without the
-store: the round's members in rank order (trainers, then spares) and which of them hosts the
-store, the round number, the restarts used, the simulated faults fired, the version of the
-computed timeouts (the timeouts themselves are already applied to this agent's monitors) and the
-store's generation.
+store: the head of the round's member order (trainers, then spares: the store host and the next
+HEAD - 1 nodes, agent.rounds.round_types) and how many members the round had, the nodes that
+joined it late, the round number, the restarts used, the simulated faults fired, the version of
+the computed timeouts (the timeouts themselves are already applied to this agent's monitors) and
+the store's generation. The nodes at the head also keep the whole member list, to seed it.
 
 When the store is lost (RoundWatcher, or any store call failing), every survivor computes alone,
-from that memory, the same list of successors: the members of the last round in their order,
-without the lost host. Candidate k hosts generation g+1+k of the store, where g is the lost
+from that memory, the same list of successors: the head of the last round's order and its late
+joiners, without the lost host. Candidate k hosts generation g+1+k of the store, where g is the lost
 store's generation, on port rdzv_port + g+1+k of its own address. So a job whose rendezvous
 port is P uses P, then P+1 after the first failover, P+2 after a second (or when the first
 successor is unreachable): open P to P+F on every node, F the failovers to survive.
@@ -29,16 +30,15 @@ host stops its ranks and exits 1: two stores never both run the job.
 from __future__ import annotations
 
 import dataclasses
-import datetime
+import json
 import socket
 import time
 from typing import Callable, List, Optional, Tuple
 
-from torch.distributed import DistNetworkError, TCPStore
-
 from ft_launcher.agent.launch_config import LaunchConfig
-from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol, connect_client
+from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol, gone_after, host_store
 from ft_launcher.agent.rounds.round_types import NodeInfo, Round, StoreLost, StoreReplaced
+from ft_launcher.agent.rounds.store_client import StoreClient, StoreError
 
 FENCE_PROBES = 4  # successors a returning host probes for a store that took over
 
@@ -58,20 +58,26 @@ class JobMemory:
     restarts_used: int = 0
     faults_fired: int = 0
     timeouts_version: int = 0
+    everyone: List[NodeInfo] = dataclasses.field(default_factory=list)  # all members: kept at the head only
 
     def members(self) -> List[NodeInfo]:
-        """The round's trainers in rank order, then every other node that joined it (spares,
-        late joiners) by infrastructure order: the same list on every agent that saw them."""
+        """The head of the round's order (trainers, then spares), then every node that joined it
+        late by infrastructure order: the same list on every agent that saw them."""
         if self.round is None:
             return []
-        active = list(self.round.active)
-        ids = {n.node_id for n in active}
-        others = {}
-        for node in self.round.spares + list(self.late):
-            if node.node_id not in ids:
-                others[node.node_id] = node
-        rest = sorted(others.values(), key=lambda n: (n.order_key is None, n.order_key or 0, n.stable))
-        return active + rest
+        head = list(self.round.head)
+        ids = {n.node_id for n in head}
+        late = {n.node_id: n for n in self.late + ([self.round.me] if self.round.late else []) if n.node_id not in ids}
+        rest = sorted(late.values(), key=lambda n: (n.order_key is None, n.order_key or 0, n.stable))
+        return head + rest
+
+    def survivors(self) -> int:
+        """How many nodes the job has without its store host."""
+        if self.round is None:
+            return 0
+        host_in = any(n.hosts_store for n in self.round.head)
+        late = {n.node_id for n in self.late} | ({self.round.me.node_id} if self.round.late else set())
+        return self.round.members + len(late) - (1 if host_in else 0)
 
 
 class StoreFailover:
@@ -95,11 +101,14 @@ class StoreFailover:
 
     # ---- memory ---------------------------------------------------------------------------
     def remember(self, rnd: Round) -> List[NodeInfo]:
-        """Refresh the memory from the round just joined; returns its members (for the watcher's
-        fence). After a failover, records on the new store that it has taken the job over."""
+        """Refresh the memory from the round just joined; returns the head of its order. After a
+        failover, records on the new store that it has taken the job over."""
         mem = self.memory
         mem.round = rnd
         mem.late.clear()
+        if self.enabled and any(n.node_id == self.me.node_id for n in rnd.head):   # a successor: seeds the list
+            mem.everyone = list(rnd.active) + list(rnd.spares)
+            _load_torch_soon()   # a successor hosts torch's store: not seconds of import after the loss
         mem.restarts_used = self.proto.restarts_used()
         if self.cfg.ft.simulate_fault:
             mem.faults_fired = self.proto.faults_fired()
@@ -115,9 +124,9 @@ class StoreFailover:
         return [n for n in self.memory.members() if not n.hosts_store]
 
     # ---- the failover ---------------------------------------------------------------------
-    def take_over(self, lost: StoreLost) -> Tuple[int, List[NodeInfo]]:
-        """Move this agent to the successor store. Returns the next round's number and the nodes
-        it expects there. Raises StoreReplaced when this agent was the host and has been
+    def take_over(self, lost: StoreLost) -> Tuple[int, int]:
+        """Move this agent to the successor store. Returns the next round's number and how many
+        nodes it expects there. Raises StoreReplaced when this agent was the host and has been
         replaced, StoreLost (with the line to print) when the job cannot go on."""
         if self.store.replaced:
             raise StoreReplaced(self.store.replaced)
@@ -125,9 +134,13 @@ class StoreFailover:
         if not self.enabled or mem.round is None:
             raise lost
         cands = self.successors()
-        if len(cands) < self.cfg.min_nodes:
+        survivors = mem.survivors()
+        # the head of the order reads the round's late joiners; a node past it may not know them
+        # all, so only the head ends the job on the count alone (the others go on to the successor)
+        knows_all = mem.round.late or any(n.node_id == self.me.node_id for n in mem.round.head)
+        if survivors < self.cfg.min_nodes and knows_all:
             raise StoreLost(
-                f"{lost}; the job is below its minimum: {len(cands)} node(s) of the last round left "
+                f"{lost}; the job is below its minimum: {survivors} node(s) of the last round left "
                 f"without the store host, --nnodes needs at least {self.cfg.min_nodes} -> exiting 1")
         used = mem.restarts_used + 1
         if used > self.cfg.max_restarts:
@@ -146,7 +159,7 @@ class StoreFailover:
                     continue
                 self.store.adopt(cand.host, port, server)
                 self.me.hosts_store = True
-                self._seed(number, used, generation)
+                self._seed(number, used, generation, cand)
             else:
                 client = self._reach(cand.host, port, reach_within(self.cfg))
                 if client is None:
@@ -159,19 +172,23 @@ class StoreFailover:
             self.say(f"store failover: generation {generation} of the store at {cand.host}:{port}"
                      f"{' (hosted here)' if self.store.is_host else ''} replaces {old}; restarting in "
                      f"cycle {number} (restart {used}/{self.cfg.max_restarts})")
-            return number, [dataclasses.replace(n, hosts_store=(n.node_id == cand.node_id)) for n in cands]
+            self.me.hosts_store = cand.node_id == self.me.node_id
+            return number, survivors
         raise StoreLost(f"{lost}; no successor store could be reached -> exiting 1")
 
-    def _host(self, port: int) -> Optional[TCPStore]:
+    def _host(self, port: int):
         try:
-            return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                            timeout=datetime.timedelta(seconds=self.cfg.conf("read_timeout")))
-        except (DistNetworkError, RuntimeError) as exc:
+            return host_store("0.0.0.0", port, self.cfg.conf("read_timeout"))
+        except (OSError, RuntimeError) as exc:   # torch's DistNetworkError is a RuntimeError
             self.say(f"cannot host the successor store on port {port}: {str(exc).splitlines()[0]}")
             return None
 
-    def _seed(self, number: int, used: int, generation: int) -> None:
+    def _seed(self, number: int, used: int, generation: int, me: NodeInfo) -> None:
         proto, mem = self.proto, self.memory
+        if mem.everyone:   # who the first joiner checks for when the round does not fill
+            expect = [dataclasses.replace(n, hosts_store=n.node_id == me.node_id) for n in mem.everyone + mem.late
+                      if not n.hosts_store]
+            proto.put(f"r{number}/expect", json.dumps([dataclasses.asdict(n) for n in expect]))
         proto.count("restarts_used", used)
         if mem.faults_fired:
             proto.count("faults_fired", mem.faults_fired)
@@ -180,7 +197,7 @@ class StoreFailover:
         proto.put("generation", str(generation))
         proto.put("round", str(number))
 
-    def _reach(self, host: str, port: int, within: float) -> Optional[TCPStore]:
+    def _reach(self, host: str, port: int, within: float) -> Optional[StoreClient]:
         """A client of the store at host:port once something listens there, or None after `within` s."""
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
@@ -191,8 +208,7 @@ class StoreFailover:
             except OSError:
                 time.sleep(0.05)
                 continue
-            client = _client(host, port, max(0.5, deadline - time.monotonic()),
-                             self.cfg.conf("read_timeout"))
+            client = self._client(host, port, max(0.5, deadline - time.monotonic()), "main")
             if client is not None:
                 return client
         return None
@@ -211,7 +227,7 @@ class StoreFailover:
                     pass
             except OSError:
                 continue
-            client = _client(cand.host, port, 1.0, 1.0)
+            client = self._client(cand.host, port, 1.0, "fence")
             if client is None:
                 continue
             try:
@@ -219,13 +235,43 @@ class StoreFailover:
                     return (f"this node hosted the rendezvous store but was unreachable, and the other "
                             f"nodes moved the job to generation {generation} of the store at "
                             f"{cand.host}:{port}: stopping this node's ranks -> exiting 1")
-            except (DistNetworkError, RuntimeError):
+            except StoreError:
                 continue
+            finally:
+                client.close()
         return None
 
+    def _client(self, host: str, port: int, within: float, label: str) -> Optional[StoreClient]:
+        """A client of the store at host:port, or None when none is made within `within` s (the
+        caller moves on to the next candidate)."""
+        try:
+            client = StoreClient.connect(host, port, within=within,
+                                         unresponsive=self.cfg.conf("store_unresponsive_timeout"),
+                                         gone_after=gone_after(self.cfg), stop=self.store._stop_check(),
+                                         say=self.say, label=label, handshake_limit=within)
+        except StoreError:
+            return None
+        client.default_timeout = self.cfg.conf("read_timeout")
+        return client
 
-def _client(host: str, port: int, within: float, timeout: float) -> Optional[TCPStore]:
-    """A TCPStore client, or None when none is made within `within` s (the caller moves on to
-    the next candidate)."""
-    client = connect_client(host, port, datetime.timedelta(seconds=timeout), within)
-    return None if client is None or isinstance(client, Exception) else client
+
+def _load_torch_soon() -> None:
+    """Import torch's store in the background (once), so that this node can host a successor store
+    the moment it must."""
+    import sys
+    import threading
+
+    if "torch.distributed" in sys.modules or _LOADING:
+        return
+    _LOADING.append(True)
+
+    def load():
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torch.distributed  # noqa: F401
+    threading.Thread(target=load, name="ft-load-torch", daemon=True).start()
+
+
+_LOADING: list = []
