@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -76,15 +77,25 @@ def test_user_agent_and_rank_monitor_beside_the_script_reach_only_the_ranks(laun
 def test_the_installed_package_holds_agent_and_rank_monitor_under_its_own_name(launcher, tmp_path):
     """A real (non-editable) install: one top-level package, ft_launcher, with agent and
     rank_monitor inside it, and a job runs from it beside a user's agent.py and rank_monitor.py."""
-    target = tmp_path / "site"
+    target, source = tmp_path / "site", tmp_path / "source"
+    # from a copy without the checkout's build/ (setuptools reuses what it built there before)
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns("build", "*.egg-info", ".git", ".whl", "__pycache__",
+                                                                ".pytest_cache"))
     build = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                            "--no-compile", "--target", str(target), ROOT], capture_output=True, text=True,
+                            "--no-compile", "--target", str(target), str(source)], capture_output=True, text=True,
                            timeout=180)
     assert build.returncode == 0, build.stderr
     packages = {p.name for p in target.iterdir() if (p / "__init__.py").exists()}
     assert packages == {"ft_launcher"}, packages
     assert (target / "ft_launcher" / "agent" / "agent.py").exists()
     assert (target / "ft_launcher" / "rank_monitor" / "monitor_side" / "server.py").exists()
+    # every package of the checkout is in the install (setup.cfg lists them; a missing one broke
+    # the installed command while the editable install, which finds the checkout, still worked)
+    for top, installed in (("ft_launcher", "ft_launcher"), ("agent", "ft_launcher/agent"),
+                           ("rank_monitor", "ft_launcher/rank_monitor")):
+        for init in Path(ROOT, top).rglob("__init__.py"):
+            where = init.parent.relative_to(Path(ROOT, top))
+            assert (target / installed / where / "__init__.py").exists(), f"{top}/{where} is not installed"
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(PROBE, tmp_path / "train.py")
