@@ -13,8 +13,8 @@ the one line of an explicit fallback; real agents, monitors, ranks and rendezvou
 5. FSDP over every rank without `shard=`: the fallback line (no replica to heal from).
 6. A second fault inside restore() (the healed rank dies while loading): the next cycle is live.
 7. A scheduler whose state holds a lambda: one line at the start, live recovery off for it.
-4. HSDP 2 x 2 with a hot spare that takes a place before the survivor in the order: the survivor's
-   ranks move; kept where their new place holds the same shard, else every rank falls back.
+4. HSDP 2 x 2 and a warm reserve node; the first node in the order is lost, the survivor's ranks
+   move up: kept where their new place holds the same shard, else every rank falls back.
 The wire and plan units are in test_live_state.py; 20 live recoveries' memory in test_live_memory.
 """
 import json
@@ -231,22 +231,25 @@ def test_an_unsendable_scheduler_is_refused_at_once_with_one_line(launcher, tmp_
     assert "resumed from step 10 (checkpoint)" in out
 
 
-# ---- 4. HSDP: a node lost, the spare first in the order ------------------------------------------------
+# ---- 4. HSDP: the first node lost, the survivor moves up, a reserve node takes the last place -------------
 HSDP_EXAMPLE = os.path.join(ROOT, "examples", "hsdp_train.py")
 
 
-class HsdpSpareJob(Job):
-    """hsdp_train.py on 2 agents x 2 ranks (--nnodes 2:3) and a third agent that joins later as a
-    hot spare. Node order (GROUP_RANK): the first agent 1 (it hosts the store), the second 2, the
-    spare 0: when the second is lost, the spare takes ranks 0, 1 and the survivor moves to 2, 3."""
+class HsdpReserveJob(Job):
+    """hsdp_train.py on 3 agents x 2 ranks with --ft-active-world-size 4: two nodes train, the
+    third waits as a warm reserve node. Node order (GROUP_RANK): the first agent started (it hosts
+    the store) 1, the second 0, the reserve 2; when the second (ranks 0, 1) is lost, the first moves
+    from ranks 2, 3 to 0, 1 and the reserve node takes 2, 3."""
 
-    ORDER = {0: 1, 1: 2, 2: 0}
+    ORDER = {0: 1, 1: 0, 2: 2}
 
     def __init__(self, launcher, root, job_args):
-        super().__init__(launcher, root, "2x2", ["--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60"])
+        super().__init__(launcher, root, "2x2", ["--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60",
+                                                 "--ft-active-world-size", 4])
         i = self.args.index(DDP_EXAMPLE)
         self.args = self.args[:i] + [HSDP_EXAMPLE] + [str(a) for a in job_args]
-        self.args[self.args.index("--nnodes") + 1] = "2:3"
+        self.args[self.args.index("--nnodes") + 1] = 3
+        self.nodes = 3
 
     def launch_agent(self, node):
         if node > 0:
@@ -262,39 +265,40 @@ def hsdp_final(out):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["replicate,shard", "shard,replicate"])
-def test_hsdp_a_lost_node_and_a_spare_first_in_the_order_keeps_or_falls_back_never_mixed(launcher, tmp_path, mesh):
-    """replicate,shard: a node holds one replica (both shards); the survivor's ranks move from 0, 1
-    to 2, 3, where the mesh puts the same shards: they keep their state, the spare's ranks heal
-    from them. shard,replicate: a node holds both replicas of one shard; the lost node took all of
-    shard 1, and the survivor's ranks (shard 0) now sit where shard 1 goes: no rank holds what
-    ranks 2, 3 need, and every rank falls back (here: step 0) with one line. Both end with the
-    fault-free run's model."""
-    args = ["--steps", 30, "--mesh", mesh]
+def test_hsdp_the_first_node_lost_moves_the_survivor_and_it_keeps_or_falls_back_never_mixed(launcher, tmp_path,
+                                                                                            mesh):
+    """replicate,shard: a node holds one replica (both shards); the survivor's ranks move from 2, 3
+    to 0, 1, where the mesh puts the same shards: they keep their state (in place), the reserve
+    node's ranks heal from them. shard,replicate: a node holds both replicas of one shard; the lost
+    node took all of shard 0 and the survivor's ranks (shard 1) now sit where shard 0 goes: no rank
+    holds what ranks 0, 1 need, and every rank falls back (here: step 0) with one line. Both end
+    with the fault-free run's model."""
+    args = ["--steps", 100, "--mesh", mesh]
     ref = launcher.run(["--standalone", "--nproc-per-node", 4, "--log-dir", tmp_path / "ref", HSDP_EXAMPLE] + args,
                        timeout=200)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    job = HsdpSpareJob(launcher, tmp_path / "job", args + ["--step-time", 0.3]).launch()
-    wait_for(lambda: read_events(job.logs, "ranks_started"), 90, "the job to train")
-    job.launch_agent(2)
-    wait_for(lambda: read_events(job.logs, "spare_waiting"), 60, "the third agent to wait as a spare")
-    for proc in node_tree(job.agents[1].pid):   # the second node: its agent and ranks 2, 3
+    job = HsdpReserveJob(launcher, tmp_path / "job", args + ["--step-time", 0.3]).launch()
+    wait_for(lambda: len(read_events(job.logs, "reserve_ready")) >= 2, 120, "the reserve node's warm reserves")
+    for proc in node_tree(job.agents[1].pid):   # the node of ranks 0, 1: its agent and ranks
         proc.kill()
-    results, _ = job.wait(bound=240)
+    results, _ = job.wait(bound=300)
     assert results[0][0] == 0 and results[2][0] == 0, "\n".join(r[2][-3000:] for r in results)
     out = "".join(r[1] for r in results)
     err = "".join(r[2] for r in results)
     assert hsdp_final(out) == hsdp_final(ref.stdout) and len(hsdp_final(out)) == 1, (out[-2000:], ref.stdout[-500:])
     live = [e["detail"] for e in job.events() if e["kind"] == "live_recovery"]
-    assert len(live) == 1, live
     starts = [e["detail"] for e in job.events() if e["kind"] == "ranks_started" and e["cycle"] == 1]
-    print(f"\n{live[0]}\n{starts}")
+    print(f"\n{live}\n{starts}")
+    assert len(live) == 1, live
+    moved = {r["rank"]: r["in_place"] for s in starts for r in s["ranks"]}
+    assert moved[0] and moved[1] and not moved[2] and not moved[3], starts   # the survivor kept its processes
     if mesh == "replicate,shard":
         assert live[0]["resume_step"] is not None, live
-        assert live[0]["sources"]["2"] == live[0]["sources"]["3"] == "kept", live
-        assert {live[0]["sources"]["0"], live[0]["sources"]["1"]} == {"peer 2", "peer 3"}, live
+        assert live[0]["sources"]["0"] == live[0]["sources"]["1"] == "kept", live
+        assert {live[0]["sources"]["2"], live[0]["sources"]["3"]} == {"peer 0", "peer 1"}, live
         assert "no live state" not in err
     else:
-        assert live[0]["resume_step"] is None and "no rank holds the shard ranks 2, 3 need" in live[0]["reason"], live
+        assert live[0]["resume_step"] is None and "no rank holds the shard ranks 0, 1 need" in live[0]["reason"], live
         lines = [ln for ln in err.splitlines() if "no live state to resume from" in ln]
         assert len(lines) == 1, lines
 
