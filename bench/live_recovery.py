@@ -280,6 +280,8 @@ def result(args, contender: str, job, kill: bool) -> dict:
     ckpt = os.path.join(job.dir, "ckpt")
     final = read_json(os.path.join(ckpt, "final.json" if contender != "torchft" else "final_rank_0.json")) or {}
     out = {"checksum": final.get("checksum"), "state_mb": (final.get("state_bytes") or 0) / 1e6}
+    if final.get("commits", 0) > 1:   # ft_launcher --live: the committed-state snapshots, per step
+        out["snapshot_us"] = final["snapshot_s"] / (final["commits"] - 1) * 1e6
     if not kill:
         return out
     fault = read_fault(job.progress_dir)
@@ -308,6 +310,9 @@ def result(args, contender: str, job, kill: bool) -> dict:
     cycle = firsts[victim][0]
     rec = read_json(os.path.join(job.progress_dir, f"restore_rank_{victim}_cycle_{cycle}.json")) or {}
     healthy_rec = read_json(os.path.join(job.progress_dir, f"restore_rank_{healthy}_cycle_{cycle}.json")) or {}
+    for who, r in (("victim", rec), ("healthy", healthy_rec)):   # restore(): RSS before and its peak
+        if r.get("rss_peak"):
+            out[f"peak_{who}_mb"] = (r["rss_peak"] - r["rss_before"]) / 1e6
     out["source"] = rec.get("source", "?")
     out["healthy_source"] = healthy_rec.get("source", "kept (never left)" if contender == "torchft" else "?")
     summary = rec.get("live") or {}
@@ -325,7 +330,9 @@ def result(args, contender: str, job, kill: bool) -> dict:
     if told:   # the launcher's own account of the incident (agent/recovery.live_recovery.py) wins
         d = told[-1]
         out["event"] = {k: d.get(k) for k in ("resume_step", "steps_redone", "sources", "bytes", "transfer_s",
-                                               "mb_per_s", "restore_s", "reason")}
+                                               "mb_per_s", "restore_s", "check", "reason")}
+        if d.get("check"):
+            out["check_s"], out["check_ms_per_gb"] = d["check"]["s"], d["check"]["ms_per_gb"]
         if d.get("resume_step") is not None:
             out["source"] = d["sources"].get(str(victim), out["source"])
             out["healthy_source"] = d["sources"].get(str(healthy), out["healthy_source"])
@@ -390,6 +397,32 @@ def table(args, runs: Dict[str, List[dict]], reference: Optional[float]) -> str:
     return "\n".join(lines)
 
 
+def costs(runs: Dict[str, List[dict]]) -> str:
+    """ft_launcher --live's own costs: the committed-state snapshot per step (vs the step), the
+    replicas' digest check per recovery, and the extra memory restore() took (RSS peak over before)."""
+    rs = [r for r in runs.get("live", []) if "failed" not in r]
+    if not rs:
+        return ""
+    lines = ["ft_launcher --live costs (median (min-max) over the recovered runs):"]
+    snap = [r["snapshot_us"] for r in rs if "snapshot_us" in r]
+    step = med([r["step_s"] * 1e6 for r in rs if "step_s" in r])
+    if snap:
+        share = f" = {med(snap) / step * 100:.3f} % of the {step / 1e3:.0f} ms step" if step else ""
+        lines.append(f"  snapshot of the committed state, per step: {spread(snap, '{:.0f}')} us{share}")
+    check = [r["check_s"] * 1e3 for r in rs if "check_s" in r]
+    if check:
+        per_gb = spread([r["check_ms_per_gb"] for r in rs if "check_ms_per_gb" in r], "{:.0f}")
+        share = f" = {med(check) * 1e3 / step:.2f} steps" if step else ""
+        lines.append(f"  replicas' digest check, per recovery: {spread(check, '{:.1f}')} ms ({per_gb} ms/GB){share}")
+    for who in ("victim", "healthy"):
+        peak = [r[f"peak_{who}_mb"] for r in rs if f"peak_{who}_mb" in r]
+        if peak:
+            lines.append(f"  restore() peak RSS over before, {'receiving' if who == 'victim' else 'kept'} rank: "
+                         f"{spread(peak, '{:.1f}')} MB (state {med([r['state_mb'] for r in rs]):.1f} MB; staging "
+                         f"buffer at most 16.8 MB)")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     print(f"kill rank {args.kill_rank} at step {args.kill_at} of {args.steps}, checkpoint every {args.ckpt_every}, "
@@ -421,6 +454,7 @@ def main(argv=None) -> None:
                   + (f"; live_recovery event {r['event']}" if r.get("event") else ""), flush=True)
     print()
     print(table(args, runs, reference))
+    print(costs(runs))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "reference": reference, "runs": runs}, fh,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import time
 
@@ -44,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--progress-dir", default="progress")
     p.add_argument("--kill-at-step", type=int, default=None)
     p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--kill-cycles", type=int, default=1, help="kill in every cycle below this (default: cycle 0 only)")
     p.add_argument("--restartable", action="store_true", help="ddp mode: run under ft_launcher.restartable")
     p.add_argument("--live", action="store_true", help="ddp mode: ft.LiveState (implies --restartable)")
     p.add_argument("--heartbeat-ms", type=int, default=100, help="torchft mode: the Manager's heartbeat interval")
@@ -59,6 +61,7 @@ def parse_args(argv=None):
 
 def build_model(args) -> nn.Module:
     torch.manual_seed(args.seed)
+    random.seed(args.seed)   # every replica draws alike (LiveState keeps the RNG state: rng=True)
     w, d = args.width, args.inputs
     return nn.Sequential(nn.Linear(d, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
                          nn.Linear(w, d))
@@ -89,6 +92,35 @@ def checksum(model) -> float:
         return float(sum(p.double().sum() for p in model.parameters()))
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The highest RSS of this process while the block runs (sampled every millisecond by a thread)."""
+
+    def __enter__(self):
+        import threading
+
+        self.before = self.peak = rss_bytes()
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.wait(0.001):
+                self.peak = max(self.peak, rss_bytes())
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+        return False
+
+
 class Progress:
     def __init__(self, args, rank, cycle):
         os.makedirs(args.progress_dir, exist_ok=True)
@@ -97,6 +129,8 @@ class Progress:
 
     def step(self, step):
         self.fh.write(f"{self.cycle} {step} {time.time():.6f}\n")
+        with open(os.path.join(self.dir, f"rss_rank_{self.rank}.txt"), "a") as fh:   # memory, per step
+            fh.write(f"{self.cycle} {step} {rss_bytes()}\n")
 
     def restored(self, **info):
         path = os.path.join(self.dir, f"restore_rank_{self.rank}_cycle_{self.cycle}.json")
@@ -105,7 +139,7 @@ class Progress:
         os.replace(path + ".tmp", path)
 
     def maybe_die(self, args, step):
-        if args.kill_at_step == step and self.rank == args.kill_rank and self.cycle == 0:
+        if args.kill_at_step == step and self.rank == args.kill_rank and self.cycle < args.kill_cycles:
             with open(os.path.join(self.dir, "fault.txt"), "w") as fh:
                 fh.write(f"{time.time():.6f} {step} {self.rank}\n")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -139,9 +173,11 @@ def train_ddp(args):
         opt, sched = build_optim(args, model)
         start, source, t0 = None, None, time.perf_counter()
         live = None
+        peak = None
         if args.live:
             live = ft.LiveState(model=model, optimizer=opt, scheduler=sched)
-            start = live.restore()
+            with PeakRss() as peak:
+                start = live.restore()
             if start is not None:
                 source = "live"
         if start is None:
@@ -157,7 +193,8 @@ def train_ddp(args):
         # every rank holds the same state now: DDP's broadcast from rank 0 changes nothing
         ddp = nn.parallel.DistributedDataParallel(model)
         progress.restored(source=source, step=start, seconds=took, bytes=state_bytes(model, opt), time=time.time(),
-                          live=getattr(live, "last_recovery", None))
+                          live=getattr(live, "last_recovery", None),
+                          rss_before=peak.before if peak else None, rss_peak=peak.peak if peak else None)
         if rank == 0:
             print(f"cycle {cycle}: resuming after step {start} ({source}, {took:.3f} s)", flush=True)
 
@@ -186,7 +223,10 @@ def train_ddp(args):
                     os.replace(path + ".tmp", path)
                 dist.barrier()
     if rank == 0:
-        final(args, model, rank, world, cycle, {"state_bytes": state_bytes(model, opt)})
+        extra = {"state_bytes": state_bytes(model, opt)}
+        if live is not None:   # the per-step cost of keeping the committed state (snapshots at commit)
+            extra.update(commits=live.stats["commits"], snapshot_s=live.stats["snapshot_s"])
+        final(args, model, rank, world, cycle, extra)
     progress.close()
     del ddp   # before the group goes (see examples/ddp_train.py: gloo's exit deadlock)
     dist.destroy_process_group()

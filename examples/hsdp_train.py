@@ -1,6 +1,7 @@
 """HSDP with live state: 4 ranks as 2 replicas x 2 shards (torch's fully_shard on a (replicate,
-shard) DeviceMesh, gloo on the CPU), AdamW, ft.LiveState with `shard=` the rank's shard position,
-so a replaced rank heals from the same shard in the other replica (docs/live-state.md).
+shard) DeviceMesh, gloo on the CPU), AdamW, ft.LiveState(model=..., optimizer=...): the parameters
+are DTensors, whose mesh coordinates say which shard a rank holds, so a replaced rank heals from
+the same shard in the other replica (docs/live-state.md).
 
     ft_launcher --standalone --nproc-per-node 4 examples/hsdp_train.py --steps 40 --fail-at-step 17 --fail-rank 3
 
@@ -9,48 +10,44 @@ at its start: a forward pre-hook on the second Linear exits there (after the fir
 and FSDP's all-gather of the second layer's parameters, whose own pre-hook runs first), while its
 peers are in that step's collectives.
 
+`--mesh shard,replicate` lays the mesh out the other way: ranks 0, 1 hold shard 0 (the two replicas
+of it) and ranks 2, 3 shard 1, so a node of 2 ranks holds one whole shard.
+
 Deterministic (the batch of step s on rank r is a function of (s, r)); no checkpoint: a fallback
 trains from step 0. Rank 0 prints `FINAL step=<n> checksum=<c>` (the full parameters' sum).
 """
 import argparse
 import os
+import random
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import ft_launcher as ft
 
 
-class TrainState:
-    """Model and optimizer as one object with sharded state dicts (torch.distributed.checkpoint's)."""
-
-    def __init__(self, model, opt):
-        self.model, self.opt = model, opt
-
-    def state_dict(self):
-        model, optim = get_state_dict(self.model, self.opt)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state):
-        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
 def train(args):
     rank, cycle = int(os.environ.get("RANK", 0)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("replicate", "shard"))
+    world = dist.get_world_size()
+    if args.mesh == "replicate,shard":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    else:   # the same (replicate, shard) dimensions over the ranks in the other order
+        layout = torch.arange(world).view(2, world // 2).t().contiguous()
+        mesh = DeviceMesh("cpu", layout, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
+    random.seed(0)   # replicas draw alike: LiveState keeps the RNG state (rng=True) and heals it from a peer
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    live = ft.LiveState(train=TrainState(model, opt), shard=mesh.get_local_rank("shard"))
+    live = ft.LiveState(model=model, optimizer=opt)
     start = live.restore()
     if start is None:
         start = 0
@@ -69,6 +66,8 @@ def train(args):
         nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
         with live.commit(step):
             opt.step()
+        if args.step_time:
+            time.sleep(args.step_time)
     with torch.no_grad():
         total = float(sum(p.full_tensor().double().sum() for p in model.parameters()))
     if rank == 0:
@@ -87,7 +86,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--fail-at-step", type=int, default=None)
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (time for a fault to land)")
     p.add_argument("--fail-rank", type=int, default=3)
+    p.add_argument("--mesh", choices=("replicate,shard", "shard,replicate"), default="replicate,shard",
+                   help="the order of the mesh's dimensions over the ranks (default: a replica's shards on "
+                        "neighbouring ranks)")
     p.add_argument("--fail-in", choices=("step", "forward"), default="step",
                    help="where --fail-rank exits: at the start of the step (default) or inside its FSDP forward")
     ft.restartable(train)(p.parse_args())
