@@ -12,7 +12,8 @@ since the last checkpoint. `ft_launcher.LiveState`; the user guide is docs/live-
 
 How it works:
 - `commit(step)`: a restart signal that lands inside waits for its end (rank_monitor.rank_side.inprocess);
-  on a clean exit `step` is completed: one word of the rank's record (H_LIVE_STEP), no syscall.
+  on a clean exit `step` is completed once its GPU work is done (rank_monitor.rank_side.gpu_commit: a
+  CUDA event, no host sync; at once without CUDA): one word of the rank's record (H_LIVE_STEP).
   An exception out of the body leaves the state suspect (it may be half-updated).
 - Across calls of the restartable function the previous call's objects stay in a module-level
   registry; their tensors are at the last completed step, since only `commit` changes them.
@@ -29,7 +30,8 @@ How it works:
   DTensor's local shard), else into a new one; then `load_state_dict`. A second all_gather
   collects what each rank received and how long it
   took (`transfer_s`: the slowest receiver's; `restore_s`: the slowest rank's time from the step
-  exchange to its state loaded); global rank 0 writes the summary (JSON) into its record for the agent, which says it as one
+  exchange to its state loaded); global rank 0 writes the summary (rank_monitor.live_summary: compact
+  JSON, each source's ranks as ranges) into its record for the agent, which says it as one
   `live_recovery` event and console line (agent.recovery.live_recovery).
 - Outside ft_launcher, under torchrun or plain python, outside `ft.restartable`, or with
   `--restart-granularity job`: `restore()` returns None and `commit` only runs its body.
@@ -41,7 +43,6 @@ pass a stateful sampler/dataloader, or derive the batch from the step.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import pickle
 import random
@@ -49,7 +50,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from ft_launcher.rank_monitor.rank_side import inprocess
+from ft_launcher.rank_monitor.rank_side import comm_backend, gpu_commit, inprocess
+from ft_launcher.rank_monitor import live_summary
 from ft_launcher.rank_monitor import shm_layout as L
 
 NOT_HELD = -1
@@ -126,11 +128,11 @@ class _Commit:
         if exc_type is None:
             if self.live._rng is not None:
                 self.live._rng.snapshot()
-            _REG.step = self.step
             _REG.dirty = False
-            words[L.H_LIVE_STEP] = self.step + 1
+            gpu_commit.COMMITS.committed(self.step, self.live._counted)   # ft-gpu-commit hook: once its GPU work is done
         else:
             _REG.dirty = True
+            gpu_commit.COMMITS.discard()   # ft-gpu-commit hook
         inprocess.commit_done()   # a restart signal that arrived inside: RestartInPlace now
         return False
 
@@ -172,6 +174,11 @@ class LiveState:
             _REG.previous, _REG.cycle = _REG.current, cycle
         _REG.current = self
 
+    def _counted(self, step: int) -> None:
+        """`step` is completed, its GPU work included (rank_side.gpu_commit calls it)."""
+        _REG.step = step
+        self._words[L.H_LIVE_STEP] = step + 1
+
     @property
     def active(self) -> bool:
         """True under ft_launcher inside `ft.restartable` with in-place restarts on."""
@@ -202,7 +209,8 @@ class LiveState:
 
         words, cycle = self._words, _cycle()
         previous, _REG.previous = _REG.previous, None
-        held, dirty = _REG.step, _REG.dirty or inprocess._STATE.failed_last
+        gpu_done = gpu_commit.COMMITS.finish()   # ft-gpu-commit hook: False when a step's GPU work had not completed
+        held, dirty = _REG.step, _REG.dirty or inprocess._STATE.failed_last or not gpu_done
         _REG.step, _REG.dirty = NOT_HELD, False
         words[L.H_LIVE_STEP] = 0
         if cycle == 0:   # a first start: nothing to exchange
@@ -211,8 +219,7 @@ class LiveState:
             raise RuntimeError("LiveState.restore() exchanges state over the process group: call it after "
                                "init_process_group (and before DDP is constructed)")
         rank, world = dist.get_rank(), dist.get_world_size()
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-            else torch.device("cpu")
+        device = comm_backend.transfer_device()   # ft-comm-backend hook: the group's real backend per device
         usable = previous is not None and not dirty and set(previous.objects) == set(self.objects)
         mine = held if usable else NOT_HELD
         mine_raw = held if previous is not None else NOT_HELD
@@ -238,22 +245,16 @@ class LiveState:
             del previous
         own = int((time.perf_counter() - started) * 1e9)
         stats = _all_gather(torch.tensor([received, int(seconds * 1e9), own], dtype=torch.int64, device=device), world)
-        summary = {"cycle": cycle, "resume_step": resume, "steps_redone": None if resume is None
-                   else max(0, max(raw) - resume),
-                   "sources": {str(r): _source_name(r, sources[r]) for r in range(world)},
-                   "bytes": sum(int(s[0]) for s in stats),
-                   "transfer_s": round(max(int(s[1]) for s in stats) / 1e9, 6),
-                   "restore_s": round(max(int(s[2]) for s in stats) / 1e9, 6)}
-        if summary["bytes"] and summary["transfer_s"]:
-            summary["mb_per_s"] = round(summary["bytes"] / 1e6 / summary["transfer_s"], 1)
-        if reason:
-            summary["reason"] = reason
+        # ft-live-summary hook (rank_monitor.live_summary: compact at any world size)
+        summary = live_summary.build(cycle, resume, None if resume is None else max(0, max(raw) - resume), sources,
+                                     sum(int(s[0]) for s in stats), max(int(s[1]) for s in stats) / 1e9,
+                                     max(int(s[2]) for s in stats) / 1e9, reason)
         self.last_recovery = summary
         if rank == 0:
             if resume is None:
                 print(f"ft_launcher: no live state to resume from ({reason}): every rank loads its checkpoint",
                       file=sys.stderr, flush=True)
-            L.write_live_text(self._mm, words, json.dumps(summary, separators=(",", ":")))
+            live_summary.write(self._mm, words, summary)
         words[L.H_LIVE_RESUME] = 0 if resume is None else resume + 1
         words[L.H_LIVE_SOURCE] = (L.LIVE_DISK if resume is None else L.LIVE_KEPT if sources[rank] == rank
                                   else L.LIVE_PEER + sources[rank])
@@ -265,10 +266,6 @@ class LiveState:
         _REG.step = resume
         words[L.H_LIVE_STEP] = resume + 1
         return resume
-
-
-def _source_name(rank: int, source: Optional[int]) -> str:
-    return "disk" if source is None else "kept" if source == rank else f"peer {source}"
 
 
 def plan_recovery(steps: List[int], shards: List[int]) -> Tuple[Optional[int], List[Optional[int]], str]:
