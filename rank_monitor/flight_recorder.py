@@ -38,6 +38,8 @@ import sys
 import threading
 from typing import Optional
 
+from ft_launcher.rank_monitor import atomic_file
+
 ENV_FR_DIR = "FT_LAUNCHER_FR_DIR"
 # A monitor holds a hung rank at most this long for the job's flight-recorder dump (the agent's
 # own bounds, a second per rank and two for the whole job, fit well inside it).
@@ -198,7 +200,4 @@ def with_group_config(data: bytes) -> bytes:
 
 
 def _write(path: str, data: bytes) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    atomic_file.write(path, data)
