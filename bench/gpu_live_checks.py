@@ -108,21 +108,21 @@ def watcher(how, init, block):
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     figures = {"how": how, "init": init or "-"}
     try:
-        if not _wait(lambda: _mark(out, "blocked") or proc.poll() is not None, 120, 0.01) or proc.poll() is not None:
+        if not _wait(lambda: _mark(out, "blocked_0") or proc.poll() is not None, 120, 0.01) or proc.poll() is not None:
             figures["error"] = f"the rank did not block: {proc.communicate()[1][-800:]}"
             return figures
         time.sleep(0.5)
         rank = types.SimpleNamespace(exitcode=None, proc=proc, pid=proc.pid, local_rank=0)
         asked = time.monotonic_ns()
         inprocess_ranks.request(rec, rank, 1)
-        reacted = _wait(lambda: _mark(out, "reacted"), block + 30)
-        act = _wait(lambda: _mark(out, "act"), block + 60, 0.005)
+        reacted = _wait(lambda: _mark(out, "reacted_1"), block + 30)
+        act = _wait(lambda: _mark(out, "act_0"), block + 60, 0.005)
         if not reacted or not act:
             figures["error"] = "no reaction"
             return figures
         last = json.loads(act[1])
-        handler = _mark(out, "handler")
-        unblocked = _mark(out, "unblocked")
+        handler = _mark(out, "handler_0")
+        unblocked = _mark(out, "unblocked_0")
         figures.update(
             watcher_ms=(int(reacted[0]) - asked) / 1e6,
             groups_before_abort=int(reacted[1].split()[1]),

@@ -52,6 +52,7 @@ class _Watcher:
         # The last act (monotonic ns), for tests and the GPU bench: request, by (thread name),
         # started, settled (GPU commits), aborted (0: nothing to abort), clean (settle's answer).
         self.last: dict = {}
+        self.inprocess = None             # rank_side.inprocess, resolved at start: no import on the act path
 
 
 _W = _Watcher()
@@ -61,6 +62,9 @@ def start() -> bool:
     """Start this process's watcher (once) when it runs under ft_launcher; True if it runs."""
     if _W.pid == os.getpid():
         return True
+    from ft_launcher.rank_monitor.rank_side import inprocess
+
+    _W.inprocess = inprocess
     shm = os.environ.get(L.ENV_SHM)
     if not shm:
         return False
@@ -118,11 +122,17 @@ def kick() -> None:
     threading.Thread(target=act_on_request, name="ft-restart-act", daemon=True).start()
 
 
+def _inprocess():
+    if _W.inprocess is None:
+        from ft_launcher.rank_monitor.rank_side import inprocess
+
+        _W.inprocess = inprocess
+    return _W.inprocess
+
+
 def act_on_request() -> None:
     """Act on the request in the rank's record, if there is one not yet acted on."""
-    from ft_launcher.rank_monitor.rank_side import inprocess
-
-    rec = inprocess._record()
+    rec = _inprocess()._record()
     if rec is None:
         return
     words = rec[1]
@@ -134,8 +144,7 @@ def act_on_request() -> None:
 def act(request: int) -> None:
     """Steps 1-4 of the module docstring, once per request (`request` 0: the restart point of a
     function that raised by itself, which always acts)."""
-    from ft_launcher.rank_monitor.rank_side import inprocess
-
+    inprocess = _inprocess()
     with _W.lock:
         if request and request <= _W.done:
             return
@@ -161,9 +170,7 @@ def abort_communicators() -> bool:
     if not comm_backend.has_nccl():
         return False
     try:
-        from torch.distributed import distributed_c10d as c10d
-
-        c10d._abort_process_group()
+        sys.modules["torch.distributed.distributed_c10d"]._abort_process_group()
     except Exception as exc:  # noqa: BLE001 - best effort: the agent's inprocess timeout is the bound
         sys.stderr.write(f"ft_launcher: aborting the NCCL communicators for the restart: {exc!r}\n")
     return True

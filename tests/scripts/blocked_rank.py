@@ -2,9 +2,9 @@
 signal's Python handler cannot run until the call returns (tests/test_restart_watcher.py and
 bench/gpu_live_checks.py act as its agent: they write the request and wake its watcher).
 
-    blocked_rank.py OUT HOW SECONDS
+    blocked_rank.py OUT HOW SECONDS [--cycles K]
 
-HOW (cycle 0; cycle 1 returns at once):
+HOW (in cycles 0..K-1, default K=1; cycle K returns at once):
   sleep   time.sleep(SECONDS) with the restart signal blocked in the main thread meanwhile (as
           in a CUDA sync, which retries its wait when a signal interrupts it)
   recv    a socket recv that no peer answers, signal blocked likewise (SECONDS: its timeout)
@@ -12,10 +12,11 @@ HOW (cycle 0; cycle 1 returns at once):
           timeout), signal blocked likewise
   cuda    torch.cuda._sleep of about SECONDS, then torch.cuda.synchronize() (a GPU only); with
           --nccl the rank first joins a world-size-1 NCCL group (init form given by --init)
-Files in OUT (monotonic ns): `blocked` (about to block), `reacted` (the restart watcher's hook ran:
-"<ns> <request> <process groups before the abort>"), `unblocked` (the call returned), `handler` (the
-exception that left the blocked code: RestartInPlace from the handler, or an aborted collective's),
-`act` (restart_watcher.last_act() as JSON, after it), `done_cycle_<c>`.
+Files in OUT (monotonic ns), per cycle c: `blocked_<c>` (about to block), `reacted_<c+1>` (the restart
+watcher's hook ran for request c+1: "<ns> <request> <process groups before the abort>"),
+`unblocked_<c>` (the call returned), `handler_<c>` (the exception that left the blocked code:
+RestartInPlace from the handler, or an aborted collective's), `act_<c>` (restart_watcher.last_act()
+as JSON, after it); `done_cycle_<K>`.
 """
 import argparse
 import json
@@ -75,21 +76,30 @@ def main():
     p.add_argument("seconds", type=float)
     p.add_argument("--nccl", action="store_true")
     p.add_argument("--init", default="nccl")
+    p.add_argument("--cycles", type=int, default=1)
     args = p.parse_args()
-    restart_watcher.ON_REQUEST.append(lambda request: mark(args.out, "reacted", f"{request} {groups()}"))
+    restart_watcher.ON_REQUEST.append(lambda request: mark(args.out, f"reacted_{request}", f"{request} {groups()}"))
 
     def train():
         cycle = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        if cycle > 0:
+        if cycle >= args.cycles:
             mark(args.out, f"done_cycle_{cycle}")
             return
         try:
             if args.nccl:
                 init(args.init)
             block = {inprocess.IN_PLACE_SIGNAL}
-            if args.how != "cuda":
+            if args.how == "store":   # made (torch imported, which holds the GIL a while) before the block
+                from datetime import timedelta
+
+                import torch.distributed as dist
+
+                store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=args.seconds))
+            if args.how == "cuda":
+                import torch
+            else:
                 signal.pthread_sigmask(signal.SIG_BLOCK, block)
-            mark(args.out, "blocked")
+            mark(args.out, f"blocked_{cycle}")
             try:
                 if args.how == "sleep":
                     time.sleep(args.seconds)
@@ -101,27 +111,20 @@ def main():
                     except socket.timeout:
                         pass
                 elif args.how == "store":
-                    from datetime import timedelta
-
-                    import torch.distributed as dist
-
-                    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=args.seconds))
                     try:
                         store.wait(["never set"])
                     except Exception:  # noqa: BLE001 - its timeout
                         pass
                 else:
-                    import torch
-
                     torch.cuda._sleep(int(args.seconds * 1.4e9))   # ~ SECONDS of GPU cycles on a ~1.4-2 GHz GPU
                     torch.cuda.synchronize()
-                mark(args.out, "unblocked")
+                mark(args.out, f"unblocked_{cycle}")
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, block)   # the pending signal's handler runs now
             time.sleep(30)   # never reached in a test: the handler raises first
         except BaseException as exc:  # RestartInPlace, or an aborted collective's error
-            mark(args.out, "handler", type(exc).__name__)
-            mark(args.out, "act", json.dumps(restart_watcher.last_act()))
+            mark(args.out, f"handler_{cycle}", type(exc).__name__)
+            mark(args.out, f"act_{cycle}", json.dumps(restart_watcher.last_act()))
             raise
 
     ft.restartable(train)()
