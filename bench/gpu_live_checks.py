@@ -51,14 +51,15 @@ def env(**extra):
 
 
 # ---- the watcher -----------------------------------------------------------------------------
-class _Record:
-    """The rank's shared-memory record, made here as a monitor would (this script plays the agent)."""
+class RankRecord:
+    """A rank's shared-memory record made here as its monitor would, seen as the agent's handle sees
+    it (record(), shm_path): this script, and tests/test_restart_watcher.py, play the agent."""
 
-    def __init__(self, directory):
+    def __init__(self, shm_path):
         from ft_launcher.rank_monitor import shm_layout as L
 
         self.L = L
-        self.shm_path = os.path.join(directory, "rank.shm")
+        self.shm_path = str(shm_path)
         self.mm, self.words = L.create(self.shm_path)
 
     def record(self):
@@ -100,7 +101,7 @@ def watcher(how, init, block):
     directory = tempfile.mkdtemp(prefix="ft_gpu_live_", dir=L.default_shm_dir())
     out = os.path.join(directory, "out")
     os.mkdir(out)
-    rec = _Record(directory)
+    rec = RankRecord(os.path.join(directory, "rank.shm"))
     args = [sys.executable, BLOCKED, out, how, str(block)] + (["--nccl", "--init", init] if init else [])
     proc = subprocess.Popen(args, env=env(**{L.ENV_SHM: rec.shm_path, "FT_LAUNCHER_RESTART_GRANULARITY": "rank",
                                              "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",

@@ -71,10 +71,7 @@ def start_from_env(block=()) -> bool:
         return _started == os.getpid()
     path = pipe_path(fr_dir, int(local_rank))
     try:
-        try:
-            os.unlink(path)    # the previous incarnation's pipe: its reader is gone
-        except FileNotFoundError:
-            pass
+        atomic_file.discard(path)    # the previous incarnation's pipe: its reader is gone
         os.mkfifo(path, 0o600)
     except OSError as exc:
         sys.stderr.write(f"ft_launcher: warning: no flight-recorder dumps from this rank: cannot make "

@@ -24,29 +24,12 @@ import pytest
 from conftest import ROOT, SCRIPTS, wait_for
 from ft_launcher.rank_monitor import shm_layout as L
 
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from gpu_live_checks import RankRecord  # noqa: E402  (the agent's view of one rank's record)
+
 BLOCKED = os.path.join(SCRIPTS, "blocked_rank.py")
 BLOCK_S = 1.5
 CYCLES = 3
-
-
-class _Monitor:
-    """The agent's handle of the rank's monitor, as far as inprocess_ranks uses it: its record."""
-
-    def __init__(self, path):
-        self.shm_path = str(path)
-        self.mm, self.words = L.create(self.shm_path)
-
-    def record(self):
-        return self.mm, self.words
-
-    def close(self):
-        self.words.release()
-        self.mm.close()
-        for path in (self.shm_path, L.env_file(self.shm_path), L.wake_pipe(self.shm_path)):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
 
 
 def _read(out, name):
@@ -62,7 +45,7 @@ def test_the_watcher_acts_within_50_ms_while_the_main_thread_is_blocked(launcher
 
     out = tmp_path / "out"
     out.mkdir()
-    monitor = _Monitor(tmp_path / "rank.shm")
+    monitor = RankRecord(tmp_path / "rank.shm")
     env = launcher.env({L.ENV_SHM: monitor.shm_path, "FT_LAUNCHER_RESTART_GRANULARITY": "rank", "RANK": "0",
                         "LOCAL_RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "0"})
     proc = subprocess.Popen([sys.executable, BLOCKED, str(out), how, str(BLOCK_S), "--cycles", str(CYCLES)], env=env,

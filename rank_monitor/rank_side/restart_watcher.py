@@ -34,6 +34,7 @@ import threading
 import time
 from typing import Callable, List, Optional
 
+from ft_launcher.rank_monitor import atomic_file
 from ft_launcher.rank_monitor import shm_layout as L
 from ft_launcher.rank_monitor.rank_side import comm_backend, gpu_commit
 
@@ -70,10 +71,7 @@ def start() -> bool:
         return False
     path = L.wake_pipe(shm)
     try:
-        try:
-            os.unlink(path)   # the previous incarnation's pipe: its reader is gone
-        except FileNotFoundError:
-            pass
+        atomic_file.discard(path)   # the previous incarnation's pipe: its reader is gone
         os.mkfifo(path, 0o600)
         fd = os.open(path, os.O_RDWR)   # read and write: opening it never blocks, a writer never finds no reader
     except OSError as exc:
