@@ -60,10 +60,11 @@ def by_source(sources: Sequence[Optional[int]]) -> Dict[str, str]:
     groups: Dict[str, List[int]] = {}
     for rank, source in enumerate(sources):
         groups.setdefault(source_name(rank, source), []).append(rank)
-    return {name: ranges(ranks) for name, ranks in sorted(groups.items(), key=_order)}
+    return {name: ranges(ranks) for name, ranks in sorted(groups.items(), key=source_order)}
 
 
-def _order(item) -> tuple:
+def source_order(item) -> tuple:
+    """Sort key of a (source name, ranges) item: kept, then peers by rank, then disk."""
     name = item[0]
     kind, _, peer = name.partition(" ")
     return ({KEPT: 0, PEER: 1, DISK: 2}.get(kind, 3), int(peer) if peer.isdigit() else -1)
@@ -103,7 +104,7 @@ def encode(summary: dict, limit: int) -> bytes:
     coarse: Dict[str, List[int]] = {}
     for name, text in sources.items():
         coarse.setdefault(name.split(" ", 1)[0], []).extend(parse_ranges(text))
-    smaller = dict(summary, sources={k: ranges(v) for k, v in sorted(coarse.items(), key=_order)},
+    smaller = dict(summary, sources={k: ranges(v) for k, v in sorted(coarse.items(), key=source_order)},
                    sources_elided=f"which peer each receiving rank got its state from ({len(peers)} peers)")
     data = _json(smaller)
     if len(data) <= limit:

@@ -53,7 +53,7 @@ def _ranks_words(text: str) -> str:
 def source_words(sources: dict, kept: bool = True) -> str:
     """'ranks 0-2 kept, rank 3 from peer rank 1': who got its state from where (`kept`: False leaves
     out the ranks that kept theirs); past LINE_SOURCES sources the rest are counted."""
-    items = [(name, text) for name, text in sorted((sources or {}).items(), key=S._order)
+    items = [(name, text) for name, text in sorted((sources or {}).items(), key=S.source_order)
              if kept or name != S.KEPT]
     words: List[str] = []
     for name, text in items[:LINE_SOURCES]:
