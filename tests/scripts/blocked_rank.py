@@ -9,7 +9,8 @@ HOW (in cycles 0..K-1, default K=1; cycle K returns at once):
           in a CUDA sync, which retries its wait when a signal interrupts it)
   recv    a socket recv that no peer answers, signal blocked likewise (SECONDS: its timeout)
   store   a TCPStore wait for a key nobody sets (a torch op that releases the GIL; SECONDS: its
-          timeout), signal blocked likewise
+          timeout), signal blocked likewise, also in the store's threads (torch's wait runs Python's
+          signal handlers while it waits, when a thread of the process takes the signal)
   cuda    torch.cuda._sleep of about SECONDS, then torch.cuda.synchronize() (a GPU only); with
           --nccl the rank first joins a world-size-1 NCCL group (init form given by --init)
 Files in OUT (monotonic ns), per cycle c: `blocked_<c>` (about to block), `reacted_<c+1>` (the restart
@@ -89,16 +90,16 @@ def main():
             if args.nccl:
                 init(args.init)
             block = {inprocess.IN_PLACE_SIGNAL}
+            if args.how == "cuda":
+                import torch
+            else:   # held back in this thread and in every thread started from here on (the store's)
+                signal.pthread_sigmask(signal.SIG_BLOCK, block)
             if args.how == "store":   # made (torch imported, which holds the GIL a while) before the block
                 from datetime import timedelta
 
                 import torch.distributed as dist
 
                 store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=args.seconds))
-            if args.how == "cuda":
-                import torch
-            else:
-                signal.pthread_sigmask(signal.SIG_BLOCK, block)
             mark(args.out, f"blocked_{cycle}")
             try:
                 if args.how == "sleep":
