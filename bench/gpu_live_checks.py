@@ -238,8 +238,9 @@ def commit_cost(steps):
         events = None
         torch.cuda.init()
     dev = "cuda" if gpu else "cpu"
-    a = torch.randn(2048, 2048, device=dev)
-    b = torch.randn(2048, 2048, device=dev)
+    n = 4096 if gpu else 64   # a GPU step of a few ms; on the CPU a tiny one, so the logic's cost shows
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
 
     def loop(mode):
         commits = GpuCommits(events)
@@ -271,7 +272,7 @@ def commit_cost(steps):
             rows.setdefault(mode, []).append(loop(mode))
     med = {m: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v), max(r[2] for r in v))
            for m, v in rows.items()}
-    print(f"  {'(CPU: fake events, the logic alone) ' if not gpu else ''}per step, {steps} steps of a 2048^2 matmul:")
+    print(f"  {'(CPU: fake events, the logic alone) ' if not gpu else ''}per step, {steps} steps of a {n}^2 matmul:")
     for mode, label in (("none", "no commit tracking"), ("event", "a CUDA event per commit (ours)"),
                         ("sync", "a host sync per commit")):
         wall, issue, lag = med[mode]
@@ -350,7 +351,7 @@ def main() -> int:
     print("\nbackends: each init_process_group form", flush=True)
     backends()
     print("\ncommit: GPU-complete commit", flush=True)
-    commit_cost(2000 if gpu else 300)
+    commit_cost(500 if gpu else 2000)
     if gpu and not args.no_recovery:
         print("\nrecovery: ft_launcher, 1 NCCL rank", flush=True)
         raised = exception_in_place(args.reps)
