@@ -12,8 +12,6 @@ it (and falls back to parsing the backend string the way torch's BackendConfig d
   {} when there is no group.
 - `has_nccl(group)`: some device of the group communicates over NCCL, whose communicators can be
   aborted from another thread (rank_monitor.rank_side.nccl_watch).
-- `only_unabortable()`: the default group exists and none of its devices uses NCCL (gloo alone:
-  its collectives end when a peer's sockets close, or at gloo's timeout).
 - `transfer_device()`: where LiveState moves tensors: the current CUDA device when CUDA tensors
   go over NCCL, else the CPU.
 Nothing here imports torch: it uses the torch the rank has imported (none: no group).
@@ -74,11 +72,6 @@ def device_backends(group=None) -> Dict[str, str]:
 
 def has_nccl(group=None) -> bool:
     return "nccl" in device_backends(group).values()
-
-
-def only_unabortable() -> bool:
-    backends = device_backends()
-    return bool(backends) and "nccl" not in backends.values()
 
 
 def transfer_device(backends: Optional[Dict[str, str]] = None):
