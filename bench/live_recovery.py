@@ -45,7 +45,8 @@ import uuid
 from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Job, bench_env, read_progress, stop_launcher  # noqa: E402
+from harness import Job, bench_env, read_progress  # noqa: E402
+from ft_launcher.agent.recovery.live_recovery import per_rank  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "live_train.py")
@@ -317,8 +318,8 @@ def result(args, contender: str, job, kill: bool) -> dict:
     out["healthy_source"] = healthy_rec.get("source", "kept (never left)" if contender == "torchft" else "?")
     summary = rec.get("live") or {}
     if summary.get("resume_step") is not None:   # LiveState.restore's own account (every rank has it)
-        out["source"] = summary["sources"].get(str(victim), out["source"])
-        out["healthy_source"] = summary["sources"].get(str(healthy), out["healthy_source"])
+        out["source"] = per_rank(summary["sources"]).get(str(victim), out["source"])
+        out["healthy_source"] = per_rank(summary["sources"]).get(str(healthy), out["healthy_source"])
         out["restore_s"] = summary.get("restore_s")
         if summary.get("mb_per_s"):
             out["transfer_s"], out["transfer_mbs"] = summary["transfer_s"], summary["mb_per_s"]
@@ -334,8 +335,8 @@ def result(args, contender: str, job, kill: bool) -> dict:
         if d.get("check"):
             out["check_s"], out["check_ms_per_gb"] = d["check"]["s"], d["check"]["ms_per_gb"]
         if d.get("resume_step") is not None:
-            out["source"] = d["sources"].get(str(victim), out["source"])
-            out["healthy_source"] = d["sources"].get(str(healthy), out["healthy_source"])
+            out["source"] = per_rank(d["sources"]).get(str(victim), out["source"])
+            out["healthy_source"] = per_rank(d["sources"]).get(str(healthy), out["healthy_source"])
             if d.get("mb_per_s"):
                 out["transfer_s"], out["transfer_mbs"] = d["transfer_s"], d["mb_per_s"]
         else:

@@ -8,7 +8,10 @@ the same shard in the other replica (docs/live-state.md).
 `--fail-in forward` kills the fault rank inside the FSDP forward pass of the fault step instead of
 at its start: a forward pre-hook on the second Linear exits there (after the first layer's forward
 and FSDP's all-gather of the second layer's parameters, whose own pre-hook runs first), while its
-peers are in that step's collectives.
+peers are in that step's collectives. `--fail-in reduce_scatter` makes it hang there instead: it
+sleeps for an hour just before its first shard-group reduce_scatter of the fault step (its shard
+peer waits in that reduce_scatter, its replica peers in the replicate all_reduce after it), so a
+step-section timeout finds the hang (`--ft-rank-section-timeouts step:T`) and hang blame must name it.
 
 `--mesh shard,replicate` lays the mesh out the other way: ranks 0, 1 hold shard 0 (the two replicas
 of it) and ranks 2, 3 shard 1, so a node of 2 ranks holds one whole shard.
@@ -57,15 +60,18 @@ def train(args):
         if step == args.fail_at_step and rank == args.fail_rank and cycle == 0:
             if args.fail_in == "forward":
                 model[2].register_forward_pre_hook(_die_in_forward(rank, step))
+            elif args.fail_in == "reduce_scatter":
+                dist.reduce_scatter_single = _hang_before(dist.reduce_scatter_single, rank, step)
             else:
                 print(f"rank {rank}: failing on purpose at step {step}", flush=True)
                 os._exit(1)
         g = torch.Generator().manual_seed(step * 1009 + rank)
         x = torch.randn(8, 16, generator=g)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
-        with live.commit(step):
-            opt.step()
+        with ft.section("step"):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+            with live.commit(step):
+                opt.step()
         if args.step_time:
             time.sleep(args.step_time)
     with torch.no_grad():
@@ -82,6 +88,14 @@ def _die_in_forward(rank, step):
     return hook
 
 
+def _hang_before(reduce_scatter, rank, step):
+    def hang(*args, **kwargs):   # FSDP's reduce-scatter of gradients calls dist.reduce_scatter_single
+        print(f"rank {rank}: hanging on purpose before the shard reduce_scatter of step {step}", flush=True)
+        time.sleep(3600)
+        return reduce_scatter(*args, **kwargs)
+    return hang
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
@@ -91,8 +105,9 @@ def main():
     p.add_argument("--mesh", choices=("replicate,shard", "shard,replicate"), default="replicate,shard",
                    help="the order of the mesh's dimensions over the ranks (default: a replica's shards on "
                         "neighbouring ranks)")
-    p.add_argument("--fail-in", choices=("step", "forward"), default="step",
-                   help="where --fail-rank exits: at the start of the step (default) or inside its FSDP forward")
+    p.add_argument("--fail-in", choices=("step", "forward", "reduce_scatter"), default="step",
+                   help="where --fail-rank fails: exits at the start of the step (default) or inside its FSDP "
+                        "forward, or hangs before its shard reduce_scatter")
     ft.restartable(train)(p.parse_args())
 
 

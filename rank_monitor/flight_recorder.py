@@ -19,10 +19,20 @@ channel) before it dumps the Python stack and stops the rank, so no rank is kill
 job's traces are taken. Nothing here imports torch: the dump uses the torch the rank has imported
 (NCCL's recorder through `_dump_nccl_trace` where a CUDA build has one and it holds entries, else
 `_dump_fr_trace`, which holds gloo's).
+
+Each dump's `pg_config` names every process group the rank is a member of (name -> desc and the
+global ranks, in group-rank order: NCCL's format): NCCL records only the groups whose communicator
+it made, and gloo (torch 2.13) records none (one entry named '' with no ranks), while hang blame
+must compare collective sequence numbers within one group and know who belongs to it.
+`load_trace` reads a dump as plain data: a dump comes from a peer through the store, and a pickle
+that names any class or function is refused, never run.
 """
 from __future__ import annotations
 
+import io
+import json
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -61,10 +71,7 @@ def start_from_env(block=()) -> bool:
         return _started == os.getpid()
     path = pipe_path(fr_dir, int(local_rank))
     try:
-        try:
-            os.unlink(path)    # the previous incarnation's pipe: its reader is gone
-        except FileNotFoundError:
-            pass
+        atomic_file.discard(path)    # the previous incarnation's pipe: its reader is gone
         os.mkfifo(path, 0o600)
     except OSError as exc:
         sys.stderr.write(f"ft_launcher: warning: no flight-recorder dumps from this rank: cannot make "
@@ -115,7 +122,7 @@ def dump(fr_dir: str, local_rank: int, cycle: int) -> None:
                 break
         if data is None:
             raise RuntimeError("this torch has no flight recorder (torch._C._distributed_c10d._dump_fr_trace)")
-        _write(target, data)
+        _write(target, with_group_config(data))
     except Exception as exc:  # noqa: BLE001 - the agent reports it as one line
         try:
             _write(error_path(fr_dir, local_rank, cycle), (str(exc).splitlines() or [repr(exc)])[0].encode())
@@ -124,12 +131,69 @@ def dump(fr_dir: str, local_rank: int, cycle: int) -> None:
 
 
 def _has_entries(data: bytes) -> bool:
-    import pickle
+    trace = load_trace(data)
+    return True if trace is None else bool(trace.get("entries"))   # unreadable: not ours to judge
 
+
+class _PlainData(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"a flight-recorder dump names {module}.{name}: refused (plain data only)")
+
+
+def load_trace(data: bytes) -> Optional[dict]:
+    """A flight-recorder dump (torch's pickle of dicts, lists, strings and numbers) as a dict, or
+    None when it is not one; a pickle that names any class or function is refused, never run."""
     try:
-        return bool(pickle.loads(data).get("entries"))
-    except Exception:  # noqa: BLE001 - not ours to judge: pass it on as it is
-        return True
+        trace = _PlainData(io.BytesIO(data)).load()
+    except Exception:  # noqa: BLE001 - truncated, foreign or hostile: no evidence
+        return None
+    return trace if isinstance(trace, dict) else None
+
+
+def group_config() -> dict:
+    """name -> {"name", "desc", "ranks": "[global ranks in group-rank order]"} of every process
+    group this process is a member of (torch's own registry; {} without torch.distributed)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    world = getattr(c10d, "_world", None)
+    if world is None:
+        return {}
+    out = {}
+    try:
+        groups = list(world.pg_names.items())
+        ranks_of = dict(world.pg_group_ranks)
+    except RuntimeError:   # changed while copied (the main thread made a group): no config, no harm
+        return {}
+    for pg, name in groups:
+        ranks = ranks_of.get(pg)
+        if not ranks:
+            continue
+        members = [g for g, _ in sorted(ranks.items(), key=lambda item: item[1])]
+        out[str(name)] = {"name": str(name), "desc": str(getattr(pg, "group_desc", "") or ""),
+                          "ranks": json.dumps(members)}
+    return out
+
+
+def with_group_config(data: bytes) -> bytes:
+    """The dump with every group of this process in its `pg_config` (see the module docstring);
+    as it was when it cannot be read or nothing is missing."""
+    trace = load_trace(data)
+    mine = group_config()
+    if trace is None or not mine:
+        return data
+    config = dict(trace.get("pg_config") or {})
+    changed = False
+    for name, entry in mine.items():
+        known = config.get(name)
+        if not isinstance(known, dict) or known.get("ranks") in (None, "", "[]"):
+            config[name] = entry
+            changed = True
+    if "" in config and isinstance(config[""], dict) and config[""].get("ranks") in (None, "", "[]"):
+        del config[""]   # gloo's placeholder for the default group, now named by its real name
+        changed = True
+    if not changed:
+        return data
+    trace["pg_config"] = config
+    return pickle.dumps(trace)
 
 
 def _write(path: str, data: bytes) -> None:

@@ -34,7 +34,7 @@ def warned_prefix(agent_pid: int) -> str:
     return os.path.join(default_shm_dir(), f"ft_launcher_{agent_pid}_warned_")
 
 MAGIC = 0x46544C4D4F4E3031  # "FTLMON01"
-VERSION = 5
+VERSION = 6
 
 # ---- header words -------------------------------------------------------------------------------
 H_MAGIC = 0
@@ -81,7 +81,7 @@ H_LIVE_STEP = 36        # the last completed step + 1 (0: none): `LiveState.comm
 H_LIVE_CYCLE = 37       # the cycle whose `restore()` wrote the words below (0: none); written last
 H_LIVE_RESUME = 38      # that restore's resume step + 1 (0: no live state, the script's checkpoint)
 H_LIVE_SOURCE = 39      # where this rank's state came from: LIVE_* below, or LIVE_PEER + peer rank
-H_LIVE_TEXT_LEN = 40    # global rank 0: bytes of the recovery summary (JSON) in the live text area
+H_LIVE_TEXT_LEN = 40    # global rank 0: bytes of the recovery summary (JSON, rank_monitor.live_summary) in the live text area
 HEADER_WORDS = 48
 
 # ---- per-section slot words ---------------------------------------------------------------------
@@ -137,7 +137,7 @@ IP_TEXT_OFFSET = REQUEST_OFFSET + REQUEST_BYTES
 IP_TEXT_BYTES = 512
 FROZEN_OFFSET = IP_TEXT_OFFSET + IP_TEXT_BYTES   # a copy of the words, taken when a hang is found
 LIVE_TEXT_OFFSET = FROZEN_OFFSET + WORDS * 8
-LIVE_TEXT_BYTES = 4096
+LIVE_TEXT_BYTES = 64 << 10   # the recovery summary: a compact one fits any world size (live_summary)
 SIZE = LIVE_TEXT_OFFSET + LIVE_TEXT_BYTES
 
 
@@ -217,14 +217,20 @@ def env_file(shm_path: str) -> str:
     return shm_path + ".restart.json"
 
 
+def wake_pipe(shm_path: str) -> str:
+    """The named pipe the rank's restart watcher blocks on; the agent writes a byte into it after
+    it writes H_IP_REQUEST (rank_monitor.rank_side.restart_watcher)."""
+    return shm_path + ".wake"
+
+
 def write_ip_text(mm: mmap.mmap, words: memoryview, text: str) -> None:
     data = text.encode("utf-8", "replace")[:IP_TEXT_BYTES]
     mm[IP_TEXT_OFFSET:IP_TEXT_OFFSET + len(data)] = data
     words[H_IP_TEXT_LEN] = len(data)
 
 
-def write_live_text(mm: mmap.mmap, words: memoryview, text: str) -> None:
-    data = text.encode("utf-8", "replace")[:LIVE_TEXT_BYTES]
+def write_live_text(mm: mmap.mmap, words: memoryview, text) -> None:
+    data = (text if isinstance(text, bytes) else text.encode("utf-8", "replace"))[:LIVE_TEXT_BYTES]
     mm[LIVE_TEXT_OFFSET:LIVE_TEXT_OFFSET + len(data)] = data
     words[H_LIVE_TEXT_LEN] = len(data)
 

@@ -1,5 +1,9 @@
 """Hang blame end to end (agent/recovery.hang_blame.py): one rank hangs, its peers wait on it in a collective
 and their monitors fire too; the agents tell culprit from victims and only the culprit is replaced.
+HSDP (examples/hsdp_train.py, 2 agents x 2 ranks, mesh replicate 2 x shard 2): rank 3 hangs before
+its shard reduce_scatter, its shard peer waits in that reduce_scatter and its replica peers in the
+replicate all_reduce: the flight recorder's sequence numbers, compared within each process group,
+name rank 3 alone, and the victims keep their live state (slow).
 
 examples/ddp_train.py under `ft.restartable`, real agents, monitors and ranks (test_fault_matrix's
 Job). The hang: rank `--fail-rank` sleeps for an hour in a phase (ddp_train --hang-in), or the
@@ -15,7 +19,7 @@ import signal
 
 import pytest
 
-from conftest import wait_for
+from conftest import ROOT, read_events, wait_for
 from test_fault_matrix import HOLD_STEP, Job, References, progress
 from test_inprocess_restart import started
 
@@ -112,6 +116,48 @@ def test_a_hang_in_setup_is_told_by_the_stacks(launcher, tmp_path, reference):
     # wait inside torch.distributed (the rendezvous), the culprit's does not
     job, culprit = run_hang(launcher, tmp_path, "1x2", "sleep", "setup")
     check_blame(job, reference, culprit, "stacks")
+
+
+HSDP = os.path.join(ROOT, "examples", "hsdp_train.py")
+
+
+@pytest.mark.slow
+def test_an_hsdp_hang_in_the_shard_group_blames_the_rank_that_hung_and_the_victims_keep_their_state(
+        launcher, tmp_path):
+    """Rank 3 (replica 1, shard 1) hangs before the shard reduce_scatter of step 17: rank 2 waits on
+    it in the shard group, rank 0 on rank 2 and rank 1 on rank 3 in the replicate groups. The verdict
+    names rank 3 alone; ranks 0-2 keep their processes and their state (resume at step 16, rank 3
+    from rank 1, its shard in the other replica); the job ends with the fault-free run's parameters."""
+    def job(name, extra):
+        j = Job(launcher, tmp_path / name, "2x2", TIMEOUTS)
+        j.args = j.args[:j.args.index(TIMEOUTS[0])] + TIMEOUTS + [HSDP, "--steps", 30] + extra
+        return j
+
+    clean = job("clean", []).launch()
+    results, _ = clean.wait()
+    assert all(code == 0 for code, _, _ in results), results[0][2][-3000:]
+    final = [ln for _, out, _ in results for ln in out.splitlines() if "FINAL" in ln]
+    fault = job("fault", ["--fail-at-step", 17, "--fail-rank", 3, "--fail-in", "reduce_scatter"]).launch()
+    results, elapsed = fault.wait()
+    errors = "\n".join(r[2][-4000:] for r in results)
+    assert all(code == 0 for code, _, _ in results), errors
+    assert [ln for _, out, _ in results for ln in out.splitlines() if "FINAL" in ln] == final and len(final) == 1
+    evs = fault.events()
+    blame = [e["detail"] for e in evs if e["kind"] == "hang_blame"]
+    assert len(blame) == 1, blame
+    assert (blame[0]["culprits"], blame[0]["victims"], blame[0]["evidence"]) == ([3], [0, 1, 2], "flight recorder"), \
+        blame
+    restarts = [e["detail"] for e in evs if e["kind"] == "restart"]
+    assert {(r["rung"], r["next_cycle"]) for r in restarts} == {("in_process", 1)}, restarts
+    before, after = started(evs, 0), started(evs, 1)
+    for rank in (0, 1, 2):
+        assert after[rank] == (before[rank][0], True), f"victim {rank} did not keep its process: {before} -> {after}"
+    told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
+    assert len(told) == 1 and told[0]["resume_step"] == 16, told
+    from ft_launcher.agent.recovery.live_recovery import per_rank
+
+    assert per_rank(told[0]["sources"]) == {"0": "kept", "1": "kept", "2": "kept", "3": "peer 1"}, told
+    print(f"\nHSDP 2x2: {blame[0]}; {elapsed:.1f}s")
 
 
 # ---- the monitor's hold, without an agent's verdict ------------------------------------------
@@ -213,6 +259,83 @@ def test_the_flight_recorder_blames_the_ranks_that_never_entered_the_stuck_colle
     assert from_flight_recorder({0: _dump([4]), 1: _dump([4])}, 2) is None
     assert from_flight_recorder({0: _dump([5], 5, "[0, 1]"), 1: _dump([5], 5, "[0, 1]")}, 2) is None
     assert from_flight_recorder({0: b"not a pickle"}, 2) is None
+
+
+def _mesh_dump(rank, entered, pending=None, config=True, at=100):
+    """A gloo HSDP 2x2 dump as torch 2.13 writes it (with our pg_config, unless config=False):
+    `entered` {group: last sequence}, `pending` the group whose last collective is not retired
+    (created at `at`).
+    Groups as init_device_mesh names them: '1' = replicate {0, 2}, '2' = replicate {1, 3},
+    '3' = shard {0, 1}, '4' = shard {2, 3}."""
+    import json
+    import pickle
+
+    groups = {"0": ("default_pg", [0, 1, 2, 3]), "1": ("mesh_replicate", [0, 2]), "2": ("mesh_replicate", [1, 3]),
+              "3": ("mesh_shard", [0, 1]), "4": ("mesh_shard", [2, 3])}
+    mine = {name: g for name, g in groups.items() if rank in g[1]}
+    entries = []
+    for name, last in entered.items():
+        for seq in range(1, last + 1):
+            entries.append({"process_group": (name, mine[name][0]), "pg_id": int(name), "collective_seq_id": seq,
+                            "profiling_name": "gloo:all_reduce", "state": "scheduled", "is_p2p": False,
+                            "retired": not (name == pending and seq == last),
+                            "time_created_ns": at if name == pending and seq == last else seq})
+    cfg = ({name: {"name": name, "desc": d, "ranks": json.dumps(r)} for name, (d, r) in mine.items()} if config
+           else {"": {"name": "", "desc": "", "ranks": "[]"}})
+    return pickle.dumps({"version": "2.10", "pg_config": cfg, "entries": entries})
+
+
+def test_sequence_numbers_are_compared_within_each_process_group():
+    """HSDP 2x2, rank 3 hung before the shard reduce_scatter of a step: rank 2 waits in the shard
+    group on rank 3; ranks 0 and 1 did their shard group's reduce_scatter and wait in the replicate
+    all_reduce, on ranks 2 and 3. Sequence numbers differ between groups (a step runs more shard
+    collectives than replicate ones): compared across groups they blamed rank 2, or ranks 0, 2, 3."""
+    from ft_launcher.agent.recovery.hang_blame import from_flight_recorder
+
+    dumps = {0: _mesh_dump(0, {"0": 1, "3": 9, "1": 4}, pending="1", at=102),
+             1: _mesh_dump(1, {"0": 1, "3": 9, "2": 4}, pending="2", at=101),
+             2: _mesh_dump(2, {"0": 1, "4": 9, "1": 3}, pending="4"),
+             3: _mesh_dump(3, {"0": 1, "4": 8, "2": 3})}
+    found = from_flight_recorder(dumps, 4)
+    assert (found["culprits"], found["victims"]) == ([3], [0, 1, 2]), found
+    assert found["group"] == "4:mesh_shard" and found["sequence"] == 9, found   # the oldest wait on rank 3
+    # rank 3 could not dump (stopped): it entered nothing, and is still the one the waits lead to
+    assert from_flight_recorder({r: dumps[r] for r in (0, 1, 2)}, 4)["culprits"] == [3]
+    # without our pg_config (a rank not running our client), the groups' members are who recorded them
+    bare = {r: _mesh_dump(r, *args, config=False) for r, args in
+            ((0, ({"0": 1, "3": 9, "1": 4}, "1")), (1, ({"0": 1, "3": 9, "2": 4}, "2")),
+             (2, ({"0": 1, "4": 9, "1": 3}, "4")), (3, ({"0": 1, "4": 8, "2": 3}, None)))}
+    assert from_flight_recorder(bare, 4)["culprits"] == [3]
+    # waits in a circle (rank 0 on rank 1 in one group, rank 1 on rank 0 in another): nobody is blamed
+    import pickle
+
+    def two_groups(a, b, pending):
+        entries = [{"process_group": (g, "x"), "collective_seq_id": seq, "profiling_name": "gloo:all_reduce",
+                    "state": "scheduled", "is_p2p": False, "retired": not (g == pending and seq == last)}
+                   for g, last in (("a", a), ("b", b)) for seq in range(1, last + 1)]
+        return pickle.dumps({"pg_config": {g: {"name": g, "desc": "x", "ranks": "[0, 1]"} for g in "ab"},
+                             "entries": entries})
+
+    assert from_flight_recorder({0: two_groups(2, 1, "a"), 1: two_groups(1, 2, "b")}, 2) is None
+    assert from_flight_recorder({0: two_groups(2, 1, "a"), 1: two_groups(1, 1, None)}, 2)["culprits"] == [1]
+
+
+def test_a_dump_that_is_not_plain_data_is_never_unpickled():
+    """A dump comes from a peer through the store: a pickle naming a callable is refused, not run."""
+    import pickle
+
+    from ft_launcher.agent.recovery.hang_blame import from_flight_recorder
+    from ft_launcher.rank_monitor.flight_recorder import load_trace
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > /dev/null",))
+
+    hostile = pickle.dumps({"entries": [Boom()]})
+    assert load_trace(hostile) is None and load_trace(b"junk") is None
+    assert load_trace(_dump([4])) is not None
+    found = from_flight_recorder({0: _dump([4, 5], pending=5), 1: hostile, 2: _dump([4, 5], pending=5)}, 3)
+    assert found["culprits"] == [1]   # the hostile dump counts as no dump
 
 
 def test_a_stack_waits_inside_a_collective_or_not():

@@ -23,6 +23,7 @@ import os
 import pytest
 
 from conftest import ROOT, node_tree, read_events, wait_for
+from ft_launcher.agent.recovery.live_recovery import per_rank
 from test_fault_matrix import BOUND, EXAMPLE as DDP_EXAMPLE, JOB, TOPOLOGIES, Job, _listening, progress
 
 LIVE_EXAMPLE = os.path.join(ROOT, "examples", "live_train.py")
@@ -88,7 +89,7 @@ def check_exact(job, ref, fault_rank, resume, source=None):
     assert [f["loss"] for f in finals] == [r["loss"] for r in ref]
     live = told(job)
     assert len(live) == 1 and live[0]["resume_step"] == resume and live[0]["steps_redone"] == 0, live
-    sources = dict(live[0]["sources"])
+    sources = per_rank(live[0]["sources"])
     got = sources.pop(str(fault_rank))
     assert got == source if source else got.startswith("peer "), live
     assert set(sources.values()) == {"kept"}, live
@@ -192,7 +193,7 @@ def test_fsdp_without_replicas_falls_back_with_one_line(launcher, tmp_path, refe
     assert len(lines) == 1, err[-3000:]
     assert "no rank holds the shard rank 1 needs at step 136: every rank's state is a different shard" in lines[0]
     assert [f["checksum"] for f in job.finals()] == [r["checksum"] for r in ref]
-    assert told(job)[0]["resume_step"] is None and told(job)[0]["sources"] == {"0": "disk", "1": "disk"}
+    assert told(job)[0]["resume_step"] is None and per_rank(told(job)[0]["sources"]) == {"0": "disk", "1": "disk"}
 
 
 # ---- 6. a second fault inside restore() ---------------------------------------------------------------
@@ -209,7 +210,7 @@ def test_a_fault_inside_restore_leaves_the_next_cycle_live(launcher, tmp_path, r
     finals = job.finals()
     assert [f["checksum"] for f in finals] == [r["checksum"] for r in ref] and finals[0]["cycle"] == 2, finals
     live = [t for t in told(job)]
-    assert live[-1]["resume_step"] == FAULT - 1 and live[-1]["sources"] == {"0": "kept", "1": "peer 0"}, live
+    assert live[-1]["resume_step"] == FAULT - 1 and per_rank(live[-1]["sources"]) == {"0": "kept", "1": "peer 0"}, live
     assert all(t["resume_step"] is not None for t in live), live
     assert "no live state" not in err
 
@@ -294,8 +295,8 @@ def test_hsdp_the_first_node_lost_moves_the_survivor_and_it_keeps_or_falls_back_
     assert moved[0] and moved[1] and not moved[2] and not moved[3], starts   # the survivor kept its processes
     if mesh == "replicate,shard":
         assert live[0]["resume_step"] is not None, live
-        assert live[0]["sources"]["0"] == live[0]["sources"]["1"] == "kept", live
-        assert {live[0]["sources"]["2"], live[0]["sources"]["3"]} == {"peer 0", "peer 1"}, live
+        assert per_rank(live[0]["sources"])["0"] == per_rank(live[0]["sources"])["1"] == "kept", live
+        assert {per_rank(live[0]["sources"])["2"], per_rank(live[0]["sources"])["3"]} == {"peer 0", "peer 1"}, live
         assert "no live state" not in err
     else:
         assert live[0]["resume_step"] is None and "no rank holds the shard ranks 0, 1 need" in live[0]["reason"], live
@@ -326,7 +327,7 @@ def test_live_memory_twenty_recoveries_leave_a_kept_rank_within_1_1x_of_its_memo
     assert final["checksum"] == expected["checksum"] and final["cycle"] == restarts, (final, expected)
     assert final["state_bytes"] >= 200e6, final
     told = [e["detail"] for e in read_events(str(tmp_path / "logs")) if e["kind"] == "live_recovery"]
-    assert len(told) == restarts and all(t["sources"] == {"0": "kept", "1": "peer 0"} for t in told), told
+    assert len(told) == restarts and all(per_rank(t["sources"]) == {"0": "kept", "1": "peer 0"} for t in told), told
     rss = {}
     with open(tmp_path / "prog" / "rss_rank_0.txt") as fh:
         for line in fh:

@@ -30,6 +30,7 @@ import pytest
 from conftest import EXAMPLE, LAUNCHER, ROOT, SCRIPTS, Launcher, read_events, wait_for, wait_until_gone
 from test_fault_matrix import Job, progress
 from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer, plan_recovery
+from ft_launcher.agent.recovery.live_recovery import per_rank
 
 STEPS, CKPT, FAULT_STEP = 150, 50, 137
 LIVE_JOB = ["--steps", STEPS, "--ckpt-every", CKPT, "--step-time", 0, "--seed", 11]
@@ -386,7 +387,7 @@ def check_live(job, reference, fault_rank, resume):
     assert len(told) == 1, told
     live = told[0]["detail"]
     assert live["resume_step"] == resume and live["steps_redone"] == 0, live
-    sources = live["sources"]
+    sources = per_rank(live["sources"])
     source = sources.pop(str(fault_rank))
     assert source.startswith("peer ") and int(source.split()[1]) != fault_rank, live
     assert set(sources.values()) == {"kept"}, live
@@ -469,7 +470,7 @@ def test_no_healthy_copy_falls_back_to_the_checkpoint_with_one_line(launcher, tm
         assert len(lines) == 2, err[-3000:]   # rank 0's line, and the agent's (either first)
         assert any("no live state to resume from (no rank holds live state" in ln for ln in lines), lines
         told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
-        assert len(told) == 1 and told[0]["resume_step"] is None and set(told[0]["sources"].values()) == {"disk"}
+        assert len(told) == 1 and told[0]["resume_step"] is None and set(per_rank(told[0]["sources"]).values()) == {"disk"}
     else:
         assert len(lines) == 1 and "no live state with --restart-granularity job" in lines[0], err[-3000:]
     assert "resumed from step 10 (cycle 1)" in out
@@ -499,7 +500,7 @@ def test_a_restart_signal_inside_commit_leaves_every_replica_equal(launcher, tmp
     assert {r["step"] for r in restored} == {6}, restored
     assert len({(r["params"], r["momentum"]) for r in restored}) == 1, f"replicas differ after restore: {restored}"
     live = [e["detail"] for e in read_events(str(out / "logs")) if e["kind"] == "live_recovery"][0]
-    assert live["sources"]["1"] == "kept" and live["sources"]["2"].startswith("peer "), live
+    assert per_rank(live["sources"])["1"] == "kept" and per_rank(live["sources"])["2"].startswith("peer "), live
     assert finals == clean and len({json.dumps(f) for f in finals}) == 1, (finals, clean)
 
 
@@ -523,7 +524,8 @@ def test_restore_reads_each_object_once_on_every_rank_moves_the_kept_state_and_f
     assert recs[0]["moved"] and recs[1]["moved"] and not recs[2]["moved"], recs
     assert recs[0]["previous_gone"] and recs[1]["previous_gone"], recs
     live = [e["detail"] for e in read_events(str(tmp_path / "logs")) if e["kind"] == "live_recovery"][0]
-    assert live["sources"]["2"].startswith("peer ") and live["sources"]["0"] == live["sources"]["1"] == "kept", live
+    sources = per_rank(live["sources"])
+    assert sources["2"].startswith("peer ") and sources["0"] == sources["1"] == "kept", live
 
 
 @pytest.mark.slow
@@ -561,7 +563,7 @@ def test_twenty_live_recoveries_leave_the_model_exact_and_a_healthy_rank_flat(la
     assert final["checksum"] == reference and final["cycle"] == restarts
     evs = read_events(logs)
     told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
-    assert len(told) == restarts and all(t["resume_step"] == 4 and t["sources"] == {"0": "kept", "1": "peer 0"}
+    assert len(told) == restarts and all(t["resume_step"] == 4 and per_rank(t["sources"]) == {"0": "kept", "1": "peer 0"}
                                          for t in told), told
     assert started(evs, restarts)[0] == (healthy.pid, True)
     print("\ncycle  rss_MB  fds  threads")
@@ -629,7 +631,7 @@ def test_hsdp_a_killed_rank_heals_from_its_shard_in_the_other_replica(launcher, 
     assert clean == fault and len(clean) == 1, (clean, fault)
     told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
     assert len(told) == 1 and told[0]["resume_step"] == 16, told
-    assert told[0]["sources"] == {"0": "kept", "1": "kept", "2": "kept", "3": "peer 1"}, told
+    assert per_rank(told[0]["sources"]) == {"0": "kept", "1": "kept", "2": "kept", "3": "peer 1"}, told
 
 
 def test_goodput_keeps_a_cycle_s_steps_up_to_the_live_resume_step():

@@ -20,6 +20,7 @@ import pytest
 from conftest import ROOT, read_events
 from test_fault_matrix import Job
 from test_inprocess_restart import started
+from ft_launcher.agent.recovery.live_recovery import per_rank
 
 RNG_JOB = ["--live-rng", "--noise", 0.1, "--steps", 30, "--ckpt-every", 10, "--step-time", 0, "--seed", 11]
 FAULT_STEP = 17
@@ -64,7 +65,7 @@ def test_rng_state_is_kept_and_a_replaced_rank_receives_it_from_its_peer(launche
     told = [e["detail"] for e in job.events() if e["kind"] == "live_recovery"]
     assert len(told) == 1 and told[0]["resume_step"] == resume and told[0]["steps_redone"] == 0, told
     peer = 1 - fault_rank
-    assert told[0]["sources"] == {str(fault_rank): f"peer {peer}", str(peer): "kept"}, told
+    assert per_rank(told[0]["sources"]) == {str(fault_rank): f"peer {peer}", str(peer): "kept"}, told
     assert f"resumed from live state at step {resume} (cycle 1)" in out, out[-3000:]
     before, after = started(job.events(), 0), started(job.events(), 1)
     assert after[peer] == (before[peer][0], True), (before, after)      # the peer kept its process
@@ -106,7 +107,7 @@ def test_hsdp_a_rank_killed_inside_the_fsdp_forward_heals_from_the_other_replica
     assert clean == fault and len(clean) == 1, (clean, fault)
     told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
     assert len(told) == 1 and told[0]["resume_step"] == FAULT_STEP - 1 and told[0]["steps_redone"] == 0, told
-    assert told[0]["sources"] == {"0": "peer 2", "1": "kept", "2": "kept", "3": "kept"}, told
+    assert per_rank(told[0]["sources"]) == {"0": "peer 2", "1": "kept", "2": "kept", "3": "kept"}, told
     before, after = started(evs, 0), started(evs, 1)
     assert all(after[r] == (before[r][0], True) for r in (1, 2, 3)), (before, after)
     assert after[0][0] != before[0][0], (before, after)

@@ -64,11 +64,30 @@ def request(monitor, rank: Rank, cycle: int) -> bool:
     if words[L.H_IP_STATE] not in (L.IP_RUNNING, L.IP_FAILED, L.IP_READY) or words[L.H_CLIENT_PID] != rank.pid:
         return False
     words[L.H_IP_REQUEST] = cycle
+    wake_watcher(monitor)
     try:
         os.kill(rank.pid, IN_PLACE_SIGNAL)
     except ProcessLookupError:
         return False
     return True
+
+
+def wake_watcher(monitor) -> None:
+    """A byte into the rank's wake pipe: its restart watcher acts at once, even while its main thread
+    is blocked where the signal's handler cannot run (rank_monitor.rank_side.restart_watcher)."""
+    path = getattr(monitor, "shm_path", None)
+    if not path:
+        return
+    try:
+        fd = os.open(L.wake_pipe(path), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:   # no watcher: not started yet, or it could not make its pipe
+        return
+    try:
+        os.write(fd, b"r")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def wait_ready(pairs: List[Tuple[object, Rank]], cycle: int, deadline: float,

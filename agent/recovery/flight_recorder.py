@@ -24,7 +24,10 @@ that did not complete and the ranks that never joined it.
   analyzer missing or failing) one line says so; the Python stack dumps are taken as before.
 
 torch 2.13's gloo records the default group's config under an empty name, which its analyzer
-cannot match with the entries (KeyError); the gathered copies name it after the entries' group.
+cannot match with the entries (KeyError): a rank running our client names every group of its own in
+its dump (rank_monitor.flight_recorder.with_group_config); for any other dump the gathered copies
+name the placeholder after the entries' group. Dumps are read as plain data (load_trace), never as
+pickles that may run code.
 """
 from __future__ import annotations
 
@@ -151,6 +154,9 @@ class FlightRecorder:
                  hang: dict) -> None:
         base = self.log_dir or self.keep_dir or self.dir
         out_dir = os.path.join(base, f"cycle_{number}", "flight_recorder")
+        for rank in [r for r, data in dumps.items() if FR.load_trace(data) is None]:
+            del dumps[rank]   # torch's analyzer unpickles what it reads: only plain data goes to it
+            skipped[rank] = "its dump is not a flight-recorder trace of plain data"
         try:
             os.makedirs(out_dir, exist_ok=True)
             for rank, data in dumps.items():
@@ -408,22 +414,24 @@ def waiting_in(dumps: Dict[int, bytes]) -> Dict[int, str]:
     """Per rank, the oldest collective of its dump that was not retired: where it waits."""
     out = {}
     for rank, data in dumps.items():
-        try:
-            entries = pickle.loads(data).get("entries", [])
-        except Exception:  # noqa: BLE001
-            continue
+        trace = FR.load_trace(data)
+        entries = [e for e in (trace or {}).get("entries") or [] if isinstance(e, dict)]
         pending = [e for e in entries if not e.get("retired") and e.get("state") != "completed"]
         if pending:
             e = pending[0]
-            out[rank] = f"{e.get('profiling_name', '?')} (sequence {e.get('collective_seq_id', '?')})"
+            group = tuple(e.get("process_group") or ())
+            where = f", group {':'.join(map(str, group))}" if group and group[-1] != "default_pg" else ""
+            out[rank] = f"{e.get('profiling_name', '?')} (sequence {e.get('collective_seq_id', '?')}{where})"
     return out
 
 
 def _fix_pg_config(data: bytes) -> bytes:
     """gloo (torch 2.13) records the default group's config under '' while its entries name the
     group ('0', 'default_pg'): name the config after the entries so the analyzer can match them."""
+    trace = FR.load_trace(data)
+    if trace is None:
+        return data
     try:
-        trace = pickle.loads(data)
         config = trace.get("pg_config") or {}
         if set(config) != {""}:
             return data

@@ -6,9 +6,11 @@ its monitors), a monitor that finds a hang reports it, dumps the stack and holds
 verdict (at most rank_monitor.monitor_side.server.VERDICT_HOLD seconds after the hang, then it stops the rank
 regardless; also when its agent is gone). The agents decide from evidence, in this order:
 
-1. the flight recorder (agent.recovery.flight_recorder gathers every rank's dump in the store): the oldest
-   collective some ranks wait in (not retired) and the ranks of its group that never entered it;
-   a rank that could not dump (stopped, holding the GIL) never entered it either;
+1. the flight recorder (agent.recovery.flight_recorder gathers every rank's dump in the store): per
+   process group, a rank waiting in a collective (not retired) waits on the group's members that
+   never entered it; the culprits are the ranks these waits lead to that wait on nobody (HSDP: a
+   replica peer waits on a rank that waits in the shard group on the rank that hung); a rank that
+   could not dump (stopped, holding the GIL) never entered anything;
 2. else the stack dumps: a hung rank whose main thread waits inside `torch.distributed` (or in a
    backward pass, where DDP's reducer waits for its all-reduce) is a victim, any other a culprit;
 3. else (no evidence, or it blames nobody): every rank whose monitor fired is stopped, as before.
@@ -31,11 +33,12 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import signal
 import time
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+from ft_launcher.rank_monitor import flight_recorder as FR
 
 BLAME_WAIT = 0.6    # seconds after the deciding agent's first hang report until it decides regardless
 STACK_WAIT = 0.4    # seconds a late hang report (stack evidence) waits for its rank's stack
@@ -59,48 +62,115 @@ def stack_waits(stack: Optional[str]) -> Optional[bool]:
     return "/torch/distributed/" in path or func == "_engine_run_backward"
 
 
-def _members(config: dict, group: tuple, world: int) -> List[int]:
-    for name in (group[0] if group else None, ""):
-        ranks = (config.get(name) or {}).get("ranks") if name is not None else None
-        if ranks:
-            try:
-                return sorted(int(r) for r in json.loads(ranks))
-            except (TypeError, ValueError):
-                pass
-    return list(range(world))
+def _group_members(config: dict, name: str, desc: str, world: int) -> Optional[Tuple[int, ...]]:
+    """The global ranks of group `name` by one rank's pg_config (None: it does not say)."""
+    entry = config.get(name)
+    ranks = entry.get("ranks") if isinstance(entry, dict) else None
+    if ranks:
+        try:
+            members = tuple(sorted(int(r) for r in json.loads(ranks)))
+            if members:
+                return members
+        except (TypeError, ValueError):
+            pass
+    if desc == "default_pg":
+        return tuple(range(world))
+    return None
 
 
 def from_flight_recorder(dumps: Dict[int, bytes], world: int) -> Optional[dict]:
-    """The culprits by the flight recorder: the ranks of the stuck collective's group that never
-    entered it. None when the dumps show no stuck collective or blame all or none of its group."""
-    entered: Dict[int, Dict[tuple, int]] = {}
-    pending = []
-    config: dict = {}
+    """The culprits by the flight recorder (see below), or None when the dumps show no collective
+    that some rank never joined, or do not lead to a rank that waits on nobody.
+
+    Sequence numbers count per process group, so they are compared only within one: a group is
+    its name and members (torch's split_group gives groups of different ranks one name). In each
+    group, a rank waits on the members that never entered its oldest collective there that has not
+    completed (a rank without a dump entered nothing). The culprits are the ranks these waits lead
+    to that themselves wait on nobody (HSDP: a replica peer waits in the replicate all_reduce on a
+    rank that waits in the shard reduce_scatter on the rank that hung); the victims are the ranks
+    that wait. A cycle of waits blames nobody."""
+    configs: Dict[int, dict] = {}
+    traces: Dict[int, dict] = {}
     for rank, data in dumps.items():
-        try:
-            trace = pickle.loads(data)
-        except Exception:  # noqa: BLE001 - a dump we cannot read is no evidence
-            continue
-        config = config or dict(trace.get("pg_config") or {})
-        mine = entered.setdefault(rank, {})
+        trace = FR.load_trace(data)
+        if trace is None:
+            continue   # a dump we cannot read is no evidence (that rank counts as having entered nothing)
+        traces[rank] = trace
+        configs[rank] = trace.get("pg_config") if isinstance(trace.get("pg_config"), dict) else {}
+    named: Dict[str, Set[int]] = {}   # group name -> ranks that recorded it (members when no config says)
+    for rank, trace in traces.items():
         for e in trace.get("entries") or []:
-            if e.get("is_p2p"):
+            if isinstance(e, dict) and e.get("process_group"):
+                named.setdefault(str(tuple(e["process_group"])[0]), set()).add(rank)
+
+    def group_of(rank: int, pg: tuple) -> Tuple[str, Tuple[int, ...]]:
+        name, desc = (str(pg[0]), str(pg[1]) if len(pg) > 1 else "")
+        members = _group_members(configs.get(rank, {}), name, desc, world)
+        if members is None:   # another dump that names it with this rank in it, else who recorded it
+            members = next((m for other in configs.values() for m in [_group_members(other, name, desc, world)]
+                            if m and rank in m), None) or tuple(sorted(named.get(name, {rank})))
+        return name, members
+
+    entered: Dict[int, Dict[tuple, int]] = {}
+    oldest: Dict[int, Dict[tuple, dict]] = {}   # rank -> group -> its oldest collective not completed
+    descs: Dict[tuple, str] = {}
+    for rank, trace in traces.items():
+        mine, waits = entered.setdefault(rank, {}), oldest.setdefault(rank, {})
+        ids: Dict[str, tuple] = {}
+        for e in trace.get("entries") or []:
+            if not isinstance(e, dict) or e.get("is_p2p") or not e.get("process_group"):
                 continue
-            group = tuple(e.get("process_group") or ())
-            seq = int(e.get("collective_seq_id") or 0)
+            pg = tuple(e["process_group"])
+            group = group_of(rank, pg)
+            descs[group] = str(pg[1]) if len(pg) > 1 else ""
+            ids[str(e.get("pg_id"))] = group
+            try:
+                seq = int(e.get("collective_seq_id") or 0)
+            except (TypeError, ValueError):
+                continue
             mine[group] = max(mine.get(group, 0), seq)
             if not e.get("retired") and e.get("state") != "completed":
-                pending.append((seq, str(group), str(e.get("profiling_name") or "?"), group))
-    if not pending:
+                if group not in waits or seq < waits[group]["seq"]:
+                    waits[group] = {"seq": seq, "name": str(e.get("profiling_name") or "?"),
+                                    "created": e.get("time_created_ns") or 0}
+        for pg_id, status in (trace.get("pg_status") or {}).items():   # entries the ring buffer dropped
+            if str(pg_id) in ids and isinstance(status, dict):
+                try:
+                    last = int(status.get("last_enqueued_collective", 0))
+                except (TypeError, ValueError):
+                    continue
+                mine[ids[str(pg_id)]] = max(mine.get(ids[str(pg_id)], 0), last)
+    on: Dict[int, Set[int]] = {}      # rank -> the ranks it waits on
+    why: Dict[Tuple[int, int], tuple] = {}   # (waiter, absent) -> (group, its wait)
+    for rank, waits in oldest.items():
+        for group, wait in waits.items():
+            for member in group[1]:
+                if member != rank and entered.get(member, {}).get(group, 0) < wait["seq"]:
+                    on.setdefault(rank, set()).add(member)
+                    why.setdefault((rank, member), (group, wait))
+    if not on:
         return None
-    seq, _, name, group = min(pending)
-    members = _members(config, group, world)
-    victims = sorted(r for r in members if entered.get(r, {}).get(group, 0) >= seq)
-    culprits = sorted(r for r in members if r not in victims)
-    if not victims or not culprits:
-        return None
-    return {"evidence": "flight recorder", "culprits": culprits, "victims": victims, "collective": name,
-            "sequence": seq, "group": ":".join(group)}
+    culprits: Set[int] = set()
+    for victim in on:   # follow the waits to the ranks that wait on nobody
+        seen, todo, ends = {victim}, [victim], set()
+        while todo:
+            for nxt in on.get(todo.pop(), ()):
+                if nxt in seen:
+                    continue
+                seen.add(nxt)
+                if nxt in on:
+                    todo.append(nxt)
+                else:
+                    ends.add(nxt)
+        if not ends:
+            return None   # waits in a circle: no rank of them is the cause by this evidence
+        culprits |= ends
+    direct = sorted(((wait["created"], waiter, group, wait) for (waiter, absent), (group, wait) in why.items()
+                     if absent in culprits), key=lambda item: (item[0], item[1]))
+    _, _, group, wait = direct[0]
+    return {"evidence": "flight recorder", "culprits": sorted(culprits), "victims": sorted(on),
+            "collective": wait["name"], "sequence": wait["seq"],
+            "group": f"{group[0]}:{descs.get(group, '')}"}
 
 
 def _items(raw: Optional[bytes]) -> List[str]:

@@ -142,7 +142,7 @@ class MonitorHandle:
             self._words.release()
             self._mm.close()
             self._words = self._mm = None
-        for path in (self.shm_path, L.env_file(self.shm_path)):
+        for path in (self.shm_path, L.env_file(self.shm_path), L.wake_pipe(self.shm_path)):
             try:
                 os.unlink(path)
             except OSError:

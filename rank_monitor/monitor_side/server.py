@@ -513,7 +513,7 @@ class Server:
                 incident._signal_group(signal.SIGKILL)
 
     def close(self) -> None:
-        for path in (self.shm_path, L.env_file(self.shm_path)):
+        for path in (self.shm_path, L.env_file(self.shm_path), L.wake_pipe(self.shm_path)):
             try:
                 os.unlink(path)
             except OSError:

@@ -10,8 +10,10 @@ How it talks to the agent: the words H_IP_* of the rank's shared-memory record (
 - The agent asks for a restart by writing H_IP_REQUEST (the next cycle's number) and sending
   IN_PLACE_SIGNAL; the handler raises RestartInPlace in the main thread, where the function is
   running. A main thread blocked in a collective leaves it when the collective fails (gloo: a peer's
-  sockets close as it dies or tears its group down) and the handler runs then; NCCL communicators
-  are aborted from the handler's helper thread so the blocked call returns.
+  sockets close as it dies or tears its group down) and the handler runs then. The agent also
+  wakes the rank's restart watcher thread (rank_monitor.rank_side.restart_watcher), which settles
+  the GPU's committed steps and aborts NCCL's communicators at once, so a main thread blocked in a
+  CUDA sync behind a collective returns without waiting for the handler.
 - When the function raises by itself, the rank reports it (IP_FAILED, the exception's one-line
   summary, a byte on the agent's wake pipe) and waits, at most REPORT_WAIT, for the agent's request
   before tearing its process group down, so that its peers' errors (their collectives fail when its
@@ -20,10 +22,11 @@ How it talks to the agent: the words H_IP_* of the rank's shared-memory record (
   before it counts as this rank's own failure.
 - At the restart point it first shuts down the connections the failed cycle opened to the job's
   nodes (rank_monitor.peer_sockets: a DDP reducer keeps a gloo group's sockets open, and a peer
-  waiting for this rank's data learns that it is gone only when they close), then destroys the
-  process group, frees what the failed call held (a full garbage collection, cheap because what
-  existed before the first call was frozen out of the collector's view, gc.freeze, as in a warm
-  reserve), empties the CUDA cache (empty_cuda_cache), sets IP_READY and waits for H_IP_GO; the
+  waiting for this rank's data learns that it is gone only when they close), then settles the
+  GPU and aborts NCCL unless the watcher did (restart_watcher.act), destroys the process group,
+  frees what the failed call held (a full garbage collection, cheap because what existed before
+  the first call was frozen out of the collector's view, gc.freeze, as in a warm reserve),
+  empties the CUDA cache (empty_cuda_cache), sets IP_READY and waits for H_IP_GO; the
   agent kills a rank that does not get there within inprocess_timeout and replaces it.
 - On H_IP_GO it reads the environment the agent wrote (shm_layout.env_file), updates os.environ,
   starts a new incarnation of its monitor record (new sections, heartbeats) and calls the function.
@@ -51,6 +54,7 @@ import traceback
 from typing import Callable, Optional
 
 from ft_launcher.rank_monitor import peer_sockets
+from ft_launcher.rank_monitor.rank_side import restart_watcher
 from ft_launcher.rank_monitor import shm_layout as L
 
 ENV_WAKE_FD = "FT_LAUNCHER_WAKE_FD"            # the agent's wake pipe (write end), inherited
@@ -121,7 +125,8 @@ def _on_restart_signal(signum, frame) -> None:
         _STATE.deferred = True
         return
     request = words[L.H_IP_REQUEST]
-    _abort_nccl_async()
+    if request > words[L.H_IP_SEEN]:
+        restart_watcher.kick()   # it settles the GPU's commits and aborts NCCL, unless it already did
     if _STATE.active and request > words[L.H_IP_SEEN] and request != _STATE.raised_for:
         _STATE.raised_for = request
         raise RestartInPlace(f"the launcher restarts the job in place (cycle {request})")
@@ -135,28 +140,6 @@ def commit_done() -> None:
         _on_restart_signal(IN_PLACE_SIGNAL, None)
 
 
-def _abort_nccl_async() -> None:
-    """NCCL collectives can be aborted: do it from a thread, so a main thread blocked in one returns."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return
-    try:
-        if dist.get_backend() != "nccl":
-            return
-    except Exception:  # noqa: BLE001 - no default group
-        return
-
-    def abort():
-        try:
-            from torch.distributed import distributed_c10d as c10d
-
-            c10d._abort_process_group()
-        except Exception:  # noqa: BLE001 - best effort: the hard bound is the agent's
-            pass
-
-    threading.Thread(target=abort, name="ft-nccl-abort", daemon=True).start()
-
-
 def _install() -> bool:
     if _STATE.installed:
         return True
@@ -168,26 +151,11 @@ def _install() -> bool:
     return True
 
 
-def _gloo_group() -> bool:
-    """A process group other than NCCL's is up: its collectives cannot be aborted."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return False
-    try:
-        return dist.get_backend() != "nccl"
-    except Exception:  # noqa: BLE001
-        return False
-
-
 def _teardown() -> None:
     """Leave nothing of the failed cycle that holds the process group or memory."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        try:
-            if not _gloo_group():   # NCCL: abort first, so that nothing waits on a dead peer
-                from torch.distributed import distributed_c10d as c10d
-
-                c10d._abort_process_group()
+        try:   # NCCL's communicators were aborted (restart_watcher.act): gloo's group is destroyed here
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - an aborted group may complain; it is gone either way
@@ -251,6 +219,8 @@ class _Run:
         mm, words = rec
         from ft_launcher.rank_monitor.rank_side.client import _ATT
 
+        restart_watcher.start()
+
         # What exists before the first call (torch, every import) leaves the garbage collector's
         # view, as in a warm reserve: the full collection at each restart then costs ~1 ms instead
         # of ~135 ms with torch loaded, and so do the training loop's own old-generation collections.
@@ -293,6 +263,8 @@ class _Run:
                     sys.stderr.write("ft_launcher: no restart request yet for the exception above; tearing "
                                      "down the process group and waiting for the launcher\n")
             peer_sockets.shut_down_new_peer_connections(sockets_before)   # first: peers blocked on us go on
+            pending = words[L.H_IP_REQUEST]
+            restart_watcher.act(pending if pending > seen else 0)   # unless the watcher did: GPU settled, NCCL aborted
             _teardown()
             _wait(words, L.H_IP_REQUEST, seen + 1, None)   # the agent ends a rank it does not restart
             request = words[L.H_IP_REQUEST]

@@ -25,7 +25,7 @@ not at the first heal.
 from __future__ import annotations
 
 import collections
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from ft_launcher.rank_monitor.rank_side import live_wire as W
 

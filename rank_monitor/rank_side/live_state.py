@@ -52,16 +52,16 @@ from __future__ import annotations
 
 import collections
 import gc
-import json
 import os
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ft_launcher.rank_monitor.rank_side import inprocess
+from ft_launcher.rank_monitor.rank_side import comm_backend, gpu_commit, inprocess
 from ft_launcher.rank_monitor.rank_side import live_objects as O
 from ft_launcher.rank_monitor.rank_side import live_wire as W
 from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer, Plan, plan_recovery
+from ft_launcher.rank_monitor import live_summary
 from ft_launcher.rank_monitor import shm_layout as L
 
 NOT_HELD = -1
@@ -186,7 +186,10 @@ class LiveState:
         self._mm, self._words = rec
         cycle = _cycle()
         if _REG.cycle != cycle:   # the first LiveState of this call
-            _REG.suspect = inprocess._STATE.failed_last and _REG.trained
+            # suspect: the previous call raised by itself after a commit, or a committed step's GPU
+            # work had not completed when the restart aborted the communicators (rank_side.gpu_commit)
+            gpu_clean = gpu_commit.COMMITS.finish()
+            _REG.suspect = (inprocess._STATE.failed_last and _REG.trained) or not gpu_clean
             _REG.cycle, _REG.current, _REG.trained = cycle, {}, False
             _REG.calls += 1
         if self.name in _REG.current:
@@ -223,6 +226,7 @@ class LiveState:
                 held = _REG.held.get(self.name)
                 if held is not None and held.live is self:
                     held.dirty = True
+                gpu_commit.COMMITS.discard()
         finally:
             _REG.depth -= 1
             if _REG.depth <= 0:
@@ -254,10 +258,18 @@ class LiveState:
         held = _REG.held.get(self.name)
         if held is None or held.live is not self:
             held = _REG.held[self.name] = _Held(self, step)
-        held.step, held.dirty, held.ready = step, False, None
-        self._words[L.H_LIVE_STEP] = step + 1
+        # the step counts once its GPU work is done (at once without CUDA): rank_side.gpu_commit
+        gpu_commit.COMMITS.committed(step, self._counted)
         self.stats["first_commit_s" if first else "snapshot_s"] += time.perf_counter() - t0
         self.stats["commits"] += 1
+
+    def _counted(self, step: int) -> None:
+        """`step` is completed, its GPU work included: this process holds the state at `step`."""
+        held = _REG.held.get(self.name)
+        if held is None or held.live is not self:
+            return   # released meanwhile (a restore moved the state to the next call's LiveState)
+        held.step, held.dirty, held.ready = step, False, None
+        self._words[L.H_LIVE_STEP] = step + 1
 
     def _refuse(self, exc: W.Refused) -> None:
         self.refused = (f"'{exc.name}' holds {exc.what} at {W.path_text(exc.path)}, which a peer could not receive "
@@ -327,7 +339,7 @@ class LiveState:
             raise RuntimeError("LiveState.restore() exchanges state over the process group: call it after "
                                "init_process_group (and before DDP is constructed)")
         rank, world = dist.get_rank(), dist.get_world_size()
-        device = transfer_device()
+        device = comm_backend.transfer_device()   # the group's real backend per device
         held = _REG.held.get(self.name)
         row = _Row.mine(self, held, mine)
         rows = [_Row(r) for r in _all_gather(torch.tensor(row.values, dtype=torch.int64, device=device), world)]
@@ -378,7 +390,7 @@ class LiveState:
             if plan.resume is None:
                 print(f"ft_launcher: no live state to resume from ({reason}): every rank loads its checkpoint",
                       file=sys.stderr, flush=True)
-            _publish(self._mm, words, summary)
+            live_summary.write(self._mm, words, summary)
         words[L.H_LIVE_RESUME] = 0 if plan.resume is None else plan.resume + 1
         src = plan.sources[rank]
         words[L.H_LIVE_SOURCE] = (L.LIVE_DISK if src is None else L.LIVE_KEPT if plan.kept(rank)
@@ -422,23 +434,14 @@ class LiveState:
 
     def _summary(self, cycle: int, plan: Plan, rows: List["_Row"], stats: list, check: Optional[dict],
                  reason: str) -> dict:
+        """The job's summary of this restore (rank_monitor.live_summary: compact at any world size)."""
         world = len(rows)
         raw = max(r.raw for r in rows)
-        sources = {}
-        for r in range(world):
-            src = plan.sources[r]
-            sources[str(r)] = "disk" if src is None else "kept" if plan.kept(r) else f"peer {src.holder}"
-        summary = {"cycle": cycle, "name": self.name, "resume_step": plan.resume,
-                   "steps_redone": None if plan.resume is None else max(0, raw - plan.resume),
-                   "sources": sources, "bytes": sum(int(s[0]) for s in stats),
-                   "transfer_s": round(max(int(s[1]) for s in stats) / 1e9, 6),
-                   "restore_s": round(max(int(s[2]) for s in stats) / 1e9, 6)}
-        if summary["bytes"] and summary["transfer_s"]:
-            summary["mb_per_s"] = round(summary["bytes"] / 1e6 / summary["transfer_s"], 1)
-        if check is not None:
-            summary["check"] = check
-        if reason:
-            summary["reason"] = reason
+        sources = [None if plan.sources[r] is None else r if plan.kept(r) else plan.sources[r].holder
+                   for r in range(world)]
+        summary = live_summary.build(cycle, plan.resume, None if plan.resume is None else max(0, raw - plan.resume),
+                                     sources, sum(int(s[0]) for s in stats), max(int(s[1]) for s in stats) / 1e9,
+                                     max(int(s[2]) for s in stats) / 1e9, reason, name=self.name, check=check)
         self.last_recovery = summary
         return summary
 
@@ -451,16 +454,6 @@ def _world() -> int:
         return int(os.environ.get("WORLD_SIZE", 1))
     except ValueError:
         return 1
-
-
-def transfer_device():
-    """Where live state moves between ranks: the current CUDA device on an NCCL group, else the CPU."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # ---- the step exchange ----------------------------------------------------------------------------
@@ -601,11 +594,6 @@ def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any]
     check = {"bytes": total, "s": round(slowest, 6),
              "ms_per_gb": round(slowest * 1e3 / max(1e-9, max(int(row[k]) for row in table) / 1e9), 1)}
     return check, reason
-
-
-def _publish(mm, words, summary: dict) -> None:
-    """Global rank 0: the job's summary of this restore, for the agent (agent.recovery.live_recovery)."""
-    L.write_live_text(mm, words, json.dumps(summary, separators=(",", ":")))
 
 
 def _all_gather(t, world: int) -> list:
