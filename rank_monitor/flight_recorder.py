@@ -122,10 +122,10 @@ def dump(fr_dir: str, local_rank: int, cycle: int) -> None:
 
 
 def _has_entries(data: bytes) -> bool:
-    import pickle
+    from ft_launcher.rank_monitor import safe_pickle
 
     try:
-        return bool(pickle.loads(data).get("entries"))
+        return bool(safe_pickle.loads_plain(data).get("entries"))
     except Exception:  # noqa: BLE001 - not ours to judge: pass it on as it is
         return True
 

@@ -39,6 +39,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ft_launcher.rank_monitor import flight_recorder as FR
+from ft_launcher.rank_monitor import safe_pickle
 
 FR_BUFFER_DEFAULT = 2000     # entries per rank; torch's docs suggest 2000
 RANK_WAIT = 1.0              # seconds a rank gets to dump
@@ -292,9 +293,15 @@ class _Cycle(threading.Thread):
         dumps, skipped = {}, {}
         for rank in range(self.world):
             if self.s.check([self.k(f"dump/{rank}")]):
-                dumps[rank] = self.s.get(self.k(f"dump/{rank}"))
+                data = self.s.get(self.k(f"dump/{rank}"))
+                trace, why = read_trace(data)
+                if trace is None:
+                    skipped[rank] = f"its dump in the store was not read: {why}"
+                else:
+                    dumps[rank] = data
             elif self.s.check([self.k(f"skipped/{rank}")]):
-                skipped[rank] = self.s.get(self.k(f"skipped/{rank}")).decode()
+                skipped[rank] = (self.s.get(self.k(f"skipped/{rank}")).decode("utf-8", "replace").splitlines()
+                                 or ["no reason given"])[0]
             else:
                 skipped[rank] = f"its node did not answer within {JOB_WAIT:g}s"
         self.owner._analyze_later(self.number, dumps, skipped, self.world, request)
@@ -397,14 +404,28 @@ def parse_analysis(text: str) -> dict:
     return found
 
 
+def read_trace(data: bytes) -> Tuple[Optional[dict], Optional[str]]:
+    """A flight-recorder dump (torch's pickle of plain data) -> (trace, None), or (None, why) when
+    it is not one. The store is unauthenticated: a dump is read with rank_monitor.safe_pickle, so
+    one naming any class runs nothing and is skipped with one line; only dumps read here are
+    written where torch's analyzer (which unpickles freely) reads them."""
+    try:
+        trace = safe_pickle.loads_plain(data)
+    except Exception as exc:  # noqa: BLE001 - UnsafePickle or not a pickle: nothing ran
+        return None, safe_pickle.why_not(exc)
+    if not isinstance(trace, dict):
+        return None, f"it holds a {type(trace).__name__}, not a trace"
+    return trace, None
+
+
 def waiting_in(dumps: Dict[int, bytes]) -> Dict[int, str]:
     """Per rank, the oldest collective of its dump that was not retired: where it waits."""
     out = {}
     for rank, data in dumps.items():
-        try:
-            entries = pickle.loads(data).get("entries", [])
-        except Exception:  # noqa: BLE001
+        trace, _ = read_trace(data)
+        if trace is None:
             continue
+        entries = trace.get("entries") or []
         pending = [e for e in entries if not e.get("retired") and e.get("state") != "completed"]
         if pending:
             e = pending[0]
@@ -416,7 +437,9 @@ def _fix_pg_config(data: bytes) -> bytes:
     """gloo (torch 2.13) records the default group's config under '' while its entries name the
     group ('0', 'default_pg'): name the config after the entries so the analyzer can match them."""
     try:
-        trace = pickle.loads(data)
+        trace, _ = read_trace(data)
+        if trace is None:
+            return data
         config = trace.get("pg_config") or {}
         if set(config) != {""}:
             return data

@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import signal
 import time
 from typing import Callable, Dict, List, Optional, Set
+
+from ft_launcher.agent.recovery.flight_recorder import read_trace
 
 BLAME_WAIT = 0.6    # seconds after the deciding agent's first hang report until it decides regardless
 STACK_WAIT = 0.4    # seconds a late hang report (stack evidence) waits for its rank's stack
@@ -77,9 +78,8 @@ def from_flight_recorder(dumps: Dict[int, bytes], world: int) -> Optional[dict]:
     pending = []
     config: dict = {}
     for rank, data in dumps.items():
-        try:
-            trace = pickle.loads(data)
-        except Exception:  # noqa: BLE001 - a dump we cannot read is no evidence
+        trace, _ = read_trace(data)   # from the store: read without running anything it names
+        if trace is None:             # a dump we cannot read is no evidence
             continue
         config = config or dict(trace.get("pg_config") or {})
         mine = entered.setdefault(rank, {})
