@@ -10,9 +10,9 @@ names and types (`rank_termination_signal` a `signal.Signals`, `log_level` a log
 number) and its constructors `from_kwargs`, `from_yaml_file`, `from_args`, plus `to_yaml_file`.
 NVRx's keys that mean nothing here (`node_health_check_interval`, `restart_check_interval`,
 `enable_nic_monitor`, `pci_topo_file`, `link_down_path_template`, and of NVRx 0.7's keys
-`num_warmup_iterations`, `skip_section_response`, the attribution keys and
-`segment_health_check_dir`) and Megatron-Bridge's `enable_ft_package` are accepted and have no
-effect. NVRx 0.7's other keys have their meaning here (docs/nvrx-flags.md says where each is built).
+`num_warmup_iterations`, the attribution keys and `segment_health_check_dir`) and
+Megatron-Bridge's `enable_ft_package` are accepted and have no effect (`skip_section_response`
+is what the monitor tells NVRx 0.6+'s own client: monitor_side.nvrx_peers). NVRx 0.7's other keys have their meaning here (docs/nvrx-flags.md says where each is built).
 
 Megatron-Bridge's `InProcessRestartConfig` names are accepted too, under `fault_tolerance:` or in
 an `inprocess_restart:` section of the same file (`megatron_bridge_aliases`): those with a meaning
@@ -139,7 +139,9 @@ class FaultToleranceConfig:
     numa_bind_strict: bool = True
     # After the ranks stop, name what is left of their process groups (agent.ranks.workers).
     check_remaining_processes: bool = False
-    # Accepted from NVRx 0.7, no effect here (ft_launcher/nvrx_flags.py says what does their job).
+    # Accepted from NVRx 0.7, no effect here (ft_launcher/nvrx_flags.py says what does their job);
+    # skip_section_response: NVRx 0.6+'s own client on the monitor's socket sends sections and
+    # heartbeats unanswered (monitor_side.nvrx_peers).
     num_warmup_iterations: int = 5
     skip_section_response: bool = True
     attribution_endpoint: Optional[str] = None
