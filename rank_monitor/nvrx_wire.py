@@ -37,6 +37,7 @@ import pickle
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ft_launcher.rank_monitor import safe_pickle
+from ft_launcher.rank_monitor.workload_requests import WorkloadAction
 
 ENV_RANK_MONITOR_SOCKET = "FT_RANK_MONITOR_IPC_SOCKET"
 ENV_LAUNCHER_SOCKET = "FT_LAUNCHER_IPC_SOCKET"
@@ -59,7 +60,7 @@ CONFIG_FIELDS = (
 )
 
 SECTION_ACTIONS = {1: "open", 2: "close", 3: "close_all"}    # NVRx's SectionAction values
-WORKLOAD_ACTIONS = {0: "Continue", 1: "ExcludeThisNode", 2: "ShutdownWorkload"}
+WORKLOAD_ACTIONS = {a.value: a.name for a in WorkloadAction}  # NVRx's WorkloadAction values
 
 
 def socket_path(record_path: str) -> str:

@@ -42,6 +42,7 @@ from typing import Dict, List, Optional
 from ft_launcher.rank_monitor import nvrx_wire as W
 from ft_launcher.rank_monitor import shm_layout as L
 from ft_launcher.rank_monitor.rank_side.client import _beat, _pid_alive, bound_section
+from ft_launcher.rank_monitor.workload_requests import WorkloadAction
 
 log = logging.getLogger("rank_monitor")
 _mono = time.monotonic_ns
@@ -50,6 +51,7 @@ OUT_LIMIT = 1 << 20        # unsent reply bytes a peer may leave before it is dr
 READ_BYTES = 1 << 16       # bytes read from one peer per wake-up: the deadline loop comes first
 MAX_PEERS = 32             # connections at once (a rank needs one, plus one per workload request)
 CLOSE_GRACE_NS = 1_000_000_000   # a refused peer's reply gets this long to go out before its socket closes
+DECODED_KEPT = 256         # messages kept decoded by their bytes: a rank repeats the same few pickles
 
 
 class Peer:
@@ -129,6 +131,9 @@ class NvrxPeers:
         # Timeouts the NVRx client set (seconds, as it sent them), kept across incarnations:
         # "section:<name>", "out_of_section", "heartbeat:initial", "heartbeat:subsequent".
         self.kept: Dict[str, Optional[float]] = {}
+        # Bytes -> Message: the same bytes always decode to the same message, and NVRx's client
+        # sends the same few (a section's open and close, a heartbeat) again and again.
+        self.decoded: Dict[bytes, W.Message] = {}
 
     # ---- the select loop's side ----------------------------------------------------------------
     def read_fds(self) -> list:
@@ -200,8 +205,12 @@ class NvrxPeers:
                 break
             if payload is None:
                 break
+            msg = self.decoded.get(payload)
             try:
-                msg = W.decode(payload)
+                if msg is None:
+                    msg = W.decode(payload)
+                    if len(self.decoded) < DECODED_KEPT and len(payload) <= 1024:
+                        self.decoded[payload] = msg
             except W.ProtocolError as exc:
                 self._refuse(peer, str(exc))
                 if peer.role != "session":
@@ -378,8 +387,7 @@ class NvrxPeers:
                 w[word] = self._encode(seconds)
 
     def _request(self, peer: Peer, msg: W.Message) -> None:
-        action = next(v for v, n in W.WORKLOAD_ACTIONS.items() if n == msg.action)
-        L.write_request(self.server.mm, self.server.words, action, msg.description)
+        L.write_request(self.server.mm, self.server.words, WorkloadAction[msg.action].value, msg.description)
         log.debug("local_rank=%s: NVRx client (rank %s) sent %s (%s)", self.server.local_rank, msg.rank, msg.action,
                   msg.description)
         peer.send(W.LAUNCHER_OK)
