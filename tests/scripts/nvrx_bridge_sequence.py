@@ -19,7 +19,8 @@ R:C:S = global rank R, in cycle C, at training step S: --hang stops the rank (SI
 simulated rank_hung), --kill kills it (SIGKILL, rank_killed), --exclude sends NVRx's
 WorkloadControlRequest(ExcludeThisNode) and trains on until the launcher stops it.
 Each rank appends `cycle step pid` to OUT/rank_<r>.txt after every step and writes
-OUT/report_rank<r>_cycle<c>.json at the end: the timeouts loaded, those in effect, its state_dict().
+OUT/loaded_rank<r>_cycle<c>.json once set up (the timeouts it loaded) and
+OUT/report_rank<r>_cycle<c>.json at the end (those in effect, the updates made, its state_dict()).
 """
 import argparse
 import dataclasses
@@ -87,6 +88,8 @@ if os.path.exists(ft_state.ft_state_path):   # _load_state_if_exists
     timeline["loaded"] = section_view(client)
 client.start_section("setup")
 ft_state.is_setup_section_open = True
+with open(os.path.join(args.out, f"loaded_rank{rank}_cycle{cycle}.json"), "w") as f:
+    json.dump(timeline["loaded"], f)
 
 torch.manual_seed(0)
 model = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))
