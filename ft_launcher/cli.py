@@ -31,6 +31,41 @@ class UsageError(Exception):
     pass
 
 
+def command_owner(path: str) -> Optional[str]:
+    """Which package a console script at `path` runs: "ft_launcher", "nvidia-resiliency-ext", or
+    None (not a Python entry-point script, e.g. a pyenv shim)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return None
+    if "nvidia_resiliency_ext" in head:
+        return "nvidia-resiliency-ext"
+    if "ft_launcher.cli" in head:
+        return "ft_launcher"
+    return None
+
+
+class _Version(argparse.Action):
+    """--version as its lines are (argparse's own re-wraps them into one paragraph)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    """`--version`: this package's version, and a note when the `ft_launcher` command on PATH is
+    nvidia-resiliency-ext's (it installs a script of the same name; the one installed last wins)."""
+    text = f"{PROG} {__version__}"
+    found = shutil.which(PROG)
+    if found and command_owner(found) == "nvidia-resiliency-ext":
+        text += (f"\nnote: the `{PROG}` command on PATH ({found}) is nvidia-resiliency-ext's launcher, installed "
+                 f"after this package: run `ftrun` or `python -m ft_launcher`, or reinstall ft_launcher to take the "
+                 f"name back (docs/migrating-from-nvrx.md)")
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, with a hint for a mistyped flag
         if "required: training_script" in message:
@@ -149,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "duplicate-stderr-filters", default="", help="accepted, not acted on: grep the --log-dir files")
     _flag(p, "numa-binding", default=None, choices=NUMA_MODES, help="accepted, not acted on: ranks are not bound to CPUs")
     _flag(p, "virtual-local-rank", action="store_true", help="not supported: one-line error (ranks see every GPU)")
-    p.add_argument("--version", action="version", version=f"{PROG} {__version__}", help="print the version and exit")
+    p.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     ft = _group(p, "fault tolerance")
     ft.description = ("hang detection and simulated faults; also a fault_tolerance: section in --ft-cfg-path "
                       "(flags win). Each flag is also accepted with underscores and as --ft-param-<key>.")

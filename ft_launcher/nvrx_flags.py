@@ -64,7 +64,7 @@ KEY_NOTES = {
                                "NIC port states are checked before each rendezvous (enable_nic_healthcheck)",
     "pci_topo_file": "no GPU-to-NIC mapping is needed here: every NIC's port state is checked before each "
                      "rendezvous (enable_nic_healthcheck)",
-    "skip_section_response": None,   # a section never waits for a response here
+    "skip_section_response": None,   # built: NVRx 0.6+'s client on the monitor's socket (monitor_side.nvrx_peers)
     "segment": None,   # built: agent.rounds.segments
     "numa_bind_strict": None,   # built: agent.ranks.numa_bind (its line comes from ft_launcher.cli)
     "check_remaining_processes": None,   # every rank's process group is killed and checked here anyway

@@ -29,16 +29,15 @@ that names any class or function is refused, never run.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
 import signal
 import sys
 import threading
-from typing import Optional
+from typing import Optional, Tuple
 
-from ft_launcher.rank_monitor import atomic_file
+from ft_launcher.rank_monitor import atomic_file, safe_pickle
 
 ENV_FR_DIR = "FT_LAUNCHER_FR_DIR"
 # A monitor holds a hung rank at most this long for the job's flight-recorder dump (the agent's
@@ -135,19 +134,22 @@ def _has_entries(data: bytes) -> bool:
     return True if trace is None else bool(trace.get("entries"))   # unreadable: not ours to judge
 
 
-class _PlainData(pickle.Unpickler):
-    def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"a flight-recorder dump names {module}.{name}: refused (plain data only)")
+def read_trace(data: bytes) -> Tuple[Optional[dict], Optional[str]]:
+    """A flight-recorder dump (torch's pickle of dicts, lists, strings and numbers) -> (trace, None),
+    or (None, why) when it is not one. Dumps come from peers through the unauthenticated store: they
+    are read with rank_monitor.safe_pickle, so one naming any class or function runs nothing."""
+    try:
+        trace = safe_pickle.loads_plain(data)
+    except Exception as exc:  # noqa: BLE001 - UnsafePickle, truncated or foreign: nothing ran
+        return None, safe_pickle.why_not(exc)
+    if not isinstance(trace, dict):
+        return None, f"it holds a {type(trace).__name__}, not a trace"
+    return trace, None
 
 
 def load_trace(data: bytes) -> Optional[dict]:
-    """A flight-recorder dump (torch's pickle of dicts, lists, strings and numbers) as a dict, or
-    None when it is not one; a pickle that names any class or function is refused, never run."""
-    try:
-        trace = _PlainData(io.BytesIO(data)).load()
-    except Exception:  # noqa: BLE001 - truncated, foreign or hostile: no evidence
-        return None
-    return trace if isinstance(trace, dict) else None
+    """read_trace's trace alone (None: no evidence)."""
+    return read_trace(data)[0]
 
 
 def group_config() -> dict:

@@ -1,16 +1,19 @@
 """The shared-memory record a rank and its monitor both map: word offsets, sizes, env var names.
 
 One fixed-size file (under /dev/shm) per local rank slot, created by the monitor. Viewed as an
-array of signed 64-bit words (`memoryview(mmap).cast('q')`) followed by a name table. The rank's
-client is the only writer of the "client" words (sections, heartbeats, timeout overrides) and
-clears them when a new incarnation attaches; the monitor writes only H_START_NS (0 while no rank
-runs), H_MONITOR_NS (its liveness tick, which the agent watches) and, before it terminates a
-hung rank, the stop words; the agent writes only H_STOP_REASON / H_STOP_DEADLINE_NS, just before
-it signals the rank to stop (what ft_launcher.preempted() reads), and, for an in-process restart,
-H_IP_REQUEST / H_IP_GO (the rank's words are H_IP_STATE, H_IP_SEEN, H_IP_FAIL_NS and the
-exception's text in the area after the request's). Live state (rank_monitor.rank_side.live_state) is the
-rank's H_LIVE_* words and, on global rank 0, its recovery summary in the live text area. A rank's workload control request (NVRx's
-WorkloadControlRequest) is H_REQUEST_* plus its description in the request area after the names. Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
+array of signed 64-bit words (`memoryview(mmap).cast('q')`) followed by a name table. The "client"
+words (sections, heartbeats, timeout overrides, workload requests) have one writer, cleared when a
+new incarnation attaches: the rank's own client (rank_side.client), or, for NVRx's client talking
+to the monitor's socket, the monitor in its stead (monitor_side.nvrx_peers; H_CLIENT_KIND says
+which). Besides, the monitor writes only H_START_NS (0 while no rank runs), H_MONITOR_NS (its
+liveness tick, which the agent watches) and, before it terminates a hung rank, the stop words;
+the agent writes only H_STOP_REASON / H_STOP_DEADLINE_NS, just before it signals the rank to stop
+(what ft_launcher.preempted() reads), and, for an in-process restart, H_IP_REQUEST / H_IP_GO (the
+rank's words are H_IP_STATE, H_IP_SEEN, H_IP_FAIL_NS and the exception's text in the area after
+the request's). Live state (rank_monitor.rank_side.live_state) is the rank's H_LIVE_* words and,
+on global rank 0, its recovery summary in the live text area. A rank's workload control request
+(NVRx's WorkloadControlRequest) is H_REQUEST_* plus its description in the request area after the
+names. Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
 re-reading before acting.
 """
 from __future__ import annotations
@@ -82,6 +85,7 @@ H_LIVE_CYCLE = 37       # the cycle whose `restore()` wrote the words below (0: 
 H_LIVE_RESUME = 38      # that restore's resume step + 1 (0: no live state, the script's checkpoint)
 H_LIVE_SOURCE = 39      # where this rank's state came from: LIVE_* below, or LIVE_PEER + peer rank
 H_LIVE_TEXT_LEN = 40    # global rank 0: bytes of the recovery summary (JSON, rank_monitor.live_summary) in the live text area
+H_CLIENT_KIND = 41      # who writes the client words: CLIENT_OWN (the rank's own client) or CLIENT_NVRX
 HEADER_WORDS = 48
 
 # ---- per-section slot words ---------------------------------------------------------------------
@@ -125,6 +129,9 @@ LIVE_PEER = 2           # + N: received from global rank N
 
 STOP_SHUTDOWN = 1       # the job is stopping (preemption, a signal to the launcher)
 STOP_RESTART = 2        # the ranks are stopped for a restart
+
+CLIENT_OWN = 0          # H_CLIENT_KIND: the rank's client writes the record (rank_side.client)
+CLIENT_NVRX = 1         # the monitor writes it for NVRx's client on its socket (monitor_side.nvrx_peers)
 
 TIMEOUT_UNSET = 0
 TIMEOUT_NONE = -1
@@ -223,6 +230,17 @@ def wake_pipe(shm_path: str) -> str:
     return shm_path + ".wake"
 
 
+def write_request(mm: mmap.mmap, words: memoryview, action: int, description: str) -> None:
+    """A workload control request (NVRx's WorkloadAction value) and its description, published
+    last; the agent reads it once per H_REQUEST_SEQ (agent_side.monitor_handle.control_request)."""
+    data = description.encode("utf-8", "replace")[:REQUEST_BYTES]
+    words[H_REQUEST_ACTION] = 0
+    mm[REQUEST_OFFSET:REQUEST_OFFSET + len(data)] = data
+    words[H_REQUEST_LEN] = len(data)
+    words[H_REQUEST_SEQ] += 1
+    words[H_REQUEST_ACTION] = action + 1   # publish last
+
+
 def write_ip_text(mm: mmap.mmap, words: memoryview, text: str) -> None:
     data = text.encode("utf-8", "replace")[:IP_TEXT_BYTES]
     mm[IP_TEXT_OFFSET:IP_TEXT_OFFSET + len(data)] = data
@@ -250,6 +268,20 @@ def read_name(mm: mmap.mmap, words: memoryview, index: int) -> str:
     n = max(0, min(n, NAME_BYTES))
     off = NAMES_OFFSET + index * NAME_BYTES
     return bytes(mm[off:off + n]).decode("utf-8", "replace")
+
+
+def add_slot(mm: mmap.mmap, words: memoryview, data: bytes) -> Optional[int]:
+    """Give section name `data` (at most NAME_BYTES) the next slot, zeroed, and publish it; its
+    index, or None when every slot is taken. The client words' one writer calls it."""
+    idx = words[H_NSLOTS]
+    if idx >= MAX_SLOTS:
+        return None
+    b = slot_base(idx)
+    for i in range(SLOT_WORDS):
+        words[b + i] = 0
+    write_name(mm, words, idx, data)
+    words[H_NSLOTS] = idx + 1          # publish last
+    return idx
 
 
 def write_name(mm: mmap.mmap, words: memoryview, index: int, data: bytes) -> None:

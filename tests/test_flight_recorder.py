@@ -78,6 +78,47 @@ def test_two_agents_gather_every_nodes_dump_through_the_store(launcher, tmp_path
     assert (out / "rank_0").exists() and (out / "rank_1").exists()
 
 
+def test_a_dump_in_the_store_naming_a_class_is_skipped_in_one_line_and_nothing_runs(launcher, tmp_path):
+    """The store is unauthenticated: a dump that names any class (here one whose __reduce__ would
+    create a file) is never unpickled freely, by the gathering agent, the hang blame or torch's
+    analyzer; the other rank's trace is analysed and the job recovers."""
+    logs, marker = tmp_path / "logs", tmp_path / "ran"
+    res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs]
+                       + TIMEOUTS + [os.path.join(SCRIPTS, "evil_flight_dump.py"), "12", "1", "5"], timeout=150,
+                       extra_env={"EVIL_MARKER": str(marker)})
+    assert res.returncode == 0, res.stderr
+    assert not marker.exists()
+    d = only(read_events(logs, "flight_recorder"))["detail"]
+    why = "its dump in the store was not read: it names io.open, which is not admitted"
+    assert d["dumped"] == [0] and d["skipped"] == {"1": why}
+    assert not (logs / "cycle_0" / "flight_recorder" / "rank_1").exists()   # never handed to torch's analyzer
+    assert len([line for line in res.stderr.splitlines() if why in line]) == 1
+    assert "rank 1 done cycle 1" in res.stdout
+
+
+def test_reading_dumps_runs_nothing_they_name(tmp_path):
+    import pickle
+
+    from ft_launcher.agent.recovery import flight_recorder as AFR
+    from ft_launcher.agent.recovery import hang_blame
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    evil = pickle.dumps({"entries": [Evil()], "pg_config": {"": {}}})
+    good = pickle.dumps({"entries": [{"process_group": ["0", "default_pg"], "collective_seq_id": 3, "state": "started",
+                                      "profiling_name": "gloo:all_reduce"}], "pg_config": {}})
+    assert AFR.read_trace(evil) == (None, "it names posix.system, which is not admitted")
+    assert AFR.read_trace(b"not a pickle")[0] is None and AFR.read_trace(pickle.dumps([1]))[0] is None
+    assert AFR.waiting_in({0: good, 1: evil}) == {0: "gloo:all_reduce (sequence 3)"}
+    assert AFR._fix_pg_config(evil) == evil
+    hang_blame.from_flight_recorder({0: good, 1: evil}, 2)
+    assert not marker.exists()
+
+
 def test_recorder_off_keeps_the_python_stack_dump(launcher, tmp_path):
     logs = tmp_path / "logs"
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs]

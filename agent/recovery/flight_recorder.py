@@ -44,6 +44,7 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ft_launcher.rank_monitor import flight_recorder as FR
+from ft_launcher.rank_monitor.flight_recorder import read_trace
 
 FR_BUFFER_DEFAULT = 2000     # entries per rank; torch's docs suggest 2000
 RANK_WAIT = 1.0              # seconds a rank gets to dump
@@ -305,9 +306,15 @@ class _Cycle(threading.Thread):
         dumps, skipped = {}, {}
         for rank in range(self.world):
             if self.s.check([self.k(f"dump/{rank}")]):
-                dumps[rank] = self.s.get(self.k(f"dump/{rank}"))
+                data = self.s.get(self.k(f"dump/{rank}"))
+                trace, why = read_trace(data)
+                if trace is None:
+                    skipped[rank] = f"its dump in the store was not read: {why}"
+                else:
+                    dumps[rank] = data
             elif self.s.check([self.k(f"skipped/{rank}")]):
-                skipped[rank] = self.s.get(self.k(f"skipped/{rank}")).decode()
+                skipped[rank] = (self.s.get(self.k(f"skipped/{rank}")).decode("utf-8", "replace").splitlines()
+                                 or ["no reason given"])[0]
             else:
                 skipped[rank] = f"its node did not answer within {JOB_WAIT:g}s"
         self.owner._analyze_later(self.number, dumps, skipped, self.world, request)

@@ -19,6 +19,7 @@ import time
 import uuid
 from typing import Dict, List, Optional
 
+from ft_launcher.rank_monitor import nvrx_wire
 from ft_launcher.rank_monitor import shm_layout as L
 from ft_launcher.rank_monitor.json_channel import JsonLineChannel
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
@@ -59,6 +60,7 @@ class MonitorHandle:
         self._mm = None
         self._words = None
         self._request_seen = None
+        self.nvrx_socket: Optional[str] = None   # where the monitor serves NVRx's client (None: it cannot)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     @staticmethod
@@ -93,7 +95,8 @@ class MonitorHandle:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = module_command("ft_launcher.rank_monitor.monitor_side.server", [
             "--fd", str(theirs.fileno()), "--local-rank", str(local_rank), "--shm", shm_path,
-            "--stack-template", stack_template, "--config", cfg.to_json(), "--parent-pid", str(os.getpid())])
+            "--stack-template", stack_template, "--config", cfg.to_json(), "--parent-pid", str(os.getpid()),
+            "--nvrx-socket", nvrx_wire.socket_path(shm_path)])
         try:
             proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], start_new_session=True,
                                     stdin=subprocess.DEVNULL, close_fds=True)
@@ -113,6 +116,7 @@ class MonitorHandle:
         while True:
             for msg in self._chan.receive():
                 if msg.get("kind") == "ready":
+                    self.nvrx_socket = msg.get("nvrx_socket")
                     return
                 self._pending.append(msg)
             if self._chan.eof:
@@ -142,7 +146,8 @@ class MonitorHandle:
             self._words.release()
             self._mm.close()
             self._words = self._mm = None
-        for path in (self.shm_path, L.env_file(self.shm_path), L.wake_pipe(self.shm_path)):
+        for path in (self.shm_path, L.env_file(self.shm_path), L.wake_pipe(self.shm_path),
+                     nvrx_wire.socket_path(self.shm_path)):
             try:
                 os.unlink(path)
             except OSError:
@@ -166,12 +171,17 @@ class MonitorHandle:
             self._chan.eof = True   # reported as the monitor's death by read_reports
 
     def rank_env(self) -> Dict[str, str]:
-        return {
+        """The rank's variables for its monitor: our client's record, and the socket on which the
+        monitor answers NVRx's RankMonitorClient (both of NVRx's variables name it)."""
+        env = {
             L.ENV_SHM: self.shm_path,
             L.ENV_STACK_FILE: self.stack_template,
             L.ENV_CONFIG: _rank_config(self.cfg),
             L.ENV_LOCAL_RANK: str(self.local_rank),
         }
+        if self.nvrx_socket:
+            env[nvrx_wire.ENV_RANK_MONITOR_SOCKET] = env[nvrx_wire.ENV_LAUNCHER_SOCKET] = self.nvrx_socket
+        return env
 
     def rank_started(self, pid: int, rank: int, cycle: int, start_ns: int) -> None:
         self._tell({"op": "rank_started", "pid": int(pid), "rank": int(rank), "cycle": int(cycle),

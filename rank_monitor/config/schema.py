@@ -12,9 +12,10 @@ names and types (`rank_termination_signal` a `signal.Signals`, `log_level` a log
 number) and its constructors `from_kwargs`, `from_yaml_file`, `from_args`, plus `to_yaml_file`.
 NVRx's keys that mean nothing here (`node_health_check_interval`, `restart_check_interval`,
 `enable_nic_monitor`, `pci_topo_file`, `link_down_path_template`, and of NVRx 0.7's keys
-`num_warmup_iterations`, `skip_section_response`, the attribution keys and
-`segment_health_check_dir`) and Megatron-Bridge's `enable_ft_package` are accepted and have no
-effect (their help is None: no flag shown). NVRx 0.7's other keys have their meaning here
+`num_warmup_iterations`, the attribution keys and `segment_health_check_dir`) and Megatron-Bridge's
+`enable_ft_package` are accepted and have no effect (their help is None: no flag shown);
+`skip_section_response` (no flag shown either) is what the monitor tells NVRx 0.6+'s own client
+(monitor_side.nvrx_peers). NVRx 0.7's other keys have their meaning here
 (docs/nvrx-flags.md says where each is built).
 """
 from __future__ import annotations
@@ -194,7 +195,9 @@ class FaultToleranceConfig:
     # After the ranks stop, name what is left of their process groups (agent.ranks.workers).
     check_remaining_processes: bool = key(False, boolean,
                                           "after the ranks stop, name any process of their groups still there")
-    # Accepted from NVRx 0.7, no effect here (ft_launcher/nvrx_flags.py says what does their job).
+    # Accepted from NVRx 0.7, no effect here (ft_launcher/nvrx_flags.py says what does their job);
+    # skip_section_response: NVRx 0.6+'s own client on the monitor's socket sends sections and
+    # heartbeats unanswered (monitor_side.nvrx_peers).
     num_warmup_iterations: int = key(5, as_int, None)
     skip_section_response: bool = key(True, boolean, None)
     attribution_endpoint: Optional[str] = key(None, optional_str, None)

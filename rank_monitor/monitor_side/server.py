@@ -16,7 +16,11 @@ environment), the monitor does not stop the rank after the stack dump but holds 
 agent's verdict (agent.recovery.hang_blame): `{"op": "hang_verdict", "pid", "kill"}` either stops it as
 above (the rank hung) or releases it (it only waited on the rank that hung: it restarts in place,
 and this monitor leaves it alone). Without a verdict within VERDICT_HOLD seconds of the hang, or
-once the agent's channel closes, the monitor stops the rank as before. It exits when the agent's control channel closes, and dies with the agent
+once the agent's channel closes, the monitor stops the rank as before. NVRx's RankMonitorClient: with `--nvrx-socket PATH` the monitor also serves NVRx's client on that
+Unix socket, in the same select loop, never blocking on it (monitor_side.nvrx_peers): what that
+client sends becomes the same record writes as our own client's.
+
+It exits when the agent's control channel closes, and dies with the agent
 (PR_SET_PDEATHSIG).
 
 Control channel: JSON lines over a socketpair. Agent -> monitor: {"op": "rank_started", pid,
@@ -24,7 +28,7 @@ rank, cycle, start_ns} | {"op": "rank_stopped"} | {"op": "config", "cfg": json} 
 {"op": "hang_verdict", pid, kill} | {"op": "flight_done", cycle} (the job's flight-recorder dump of
 that cycle is complete). This channel and the shared-memory record are the agent's only two ways
 to its monitor: the record for what the rank writes on its hot path, the channel for the rest.
-Monitor -> agent: {"kind": "ready"}, {"kind": "hang", ...}, {"kind": "stack_dump", ...}. A hang
+Monitor -> agent: {"kind": "ready", "nvrx_socket": path or None}, {"kind": "hang", ...}, {"kind": "stack_dump", ...}. A hang
 report names the expired timeout (reason, section) and the sections open at that moment, so a
 heartbeat or out-of-section hang still says where the rank was.
 """
@@ -45,6 +49,7 @@ from ft_launcher.rank_monitor import flight_recorder as FR
 from ft_launcher.rank_monitor import shm_layout as L
 from ft_launcher.rank_monitor.json_channel import JsonLineChannel
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
+from ft_launcher.rank_monitor.monitor_side.nvrx_peers import NvrxPeers
 from ft_launcher.rank_monitor.pdeathsig import set_pdeathsig
 from ft_launcher.rank_monitor.proc_title import set_title
 
@@ -265,7 +270,7 @@ class Incident:
 
 class Server:
     def __init__(self, sock: socket.socket, local_rank: int, shm_path: str, stack_template: Optional[str],
-                 cfg: FaultToleranceConfig) -> None:
+                 cfg: FaultToleranceConfig, nvrx_socket: Optional[str] = None) -> None:
         self.chan, self.local_rank, self.shm_path = JsonLineChannel(sock), local_rank, shm_path
         self.stack_template = stack_template
         self.cfg = cfg
@@ -276,6 +281,14 @@ class Server:
         self.names_gen = -1
         self.running = True
         self.flight_done = -1   # the last cycle whose flight-recorder dump the agent said is complete
+        self.nvrx: Optional[NvrxPeers] = None   # NVRx's client on its socket (monitor_side.nvrx_peers)
+        if nvrx_socket:
+            try:
+                self.nvrx = NvrxPeers(self, nvrx_socket)
+            except OSError as exc:
+                log.warning("local_rank=%s: cannot serve NVRx's client on %s (%s): its RankMonitorClient will "
+                            "not connect; ft_launcher's own client works as before", local_rank, nvrx_socket,
+                            exc.strerror or exc)
 
     # ---- channel ----------------------------------------------------------------------------
     def send(self, msg: dict) -> None:
@@ -374,6 +387,9 @@ class Server:
         if state == 2:          # the rank shut monitoring down
             return None, None
         client = client and state == 1
+        # NVRx's server starts the out-of-section and initial-heartbeat clocks at its client's
+        # InitMsg (what that client's computed timeouts measure); ours at the rank's start.
+        origin = w[L.H_ATTACH_NS] if client and w[L.H_CLIENT_KIND] == L.CLIENT_NVRX else inc.start_ns
 
         def consider(reason, section, start, timeout_s):
             nonlocal nearest
@@ -398,13 +414,13 @@ class Server:
         if not open_sections:
             oos = L.decode_timeout(w[L.H_TO_OOS], cfg.rank_out_of_section_timeout) if client \
                 else cfg.rank_out_of_section_timeout
-            start = (w[L.H_LAST_CLOSE_NS] if client else 0) or inc.start_ns
+            start = (w[L.H_LAST_CLOSE_NS] if client else 0) or origin
             consider("out_of_section", None, start, oos)
         beats = w[L.H_HB_COUNT] if client else 0
         if beats == 0:
             t = L.decode_timeout(w[L.H_TO_HB_INIT], cfg.initial_rank_heartbeat_timeout) if client \
                 else cfg.initial_rank_heartbeat_timeout
-            consider("initial_heartbeat", None, inc.start_ns, t)
+            consider("initial_heartbeat", None, origin, t)
         else:
             t = L.decode_timeout(w[L.H_TO_HB_SUB], cfg.rank_heartbeat_timeout)
             consider("heartbeat", None, w[L.H_HB_LAST_NS], t)
@@ -476,7 +492,8 @@ class Server:
         return int(max(secs, 0.002) * 1e9)
 
     def run(self) -> None:
-        self.send({"kind": "ready", "pid": os.getpid(), "shm": self.shm_path})
+        self.send({"kind": "ready", "pid": os.getpid(), "shm": self.shm_path,
+                   "nvrx_socket": self.nvrx.path if self.nvrx else None})
         while self.running:
             self.words[L.H_MONITOR_NS] = _mono()   # liveness: the agent replaces a monitor that stops ticking
             nearest = self.check()
@@ -495,13 +512,19 @@ class Server:
             fds = [self.chan]
             if self.inc is not None and self.inc.enforcing and self.inc.pidfd is not None:
                 fds.append(self.inc.pidfd)
+            wfds = []
+            if self.nvrx is not None:
+                fds += self.nvrx.read_fds()
+                wfds = self.nvrx.write_fds()
             timeout = max(wake - _mono(), 1_000_000) / 1e9
             try:
-                readable, _, _ = select.select(fds, [], [], timeout)
+                readable, writable, _ = select.select(fds, wfds, [], timeout)
             except InterruptedError:
                 continue
             if self.chan in readable:
                 self.read_channel()
+            if self.nvrx is not None:
+                self.nvrx.service(readable, writable)
         self._stop_held()
 
     def _stop_held(self) -> None:
@@ -513,6 +536,8 @@ class Server:
                 incident._signal_group(signal.SIGKILL)
 
     def close(self) -> None:
+        if self.nvrx is not None:
+            self.nvrx.close()
         for path in (self.shm_path, L.env_file(self.shm_path), L.wake_pipe(self.shm_path)):
             try:
                 os.unlink(path)
@@ -528,6 +553,7 @@ def main(argv=None) -> int:
     parser.add_argument("--stack-template", default=None)
     parser.add_argument("--config", default="{}")
     parser.add_argument("--parent-pid", type=int, default=0)
+    parser.add_argument("--nvrx-socket", default=None, help="serve NVRx's RankMonitorClient on this Unix socket")
     args = parser.parse_args(argv)
 
     _set_pdeathsig()
@@ -540,7 +566,7 @@ def main(argv=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):   # the agent ends us by closing the channel
         signal.signal(sig, lambda *_: sys.exit(0))
     sock = socket.socket(fileno=args.fd)
-    server = Server(sock, args.local_rank, args.shm, args.stack_template, cfg)
+    server = Server(sock, args.local_rank, args.shm, args.stack_template, cfg, args.nvrx_socket)
     try:
         server.run()
     finally:

@@ -127,6 +127,13 @@ class _Attachment:
             return
         me = os.getpid()
         owner = words[L.H_CLIENT_PID]
+        if words[L.H_CLIENT_KIND] == L.CLIENT_NVRX and words[L.H_CLIENT_STATE] == 1 and _pid_alive(owner):
+            words.release()
+            mm.close()
+            self._go_noop(("nvrx_owner",), f"ft_launcher: NVRx's RankMonitorClient (pid {owner}) already reports "
+                                           f"to this rank's monitor; ft_launcher's own sections, heartbeats and "
+                                           f"live state in pid {me} are no-ops")
+            return
         if owner and owner != me and words[L.H_CLIENT_STATE] == 1 and _pid_alive(owner):
             words.release()
             mm.close()
@@ -235,18 +242,13 @@ class _Attachment:
             _warn(("long", name), f"ft_launcher: section name {name[:40]!r}... is longer than "
                                   f"{L.NAME_BYTES} bytes; it is not monitored")
             return None
-        idx = w[L.H_NSLOTS]
-        if idx >= L.MAX_SLOTS:
+        idx = L.add_slot(self.mm, w, data)
+        if idx is None:
             _warn(("full", name), f"ft_launcher: more than {L.MAX_SLOTS} section names; "
                                   f"section {name!r} is not monitored")
             return None
-        b = L.slot_base(idx)
-        for i in range(L.SLOT_WORDS):
-            w[b + i] = 0
-        L.write_name(self.mm, w, idx, data)
         if name in self.calc_sections:
-            w[b + L.S_TIMEOUT] = L.encode_timeout(self.calc_sections[name])
-        w[L.H_NSLOTS] = idx + 1          # publish last
+            w[L.slot_base(idx) + L.S_TIMEOUT] = L.encode_timeout(self.calc_sections[name])
         self.slots[name] = idx
         configured = self.config.get("sections", {})
         # Only when some sections have timeouts (a likely typo), and once per job (rank 0): with
@@ -476,7 +478,11 @@ class _CheckpointSection(_Section):
     checkpoint may not exist). Only this section pays for it; every other section is a plain
     _Section."""
 
-    __slots__ = ()
+    __slots__ = ("_slots",)
+
+    def _bind(self, att: _Attachment) -> None:
+        self._slots = att.slots
+        _Section._bind(self, att)
 
     def __exit__(self, exc_type=None, exc=None, tb=None):
         w = self._w
@@ -485,7 +491,7 @@ class _CheckpointSection(_Section):
         b = self._b
         closes = w[b + 3]
         _Section.__exit__(self, exc_type, exc, tb)
-        step = _ATT.slots.get(L.STEP_SECTION)
+        step = self._slots.get(L.STEP_SECTION)
         if w[b + 3] != closes:
             s = L.slot_base(step) if step is not None else None
             if exc_type is None:
@@ -498,6 +504,17 @@ class _CheckpointSection(_Section):
                 w[b + L.S_RAISED_NS] = w[b + 5]
                 w[b + L.S_RAISED_ENTERS] = w[b + 2]                            # S_ENTERS: this occurrence
         return False
+
+
+def bound_section(name: str, words: memoryview, index: int, slots: Dict[str, int]) -> _Section:
+    """A section object writing into `words` at slot `index` (`slots`: that record's name ->
+    slot): the same writes as the rank's own, for a writer that is not the rank's attachment
+    (the monitor, for NVRx's client on its socket: monitor_side.nvrx_peers)."""
+    sec = (_CheckpointSection if name == L.CHECKPOINT_SECTION else _Section)(name)
+    sec._w, sec._b = words, L.slot_base(index)
+    if isinstance(sec, _CheckpointSection):
+        sec._slots = slots
+    return sec
 
 
 assert (L.S_OPEN, L.S_ENTER_NS, L.S_ENTERS, L.S_CLOSES, L.S_MAX_NS, L.S_LAST_NS, L.S_TOTAL_NS) == (0, 1, 2, 3, 4, 5, 6)
@@ -815,13 +832,7 @@ def send_workload_control_request(req) -> None:
         _warn(("workload",), f"ft_launcher: send_workload_control_request({req}) has no launcher to go to "
                              "(not running under ft_launcher); ignored")
         return
-    w, mm = _ATT.words, _ATT.mm
-    data = str(getattr(req, "description", "") or "").encode("utf-8")[:L.REQUEST_BYTES]
-    w[L.H_REQUEST_ACTION] = 0
-    mm[L.REQUEST_OFFSET:L.REQUEST_OFFSET + len(data)] = data
-    w[L.H_REQUEST_LEN] = len(data)
-    w[L.H_REQUEST_SEQ] += 1
-    w[L.H_REQUEST_ACTION] = WorkloadAction[name].value + 1   # publish last
+    L.write_request(_ATT.mm, _ATT.words, WorkloadAction[name].value, str(getattr(req, "description", "") or ""))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,302 @@
+"""Megatron, NeMo and NVRx scripts run unchanged under ft_launcher: NVRx's own RankMonitorClient
+(nvidia-resiliency-ext 0.4.1, imported as those frameworks import it) talks to our rank monitors
+over NVRx's socket protocol. Real agents, real monitors, real ranks through real hangs and kills:
+
+- NVRx 0.4.1's own examples (tests/third_party/nvrx_examples, copied unchanged) with NVRx's YAML:
+  a simulated rank_hung and rank_killed are caught and recovered, the computed timeouts land in
+  the example's ft_state.json, and NVRx's client loads them back into our monitor on the next run;
+- Megatron-Bridge's call sequence with NVRx's client (tests/scripts/nvrx_bridge_sequence.py)
+  through a hang and a kill, and its ExcludeThisNode request handing the job to a spare node.
+"""
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from conftest import ROOT, SCRIPTS, free_port, read_events, wait_for
+
+pytest.importorskip("nvidia_resiliency_ext.fault_tolerance", reason="pip install -e '.[test]' installs it")
+
+EXAMPLES = os.path.join(ROOT, "tests", "third_party", "nvrx_examples")
+BRIDGE = os.path.join(SCRIPTS, "nvrx_bridge_sequence.py")
+
+
+def set_timeouts_lines(stderr):
+    """The monitors' lines (DEBUG) for the timeouts an NVRx client sent, in order:
+    [(local_rank, {key: seconds})]."""
+    out = []
+    for m in re.finditer(r"local_rank=(\d+): NVRx client set timeouts: (.*)", stderr):
+        values = {}
+        for part in m.group(2).split(", "):
+            key, value = part.rsplit(" ", 2)[0], part.rsplit(" ", 2)[1]
+            values[key] = None if value == "none" else float(value)
+        out.append((int(m.group(1)), values))
+    return out
+
+
+def calculated(state):
+    """{key: seconds} of what an NVRx state_dict() marks calculated (keys as the monitor says them)."""
+    section = state["current_timeouts"].get("section") or {}
+    out = {name: section["section"][name] for name in section.get("calculated_sections", [])}
+    if section.get("is_out_of_section_calculated"):
+        out["out_of_section"] = section["out_of_section"]
+    hb = state["current_timeouts"].get("heartbeat") or {}
+    if hb.get("were_calculated"):
+        out.update(initial=hb["initial"], subsequent=hb["subsequent"])
+    return out
+
+
+def close(a, b):
+    return float(f"{a:g}") == pytest.approx(b, rel=1e-5)
+
+
+# ---- NVRx 0.4.1's own examples ------------------------------------------------------------------
+# Each epoch must outlast the examples' fault delay (the given one plus up to 4 s, unseeded), so
+# the fault always lands in the epoch after the one that arms it and the run after the restart
+# (one epoch left) finishes before its own fault fires.
+EXAMPLE_ARGS = ["--device", "cpu", "--hidden", "32", "--batch", "4", "--val_dataset_size", "16",
+                "--logging_interval", "100000"]
+
+
+def run_example(launcher, tmp_path, script, yaml, fault, epochs, dataset, out, name, extra=()):
+    logs = tmp_path / f"logs_{name}"
+    res = launcher.run(["--standalone", "--nproc-per-node", 2, "--max-restarts", 3, "--log-dir", logs,
+                        "--ft-cfg-path", os.path.join(EXAMPLES, yaml), "--ft-calc-timeout-floor", 2,
+                        os.path.join(EXAMPLES, script), *EXAMPLE_ARGS, "--epochs", epochs,
+                        "--train_dataset_size", dataset, "--output_dir", out, "--simulated_fault", f"{fault},0",
+                        *extra], timeout=200)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res, logs
+
+
+def assert_caught_and_recovered(res, logs, fault):
+    said = res.stderr[-3000:]
+    starts = read_events(logs, "cycle_start")
+    assert len(starts) == 2 and read_events(logs)[-1]["kind"] == "job_complete", said
+    if fault == "rank_hung":
+        hangs = read_events(logs, "hang")
+        assert hangs and {h["cycle"] for h in hangs} == {0}, (hangs, said)
+        return hangs[0]
+    failure = read_events(logs, "failure")[0]
+    assert failure["cycle"] == 0 and failure["detail"]["exitcode"] == -signal.SIGKILL, (failure, said)
+    assert not read_events(logs, "hang"), said
+    return failure
+
+
+def test_nvrx_sections_example_through_a_hang_then_a_kill_with_its_timeouts_kept(launcher, tmp_path):
+    out = tmp_path / "out"
+    res, logs = run_example(launcher, tmp_path, "train_ddp_sections_api.py", "fault_tol_cfg_sections.yaml",
+                            "rank_hung", 2, 4000, out, "hung")
+    hang = assert_caught_and_recovered(res, logs, "rank_hung")
+    # caught by a timeout NVRx's client computed in cycle 0 and sent to our monitor (the YAML's
+    # 'step' is 10 s, 'checkpoint' 30 s, out of section 30 s), enforced no lower than the floor (2 s)
+    assert hang["detail"]["reason"] == "section" and hang["detail"]["section"] in ("step", "checkpoint"), hang
+    assert 2.0 <= hang["detail"]["timeout"] < 10, hang
+    state = json.loads((out / "ft_state.json").read_text())   # written by the example's rank 0
+    sections = state["current_timeouts"]["section"]
+    assert {"step", "checkpoint", "init"} <= set(sections["calculated_sections"])   # init: after a resume
+    assert sections["is_out_of_section_calculated"]   # the run ended normally
+    # the restarted ranks loaded the file written in cycle 0 into our monitor
+    sent = set_timeouts_lines(res.stderr)
+    assert {rank for rank, _ in sent} == {0, 1}
+
+    # the next run (a fresh checkpoint, the same ft_state.json): NVRx's client loads the timeouts
+    # back, and the first thing each rank sends our monitor is exactly what the file holds
+    res, logs = run_example(launcher, tmp_path, "train_ddp_sections_api.py", "fault_tol_cfg_sections.yaml",
+                            "rank_killed", 2, 4000, out, "killed", extra=["--checkpoint_fname", "second.pt"])
+    assert_caught_and_recovered(res, logs, "rank_killed")
+    first = {rank: values for rank, values in reversed(set_timeouts_lines(res.stderr))}
+    expected = calculated(state)
+    for rank in (0, 1):
+        assert set(first[rank]) == set(expected)
+        assert all(close(expected[k], first[rank][k]) for k in expected), (first[rank], expected)
+
+
+@pytest.mark.slow
+def test_nvrx_heartbeats_example_through_a_hang_and_a_kill(launcher, tmp_path):
+    out = tmp_path / "out"
+    res, logs = run_example(launcher, tmp_path, "train_ddp_heartbeats_api.py", "fault_tol_cfg_heartbeats.yaml",
+                            "rank_hung", 3, 6000, out, "hung")
+    hang = assert_caught_and_recovered(res, logs, "rank_hung")
+    assert hang["detail"]["reason"] == "heartbeat" and 2.0 <= hang["detail"]["timeout"] < 30, hang
+    res, logs = run_example(launcher, tmp_path, "train_ddp_heartbeats_api.py", "fault_tol_cfg_heartbeats.yaml",
+                            "rank_killed", 3, 6000, out, "killed", extra=["--checkpoint_fname", "second.pt"])
+    assert_caught_and_recovered(res, logs, "rank_killed")
+    # the restarted ranks restored the computed heartbeat timeouts from the example's checkpoint
+    restored = [values for _, values in set_timeouts_lines(res.stderr) if {"initial", "subsequent"} <= set(values)]
+    assert len(restored) >= 2
+
+
+# ---- Megatron-Bridge's sequence ------------------------------------------------------------------
+PREVIOUS_RUN = {"current_timeouts": {"section": {
+    "section": {"setup": 50.0, "step": 60.0, "checkpointing": 60.0}, "out_of_section": 60.0,
+    "calculated_sections": ["setup"], "is_out_of_section_calculated": False}}}
+
+
+def listening(port):
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def steps_done(out, rank):
+    path = out / f"rank_{rank}.txt"
+    rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+    return [(int(c), int(s), int(p)) for c, s, p in rows]
+
+
+def test_megatron_bridge_sequence_with_nvrx_client_through_a_hang_and_a_kill(launcher, tmp_path):
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    (out / "ckpt").mkdir(parents=True)
+    (out / "ckpt" / "ft_state.json").write_text(json.dumps(PREVIOUS_RUN))   # an existing file
+    res = launcher.run(["--standalone", "--nproc-per-node", 2, "--max-restarts", 2, "--log-dir", logs,
+                        "--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60",
+                        "--ft-rank-out-of-section-timeout", 60, "--ft-calc-timeout-floor", 2, "--ft-log-level", "DEBUG",
+                        BRIDGE, out, "--steps", 50, "--save-interval", 10, "--hang", "1:0:25", "--kill", "1:1:35"],
+                       timeout=180)
+    assert res.returncode == 0, res.stderr[-4000:]
+    hangs = read_events(logs, "hang")
+    assert hangs and {h["cycle"] for h in hangs} == {0}
+    # caught by the 'step' timeout the client computed at step 20 (not the configured 60 s); rank 0,
+    # waiting for rank 1 in the step's all-reduce, may be found first
+    assert all(h["detail"]["section"] == "step" and 2.0 <= h["detail"]["timeout"] < 60 for h in hangs), hangs
+    failures = read_events(logs, "failure")
+    assert failures[-1]["cycle"] == 1 and failures[-1]["rank"] == 1
+    assert failures[-1]["detail"]["exitcode"] == -signal.SIGKILL
+    assert len(read_events(logs, "cycle_start")) == 3 and read_events(logs)[-1]["kind"] == "job_complete"
+    for rank in (0, 1):   # resumed from each checkpoint, every step done
+        done = steps_done(out, rank)
+        assert sorted({s for _, s, _ in done}) == list(range(50))
+        assert [s for c, s, _ in done if c == 1][0] == 20 and [s for c, s, _ in done if c == 2][0] == 30
+    for rank in (0, 1):
+        first = json.loads((out / f"loaded_rank{rank}_cycle0.json").read_text())
+        assert first["calculated_sections"] == ["setup"] and first["section"]["setup"] == 50.0
+        last = json.loads((out / f"report_rank{rank}_cycle2.json").read_text())
+        assert last["loaded"]["calculated_sections"] == ["checkpointing", "setup", "step"]
+        assert last["updates"][-1] == ["setup", "step", "checkpointing", "out_of_section"]
+        assert last["final"]["calculated_sections"] == ["checkpointing", "setup", "step"]
+        assert last["final"]["is_out_of_section_calculated"]
+    state = json.loads((out / "ckpt" / "ft_state.json").read_text())   # rank 0's state_dict()
+    assert calculated(state).keys() == {"setup", "step", "checkpointing", "out_of_section"}
+    assert state == json.loads((out / "report_rank0_cycle2.json").read_text())["state"]
+    # every rank of every cycle sent its timeouts to our monitor (the 50 s setup included)
+    sent = set_timeouts_lines(res.stderr)
+    assert {rank for rank, _ in sent} == {0, 1} and any(v.get("setup") == 50.0 for _, v in sent)
+
+
+def test_megatron_bridge_exclude_this_node_hands_the_job_to_the_spare(launcher, tmp_path):
+    """--nnodes 1:2: the training node's rank asks, through NVRx's client, to exclude its node;
+    the spare takes over and finishes; the excluded node exits 93."""
+    port = free_port()
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    common = ["--nnodes", "1:2", "--nproc-per-node", 1, "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", f"bridge{port}", "--rdzv-conf", "join_timeout=60,last_call_timeout=20",
+              "--max-restarts", 1, "--log-dir", logs, "--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60",
+              BRIDGE, out, "--steps", 30, "--save-interval", 10, "--exclude", "0:0:3"]
+    trainer = launcher.start(common, extra_env={"GROUP_RANK": "0"})
+    wait_for(lambda: listening(port) or trainer.poll() is not None, 30, "the store host to listen")
+    spare = launcher.start(common, extra_env={"GROUP_RANK": "1"})
+    _, err_s = spare.communicate(timeout=120)
+    _, err_t = trainer.communicate(timeout=60)
+    assert spare.returncode == 0, err_s[-3000:]
+    assert trainer.returncode == 93, err_t[-3000:]
+    assert ("sent ExcludeThisNode (test: this node's NIC is failing): excluding its node -> exiting 93 "
+            "(no restart)") in err_t.strip().splitlines()[-1]
+    cycle1 = [e for e in read_events(logs, "cycle_start") if e["cycle"] == 1]
+    assert len(cycle1) == 1 and cycle1[0]["detail"]["world_size"] == 1
+    assert [s for c, s, _ in steps_done(out, 0) if c == 1][-1] == 29   # the former spare's rank finished
+
+
+# ---- one command, whatever the install order ----------------------------------------------------
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory):
+    """This checkout's wheel (built from a copy: nothing is written into the checkout) and NVRx
+    0.4.1's (pip download; skipped where no index answers)."""
+    import shutil
+    import subprocess
+    import sys
+
+    where = tmp_path_factory.mktemp("wheels")
+    src = where / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("ft_launcher", "agent", "rank_monitor"):
+        shutil.copytree(os.path.join(ROOT, name), src / name, ignore=ignore)
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", where, src], capture_output=True, text=True, timeout=180)
+    assert built.returncode == 0, built.stderr
+    got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "nvidia-resiliency-ext==0.4.1",
+                          "-d", where], capture_output=True, text=True, timeout=180)
+    if got.returncode != 0:
+        pytest.skip(f"cannot download nvidia-resiliency-ext 0.4.1: {got.stderr.strip().splitlines()[-1:]}")
+    ours = next(where.glob("ft_launcher-*.whl"))
+    nvrx = next(where.glob("nvidia_resiliency_ext-0.4.1-*.whl"))
+    return ours, nvrx
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("last", ["ours", "nvrx"])
+def test_with_both_packages_installed_in_either_order_the_documented_command_runs_ours(tmp_path, wheels, last):
+    """docs/migrating-from-nvrx.md: `ft_launcher` is ours when ft_launcher is installed after
+    NVRx; `ftrun` and `python -m ft_launcher` are ours in either order, and `--version` says
+    when `ft_launcher` on PATH is NVRx's."""
+    import subprocess
+    import sys
+
+    from ft_launcher import __version__
+    from ft_launcher.cli import command_owner
+
+    ours, nvrx = wheels
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], check=True,
+                   timeout=120)
+    py, bin_dir = venv / "bin" / "python", venv / "bin"
+    for wheel in ((nvrx, ours) if last == "ours" else (ours, nvrx)):
+        res = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "--no-index",
+                              wheel], capture_output=True, text=True, timeout=180)
+        assert res.returncode == 0, res.stderr
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env.pop("PYTHONPATH", None)
+
+    def version(*cmd):
+        res = subprocess.run(list(cmd) + ["--version"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip().splitlines()
+
+    owner = command_owner(str(bin_dir / "ft_launcher"))
+    assert owner == ("ft_launcher" if last == "ours" else "nvidia-resiliency-ext")
+    for cmd in (["ftrun"], [str(py), "-m", "ft_launcher"]) + ((["ft_launcher"],) if last == "ours" else ()):
+        lines = version(*cmd)
+        assert lines[0] == f"ft_launcher {__version__}"
+        if last == "nvrx":   # says which one `ft_launcher` runs, and how to get ours
+            assert lines[1].startswith(f"note: the `ft_launcher` command on PATH ({bin_dir / 'ft_launcher'}) is "
+                                       "nvidia-resiliency-ext's launcher")
+        else:
+            assert len(lines) == 1
+
+
+def test_version_says_when_ft_launcher_on_path_is_nvrx(tmp_path):
+    """The same note without installing anything: a script shaped as pip writes NVRx's."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    script = fake / "ft_launcher"
+    script.write_text("#!/bin/sh\n# from nvidia_resiliency_ext.fault_tolerance.launcher import main\nexit 2\n")
+    script.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-m", "ft_launcher", "--version"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0
+    assert res.stdout.splitlines()[1] == (
+        f"note: the `ft_launcher` command on PATH ({script}) is nvidia-resiliency-ext's launcher, installed after "
+        "this package: run `ftrun` or `python -m ft_launcher`, or reinstall ft_launcher to take the name back "
+        "(docs/migrating-from-nvrx.md)")
