@@ -46,8 +46,12 @@ def parse_args(argv=None):
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--restartable", action="store_true", help="ddp mode: run under ft_launcher.restartable")
     p.add_argument("--live", action="store_true", help="ddp mode: ft.LiveState (implies --restartable)")
+    p.add_argument("--buddy-every", type=int, default=0,
+                   help="ddp mode, --live: a buddy copy of the state every K steps (ft.LiveState(buddy_every=K))")
     p.add_argument("--heartbeat-ms", type=int, default=100, help="torchft mode: the Manager's heartbeat interval")
     args = p.parse_args(argv)
+    if args.buddy_every:
+        args.live = True
     if args.live:
         args.restartable = True
     if args.mode == "torchft" and (args.live or args.restartable):
@@ -140,7 +144,7 @@ def train_ddp(args):
         start, source, t0 = None, None, time.perf_counter()
         live = None
         if args.live:
-            live = ft.LiveState(model=model, optimizer=opt, scheduler=sched)
+            live = ft.LiveState(model=model, optimizer=opt, scheduler=sched, buddy_every=args.buddy_every)
             start = live.restore()
             if start is not None:
                 source = "live"
@@ -187,6 +191,10 @@ def train_ddp(args):
                 dist.barrier()
     if rank == 0:
         final(args, model, rank, world, cycle, {"state_bytes": state_bytes(model, opt)})
+    stats = live.buddy_stats() if live is not None else None
+    if stats is not None:   # this cycle's buddy-copy figures (the bench's per-step cost)
+        with open(os.path.join(args.progress_dir, f"buddy_rank_{rank}_cycle_{cycle}.json"), "w") as fh:
+            json.dump(dict(stats, steps=args.steps - start), fh)
     progress.close()
     del ddp   # before the group goes (see examples/ddp_train.py: gloo's exit deadlock)
     dist.destroy_process_group()

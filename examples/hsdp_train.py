@@ -4,19 +4,34 @@ so a replaced rank heals from the same shard in the other replica (docs/live-sta
 
     ft_launcher --standalone --nproc-per-node 4 examples/hsdp_train.py --steps 40 --fail-at-step 17 --fail-rank 3
 
+`--replicas 1` is pure FSDP (a 1-D mesh over every rank: no replica), and `--buddy-every K` keeps a
+buddy copy of each rank's state every K steps (ft.LiveState(buddy_every=K)), so a killed rank or a
+lost node resumes from host memory:
+
+    ft_launcher --standalone --nproc-per-node 2 examples/hsdp_train.py --replicas 1 --buddy-every 1 \
+        --fail-at-step 17 --fail-rank 1
+
+`--ckpt-every N` saves a torch.distributed.checkpoint every N steps into --ckpt-dir, the fallback
+when there is no live state (without it, a fallback trains from step 0). `--progress-dir` makes
+each rank append `cycle step` lines to rank_<r>.txt there; `--step-time` sleeps that long per step.
+
 `--fail-in forward` kills the fault rank inside the FSDP forward pass of the fault step instead of
 at its start: a forward pre-hook on the second Linear exits there (after the first layer's forward
 and FSDP's all-gather of the second layer's parameters, whose own pre-hook runs first), while its
 peers are in that step's collectives.
 
-Deterministic (the batch of step s on rank r is a function of (s, r)); no checkpoint: a fallback
-trains from step 0. Rank 0 prints `FINAL step=<n> checksum=<c>` (the full parameters' sum).
+Deterministic (the batch of step s on rank r is a function of (s, r)). `--fail-at-step` SIGKILLs
+rank --fail-rank at the start of that step (cycle 0 only). Rank 0 prints `FINAL step=<n>
+checksum=<c>` (the full parameters' sum).
 """
 import argparse
 import os
+import signal
+import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -42,38 +57,75 @@ class TrainState:
 def train(args):
     rank, cycle = int(os.environ.get("RANK", 0)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("replicate", "shard"))
+    world = dist.get_world_size()
+    if args.replicas == 1:   # pure FSDP: every rank holds its own shard, no replica
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    else:
+        mesh = init_device_mesh("cpu", (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+    model = nn.Sequential(nn.Linear(16, args.width), nn.Tanh(), nn.Linear(args.width, 1))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    live = ft.LiveState(train=TrainState(model, opt), shard=mesh.get_local_rank("shard"))
+    state = TrainState(model, opt)
+    live = ft.LiveState(train=state, shard=mesh.get_local_rank("shard"), buddy_every=args.buddy_every,
+                        buddy_memory_limit_mb=args.buddy_memory_limit_mb)
     start = live.restore()
     if start is None:
-        start = 0
+        start = load_checkpoint(args, state)
+        if start and rank == 0:
+            print(f"resumed from the checkpoint at step {start} (cycle {cycle})", flush=True)
     elif rank == 0:
         print(f"resumed from live state at step {start} (cycle {cycle})", flush=True)
+    progress = None
+    if args.progress_dir:
+        os.makedirs(args.progress_dir, exist_ok=True)
+        progress = open(os.path.join(args.progress_dir, f"rank_{rank}.txt"), "a", buffering=1)
     for step in range(start + 1, args.steps + 1):
         if step == args.fail_at_step and rank == args.fail_rank and cycle == 0:
             if args.fail_in == "forward":
                 model[2].register_forward_pre_hook(_die_in_forward(rank, step))
             else:
                 print(f"rank {rank}: failing on purpose at step {step}", flush=True)
-                os._exit(1)
+                os.kill(os.getpid(), signal.SIGKILL)
+        if args.step_time:
+            time.sleep(args.step_time)
         g = torch.Generator().manual_seed(step * 1009 + rank)
         x = torch.randn(8, 16, generator=g)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
         with live.commit(step):
             opt.step()
+        if progress:
+            progress.write(f"{cycle} {step} {time.time():.6f}\n")
+        if args.ckpt_every and step % args.ckpt_every == 0:
+            dcp.save(state.state_dict(), checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
+            if rank == 0:
+                with open(os.path.join(args.ckpt_dir, "latest.tmp"), "w") as fh:
+                    fh.write(str(step))
+                os.replace(os.path.join(args.ckpt_dir, "latest.tmp"), os.path.join(args.ckpt_dir, "latest"))
     with torch.no_grad():
         total = float(sum(p.full_tensor().double().sum() for p in model.parameters()))
     if rank == 0:
         print(f"FINAL step={args.steps} checksum={total!r}", flush=True)
+    if progress:
+        progress.close()
     dist.destroy_process_group()
+
+
+def load_checkpoint(args, state) -> int:
+    """The newest checkpoint's step, loaded into `state`; 0 when there is none."""
+    try:
+        with open(os.path.join(args.ckpt_dir, "latest")) as fh:
+            step = int(fh.read())
+    except (OSError, ValueError):
+        return 0
+    sd = state.state_dict()
+    dcp.load(sd, checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
+    state.load_state_dict(sd)
+    return step
 
 
 def _die_in_forward(rank, step):
@@ -90,6 +142,15 @@ def main():
     p.add_argument("--fail-rank", type=int, default=3)
     p.add_argument("--fail-in", choices=("step", "forward"), default="step",
                    help="where --fail-rank exits: at the start of the step (default) or inside its FSDP forward")
+    p.add_argument("--replicas", type=int, default=2, help="replicas of the model (1: pure FSDP, no replica)")
+    p.add_argument("--width", type=int, default=64, help="hidden width")
+    p.add_argument("--buddy-every", type=int, default=0, help="a buddy copy every K steps (0: off)")
+    p.add_argument("--buddy-memory-limit-mb", type=float, default=None,
+                   help="the most host memory a node's buddy copies may take (default: 80 %% of what is available)")
+    p.add_argument("--ckpt-every", type=int, default=0, help="a checkpoint every N steps (0: none)")
+    p.add_argument("--ckpt-dir", default="ckpt")
+    p.add_argument("--progress-dir", default=None)
+    p.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps")
     ft.restartable(train)(p.parse_args())
 
 

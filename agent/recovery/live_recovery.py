@@ -37,10 +37,16 @@ def summary(monitor, cycle: int) -> Optional[dict]:
 
 
 def source_words(sources: dict, kept: bool = True) -> str:
-    """'rank 0 kept, rank 3 from peer rank 0': each rank's source by rank (`kept`: False leaves
-    out the ranks that kept their state)."""
-    return ", ".join(f"rank {r} {'kept' if v == 'kept' else 'from ' + v.replace('peer', 'peer rank')}"
-                     for r, v in sorted((sources or {}).items(), key=lambda kv: int(kv[0]))
+    """'rank 0 kept, rank 3 from peer rank 0, rank 2 from buddy rank 1, rank 1 from its host copy':
+    each rank's source by rank (`kept`: False leaves out the ranks that kept their state)."""
+    def words(v: str) -> str:
+        if v == "kept":
+            return "kept"
+        if v == "host copy":
+            return "from its host copy"
+        return "from " + v.replace("peer", "peer rank").replace("buddy", "buddy rank")
+
+    return ", ".join(f"rank {r} {words(v)}" for r, v in sorted((sources or {}).items(), key=lambda kv: int(kv[0]))
                      if kept or v != "kept")
 
 

@@ -31,6 +31,10 @@ How it works:
   took (`transfer_s`: the slowest receiver's; `restore_s`: the slowest rank's time from the step
   exchange to its state loaded); global rank 0 writes the summary (JSON) into its record for the agent, which says it as one
   `live_recovery` event and console line (agent.recovery.live_recovery).
+- `buddy_every=K` (rank_monitor.rank_side.buddy_copy): every K steps the commit also copies the
+  state into host memory, this node's and a buddy rank's on another node; the step exchange then
+  also carries each rank's copies, and the plan resumes at the newest step every shard has, live or
+  as a copy (a rank without a live replica, or on a spare node after a lost one, loads a copy).
 - Outside ft_launcher, under torchrun or plain python, outside `ft.restartable`, or with
   `--restart-granularity job`: `restore()` returns None and `commit` only runs its body.
 
@@ -49,7 +53,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from ft_launcher.rank_monitor.rank_side import inprocess
+from ft_launcher.rank_monitor.rank_side import buddy_copy, inprocess
+from ft_launcher.rank_monitor import buddy_store
 from ft_launcher.rank_monitor import shm_layout as L
 
 NOT_HELD = -1
@@ -64,6 +69,7 @@ class _Registry:
         self.previous: Optional["LiveState"] = None  # the previous call's, until restore() used it
         self.step = NOT_HELD                         # the last step `commit` completed
         self.dirty = False                           # an exception left a commit: state suspect
+        self.buddy = None                            # this cycle's buddy copies (rank_side.buddy_copy), if on
         self.said_job = False                        # the granularity-job line was said
 
 
@@ -132,6 +138,8 @@ class _Commit:
         else:
             _REG.dirty = True
         inprocess.commit_done()   # a restart signal that arrived inside: RestartInPlace now
+        if exc_type is None and self.live._buddy is not None:
+            self.live._buddy.after_commit(self.live, self.step)   # every K steps: the copy (it may wait)
         return False
 
 
@@ -145,9 +153,15 @@ class LiveState:
       `mesh.get_local_rank("shard")`); ranks with the same `shard` are replicas of each other.
       None (default): every rank holds the same state (DDP).
     - `rng`: also keep the RNG state (torch CPU and CUDA, Python's `random`) as of each commit.
+    - `buddy_every`: every that many steps, also copy the state into this node's host memory and
+      a buddy rank's on another node (rank_side.buddy_copy), so a rank without a live replica
+      and a lost node resume from memory; 0 (default): off.
+    - `buddy_memory_limit_mb`: the most host memory the buddy copies of one node may take
+      (default: 80 % of what it has available); above it, buddy copies are off, said in one line.
     """
 
-    def __init__(self, *, shard: Optional[int] = None, rng: bool = False, **objects: Any) -> None:
+    def __init__(self, *, shard: Optional[int] = None, rng: bool = False, buddy_every: int = 0,
+                 buddy_memory_limit_mb: Optional[float] = None, **objects: Any) -> None:
         for name, obj in objects.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"LiveState({name}=...): a {type(obj).__name__} has no state_dict/load_state_dict")
@@ -158,6 +172,11 @@ class LiveState:
         if self._rng is not None:
             self.objects["_rng"] = self._rng
         self.shard = 0 if shard is None else int(shard)
+        if int(buddy_every) < 0:
+            raise ValueError(f"LiveState(buddy_every={buddy_every}): a number of steps, 0 for off")
+        self._buddy_every = int(buddy_every)
+        self._buddy_limit = None if buddy_memory_limit_mb is None else int(float(buddy_memory_limit_mb) * 1e6)
+        self._buddy = None
         self._commit = _Commit(self)
         self._words = None
         self.last_recovery: Optional[dict] = None   # restore()'s summary (rank 0's view), for tests and logs
@@ -176,6 +195,11 @@ class LiveState:
     def active(self) -> bool:
         """True under ft_launcher inside `ft.restartable` with in-place restarts on."""
         return self._words is not None
+
+    def buddy_stats(self) -> Optional[dict]:
+        """This cycle's buddy-copy figures (snapshots, bytes, seconds copying, waiting, exchanging),
+        or None when buddy copies are off."""
+        return self._buddy.stats() if self._buddy is not None else None
 
     def commit(self, step: int) -> _Commit:
         """`with live.commit(step): opt.step()`: the body runs whole even if a restart signal
@@ -205,21 +229,29 @@ class LiveState:
         held, dirty = _REG.step, _REG.dirty or inprocess._STATE.failed_last
         _REG.step, _REG.dirty = NOT_HELD, False
         words[L.H_LIVE_STEP] = 0
-        if cycle == 0:   # a first start: nothing to exchange
-            return None
         if not (dist.is_available() and dist.is_initialized()):
+            if cycle == 0:
+                return None
             raise RuntimeError("LiveState.restore() exchanges state over the process group: call it after "
                                "init_process_group (and before DDP is constructed)")
+        buddy = self._start_buddy(cycle)
+        if cycle == 0:   # a first start: nothing to exchange
+            return None
         rank, world = dist.get_rank(), dist.get_world_size()
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
             else torch.device("cpu")
         usable = previous is not None and not dirty and set(previous.objects) == set(self.objects)
         mine = held if usable else NOT_HELD
         mine_raw = held if previous is not None else NOT_HELD
-        table = _all_gather(torch.tensor([mine, self.shard, mine_raw], dtype=torch.int64, device=device), world)
+        row = [mine, self.shard, mine_raw] + (buddy_copy.holdings(buddy.slots, world, self.objects) if buddy else [])
+        table = _all_gather(torch.tensor(row, dtype=torch.int64, device=device), world)
         steps, shards, raw = [int(r[0]) for r in table], [int(r[1]) for r in table], [int(r[2]) for r in table]
         started = time.perf_counter()   # every rank is here: what follows is the recovery's own time
-        resume, sources, reason = plan_recovery(steps, shards)
+        if buddy is not None:
+            rows = [r[3:] for r in table]
+            resume, sources, reason = buddy_copy.plan(steps, shards, buddy_copy.copies_of(rows))
+        else:
+            resume, sources, reason = plan_recovery(steps, shards)
         received, seconds = 0, 0.0
         if resume is not None:
             with torch.no_grad():
@@ -227,11 +259,14 @@ class LiveState:
                     _copy_objects(previous, self)
                     _REG.step = resume   # held now: a failure during the transfers keeps it
                 del previous
+                if buddy is not None:   # copies first: a rank that sends one may also receive a live one
+                    received, seconds = buddy_copy.fetch(buddy, self.objects, sources, resume, rows,
+                                                         self.shard, device)
                 t0 = time.perf_counter()
                 for dst in range(world):   # a source serves its receivers in rank order
                     if sources[dst] == rank and dst != rank:
                         _send_objects(self, dst, device)
-                if sources[rank] != rank:
+                if isinstance(sources[rank], int) and sources[rank] != rank:
                     received = _recv_objects(self, sources[rank], device)
                     seconds = time.perf_counter() - t0
         else:
@@ -255,8 +290,7 @@ class LiveState:
                       file=sys.stderr, flush=True)
             L.write_live_text(self._mm, words, json.dumps(summary, separators=(",", ":")))
         words[L.H_LIVE_RESUME] = 0 if resume is None else resume + 1
-        words[L.H_LIVE_SOURCE] = (L.LIVE_DISK if resume is None else L.LIVE_KEPT if sources[rank] == rank
-                                  else L.LIVE_PEER + sources[rank])
+        words[L.H_LIVE_SOURCE] = _source_word(rank, sources[rank]) if resume is not None else L.LIVE_DISK
         words[L.H_LIVE_CYCLE] = cycle   # last: the agent reads the words above once it sees this
         if rank == 0:
             inprocess._wake_agent()
@@ -267,8 +301,60 @@ class LiveState:
         return resume
 
 
-def _source_name(rank: int, source: Optional[int]) -> str:
+    def _start_buddy(self, cycle: int):
+        """This cycle's buddy copies (a collective: a new gloo group and the placement), when asked
+        for and under ft_launcher; the previous cycle's are closed."""
+        if _REG.buddy is not None:
+            _REG.buddy.close()
+            _REG.buddy = None
+        prefix = os.environ.get(buddy_store.ENV_PREFIX)
+        if not self._buddy_every or not prefix:
+            return None
+        self._buddy = _REG.buddy = buddy_copy.BuddyCopy(self._buddy_every, self._buddy_limit, prefix)
+        self._buddy.setup(cycle)
+        _drain_before_destroy()
+        return self._buddy
+
+
+def _source_name(rank: int, source) -> str:
+    if isinstance(source, tuple):
+        return buddy_copy.source_name(rank, source)
     return "disk" if source is None else "kept" if source == rank else f"peer {source}"
+
+
+def _source_word(rank: int, source) -> int:
+    if isinstance(source, tuple):
+        return L.LIVE_HOST_COPY if source[1] == rank else L.LIVE_BUDDY - source[1]
+    return L.LIVE_KEPT if source == rank else L.LIVE_PEER + source
+
+
+def _drain_before_destroy() -> None:
+    """The script's own `destroy_process_group()` (at its end) first waits for the buddy exchange in
+    flight: a group destroyed under it aborts the process."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(dist.destroy_process_group, "_ft_drains", False):
+        return
+    original = c10d.destroy_process_group
+
+    def destroy_process_group(*args, **kwargs):
+        if _REG.buddy is not None:
+            _REG.buddy.close(join_for=60.0)
+            _REG.buddy = None
+        return original(*args, **kwargs)
+
+    destroy_process_group._ft_drains = True
+    destroy_process_group.__wrapped__ = original
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
+
+
+def teardown_buddy(join_for: float = 0.0) -> None:
+    """A restart's teardown (rank_side.inprocess): the buddy exchange in flight is abandoned (the
+    group's destruction ends it; at most `join_for` s waited for)."""
+    if _REG.buddy is not None:
+        _REG.buddy.close(join_for)
+        _REG.buddy = None
 
 
 def plan_recovery(steps: List[int], shards: List[int]) -> Tuple[Optional[int], List[Optional[int]], str]:
