@@ -105,7 +105,7 @@ class NodeAgent:
         self._signal_handled = False  # once True, waits no longer end on self._signal
         events.node = socket.gethostname()  # until the rendezvous gives this node its rank
         self._excluded: Optional[str] = None   # why this node left the job (agent.recovery.no_restart)
-        # the ranks that restart in their own process, from one cycle into the next; told the policy at _run
+        # the ranks that restart in their own process, from one cycle into the next; given the round protocol at _run
         self.carrier = InPlaceCarrier(cfg, events)
         # Where stack dumps go: the log dir, else a per-agent dir in the platform's temp dir
         # (removed at the end unless a dump was written there).
@@ -215,8 +215,8 @@ class NodeAgent:
                 self._warn_if_hangs_undetectable()
                 if heartbeat_warning(os.environ, self.cfg.ft):
                     self.say(heartbeat_warning(os.environ, self.cfg.ft))
-                self.carrier.policy = self.proto.policy
-                self.progress = self.proto.policy.progress   # one tracker: this node's polls, the policy's judgement
+                self.carrier.proto = self.proto
+                self.progress = self.proto.progress   # one tracker: this node's polls, the policy's inputs
                 self.stragglers = StragglerWatch(self.cfg.ft, self.events)
                 self.section_use = SectionUse(self.events)
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
@@ -436,9 +436,12 @@ class NodeAgent:
     def _leave_job(self, reason: str) -> None:
         """This node leaves the job (ExcludeThisNode, a failed health check): mark it, keep the store
         up if it lives here, then end with the no-restart code."""
+        left = mark_excluded(self.proto, self.me.node_id)
+        short = self.proto.policy.too_few_left(left)   # the policy says whether the job goes on without it
+        if short and self.cfg.max_nodes > 1:   # (a one-node job obviously stops)
+            reason += f"; {short}: the job stops"
         self._excluded = reason
         self.life.to(NodeState.STOPPING, reason)
-        mark_excluded(self.proto, self.me.node_id)
         if self.store.is_host and self.cfg.max_nodes > 1:
             self.say("this node hosts the rendezvous store: it leaves training but keeps serving the store "
                      "until the other nodes are done")
@@ -479,7 +482,7 @@ class NodeAgent:
         self.flight.start_cycle(self.store, rnd, self.me.node_id,
                                 lambda: [(r.local_rank, r.rank) for r in self.group.ranks])
         self.blame.start_cycle(self.store, rnd.number, rnd.world_size, self.me.node_id, self.flight.enabled,
-                               lambda: self.proto.policy.in_place_possible(self._facts(rnd)),
+                               lambda: self.proto.in_place_possible(self._facts(rnd)),
                                lambda: [r.rank for r in self.group.ranks])
         self._apply_timeouts(self.learner.load())
         self.learner.begin_cycle(rnd.number)
@@ -759,13 +762,10 @@ class NodeAgent:
         """The job is over: say so, and if this agent hosts the store, keep it up (bounded)
         until every node has read the verdict, so none mistakes the end for a lost store."""
         try:
-            left = self.proto.mark_left(rnd.number)
-            deadline = time.monotonic() + 10
-            while self.store.is_host and left < len(rnd.active) + len(rnd.spares) and time.monotonic() < deadline:
-                if self._signal is not None:  # a signal ends this wait within a second
-                    deadline = min(deadline, time.monotonic() + 1.0)
-                time.sleep(0.02)
-                left = self.proto.left_count(rnd.number)
+            self.proto.mark_left(rnd.number)
+            everyone = len(rnd.active) + len(rnd.spares)
+            self.store.linger(lambda: self.proto.left_count(rnd.number) >= everyone, 10,
+                              stop=lambda: self._signal is not None, grace=1.0)   # a signal: within a second
         except RendezvousError:
             pass
 

@@ -19,19 +19,42 @@ __version__ = "0.1.0"
 
 # A source checkout (a setup.cfg beside this folder) keeps agent/ and rank_monitor/ next to it;
 # they are still imported as ft_launcher.agent and ft_launcher.rank_monitor, never top-level, so a
-# user's agent.py or rank_monitor.py cannot stand in for them.
+# user's agent.py or rank_monitor.py cannot stand in for them. Only those two folders: the
+# checkout's tests/, bench/, docs/ and examples/ are no part of the package.
 _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+_SUBPACKAGES = ("agent", "rank_monitor")
+
+
+class _CheckoutFinder:
+    """Finds ft_launcher.agent and ft_launcher.rank_monitor in a source checkout."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        prefix, _, sub = name.partition(".")
+        if prefix != __name__ or sub not in _SUBPACKAGES:
+            return None
+        import importlib.util
+
+        folder = _os.path.join(_checkout, sub)
+        return importlib.util.spec_from_file_location(name, _os.path.join(folder, "__init__.py"),
+                                                      submodule_search_locations=[folder])
+
+
 if (not _os.path.isdir(_os.path.join(__path__[0], "agent"))
         and _os.path.isfile(_os.path.join(_checkout, "setup.cfg"))
         and _os.path.isfile(_os.path.join(_checkout, "agent", "__init__.py"))):
-    __path__.append(_checkout)
+    import sys as _sys
+
+    _sys.meta_path.insert(0, _CheckoutFinder)
 
 _CLIENT = "ft_launcher.rank_monitor.rank_side.client"
 _LAZY = {name: _CLIENT for name in (
-    "FtSectionWarning", "Preemption", "RankMonitorClient", "RankMonitorClientError", "WorkloadAction",
-    "WorkloadControlRequest", "heartbeat", "on_preemption", "preempted", "section",
+    "FtSectionWarning", "Preemption", "RankMonitorClient", "RankMonitorClientError", "heartbeat", "on_preemption",
+    "preempted", "section",
     "send_workload_control_request")}
-_LAZY.update({"RestartInPlace": "ft_launcher.rank_monitor.rank_side.inprocess",
+_LAZY.update({"WorkloadAction": "ft_launcher.rank_monitor.workload_requests",
+              "WorkloadControlRequest": "ft_launcher.rank_monitor.workload_requests",
+              "RestartInPlace": "ft_launcher.rank_monitor.rank_side.inprocess",
               "restartable": "ft_launcher.rank_monitor.rank_side.inprocess",
               "LiveState": "ft_launcher.rank_monitor.rank_side.live_state",
               "FaultToleranceConfig": "ft_launcher.rank_monitor.config",

@@ -18,7 +18,7 @@ import warnings
 from typing import Dict, List, Optional, Sequence
 
 from ft_launcher import __version__, nvrx_flags
-from ft_launcher.rank_monitor.config import FIELD_NAMES, ConfigError, FaultToleranceConfig
+from ft_launcher.rank_monitor.config import FIELD_NAMES, ConfigError, FaultToleranceConfig, help_of
 
 PROG = "ft_launcher"
 # Subcommands, recognised only as the first argument (a training script is a path: `./status`).
@@ -73,69 +73,6 @@ TORCHRUN_NOTES = {
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode values
 _GROUP_OF = {name: title for title, names in _GROUPS.items() for name in names}
 
-# One line per fault-tolerance key (docs/flags-and-configuration.md's table says more).
-FT_HELP = {
-    "rank_section_timeouts": "seconds per section, e.g. setup:600,step:180,checkpointing:null",
-    "rank_out_of_section_timeout": "seconds a rank may spend with no section open",
-    "initial_rank_heartbeat_timeout": "seconds from a rank's start to its first heartbeat",
-    "rank_heartbeat_timeout": "seconds between heartbeats",
-    "rank_termination_signal": "signal a hung rank gets (name or number), after a stack dump",
-    "rank_termination_grace": "seconds before SIGKILL follows a catchable termination signal",
-    "stack_dump_wait": "seconds a monitor waits for a hung rank's stack dump",
-    "workload_check_interval": "accepted for NVRx (monitors are deadline driven)",
-    "safety_factor": "a computed timeout is the observed maximum times this",
-    "calc_ft_timeouts": "compute timeouts from observed times (true/false)",
-    "calc_min_observations": "observations needed before a timeout is computed",
-    "calc_timeout_floor": "seconds no computed timeout goes below",
-    "ft_state_path": "where computed timeouts persist (default <log dir>/ft_state.json, else ./ft_state.json)",
-    "pinned_timeouts": "timeouts computed values never replace, e.g. checkpointing,heartbeat",
-    "log_level": "log level of the rank monitors",
-    "simulate_fault": "inject a simulated fault into a rank (true/false)",
-    "simulated_fault_type": "rank_hung, rank_killed or random",
-    "simulated_fault_rank": "global rank to hit (default: drawn from the seed)",
-    "simulated_fault_base_delay": "seconds after the rank's start (plus up to 20%% jitter)",
-    "simulated_fault_seed": "seed of the fault plan (rank, type, jitter)",
-    "simulated_fault_count": "faults per job (-1 or every: one per cycle)",
-    "warm_reserves": "warm interpreters per local rank that restarts use instead of a cold start (0: off)",
-    "warm_reserve_timeout": "seconds a warm reserve may take to warm up before it is replaced",
-    "straggler_section": "section whose time per rank is compared with the job's median",
-    "straggler_window": "seconds per straggler comparison window (0: no straggler detection)",
-    "straggler_threshold": "a rank this many times slower than the median is a straggler",
-    "straggler_windows": "windows in a row a rank must be slow before it is reported",
-    "straggler_exclude": "at the next restart, leave a straggler's node out when a hot spare can replace it",
-    "max_no_progress_cycles": "stop the job after this many cycles in a row without a completed step (0: never)",
-    "no_restart_exit_code": "exit code of every agent when the job stops and must not be requeued",
-    "health_checks": "check GPUs (NVML), log/checkpoint dirs and free disk before each rendezvous",
-    "checkpoint_dir": "a directory the health checks require writable, with free disk",
-    "min_free_disk_gb": "GB that must be free in the log and checkpoint directories",
-    "restart_granularity": "what a failure restarts: rank, node, job, or auto (rank with ft.restartable, else job)",
-    "inprocess_timeout": "seconds a healthy rank has to reach the restart point before it is replaced",
-    "active_world_size": "ranks that train (a multiple of --nproc-per-node); other nodes stand by as warm spares",
-    "empty_cuda_cache": "empty the CUDA cache at an in-place restart (true/false)",
-    # NVRx's and Megatron-Bridge's keys that mean nothing here: accepted, not shown
-    "node_health_check_interval": None, "restart_check_interval": None, "enable_nic_monitor": None,
-    "pci_topo_file": None, "link_down_path_template": None, "enable_ft_package": None,
-    # NVRx 0.7's keys with a meaning here
-    "gpu_memory_reclaim_timeout": "seconds a restart waits for the GPUs to free a dead rank's memory",
-    "gpu_memory_tolerance_mb": "a dead rank's process still listed with at most this many MB counts as gone",
-    "gpu_memory_poll_interval": "seconds between looks at the GPUs while waiting for their memory",
-    "install_exception_hook": "report a rank's uncaught exception to the launcher at raise time (true/false)",
-    "storage_healthcheck_path": "paths (comma-separated) that must be readable before each rendezvous",
-    "cycle_info_dir": "write NVRx's cycle_info.<job>.<attempt>.<cycle> files and the .current link here "
-                      "(ranks get NVRX_CURRENT_CYCLE_INFO)",
-    "checkpoint_iteration_file": "measure progress by the iteration this file holds (max_no_progress_cycles)",
-    "min_progress_iterations": "iterations (or steps) a cycle must add to count as progress",
-    "enable_nic_healthcheck": "fail the node when an RDMA NIC port that was ACTIVE is not, before each rendezvous",
-    "link_state_path_template": "a NIC port's state file, with {nic} (default /sys/class/infiniband/{nic}/ports/1/state)",
-    "enable_dist_storage_healthcheck": "check Lustre health and that Lustre/NFS mounts answer before each rendezvous",
-    "segment": "nodes per NVLink-domain segment: nodes train in whole segments of one domain",
-    "check_remaining_processes": "after the ranks stop, name any process of their groups still there",
-    # NVRx 0.7's keys without a meaning here: accepted, one line says what does their job (nvrx_flags)
-    "num_warmup_iterations": None, "skip_section_response": None,
-    "numa_bind_strict": "with NVRX_GPUS_PER_NUMA set: say that memory is not bound (CPUs are)",
-    "attribution_endpoint": None,
-    "attribution_stop_action": None, "attribution_export_url": None, "segment_health_check_dir": None,
-}
 # NVRx's own spellings of some keys
 FT_KEY_ALIASES = {"storage_healthcheck_path": ("--ft-storage-health-check-path", "--ft_storage_health_check_path")}
 
@@ -230,9 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
         default = getattr(defaults, key)
         if key == "rank_termination_signal":
             default = signal.Signals(default).name
+        line = help_of(key)   # declared with the key (rank_monitor.config.schema); None: not shown
         ft.add_argument(shown, dest=f"ft__{key}", default=None, metavar="V",
-                        help=argparse.SUPPRESS if FT_HELP[key] is None else
-                        _with_default(FT_HELP[key], _ft_default(default)))
+                        help=argparse.SUPPRESS if line is None else
+                        _with_default(line.replace("%", "%%"), _ft_default(default)))
         p.add_argument(*[s for s in spellings if s != shown], dest=f"ft__{key}", default=None,
                        help=argparse.SUPPRESS)
     p.add_argument("training_script", help="the script (or module, or program) every rank runs")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, Optional
 
-from ft_launcher.rank_monitor.config import ConfigError, FaultToleranceConfig, load_yaml_file, parse_sim_fault_desc
+from ft_launcher.rank_monitor.config import FaultToleranceConfig, load_yaml_file, parse_sim_fault_desc
 
 
 def build_ft_config(cfg_path: Optional[str], cli_values: Dict[str, Any],

@@ -28,6 +28,8 @@ import sys
 import threading
 from typing import Optional
 
+from ft_launcher.rank_monitor import atomic_file
+
 ENV_FR_DIR = "FT_LAUNCHER_FR_DIR"
 # A monitor holds a hung rank at most this long for the job's flight-recorder dump (the agent's
 # own bounds, a second per rank and two for the whole job, fit well inside it).
@@ -131,7 +133,4 @@ def _has_entries(data: bytes) -> bool:
 
 
 def _write(path: str, data: bytes) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    atomic_file.write(path, data)

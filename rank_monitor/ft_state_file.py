@@ -40,11 +40,12 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 import time
 from typing import Callable, Dict, Optional
 
 from filelock import FileLock
+
+from ft_launcher.rank_monitor import atomic_file
 
 from ft_launcher.rank_monitor.timeout_calc import HB_INITIAL, HB_SUBSEQUENT, OUT_OF_SECTION, Observation, section_key
 
@@ -235,21 +236,4 @@ def save(path: str, state: FtState) -> None:
     os.makedirs(directory, exist_ok=True)
     data = json.dumps(state.to_json(), indent=2, sort_keys=True) + "\n"
     with FileLock(path + ".lock", timeout=30):
-        fd, tmp = tempfile.mkstemp(prefix=".ft_state.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_file.write(path, data, durable=True)

@@ -58,6 +58,23 @@ def test_signal_by_number_and_null_timeouts_from_the_command_line():
     assert ft.rank_termination_signal == 15 and ft.rank_heartbeat_timeout is None
 
 
+OPTIONAL_PATHS = ("checkpoint_dir", "ft_state_path", "cycle_info_dir", "checkpoint_iteration_file",
+                  "storage_healthcheck_path", "link_state_path_template", "pci_topo_file", "link_down_path_template")
+
+
+@pytest.mark.parametrize("word", ["none", "null", "None", ""])
+def test_every_optional_path_reads_none_and_null_as_no_path(word):
+    """`--ft-checkpoint-dir none` is no directory, as `cycle_info_dir: none` always was (it was the
+    string 'none' there, so the health check tested ./none)."""
+    from ft_launcher.rank_monitor.config import FaultToleranceConfig
+
+    for key in OPTIONAL_PATHS:
+        flag = "--" + key.replace("_", "-") if key.startswith("ft_") else "--ft-" + key.replace("_", "-")
+        assert getattr(ft_of("--standalone", flag, word), key) is None, key
+        assert getattr(FaultToleranceConfig.from_kwargs(**{key: word}), key) is None, key
+    assert ft_of("--standalone", "--ft-checkpoint-dir", "ckpt").checkpoint_dir == "ckpt"
+
+
 def test_unknown_key_in_a_file_warns_with_the_closest_key(launcher, tmp_path):
     cfg = write(tmp_path, "fault_tolerance:\n  rank_section_timout: {step: 5}\n  safety_factor: 2\n")
     res = launcher.run(["--standalone", "--ft-cfg-path", cfg, SCRIPT, tmp_path])

@@ -172,11 +172,11 @@ def test_version_and_a_grouped_help_with_one_spelling_a_default_and_a_line_per_f
         elif line.startswith("   ") and entries:
             entries[flag] += " " + line.strip()
     flag_lines = {k: v for k, v in entries.items() if k.startswith("--ft-")}
-    from ft_launcher.cli import FT_HELP
+    from ft_launcher.rank_monitor.config import help_of
 
     for key in FIELD_NAMES:
         shown = "--" + key.replace("_", "-") if key.startswith("ft_") else "--ft-" + key.replace("_", "-")
-        if FT_HELP[key] is None:  # NVRx's keys that mean nothing here: accepted, not shown
+        if help_of(key) is None:  # NVRx's keys that mean nothing here: accepted, not shown
             assert shown not in flag_lines, shown
             continue
         assert shown in flag_lines, shown

@@ -356,8 +356,12 @@ def test_min_progress_iterations_counts_completed_steps_without_the_file():
     assert "r0/progress" not in proto
     tracker.poll(proto, 0, [Monitor(5), Monitor(1)])
     assert proto["r0/progress"] == "1"
-    assert tracker.stop_reason(proto, 2) == ("no progress: 2 cycles in a row ended without 5 completed 'step' sections "
-                                             "on any rank (max_no_progress_cycles=2); restarting is pointless")
+    from ft_launcher.agent.recovery.restart_policy import PolicyInputs, RestartPolicy
+
+    policy = RestartPolicy(5, no_progress_limit=2, min_progress_iterations=5)
+    assert policy.no_progress(PolicyInputs(progress=tracker.history(proto, 2))) == (
+        "no progress: 2 cycles in a row ended without 5 completed 'step' sections on any rank "
+        "(max_no_progress_cycles=2); restarting is pointless")
 
 
 # ---- built: --ft-segment N (NVLink-domain segments; NVML's cluster UUID from tests/fake_nvml) ------

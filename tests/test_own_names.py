@@ -96,3 +96,21 @@ def test_the_installed_package_holds_agent_and_rank_monitor_under_its_own_name(l
         identity = json.loads((out / f"identity_{rank}_0.json").read_text())
         assert identity["user_modules"] == ["user", "user"], identity
     assert len(importers(tmp_path)) == 4  # two modules in each of the two ranks, nowhere else
+
+
+def test_a_source_checkout_exposes_only_agent_and_rank_monitor_under_our_name(tmp_path):
+    """In a source checkout ft_launcher finds agent/ and rank_monitor/ beside it, and nothing else
+    there: tests/, bench/, docs/ and examples/ are not ft_launcher.tests, ... ."""
+    code = ("import importlib, ft_launcher.agent.agent, ft_launcher.rank_monitor.shm_layout\n"
+            "for name in ('tests', 'bench', 'docs', 'examples', 'conftest', 'setup'):\n"
+            "    try:\n"
+            "        importlib.import_module('ft_launcher.' + name); print('leak', name)\n"
+            "    except ImportError:\n"
+            "        pass\n"
+            "print(ft_launcher.agent.agent.__file__)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "leak" not in out.stdout, out.stdout
+    assert out.stdout.strip() == os.path.join(ROOT, "agent", "agent.py")

@@ -1,151 +1,92 @@
-"""The restart decision (agent/recovery.restart_policy.py) on a real TCPStore: the round protocol's own
-store calls, reporters racing in threads (each with its own store connection, as agents have).
+"""The restart decision (agent/recovery/restart_policy.py), pure: `RestartPolicy.decide(report,
+facts, inputs)` reads and writes nothing, so every rule is tested here from its inputs alone (the
+round protocol that gathers them and carries the verdict out is tests/test_round_protocol.py).
 
-What is decided: one verdict per round whoever reports; the rung (in place only when every
-training node declared its ranks restartable and the granularity allows it); a rank that fails
-again at once in the same slot is replaced; a node where failures keep beginning leaves when a
-spare can take its place; a straggler leaves when a spare can take its place; a failure after
-too many cycles without progress stops the job; the restart budget; the verdict's JSON round trip.
+What is decided: the rung (in place only when every training node declared its ranks restartable
+and the granularity allows it); a rank that fails again at once in the same slot is replaced; a
+node where failures keep beginning leaves when a spare can take its place; a straggler leaves when
+a spare can take its place; a node's leaving is an exclusion, or a stop when too few can remain; a
+failure after too many cycles without progress stops the job; the restart budget; the verdict's
+JSON round trip.
 """
-import gc
-import threading
-
 import pytest
 
-from ft_launcher.agent.launch_config import LaunchConfig
-from ft_launcher.agent.recovery.no_restart import mark_excluded
-from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
-from ft_launcher.agent.recovery.restart_policy import NODE_FAILURE_LIMIT, RoundFacts, Verdict
-from ft_launcher.agent.rounds.round_types import NodeInfo
-from ft_launcher.rank_monitor.config import FaultToleranceConfig
+from ft_launcher.agent.recovery.restart_policy import (NODE_FAILURE_LIMIT, PolicyInputs, RestartPolicy, RoundFacts,
+                                                       Verdict)
 
 NODES = ["node-a", "node-b", "node-c"]
-# One store for the module, each job under its own run id. A process that holds ~24 open client
-# connections to one TCPStore has its next connection reset and retried 5 s later (torch 2.13):
-# each test's connections are closed when it ends (the fixture below).
-_HOST = {}
-_JOBS = [0]
-# ... and past ~24 connections made to it in one process, torch resets one and retries it 5 s later:
-# past the agents' 4 s handshake limit (meant for a listener that is not a store), so wait longer here
-JobStore.HANDSHAKE_LIMIT = 12.0
 
 
-@pytest.fixture(autouse=True)
-def _close_connections():
-    yield
-    gc.collect()   # a round protocol and its policy refer to each other: collected, not refcounted
+def facts(number, nodes=2, spares=0):
+    active, spare = NODES[:nodes], NODES[nodes:nodes + spares]
+    return RoundFacts(number, active, spare, {n: 2 for n in active + spare})
 
 
-class Job:
-    """A run id on the module's store and one round protocol per simulated agent (its own connection)."""
-
-    def __init__(self, max_restarts=5, granularity="auto", nodes=2, spares=0, **ft_keys):
-        ft = FaultToleranceConfig(restart_granularity=granularity, **ft_keys)
-        self.cfg = LaunchConfig(min_nodes=nodes, max_nodes=nodes + spares, nproc_per_node=2, entrypoint=["x"],
-                                is_host=False, rdzv_host="127.0.0.1", max_restarts=max_restarts,
-                                rdzv_id=f"policy{_JOBS[0]}", ft=ft)
-        _JOBS[0] += 1
-        if not _HOST:
-            host_cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, entrypoint=["x"], standalone=True,
-                                    rdzv_port=0)
-            _HOST["store"] = JobStore(host_cfg, lambda line: None)
-        self.cfg.rdzv_port = _HOST["store"].port
-        self.nodes, self.spares = NODES[:nodes], NODES[nodes:nodes + spares]
-
-    def proto(self, node_id="node-a"):
-        return RoundProtocol(JobStore(self.cfg, lambda line: None), self.cfg, NodeInfo(node_id, "127.0.0.1", None, 2))
-
-    def facts(self, number):
-        return RoundFacts(number, list(self.nodes), list(self.spares), {n: 2 for n in self.nodes + self.spares})
-
-    def fail(self, number, rank, proto=None):
-        proto = proto or self.proto()
-        return proto.interrupt(number, {"kind": "failure", "what": f"rank {rank} died", "rank": rank,
-                                        "node_id": self.nodes[rank // 2]}, self.facts(number))
+def failure(rank, **extra):
+    return {"kind": "failure", "what": f"rank {rank} died", "rank": rank, "node_id": NODES[rank // 2], **extra}
 
 
-def test_racing_reporters_get_one_verdict_and_spend_one_restart():
-    job = Job()
-    protos = [job.proto(f"node-{i}") for i in range(8)]
-    verdicts, barrier = [None] * 8, threading.Barrier(8)
-
-    def report(i):
-        barrier.wait()
-        verdicts[i] = job.fail(0, i % 4, protos[i])
-
-    threads = [threading.Thread(target=report, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert all(v is not None for v in verdicts)
-    assert len({v.to_json() for v in verdicts}) == 1, "the agents disagree on the verdict"
-    assert verdicts[0].restart and verdicts[0].restarts_used == 1 and verdicts[0].next_round == 1
-    assert job.proto().restarts_used() == 1
+def decide(policy, number, rank, inputs=None, spares=0, **extra):
+    return policy.decide(failure(rank, **extra), facts(number, spares=spares), inputs or PolicyInputs())
 
 
 def test_in_place_only_when_every_training_node_declared_its_ranks_restartable():
-    job = Job()
-    proto = job.proto()
-    assert job.fail(0, 1, proto).rung == "job"              # nobody declared
-    proto.policy.declare_restartable(1)                     # one node of two
-    assert job.fail(1, 0, proto).rung == "job"
-    proto.policy.declare_restartable(2)
-    proto.policy.declare_restartable(2)
-    verdict = job.fail(2, 1, proto)
+    policy = RestartPolicy(5)
+    assert decide(policy, 0, 1).rung == "job"                                        # nobody declared
+    assert decide(policy, 0, 1, PolicyInputs(restartable=1)).rung == "job"           # one node of two
+    verdict = decide(policy, 0, 1, PolicyInputs(restartable=2))
     assert verdict.rung == "in_process" and verdict.in_process
     assert verdict.keeps(0, "node-a") and not verdict.replace_ranks and not verdict.replace_nodes
+    assert policy.in_place_possible(facts(0), 2) and not policy.in_place_possible(facts(0), 1)
+    assert not RestartPolicy(5, "job").in_place_possible(facts(0), 2)
 
 
 @pytest.mark.parametrize("granularity,rung,replaced_nodes", [
     ("auto", "in_process", []), ("rank", "in_process", []), ("node", "in_process", ["node-b"]), ("job", "job", []),
 ])
 def test_granularity(granularity, rung, replaced_nodes):
-    job = Job(granularity=granularity)
-    proto = job.proto()
-    proto.policy.declare_restartable(0)
-    proto.policy.declare_restartable(0)
-    verdict = job.fail(0, 3, proto)                          # rank 3: node-b's second rank
+    verdict = decide(RestartPolicy(5, granularity), 0, 3, PolicyInputs(restartable=2))   # rank 3: node-b's second
     assert verdict.rung == rung and verdict.replace_nodes == replaced_nodes
     if rung == "in_process":
         assert verdict.keeps(0, "node-a") and verdict.keeps(2, "node-b") == (granularity != "node")
 
 
+def test_an_unknown_granularity_is_refused():
+    with pytest.raises(ValueError, match="restart granularity 'rack'"):
+        RestartPolicy(1, "rack")
+
+
 def test_a_rank_that_fails_again_at_once_is_replaced_and_one_that_progressed_is_not():
-    job = Job()
-    proto = job.proto()
-    for number in range(4):
-        proto.policy.declare_restartable(number)
-        proto.policy.declare_restartable(number)
-    assert job.fail(0, 1, proto).replace_ranks == []
-    again = job.fail(1, 1, proto)                             # no step completed in round 1
+    policy = RestartPolicy(5)
+    first = decide(policy, 0, 1, PolicyInputs(restartable=2, progress=["none"]))
+    assert first.replace_ranks == [] and first.origin == {"rank": 1, "node_id": "node-a"}
+    before = {0: first.origin}
+    again = decide(policy, 1, 1, PolicyInputs(restartable=2, origins=before, progress=["none", "none"]))
     assert again.replace_ranks == [1] and not again.keeps(1, "node-a") and again.keeps(0, "node-a")
-    proto.put("r2/progress", "1")                             # round 2 made progress
-    assert job.fail(2, 1, proto).replace_ranks == []
-    assert job.fail(3, 0, proto).replace_ranks == []          # another rank
+    progressed = PolicyInputs(restartable=2, origins=before, progress=["progress"])   # round 1 made progress
+    assert decide(policy, 1, 1, progressed).replace_ranks == []
+    other = PolicyInputs(restartable=2, origins=before, progress=["none", "none"])
+    assert decide(policy, 1, 0, other).replace_ranks == []                           # another rank
 
 
 def test_a_node_where_failures_keep_beginning_leaves_when_a_spare_can_take_over():
-    with_spare, without = Job(spares=1), Job()
-    for job in (with_spare, without):
-        proto = job.proto()
-        verdicts = [job.fail(n, 2, proto) for n in range(NODE_FAILURE_LIMIT)]   # rank 2: node-b
-        assert all(v.restart for v in verdicts)
-        assert not any(v.exclude for v in verdicts[:-1])
-        assert verdicts[-1].exclude == (["node-b"] if job is with_spare else [])
-    progressed = Job(spares=1)
-    proto = progressed.proto()
-    progressed.fail(0, 2, proto)
-    proto.put("r1/progress", "1")
-    assert [progressed.fail(n, 2, proto).exclude for n in (1, 2)] == [[], []]
+    policy = RestartPolicy(5)
+    on_b = {"rank": 2, "node_id": "node-b"}
+    streak = PolicyInputs(origins={k: on_b for k in range(NODE_FAILURE_LIMIT - 1)},
+                          progress=["none"] * NODE_FAILURE_LIMIT)
+    number = NODE_FAILURE_LIMIT - 1
+    assert decide(policy, number, 2, streak, spares=1).exclude == ["node-b"]
+    assert "began on node node-b 3 times in a row" in decide(policy, number, 2, streak, spares=1).what
+    assert decide(policy, number, 2, streak).exclude == []                            # no spare
+    shorter = PolicyInputs(origins={number - 1: on_b}, progress=["none"] * NODE_FAILURE_LIMIT)
+    assert decide(policy, number, 2, shorter, spares=1).exclude == []
+    progressed = PolicyInputs(origins=streak.origins, progress=["none", "progress"])
+    assert decide(policy, number, 2, progressed, spares=1).exclude == []
 
 
 def test_a_straggler_is_left_out_when_a_spare_can_take_its_place():
     for spares, on, left_out in ((1, True, ["node-b"]), (0, True, []), (1, False, [])):
-        job = Job(spares=spares, straggler_exclude=on)
-        proto = job.proto()
-        proto.put("slow/node-b", "node-b: 2.1x the median step time")
-        verdict = job.fail(0, 0, proto)                      # the failure began elsewhere
+        verdict = decide(RestartPolicy(5, straggler_exclude=on), 0, 0, PolicyInputs(slow=["node-b"]), spares=spares)
         assert verdict.restart and verdict.exclude == left_out
         assert ("straggling node node-b is left out" in verdict.what) == bool(left_out), verdict.what
 
@@ -153,42 +94,61 @@ def test_a_straggler_is_left_out_when_a_spare_can_take_its_place():
 def test_a_node_that_asks_to_leave_is_excluded_or_the_job_stops_when_too_few_remain():
     """ExcludeThisNode: the policy, not the asking agent, decides the node leaves or the job stops."""
     for spares, stops in ((1, False), (0, True)):
-        job = Job(spares=spares)
-        proto = job.proto("node-b")
-        mark_excluded(proto, "node-b")                      # what the asking agent records first
-        verdict = proto.interrupt(0, {"kind": "failure", "what": "rank 2 sent ExcludeThisNode", "rank": 2,
-                                      "node_id": "node-b", "leaving": "node-b"}, job.facts(0))
+        policy = RestartPolicy(5, nodes=(2, 2 + spares))
+        verdict = decide(policy, 0, 2, PolicyInputs(excluded=1), spares=spares, leaving="node-b",
+                         what="rank 2 sent ExcludeThisNode")
         assert "leaving" not in verdict.detail
         if stops:   # 2 nodes needed, at most 1 can remain: restarting is pointless, the budget untouched
-            assert verdict.kind == "stop" and not verdict.restart and proto.restarts_used() == 0
+            assert verdict.kind == "stop" and not verdict.restart and verdict.restarts_used == 0
             assert verdict.what == ("rank 2 sent ExcludeThisNode; 1 node excluded: at most 1 of the 2 needed "
                                     "can remain") and verdict.detail["failure"] == "rank 2 sent ExcludeThisNode"
         else:       # the spare takes its place
             assert verdict.kind == "failure" and verdict.restart and verdict.exclude == ["node-b"]
 
 
+def test_too_few_left_is_the_one_check_of_joining_and_leaving_nodes():
+    policy = RestartPolicy(1, nodes=(2, 3))
+    assert policy.too_few_left(0) is None and policy.too_few_left(1) is None
+    assert policy.too_few_left(2) == "2 nodes excluded: at most 1 of the 2 needed can remain"
+
+
 def test_a_failure_after_cycles_without_progress_is_a_stop_that_spends_no_budget():
-    job = Job(max_no_progress_cycles=2)
-    proto = job.proto()
-    assert job.fail(0, 0, proto).restart                     # never made progress: not "no progress"
-    proto.put("r1/progress", "1")
-    assert job.fail(1, 0, proto).restart
-    assert job.fail(2, 0, proto).restart                     # one cycle without progress
-    verdict = job.fail(3, 1, proto)                          # two in a row
+    policy = RestartPolicy(5, no_progress_limit=2)
+    assert decide(policy, 1, 0, PolicyInputs(progress=["none", "none"])).restart   # never made progress
+    assert decide(policy, 2, 0, PolicyInputs(progress=["none", "progress"])).restart   # one cycle without
+    verdict = decide(policy, 3, 1, PolicyInputs(restarts_used=3, progress=["none", "none", "progress"]))
     assert verdict.kind == "stop" and not verdict.restart and verdict.what.startswith("no progress: 2 cycles")
-    assert verdict.detail["failure"] == "rank 1 died" and proto.restarts_used() == 3
+    assert verdict.detail["failure"] == "rank 1 died" and verdict.restarts_used == 0 and verdict.origin is None
+    assert decide(RestartPolicy(5), 3, 1, PolicyInputs(progress=["none"] * 9 + ["progress"])).restart   # limit 0
+
+
+def test_progress_by_a_checkpoint_file_counts_what_it_could_not_tell_as_neither():
+    policy = RestartPolicy(5, no_progress_limit=2, min_progress_iterations=5, iteration_file="ckpt/latest.txt")
+    assert decide(policy, 2, 0, PolicyInputs(progress=["none", "unknown"])).restart
+    verdict = decide(policy, 2, 0, PolicyInputs(progress=["none", "unknown", "none"], last_iteration=104))
+    assert verdict.kind == "stop" and verdict.what == (
+        "no progress: 2 cycles in a row ended without the checkpoint iteration in ckpt/latest.txt rising by "
+        "min_progress_iterations=5 (it reads 104; max_no_progress_cycles=2); restarting is pointless")
 
 
 def test_the_budget_and_the_kinds_that_never_restart():
-    job = Job(max_restarts=1)
-    proto = job.proto()
-    assert job.fail(0, 0, proto).restart
-    spent = job.fail(1, 0, proto)
-    assert not spent.restart and spent.restarts_used == 2
+    policy = RestartPolicy(1)
+    first = decide(policy, 0, 0)
+    assert first.restart and first.restarts_used == 1 and first.next_round == 1
+    spent = decide(policy, 1, 0, PolicyInputs(restarts_used=1))
+    assert not spent.restart and spent.restarts_used == 2 and spent.origin == {"rank": 0, "node_id": "node-a"}
     for number, kind in ((2, "complete"), (3, "stop"), (4, "shutdown")):
-        verdict = proto.interrupt(number, {"kind": kind, "what": kind, "signal": 15}, job.facts(number))
+        verdict = policy.decide({"kind": kind, "what": kind, "signal": 15}, facts(number), PolicyInputs(restarts_used=2))
         assert verdict.kind == kind and not verdict.restart and verdict.next_round == number + 1
-    assert proto.restarts_used() == 2
+        assert verdict.restarts_used == 0 and verdict.origin is None
+
+
+def test_where_a_failure_began():
+    policy = RestartPolicy(5)
+    assert decide(policy, 0, 3).origin == {"rank": 3, "node_id": "node-b"}
+    silent = policy.decide({"kind": "failure", "what": "node-b went silent", "node_id": "node-a",
+                            "dead_nodes": [{"node_id": "node-b"}]}, facts(0), PolicyInputs())
+    assert silent.origin == {"rank": None, "node_id": "node-b"}
 
 
 def test_verdict_json_round_trip_keeps_the_report():

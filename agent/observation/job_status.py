@@ -40,6 +40,7 @@ import socket
 import time
 from typing import Dict, Optional
 
+from ft_launcher.rank_monitor import atomic_file
 from ft_launcher.rank_monitor.shm_layout import CHECKPOINT_SECTION as CHECKPOINT
 
 STATUS_DIR = "status"
@@ -364,11 +365,8 @@ class JobStatus:
         path = self.path or (self.registry if self.state != "finished" else None)
         if not path:
             return
-        tmp = f"{path}.tmp"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(tmp, "w") as fh:
-                json.dump(data, fh)
-            os.replace(tmp, path)
+            atomic_file.write(path, json.dumps(data))
         except OSError as exc:
             self.events.disk_warning(f"cannot write the status file {path}", exc)

@@ -24,6 +24,8 @@ import os
 import re
 from typing import Callable, Dict, List, Optional, Sequence
 
+from ft_launcher.rank_monitor import atomic_file
+
 ENV_CURRENT = "NVRX_CURRENT_CYCLE_INFO"
 
 
@@ -124,13 +126,10 @@ class CycleInfoWriter:
             return
         self._open = dict(record, cycle=cycle)
         link = os.path.join(self.directory, f"cycle_info.{self.job}.current")
-        tmp = f"{link}.tmp{os.getpid()}"
         try:
-            os.symlink(os.path.basename(self.path(cycle)), tmp)
-            os.replace(tmp, link)
+            atomic_file.symlink(os.path.basename(self.path(cycle)), link)
         except OSError as exc:
             self.warn(f"cannot update the cycle info link {link}", exc)
-            _discard(tmp)
 
     def end(self) -> None:
         """The cycle written last ends now: its file gets its end time (once)."""
@@ -143,22 +142,10 @@ class CycleInfoWriter:
 
     def _write(self, cycle: int, record: dict) -> bool:
         path = self.path(cycle)
-        tmp = f"{path}.tmp{os.getpid()}"
         try:
             os.makedirs(self.directory, exist_ok=True)
-            with open(tmp, "w") as fh:
-                fh.write(json.dumps(record, indent=2))
-            os.replace(tmp, path)
+            atomic_file.write(path, json.dumps(record, indent=2))
             return True
         except OSError as exc:
             self.warn(f"cannot write the cycle info file {path}", exc)
-            _discard(tmp)
             return False
-
-
-def _discard(tmp: str) -> None:
-    """A temporary file that was not moved into place."""
-    try:
-        os.unlink(tmp)
-    except OSError:
-        pass

@@ -1,7 +1,7 @@
 """The in-place carrier: this node's ranks that restart in their own process (the ladder's first
 rung), carried from the cycle that failed into the next one.
 
-- While a cycle runs, `news` declares the node restartable to the policy once every rank runs
+- While a cycle runs, `news` declares the node restartable to the round (the policy's input) once every rank runs
   under `ft.restartable`, and returns a rank whose function raised (it waits, alive, for the verdict).
 - When the verdict is rung `in_process`, `ask` requests each healthy rank of this node to leave its
   function at once (agent.ranks.inprocess_ranks.request): not a rank the verdict replaces, not one that
@@ -29,7 +29,7 @@ class InPlaceCarrier:
     def __init__(self, cfg, events):
         self.cfg = cfg
         self.events = events
-        self.policy = None                # agent.recovery.restart_policy, once the store is reached: told when this node is restartable
+        self.proto = None                 # the round protocol, once the store is reached: told when this node is restartable
         self._carried: Dict[int, Tuple[object, Rank, float]] = {}   # local rank -> (monitor, rank, when asked)
         self.declared = False             # this cycle's ranks all run under ft.restartable (told once)
 
@@ -42,7 +42,7 @@ class InPlaceCarrier:
         rank whose function raised, else None."""
         if not self.declared and inprocess_ranks.all_restartable(monitors):
             self.declared = True
-            self.policy.declare_restartable(number)
+            self.proto.declare_restartable(number)
         raised = inprocess_ranks.raised(monitors, ranks)
         return (raised[0][0], raised[0][2]) if raised else None
 

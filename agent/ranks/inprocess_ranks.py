@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from typing import Callable, Dict, List, Tuple
 
+from ft_launcher.rank_monitor import atomic_file
 from ft_launcher.rank_monitor import shm_layout as L
 from ft_launcher.rank_monitor.rank_side.inprocess import IN_PLACE_SIGNAL
 
@@ -93,9 +93,5 @@ def wait_ready(pairs: List[Tuple[object, Rank]], cycle: int, deadline: float,
 
 def go(monitor, env: Dict[str, str], cycle: int) -> None:
     """Let a rank at its restart point run its function again as cycle `cycle`, with `env`."""
-    path = L.env_file(monitor.shm_path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".restart-")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(env, fh)
-    os.replace(tmp, path)
+    atomic_file.write(L.env_file(monitor.shm_path), json.dumps(env))
     _words(monitor)[L.H_IP_GO] = cycle

@@ -17,9 +17,11 @@ import dataclasses
 from typing import List, Optional
 
 from ft_launcher.agent.ranks.workers import describe_exit
+from ft_launcher.rank_monitor.workload_requests import WorkloadAction
+
+_ACTION_VALUES = {a.value for a in WorkloadAction}
 
 CAUSES = ("rank_ended", "rank_raised", "peers_lost", "rank_request")
-REQUEST_ACTIONS = {0: "Continue", 1: "ExcludeThisNode", 2: "ShutdownWorkload"}   # rank_monitor.rank_side.client's
 
 
 @dataclasses.dataclass
@@ -83,7 +85,7 @@ def rank_request(rank: int, node: str, node_id: str, request: dict) -> Optional[
 
 def request_words(rank: int, node: str, request: dict) -> tuple:
     """(the action's name, "rank R on NODE sent ACTION (DESCRIPTION)")."""
-    action = REQUEST_ACTIONS.get(request["action"], "?")
+    action = WorkloadAction(request["action"]).name if request["action"] in _ACTION_VALUES else "?"
     return action, f"rank {rank} on {node} sent {action} ({request['description'] or 'no description'})"
 
 

@@ -9,7 +9,7 @@ the scheduler does not requeue the job. Running out of restarts is a failure and
 A node leaves (a rank's ExcludeThisNode request, a failed health check) by marking itself in the
 store (`excluded/<node_id>`, and the job-wide `excluded` counter): the others restart without it
 (a hot spare takes its place). If the job can no longer reach its minimum node count
-(`max nodes - excluded < min nodes`), it stops as above. The node that hosts the store cannot take
+(`max nodes - excluded < min nodes`, the restart policy's `too_few_left`), it stops as above. The node that hosts the store cannot take
 it away: it leaves training but keeps serving the store (parked) until every other agent is gone.
 """
 from __future__ import annotations
@@ -41,23 +41,14 @@ def is_excluded(proto, node_id: str) -> bool:
     return proto.exists(f"excluded/{node_id}")
 
 
-def too_few_left(min_nodes: int, max_nodes: int, excluded: int) -> Optional[str]:
-    """Why a job of `min_nodes`..`max_nodes` nodes cannot go on once `excluded` have left, or None."""
-    left = max_nodes - excluded
-    if left >= min_nodes:
-        return None
-    return (f"{excluded} node{'s' if excluded != 1 else ''} excluded: at most {left} of the "
-            f"{min_nodes} needed can remain")
-
-
 def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callable[[], Optional[int]],
                     give_up: float) -> None:
     """An excluded node that hosts the store keeps it up until every other agent has gone quiet
     (its keep-alive counter stopped for `silent_limit` s) or `give_up` s have passed. Ends early
     (returns) on a signal."""
     silence = SilenceWatch(silent_limit)
-    deadline = time.monotonic() + give_up
-    while time.monotonic() < deadline and not stop():
+
+    def everyone_gone() -> bool:
         now = time.monotonic()
         try:
             number = int(proto.get("round"))
@@ -68,8 +59,8 @@ def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callabl
             ids = [i for i in dict.fromkeys(ids) if i != me_id]
             counts = proto.get_many([f"alive/{i}" for i in ids])
         except Exception:  # noqa: BLE001 - nobody left to serve
-            return
+            return True
         quiet = sum(silence.silent(node_id, count, now) for node_id, count in zip(ids, counts))
-        if ids and quiet == len(ids):
-            return
-        time.sleep(0.25)
+        return bool(ids) and quiet == len(ids)
+
+    store.linger(everyone_gone, give_up, stop=lambda: bool(stop()), poll=0.25)

@@ -14,13 +14,14 @@
   ends (no checkpoint yet), leaves the cycle out of the count (`r<N>/progress_unknown`); cycle 0
   counts like any other.
 
-When a cycle fails, the node that decides the verdict counts the cycles, back from this one,
-that ended without progress; `max_no_progress_cycles` of them in a row stop the job instead of
+When a cycle fails, the node that decides the verdict judges it (`judge`: the file's rule) and
+reads the cycles' progress back from this one (`history`); the restart policy counts those that
+ended without progress, and `max_no_progress_cycles` of them in a row stop the job instead of
 restarting it (every agent exits with the no-restart code, 93).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 STEP = "step"
 
@@ -56,7 +57,7 @@ class ProgressTracker:
         self._flagged: Optional[int] = None   # the cycle whose progress this node has reported
         self._base: Optional[int] = None      # the checkpoint iteration when this node's cycle began
         self._base_cycle: Optional[int] = None
-        self._last: Optional[int] = None      # the iteration read when the last cycle failed
+        self.last: Optional[int] = None       # the iteration read when the last cycle failed
 
     def begin_cycle(self, cycle: int) -> None:
         """Before the cycle's ranks start: the checkpoint iteration it starts from."""
@@ -72,35 +73,28 @@ class ProgressTracker:
             self._flagged = cycle
             proto.put(f"r{cycle}/progress", "1")
 
-    def _judge_checkpoint(self, proto, cycle: int) -> None:
-        """NVRx's rule for the cycle that just failed (the deciding node)."""
+    def judge(self, proto, cycle: int) -> None:
+        """The deciding node, when cycle `cycle` failed: with checkpoint_iteration_file, NVRx's rule
+        (reads the file, writes `r<cycle>/progress` or `r<cycle>/progress_unknown`)."""
+        if not (self.iteration_file and self.limit > 0):
+            return
         now = read_iteration(self.iteration_file)
         base = (self._base or 0) if self._base_cycle == cycle else None
         if now is None or base is None or (base == 0 and now == 0):
             proto.put(f"r{cycle}/progress_unknown", "1")
         elif now - base >= self.min_iterations:
             proto.put(f"r{cycle}/progress", str(now))
-        self._last = now
+        self.last = now
 
-    def stop_reason(self, proto, cycle: int) -> Optional[str]:
-        """Why the job must stop instead of restarting after cycle `cycle` failed, or None."""
-        if self.limit <= 0:
-            return None
-        if self.iteration_file:
-            self._judge_checkpoint(proto, cycle)
-        streak, k = 0, cycle
-        while k >= 0 and not proto.exists(f"r{k}/progress"):
-            if not (self.iteration_file and proto.exists(f"r{k}/progress_unknown")):
-                streak += 1
-            k -= 1
-        if streak < self.limit:
-            return None
-        if self.iteration_file:
-            return (f"no progress: {streak} cycle{'s' if streak != 1 else ''} in a row ended without the checkpoint "
-                    f"iteration in {self.iteration_file} rising by min_progress_iterations={self.min_iterations} "
-                    f"(it reads {self._last}; max_no_progress_cycles={self.limit}); restarting is pointless")
-        if k < 0:   # never made progress: the job does not use `step`
-            return None
-        steps = "a completed 'step' section" if self.min_iterations == 1 else f"{self.min_iterations} completed 'step' sections"
-        return (f"no progress: {streak} cycle{'s' if streak != 1 else ''} in a row ended without {steps} "
-                f"on any rank (max_no_progress_cycles={self.limit}); restarting is pointless")
+    def history(self, proto, cycle: int) -> List[str]:
+        """Cycle `cycle`'s progress, then each earlier cycle's, back to the last that made progress:
+        "progress", "unknown" (only with the file: it could not tell) or "none" (the policy's input,
+        agent.recovery.restart_policy.PolicyInputs.progress)."""
+        out = []
+        for k in range(cycle, -1, -1):
+            if proto.exists(f"r{k}/progress"):
+                out.append("progress")
+                break
+            unknown = self.iteration_file and proto.exists(f"r{k}/progress_unknown")
+            out.append("unknown" if unknown else "none")
+        return out

@@ -6,7 +6,7 @@ first report wins (compare-and-set on `r<R>/interrupt`, agent.rounds.rendezvous)
 `RestartPolicy.decide` and writes the resulting `Verdict` to `r<R>/verdict`, which every agent
 then reads and applies. Nothing else decides: the agent only carries out a verdict.
 
-A failure climbs the ladder only as far as it must (DESIGN.md, "The recovery ladder"):
+A failure climbs the ladder only as far as it must (docs/architecture.md, docs/recovery.md):
 
 - rung `in_process`: every rank of the job declared itself restartable (`ft.restartable`) in
   this round and the granularity allows it: the healthy ranks leave the failed step and run
@@ -27,10 +27,16 @@ A failure climbs the ladder only as far as it must (DESIGN.md, "The recovery lad
   row without a completed step (agent.recovery.progress): restarting is pointless, and the failure
   becomes a stop (its line kept in `detail["failure"]`).
 
-Store keys it keeps (under the run's prefix): `restarts_used` (the budget spent),
-`r<R>/restartable` (nodes whose ranks all declared themselves restartable in round R),
-`r<R>/origin` (JSON: the rank and node where round R's failure began) and `r<R>/progress`
-(agent.recovery.progress). Free of torch: it runs on the store client it is given.
+The policy is pure: `decide(report, facts, inputs)` reads and writes nothing. The round protocol
+(agent.rounds.rendezvous) gathers its inputs (`PolicyInputs`: the budget spent, the nodes excluded
+and declared restartable, the progress and failure origins of recent rounds, the stragglers) and
+carries out what the verdict implies (the budget, `r<R>/origin`). Store keys behind the inputs
+(under the run's prefix): `restarts_used`, `excluded`, `r<R>/restartable` (nodes whose ranks all
+declared themselves restartable in round R), `r<R>/origin` (JSON: the rank and node where round
+R's failure began), `r<R>/progress` / `r<R>/progress_unknown` (agent.recovery.progress) and
+`slow/<node>` (agent.observation.stragglers). The same policy says whether a failure could restart
+in place now (`in_place_possible`, asked by the hang blame) and whether too few nodes can remain
+(`too_few_left`: a joining node's check, a leaving node's).
 """
 from __future__ import annotations
 
@@ -38,10 +44,8 @@ import dataclasses
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
-from ft_launcher.agent.recovery.no_restart import too_few_left
-from ft_launcher.agent.recovery.progress import ProgressTracker
+from ft_launcher.rank_monitor.config import RESTART_GRANULARITIES
 
-GRANULARITIES = ("auto", "rank", "node", "job")
 NODE_FAILURE_LIMIT = 3   # failures in a row that began on one node (no progress between) -> it leaves
 
 
@@ -62,6 +66,7 @@ class Verdict:
     node_id: Optional[str] = None           # the reporting node
     rank: Optional[int] = None              # the rank where the failure began, when known
     signal: Optional[int] = None            # kind shutdown: the signal
+    origin: Optional[dict] = None           # where the failure began ({rank, node_id}), kept for later rounds
     detail: Dict[str, Any] = dataclasses.field(default_factory=dict)  # the rest of the report
 
     _FIELDS = ("kind", "what", "rank", "node_id", "exclude", "dead_nodes", "signal")
@@ -133,84 +138,123 @@ class RoundFacts:
         return None
 
 
-class RestartPolicy:
-    """Decides verdicts from reports (see the module docstring). `count(name, inc)`, `exists(name)`,
-    `get(name)` and `put(name, value)` are the round protocol's store calls."""
+@dataclasses.dataclass
+class PolicyInputs:
+    """What the round protocol read for one decision (RoundProtocol.policy_inputs)."""
 
-    def __init__(self, store, max_restarts: int, granularity: str = "auto",
-                 progress: Optional[ProgressTracker] = None, straggler_exclude: bool = False,
-                 nodes: Tuple[int, int] = (1, 1)):
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"restart granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
-        self.store = store
+    restarts_used: int = 0            # the job's restart budget spent before this failure
+    excluded: int = 0                 # nodes that have left the job
+    restartable: int = 0              # training nodes whose ranks all declared themselves restartable
+    # this round's progress, then each earlier round's, back to the last that made progress:
+    # "progress", "unknown" (checkpoint_iteration_file unreadable or 0 at both ends) or "none"
+    progress: List[str] = dataclasses.field(default_factory=list)
+    origins: Dict[int, dict] = dataclasses.field(default_factory=dict)   # earlier rounds' origins, by round
+    slow: List[str] = dataclasses.field(default_factory=list)            # nodes marked as stragglers
+    last_iteration: Optional[int] = None   # checkpoint_iteration_file's value when this failure was judged
+
+    def progressed(self, back: int) -> bool:
+        """Did round (this one - back) make progress?"""
+        return back < len(self.progress) and self.progress[back] == "progress"
+
+
+class RestartPolicy:
+    """Decides verdicts from reports and what the round protocol read (see the module docstring)."""
+
+    def __init__(self, max_restarts: int, granularity: str = "auto", straggler_exclude: bool = False,
+                 nodes: Tuple[int, int] = (1, 1), no_progress_limit: int = 0, min_progress_iterations: int = 1,
+                 iteration_file: Optional[str] = None):
+        if granularity not in RESTART_GRANULARITIES:
+            raise ValueError(f"restart granularity {granularity!r}: expected one of {', '.join(RESTART_GRANULARITIES)}")
         self.max_restarts = max_restarts
         self.granularity = granularity
-        # the node's progress tracker (agent.recovery.progress): its agent polls it, the policy asks it
-        self.progress = progress or ProgressTracker(0)
         self.straggler_exclude = straggler_exclude
         self.nodes = nodes   # the job's (min, max) node count: a node's leaving may leave too few
-
-    # -- what the agents tell it while a round runs ----------------------------------------
-    def declare_restartable(self, number: int) -> None:
-        """This node's ranks all run under ft.restartable in round `number` (once per node)."""
-        self.store.count(f"r{number}/restartable", 1)
+        self.no_progress_limit = no_progress_limit           # max_no_progress_cycles (0: never stop for it)
+        self.min_progress_iterations = max(1, int(min_progress_iterations))
+        self.iteration_file = iteration_file                 # progress by checkpoint iteration, else by steps
 
     # -- the decision --------------------------------------------------------------------------
-    def decide(self, report: dict, facts: RoundFacts) -> Verdict:
+    def decide(self, report: dict, facts: RoundFacts, inputs: PolicyInputs) -> Verdict:
         verdict = Verdict.from_report(report)
         verdict.next_round = facts.number + 1
         if verdict.kind != "failure":
             return verdict                      # complete, shutdown, stop: no restart
         leaving = verdict.detail.pop("leaving", None)   # a rank's ExcludeThisNode: its node leaves
-        short = leaving and too_few_left(*self.nodes, self.store.count("excluded"))
+        short = leaving and self.too_few_left(inputs.excluded)
         if short:
             verdict.kind, verdict.detail["failure"], verdict.what = "stop", verdict.what, f"{verdict.what}; {short}"
             return verdict
         if leaving:
             verdict.exclude = list(verdict.exclude) + [leaving]
-        pointless = self.progress.stop_reason(self.store, facts.number)
+        pointless = self.no_progress(inputs)
         if pointless:                           # a stop, the budget untouched
             verdict.kind, verdict.detail["failure"], verdict.what = "stop", verdict.what, pointless
             return verdict
-        used = self.store.count("restarts_used", 1)
+        used = inputs.restarts_used + 1
         verdict.restarts_used = used
         verdict.restart = used <= self.max_restarts
-        origin = self._origin(verdict, facts)
-        self.store.put(f"r{facts.number}/origin", json.dumps(origin))
+        origin = verdict.origin = self._origin(verdict, facts)
         if not verdict.restart:
             return verdict
-        if self._in_process_allowed(facts):
+        if self.in_place_possible(facts, inputs.restartable):
             verdict.rung = "in_process"
             if self.granularity == "node" and origin["node_id"] in facts.active:
                 verdict.replace_nodes = [origin["node_id"]]
-            if origin["rank"] is not None and self._failed_again_at_once(origin, facts.number):
+            if origin["rank"] is not None and self._failed_again_at_once(origin, facts.number, inputs):
                 verdict.replace_ranks = [origin["rank"]]
-        self._leave_out_stragglers(verdict, facts)
-        leaving = self._node_keeps_failing(origin, facts)
+        self._leave_out_stragglers(verdict, facts, inputs)
+        leaving = self._node_keeps_failing(origin, facts, inputs)
         if leaving and leaving not in verdict.exclude:
             verdict.exclude = list(verdict.exclude) + [leaving]
             verdict.what += (f"; the failure began on node {leaving} {NODE_FAILURE_LIMIT} times in a row "
                              f"without progress: a hot spare takes its place")
         return verdict
 
-    def _leave_out_stragglers(self, verdict: Verdict, facts: RoundFacts) -> None:
+    def too_few_left(self, excluded: int) -> Optional[str]:
+        """Why the job cannot go on once `excluded` nodes have left (`max nodes - excluded < min
+        nodes`), or None: a node's leaving, and every joining node, ask."""
+        min_nodes, max_nodes = self.nodes
+        left = max_nodes - excluded
+        if left >= min_nodes:
+            return None
+        return (f"{excluded} node{'s' if excluded != 1 else ''} excluded: at most {left} of the "
+                f"{min_nodes} needed can remain")
+
+    def no_progress(self, inputs: PolicyInputs) -> Optional[str]:
+        """Why the job must stop instead of restarting: `max_no_progress_cycles` cycles in a row
+        ended without progress (agent.recovery.progress), or None."""
+        if self.no_progress_limit <= 0:
+            return None
+        streak = sum(1 for status in inputs.progress if status == "none")
+        if streak < self.no_progress_limit:
+            return None
+        plural = "s" if streak != 1 else ""
+        if self.iteration_file:
+            return (f"no progress: {streak} cycle{plural} in a row ended without the checkpoint iteration in "
+                    f"{self.iteration_file} rising by min_progress_iterations={self.min_progress_iterations} "
+                    f"(it reads {inputs.last_iteration}; max_no_progress_cycles={self.no_progress_limit}); "
+                    f"restarting is pointless")
+        if "progress" not in inputs.progress:   # never made progress: the job does not use `step`
+            return None
+        steps = ("a completed 'step' section" if self.min_progress_iterations == 1
+                 else f"{self.min_progress_iterations} completed 'step' sections")
+        return (f"no progress: {streak} cycle{plural} in a row ended without {steps} on any rank "
+                f"(max_no_progress_cycles={self.no_progress_limit}); restarting is pointless")
+
+    def _leave_out_stragglers(self, verdict: Verdict, facts: RoundFacts, inputs: PolicyInputs) -> None:
         """Straggling nodes (agent.observation.stragglers) leave at this restart, as many as spares can replace."""
         if not self.straggler_exclude or not facts.spares:
             return
-        slow = [n for n in facts.active if self.store.exists(f"slow/{n}") and n not in verdict.exclude]
+        slow = [n for n in facts.active if n in inputs.slow and n not in verdict.exclude]
         slow = slow[: len(facts.spares)]
         if slow:
             verdict.exclude = list(verdict.exclude) + slow
             verdict.what += "; straggling node " + ", ".join(facts.hosts.get(n, n) for n in slow) + " is left out"
 
-    def in_place_possible(self, facts: RoundFacts) -> bool:
-        """Would a failure of round `facts.number` restart in place now (agent.recovery.hang_blame asks)?"""
-        return self._in_process_allowed(facts)
-
-    def _in_process_allowed(self, facts: RoundFacts) -> bool:
-        if self.granularity == "job":
-            return False
-        return self.store.count(f"r{facts.number}/restartable") >= len(facts.active)
+    def in_place_possible(self, facts: RoundFacts, restartable: int) -> bool:
+        """Would a failure of round `facts.number` restart in place, `restartable` of its training
+        nodes having declared their ranks restartable (agent.recovery.hang_blame asks too)?"""
+        return self.granularity != "job" and restartable >= len(facts.active)
 
     @staticmethod
     def _origin(verdict: Verdict, facts: RoundFacts) -> dict:
@@ -221,29 +265,23 @@ class RestartPolicy:
             node = verdict.dead_nodes[0].get("node_id")
         return {"rank": verdict.rank, "node_id": node or verdict.node_id}
 
-    def _previous_origin(self, number: int) -> Optional[dict]:
-        if number <= 0 or not self.store.exists(f"r{number - 1}/origin"):
-            return None
-        return json.loads(self.store.get(f"r{number - 1}/origin"))
-
-    def _failed_again_at_once(self, origin: dict, number: int) -> bool:
+    @staticmethod
+    def _failed_again_at_once(origin: dict, number: int, inputs: PolicyInputs) -> bool:
         """The same rank began the previous round's failure, and no step completed since."""
-        before = self._previous_origin(number)
-        return (before is not None and before.get("rank") == origin["rank"]
-                and not self.store.exists(f"r{number}/progress"))
+        before = inputs.origins.get(number - 1)
+        return before is not None and before.get("rank") == origin["rank"] and not inputs.progressed(0)
 
-    def _node_keeps_failing(self, origin: dict, facts: RoundFacts) -> Optional[str]:
+    @staticmethod
+    def _node_keeps_failing(origin: dict, facts: RoundFacts, inputs: PolicyInputs) -> Optional[str]:
         """The origin node, when it was the origin NODE_FAILURE_LIMIT rounds in a row without
         progress and a spare can take its place; else None."""
         node = origin["node_id"]
         if not facts.spares or node not in facts.active:
             return None
-        k = facts.number
-        for _ in range(NODE_FAILURE_LIMIT - 1):
-            if self.store.exists(f"r{k}/progress"):
+        for back in range(NODE_FAILURE_LIMIT - 1):
+            if inputs.progressed(back):
                 return None
-            before = self._previous_origin(k)
+            before = inputs.origins.get(facts.number - back - 1)
             if before is None or before.get("node_id") != node:
                 return None
-            k -= 1
         return node

@@ -57,11 +57,12 @@ from torch.distributed import DistNetworkError, DistStoreError, TCPStore
 from ft_launcher.agent.rounds import segments, store_threads
 from ft_launcher.agent.rounds.keepalive import SilenceWatch
 from ft_launcher.agent.launch_config import LaunchConfig
-from ft_launcher.agent.recovery.no_restart import NoRestart, too_few_left
+from ft_launcher.agent.recovery.no_restart import NoRestart
 from ft_launcher.agent.recovery.progress import ProgressTracker
-from ft_launcher.agent.recovery.restart_policy import RestartPolicy, RoundFacts, Verdict
+from ft_launcher.agent.recovery.restart_policy import NODE_FAILURE_LIMIT, PolicyInputs, RestartPolicy, RoundFacts, Verdict
 from ft_launcher.agent.rounds.round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
 
+LINGER_POLL = 0.02   # seconds between looks while a leaving store host keeps the store up
 WAIT_SLICE = 0.25     # seconds: the longest a wait goes without looking for a signal
 PROGRESS_EVERY = 5.0  # seconds between "still waiting for ..." lines
 WATCHED_PEERS = 2     # keep-alive counters each agent watches: the next nodes in the round's order
@@ -204,6 +205,20 @@ class JobStore:
                 raise StoreLost(f"lost the rendezvous store at {self.host}:{self.port} "
                                 f"({str(exc).splitlines()[0]})") from None
 
+    def linger(self, done: Callable[[], bool], within: float, stop: Callable[[], bool] = lambda: False,
+               grace: float = 0.0, poll: float = LINGER_POLL) -> None:
+        """This agent hosts the store and leaves: keep the store up until `done()` (the other
+        agents have read what they need; asked every `poll` s), at most `within` s; once `stop()`
+        (a signal), at most `grace` s more. Every agent that leaves while hosting the store
+        lingers here."""
+        if not self.is_host:
+            return
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and not done():
+            if stop():
+                deadline = min(deadline, time.monotonic() + grace)
+            time.sleep(poll)
+
     def _port_flag(self) -> str:
         return "--master-port" if self.cfg.rdzv_backend == "static" else "--rdzv-endpoint"
 
@@ -239,10 +254,14 @@ class RoundProtocol:
         self.cfg = cfg
         self.me = me
         self._last_call = cfg.conf("last_call_timeout")
-        self.policy = RestartPolicy(self, cfg.max_restarts, cfg.ft.restart_granularity,
-                                    ProgressTracker(cfg.ft.max_no_progress_cycles, cfg.ft.min_progress_iterations,
-                                                    cfg.ft.checkpoint_iteration_file),
-                                    cfg.ft.straggler_exclude, (cfg.min_nodes, cfg.max_nodes))
+        ft = cfg.ft
+        self.policy = RestartPolicy(cfg.max_restarts, ft.restart_granularity, ft.straggler_exclude,
+                                    (cfg.min_nodes, cfg.max_nodes), ft.max_no_progress_cycles,
+                                    ft.min_progress_iterations, ft.checkpoint_iteration_file)
+        # this node's progress (agent.recovery.progress): its agent polls it; when this node decides
+        # a verdict, it judges the cycle and reads the history the policy counts
+        self.progress = ProgressTracker(ft.max_no_progress_cycles, ft.min_progress_iterations,
+                                        ft.checkpoint_iteration_file)
         self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
         if not me.stable:
             me.stable = self._call(self.s.add, self.k("agents"), 1)
@@ -365,7 +384,7 @@ class RoundProtocol:
         if sig:
             self.abandon(number, sig)
             raise Stopped(sig)
-        short = too_few_left(self.cfg.min_nodes, self.cfg.max_nodes, self.count("excluded"))
+        short = self.policy.too_few_left(self.count("excluded"))
         if short:
             raise NoRestart(f"the job cannot go on: {short}")
         if self._call(self.s.check, [self.k(f"r{number}/interrupt")]):
@@ -381,14 +400,10 @@ class RoundProtocol:
         text = json.dumps(dict(reason, reporter=self.token), sort_keys=True)
         try:
             if self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text).decode() == text:
-                verdict = Verdict.from_report(reason)
-                verdict.next_round = number + 1
+                verdict = self.policy.decide(reason, RoundFacts(number, [], [], {}), PolicyInputs())
                 self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
-            left = self.mark_left(number)
-            deadline = time.monotonic() + 1.0
-            while self.store.is_host and left < self.count(f"r{number}/joined") and time.monotonic() < deadline:
-                time.sleep(0.02)
-                left = self.left_count(number)
+            self.mark_left(number)
+            self.store.linger(lambda: self.left_count(number) >= self.count(f"r{number}/joined"), 1.0)
         except RendezvousError:
             pass
 
@@ -439,11 +454,43 @@ class RoundProtocol:
         winner = self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text)
         if winner.decode() == text:
             facts = facts or RoundFacts(number, [], [], {})
-            verdict = self.policy.decide(dict(reason, reporter=self.token), facts)
+            report = dict(reason, reporter=self.token)
+            inputs = self.policy_inputs(report, facts)
+            verdict = self.policy.decide(report, facts, inputs)
+            if verdict.restarts_used > inputs.restarts_used:   # the budget this restart spends
+                self.count("restarts_used", verdict.restarts_used - inputs.restarts_used)
+            if verdict.origin is not None:
+                self.put(f"r{number}/origin", json.dumps(verdict.origin))
             self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
             if verdict.restart:
                 self._call(self.s.set, self.k("round"), str(number + 1))
         return self.verdict(number)
+
+    def policy_inputs(self, report: dict, facts: RoundFacts) -> PolicyInputs:
+        """What the restart policy decides a failure of round `facts.number` from (the store's
+        side of it; agent.recovery.restart_policy.PolicyInputs). Other reports need none."""
+        if report.get("kind") != "failure":
+            return PolicyInputs()
+        number = facts.number
+        self.progress.judge(self, number)   # checkpoint_iteration_file: this cycle's progress, by the file
+        origins = {}
+        for k in range(number - 1, max(-1, number - NODE_FAILURE_LIMIT), -1):
+            if self.exists(f"r{k}/origin"):
+                origins[k] = json.loads(self.get(f"r{k}/origin"))
+        slow = ([n for n in facts.active if self.exists(f"slow/{n}")]
+                if self.policy.straggler_exclude and facts.spares else [])
+        return PolicyInputs(restarts_used=self.count("restarts_used"), excluded=self.count("excluded"),
+                            restartable=self.count(f"r{number}/restartable"),
+                            progress=self.progress.history(self, number), origins=origins, slow=slow,
+                            last_iteration=self.progress.last)
+
+    def declare_restartable(self, number: int) -> None:
+        """This node's ranks all run under ft.restartable in round `number` (once per node)."""
+        self.count(f"r{number}/restartable", 1)
+
+    def in_place_possible(self, facts: RoundFacts) -> bool:
+        """Would a failure of round `facts.number` restart in place now (agent.recovery.hang_blame asks)?"""
+        return self.policy.in_place_possible(facts, self.count(f"r{facts.number}/restartable"))
 
     def verdict(self, number: int) -> Verdict:
         """The verdict of interrupted round `number`. Its decider writes it just after winning

@@ -25,7 +25,6 @@ ranks for a restart is not a preemption: the handler then lets it end the rank a
 """
 from __future__ import annotations
 
-import enum
 import faulthandler
 import functools
 import hashlib
@@ -41,6 +40,7 @@ from ft_launcher.rank_monitor import flight_recorder
 
 from ft_launcher.rank_monitor.rank_side import import_record
 from ft_launcher.rank_monitor import shm_layout as L
+from ft_launcher.rank_monitor.workload_requests import WorkloadAction, WorkloadControlRequest
 
 _mono = time.monotonic_ns
 
@@ -560,23 +560,6 @@ _section_of = section   # for the methods whose parameter (NVRx's name) hides it
 class RankMonitorClientError(Exception):
     """Raised where NVRx's client raises: init_workload_monitoring twice, or a timeout calculation
     without enough data (unless skip_if_not_ready)."""
-
-
-class WorkloadAction(enum.Enum):
-    """NVRx's requests from a rank to its launcher (see send_workload_control_request)."""
-
-    Continue = 0
-    ExcludeThisNode = 1
-    ShutdownWorkload = 2
-
-
-class WorkloadControlRequest:
-    def __init__(self, action: WorkloadAction, description: str = "<not set>") -> None:
-        self.action = action
-        self.description = description
-
-    def __str__(self) -> str:
-        return f"WorkloadControlRequest(action={self.action}, description={self.description})"
 
 
 def _all_ranks_max(local: Dict[str, int]) -> Dict[str, int]:

@@ -16,6 +16,8 @@ import sys
 import time
 from typing import List, Optional, Tuple
 
+from ft_launcher.rank_monitor import atomic_file
+
 ENV_IMPORTS_FILE = "FT_LAUNCHER_IMPORTS_FILE"
 
 # Before any incarnation has run: torch, and what DDP's constructor imports lazily (torch._dynamo
@@ -44,10 +46,7 @@ def record(path: Optional[str] = None) -> None:
                     cuda_device = int(torch.cuda.current_device())
             except Exception:  # noqa: BLE001 - a broken CUDA install is not our concern here
                 cuda_device = None
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump({"modules": modules, "cuda_device": cuda_device, "when": time.time()}, fh)
-        os.replace(tmp, path)
+        atomic_file.write(path, json.dumps({"modules": modules, "cuda_device": cuda_device, "when": time.time()}))
     except Exception:  # noqa: BLE001 - a warm-up hint must never hurt the rank
         pass
 
