@@ -1,6 +1,7 @@
-"""The live-state transfer alone: rank 0 sends a model + AdamW state to rank 1 with live_state's own
-_send_objects/_recv_objects over a 2-process gloo group (no launcher), as restore() does for a
-replaced rank (fresh objects on the receiver each repetition). Isolates the wire from a recovery.
+"""The live-state transfer alone: rank 0 sends a model + AdamW state to rank 1 with live state's own
+wire (live_wire.send_state/recv_state, each object's committed state as live_objects keeps it) over
+a 2-process gloo group (no launcher), as restore() does for a replaced rank (fresh objects on the
+receiver each repetition). Isolates the wire from a recovery.
 
     python bench/live_transfer.py                    # the bench MLP at --width 2048 (113 MB, 32 tensors)
     python bench/live_transfer.py --layers 150       # 150 Linear(256, 256): 118 MB in 750 tensors
@@ -33,16 +34,11 @@ def build(args):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
 
 
-class Holder:
-    def __init__(self, **objects):
-        self.objects = objects
-
-
 def rank_main(rank, port, args):
     sys.path.insert(0, ROOT)
     import torch
     import torch.distributed as dist
-    from ft_launcher.rank_monitor.rank_side import live_state
+    from ft_launcher.rank_monitor.rank_side import live_objects, live_wire
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -56,14 +52,22 @@ def rank_main(rank, port, args):
     for rep in range(args.reps):
         if rank == 1 and rep:
             model, opt = build(args)
-        live = Holder(model=model, optimizer=opt)
+        tracked = [live_objects.Tracked(n, o) for n, o in (("model", model), ("optimizer", opt))]
+        if rank == 0:
+            for t in tracked:
+                t.snapshot()
         dist.barrier()
         t0 = time.perf_counter()
         with torch.no_grad():
             if rank == 0:
-                live_state._send_objects(live, 1, cpu)
+                for t in tracked:
+                    live_wire.send_state(t.committed(), cpu, lambda x: dist.send(x, 1))
             else:
-                nbytes = live_state._recv_objects(live, 0, cpu)
+                nbytes = 0
+                for t in tracked:
+                    state, n = live_wire.recv_state(t.fresh()[0], cpu, lambda x: dist.recv(x, 0))
+                    t.obj.load_state_dict(t.bind(state))
+                    nbytes += n
         times.append(time.perf_counter() - t0)
         if rank == 1:
             print(f"rep {rep}: {nbytes / 1e6:.1f} MB in {times[-1]:.3f} s = {nbytes / 1e6 / times[-1]:.0f} MB/s",

@@ -10,7 +10,8 @@ orphan watchdog when it is killed (the pattern of its monitor records, `ft_launc
     <prefix>_in0,  <prefix>_in1    its buddy's state (another rank's, on another node), the two newest
 
 A slot file is a header page of int64 words (below) and a payload: the snapshot as
-rank_monitor.rank_side.buddy_copy packs it (a pickled description, then the tensors' bytes). A
+rank_monitor.rank_side.buddy_copy writes it (each object's state as live_wire sends it to a peer,
+message after message, each at a 64-byte boundary). A
 writer marks the slot WRITING first and COMPLETE last, after every other word: a slot torn by a
 death in the middle is never read as a copy. The payload's pages are reserved with
 posix_fallocate when the slot grows, so a full /dev/shm is an error at that moment (ENOSPC), never
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from ft_launcher.rank_monitor import shm_layout
 
@@ -34,9 +35,9 @@ MAGIC = 0x4654424444593031   # "FTBDDY01"
 HEADER_BYTES = 4096
 GROW = 1 << 20               # capacities are rounded up to this
 
-# header words
-W_MAGIC, W_STATE, W_STEP, W_SHARD, W_WORLD, W_ORIGIN, W_CYCLE, W_NBYTES, W_META, W_CAPACITY, W_NAMES = range(11)
-# W_META: bytes of the pickled description at the payload's start; W_NAMES: crc32 of the objects' names
+# header words: the copy's step, the shard identity and layout digests of the state it is of
+# (rank_side.live_state: what the step exchange compares), the world size and the rank it was taken on
+W_MAGIC, W_STATE, W_STEP, W_IDENTITY, W_LAYOUT, W_WORLD, W_ORIGIN, W_CYCLE, W_NBYTES, W_CAPACITY = range(10)
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 
 
@@ -64,7 +65,6 @@ class Slot:
         self.mm: Optional[mmap.mmap] = None
         self.words: Optional[memoryview] = None
         self.capacity = 0
-        self._views: List[object] = []   # payload tensors handed out: released before a remap
         self._open()
 
     def _open(self) -> None:
@@ -85,12 +85,12 @@ class Slot:
         self.capacity = len(self.mm) - HEADER_BYTES
 
     def header(self) -> Optional[Dict[str, int]]:
-        """{step, shard, world, origin, cycle, nbytes, meta, names} of a complete copy, else None."""
+        """{step, identity, layout, world, origin, cycle, nbytes} of a complete copy, else None."""
         w = self.words
         if w is None or w[W_MAGIC] != MAGIC or w[W_STATE] != COMPLETE or w[W_NBYTES] > self.capacity:
             return None
-        out = {"step": w[W_STEP], "shard": w[W_SHARD], "world": w[W_WORLD], "origin": w[W_ORIGIN],
-               "cycle": w[W_CYCLE], "nbytes": w[W_NBYTES], "meta": w[W_META], "names": w[W_NAMES]}
+        out = {"step": w[W_STEP], "identity": w[W_IDENTITY], "layout": w[W_LAYOUT], "world": w[W_WORLD],
+               "origin": w[W_ORIGIN], "cycle": w[W_CYCLE], "nbytes": w[W_NBYTES]}
         return out if w[W_STATE] == COMPLETE else None   # re-read last: not overwritten meanwhile
 
     def ensure(self, nbytes: int) -> None:
@@ -98,7 +98,7 @@ class Slot:
         the host cannot hold it). Payload views handed out before a growth are invalid after it."""
         if self.mm is not None and nbytes <= self.capacity:
             return
-        want = file_bytes(nbytes)
+        want = file_bytes(max(nbytes, self.capacity + self.capacity // 2))   # grows by half at least
         self.close()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -113,38 +113,36 @@ class Slot:
         self.capacity = want - HEADER_BYTES
         self.words[W_CAPACITY] = self.capacity
 
-    def payload(self, nbytes: int):
-        """The first `nbytes` of the payload as a torch uint8 tensor (a view of the mapping)."""
+    def payload(self, nbytes: int, offset: int = 0):
+        """`nbytes` of the payload from `offset` as a torch uint8 tensor (a view of the mapping:
+        valid until the slot grows or closes)."""
         import torch
 
-        view = torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes, offset=HEADER_BYTES) if nbytes \
-            else torch.empty(0, dtype=torch.uint8)
-        self._views.append(view)
-        return view
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes, offset=HEADER_BYTES + offset)
 
     def begin(self) -> None:
         self.words[W_STATE] = WRITING
 
-    def finish(self, step: int, shard: int, world: int, origin: int, cycle: int, nbytes: int, meta: int,
-               names: int) -> None:
+    def finish(self, step: int, identity: int, layout: int, world: int, origin: int, cycle: int,
+               nbytes: int) -> None:
         w = self.words
-        w[W_STEP], w[W_SHARD], w[W_WORLD], w[W_ORIGIN] = step, shard, world, origin
-        w[W_CYCLE], w[W_NBYTES], w[W_META], w[W_NAMES] = cycle, nbytes, meta, names
+        w[W_STEP], w[W_IDENTITY], w[W_LAYOUT], w[W_WORLD] = step, identity, layout, world
+        w[W_ORIGIN], w[W_CYCLE], w[W_NBYTES] = origin, cycle, nbytes
         w[W_STATE] = COMPLETE
 
     def allocated(self) -> int:
         return HEADER_BYTES + self.capacity if self.mm is not None else 0
 
     def close(self) -> None:
-        self._views.clear()
+        """Unmap (a payload view must not be used after: the owner closes a slot only when no copy
+        into or out of it is running)."""
         if self.words is not None:
             self.words.release()
             self.words = None
         if self.mm is not None:
-            try:
-                self.mm.close()
-            except BufferError:   # a payload view is still referenced somewhere: the mapping stays until it goes
-                pass
+            self.mm.close()
             self.mm = None
         self.capacity = 0
 

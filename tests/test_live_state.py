@@ -29,79 +29,139 @@ import pytest
 
 from conftest import EXAMPLE, LAUNCHER, ROOT, SCRIPTS, Launcher, read_events, wait_for, wait_until_gone
 from test_fault_matrix import Job, progress
-from ft_launcher.rank_monitor.rank_side.live_state import plan_recovery
+from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer, plan_recovery
 
 STEPS, CKPT, FAULT_STEP = 150, 50, 137
 LIVE_JOB = ["--steps", STEPS, "--ckpt-every", CKPT, "--step-time", 0, "--seed", 11]
 
 
 # ---- the plan (no process) -----------------------------------------------------------------------
+def ddp(steps, identity=1, layout=7):
+    """Offers and needs of a DDP job: every rank the same identity and layout; -1: holds nothing."""
+    offers = [Offer(r, s, identity, layout) for r, s in enumerate(steps) if s >= 0]
+    return offers, [Need(identity, layout)] * len(steps)
+
+
 def test_plan_ddp_resumes_at_the_highest_step_and_spreads_receivers_over_holders():
-    resume, sources, reason = plan_recovery([136, -1, 136, 135, -1, 136], [0] * 6)
-    assert (resume, reason) == (136, "")
-    assert sources[0] == 0 and sources[2] == 2 and sources[5] == 5          # kept
-    assert [sources[1], sources[3], sources[4]] == [0, 2, 5]               # round robin over holders
+    plan = plan_recovery(*ddp([136, -1, 136, 135, -1, 136]))
+    assert (plan.resume, plan.reason) == (136, "")
+    assert [plan.kept(r) for r in range(6)] == [True, False, True, False, False, True]
+    assert [plan.sources[r].holder for r in (1, 3, 4)] == [0, 2, 5]          # round robin over holders
+    assert plan.transfers() == [(0, 1), (2, 3), (5, 4)]
 
 
 def test_plan_hsdp_heals_from_the_same_shard_in_another_replica():
-    # 2 replicas x 2 shards: ranks 0,1 = replica 0 (shards 0,1); ranks 2,3 = replica 1
-    shards = [0, 1, 0, 1]
-    resume, sources, _ = plan_recovery([40, 40, -1, 40], shards)
-    assert resume == 40 and sources == [0, 1, 0, 3]
-    resume, sources, _ = plan_recovery([40, -1, 40, 39], shards)   # rank 3 behind: shard 1 has no copy at 40
-    assert resume is None and sources == [None] * 4
+    # 2 replicas x 2 shards: ranks 0,1 = replica 0 (shards 10, 11); ranks 2,3 = replica 1
+    shards = [10, 11, 10, 11]
+    needs = [Need(s, 7) for s in shards]
+    offers = [Offer(r, 40, shards[r], 7) for r in (0, 1, 3)]
+    plan = plan_recovery(offers, needs)
+    assert plan.resume == 40 and [plan.sources[r].holder for r in range(4)] == [0, 1, 0, 3]
+    offers = [Offer(0, 40, 10, 7), Offer(2, 40, 10, 7), Offer(3, 39, 11, 7)]   # shard 11 only at 39
+    plan = plan_recovery(offers, needs)
+    assert plan.resume is None and plan.sources == [None] * 4
+    assert plan.reason == "no rank holds the shard ranks 1, 3 need at step 40 (every replica of it was lost or is behind)"
 
 
-def test_plan_without_a_copy_falls_back_to_disk_with_a_reason():
-    assert plan_recovery([-1, -1], [0, 0])[0] is None
-    resume, _, reason = plan_recovery([7, -1, -1, -1], [0, 1, 0, 1])
-    assert resume is None and reason == "no rank holds shard 1 at step 7 (every replica of it was lost or is behind)"
+def test_plan_resumes_at_the_highest_step_every_shard_has():
+    """Shard 11's only copy is at 39 while shard 10 has 40 and 39: the job resumes at 39 (one step
+    redone), not at the checkpoint; the rank at 40 receives 39."""
+    needs = [Need(s, 7) for s in (10, 11, 10, 11)]
+    offers = [Offer(0, 40, 10, 7), Offer(2, 39, 10, 7), Offer(3, 39, 11, 7)]
+    plan = plan_recovery(offers, needs)
+    assert plan.resume == 39 and [plan.sources[r].holder for r in range(4)] == [2, 3, 2, 3]
+    assert plan.kept(2) and plan.kept(3) and not plan.kept(0)
+
+
+def test_plan_a_rank_whose_place_changed_serves_its_old_shard_and_receives_its_new_one():
+    """HSDP after a node loss reordered the ranks: rank 0 held shard 11 and now sits where shard 10
+    goes; it keeps nothing, sends 11 to the rank that needs it, and receives 10."""
+    needs = [Need(10, 7), Need(11, 7), Need(10, 7), Need(11, 7)]
+    offers = [Offer(0, 40, 11, 7), Offer(2, 40, 10, 7)]
+    plan = plan_recovery(offers, needs)
+    assert plan.resume == 40 and not plan.kept(0) and plan.kept(2)
+    assert plan.transfers() == [(2, 0), (0, 1), (0, 3)]
+
+
+def test_plan_never_mixes_layouts_or_shards_and_says_why():
+    assert plan_recovery(*ddp([-1, -1])).resume is None
+    plan = plan_recovery([Offer(0, 7, 10, 7)], [Need(10, 7), Need(11, 7), Need(10, 7), Need(11, 7)])
+    assert plan.resume is None and plan.reason == ("no rank holds the shard ranks 1, 3 need at step 7 (every "
+                                                   "replica of it was lost or is behind)")
+    plan = plan_recovery([Offer(1, 7, 1, 7)], [Need(1, 8), Need(1, 7)])   # rank 0's objects changed
+    assert plan.resume is None and "rank 0 now hold objects of another layout" in plan.reason
+    plan = plan_recovery([Offer(1, 9, 21, 7)], [Need(20, 7), Need(21, 7)])  # FSDP: no replicas
+    assert plan.resume is None and "every rank's state is a different shard" in plan.reason, plan.reason
 
 
 def test_state_moves_into_fresh_objects_in_place():
-    """A kept rank's copy (the code path a peer transfer uses, without the wire): a model and a
-    momentum optimizer reach fresh objects exactly, the model's own parameters written in place."""
+    """A kept rank's move: a model and a momentum optimizer reach fresh objects exactly, the
+    model's own parameters written in place, the optimizer's state handed over (no copy, its own
+    device), the previous hyperparameters as of the commit (not as changed after it)."""
     import torch
     import torch.nn as nn
 
-    from ft_launcher.rank_monitor.rank_side import live_state
+    from ft_launcher.rank_monitor.rank_side import live_objects, live_wire
 
     torch.manual_seed(0)
     old = nn.Linear(4, 3)
     old_opt = torch.optim.SGD(old.parameters(), lr=0.1, momentum=0.9)
+    kept_old = {"model": live_objects.Tracked("model", old), "optimizer": live_objects.Tracked("optimizer", old_opt)}
     for _ in range(3):
         old_opt.zero_grad()
         old(torch.randn(5, 4)).sum().backward()
         old_opt.step()
+        for t in kept_old.values():
+            t.snapshot()
+    old_opt.param_groups[0]["lr"] = 0.7   # changed outside commit: not the committed state
     new = nn.Linear(4, 3)
     new_opt = torch.optim.SGD(new.parameters(), lr=0.5, momentum=0.0)
     weight = new.weight
-
-    class Holder:
-        def __init__(self, **objects):
-            self.objects = objects
-
-    live_state._copy_objects(Holder(model=old, optimizer=old_opt), Holder(model=new, optimizer=new_opt))
+    for name, obj in (("model", new), ("optimizer", new_opt)):
+        tracked = live_objects.Tracked(name, obj)
+        ready = live_wire.move_state(kept_old[name].committed(), tracked.fresh()[0])
+        obj.load_state_dict(ready)
     assert new.weight is weight and torch.equal(new.weight, old.weight) and torch.equal(new.bias, old.bias)
     assert new_opt.param_groups[0]["lr"] == 0.1 and new_opt.param_groups[0]["momentum"] == 0.9
     for p_old, p_new in zip(old.parameters(), new.parameters()):
-        assert torch.equal(old_opt.state[p_old]["momentum_buffer"], new_opt.state[p_new]["momentum_buffer"])
+        assert new_opt.state[p_new]["momentum_buffer"] is old_opt.state[p_old]["momentum_buffer"]   # moved
+
+
+def test_a_module_keeps_its_buffers_as_of_the_commit():
+    """BatchNorm's running statistics change in every forward pass: the committed state is the
+    one at the last commit, not after the forward of the step in flight."""
+    import torch
+    import torch.nn as nn
+
+    from ft_launcher.rank_monitor.rank_side import live_objects
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    tracked = live_objects.Tracked("model", model)
+    model(torch.randn(8, 4))
+    tracked.snapshot()
+    committed = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(8, 4) * 5)   # the step in flight's forward
+    assert not torch.equal(model[1].running_mean, committed["1.running_mean"])
+    now = tracked.committed()
+    assert all(torch.equal(now[k], committed[k]) for k in committed)
+    assert int(now["1.num_batches_tracked"]) == 1
 
 
 @pytest.mark.parametrize("cap", [None, 4096], ids=["default-cap", "cap-4096"])
 def test_the_wire_packs_small_tensors_and_lands_every_byte_in_the_receivers_own_tensors(monkeypatch, cap):
-    """_send_objects/_recv_objects over an in-process wire (a list of messages, in order): mixed
+    """live_wire.send_state/recv_state over an in-process wire (a list of messages, in order): mixed
     dtypes (float32, bf16, int64, bool), a 0-element and 0-dim tensors, non-contiguous tensors on
     the sender, and with a 4096-byte cap several staging chunks plus tensors sent by themselves
     (one of them non-contiguous). Every byte arrives; the receiver's own tensors (parameters,
-    buffers, optimizer state, a custom object's tensors) are written in place, the same objects."""
+    buffers, optimizer state) are written in place, the same objects; a custom object (neither
+    module nor optimizer) gets new tensors and loads them."""
     import torch
     import torch.nn as nn
 
-    from ft_launcher.rank_monitor.rank_side import live_state
+    from ft_launcher.rank_monitor.rank_side import live_objects, live_wire
 
     if cap is not None:
-        monkeypatch.setattr(live_state, "_CHUNK_BYTES", cap)
+        monkeypatch.setattr(live_wire, "_CHUNK_BYTES", cap)
 
     class Box:
         def __init__(self, **tensors):
@@ -129,21 +189,20 @@ def test_the_wire_packs_small_tensors_and_lands_every_byte_in_the_receivers_own_
                   t=torch.randn(30, 20).t(), big_t=torch.randn(100, 50).t(), none=torch.empty(0))
         return model, opt, box
 
-    class Holder:
-        def __init__(self, model, opt, box):
-            self.objects = {"model": model, "optimizer": opt, "box": box}
+    def tracked(model, opt, box):
+        return [live_objects.Tracked(n, o) for n, o in (("box", box), ("model", model), ("optimizer", opt))]
 
     model, opt, box = build(0)
     new_model, new_opt, new_box = build(1)
-    new_box.tensors["t"] = torch.zeros(20, 30)   # contiguous here: received in place
-    own = {k: v for k, v in new_box.tensors.items() if k != "big_t"}   # its own big_t is not contiguous: a new one
     params = list(new_model.parameters())
     ptrs = [p.data_ptr() for p in params]
     buffers = {n: b for n, b in new_model.named_buffers()}
     opt_state = [dict(new_opt.state[p]) for p in params]
 
     messages = []
-    live_state._send_objects(Holder(model, opt, box), 1, torch.device("cpu"), send=lambda t: messages.append(t.clone()))
+    for t in tracked(model, opt, box):
+        t.snapshot()
+        live_wire.send_state(t.committed(), torch.device("cpu"), send=lambda t: messages.append(t.clone()))
     wire = iter(messages)
 
     def recv(t):
@@ -151,7 +210,11 @@ def test_the_wire_packs_small_tensors_and_lands_every_byte_in_the_receivers_own_
         assert (m.shape, m.dtype) == (t.shape, t.dtype)
         t.copy_(m)
 
-    total = live_state._recv_objects(Holder(new_model, new_opt, new_box), 0, torch.device("cpu"), recv=recv)
+    total = 0
+    for t in tracked(new_model, new_opt, new_box):
+        state, nbytes = live_wire.recv_state(t.fresh()[0], torch.device("cpu"), recv=recv)
+        t.obj.load_state_dict(state)
+        total += nbytes
     assert next(wire, None) is None
 
     def raw(t):
@@ -171,7 +234,7 @@ def test_the_wire_packs_small_tensors_and_lands_every_byte_in_the_receivers_own_
     assert new_box.loaded["note"] == "box"
     for key, value in box.tensors.items():
         assert same_bytes(value, new_box.loaded["tensors"][key]), key
-        assert (new_box.loaded["tensors"][key] is own.get(key)) == (key in own), key
+        assert new_box.loaded["tensors"][key] is not new_box.tensors[key], key
 
     groups = []   # per object: [size, skeleton, data messages...]; a size is the only 1-element int64
     for m in messages:
@@ -180,7 +243,7 @@ def test_the_wire_packs_small_tensors_and_lands_every_byte_in_the_receivers_own_
         groups[-1].append(m)
     assert [len(g[1]) for g in groups] == [int(g[0]) for g in groups] and len(groups) == 3
     sent = [t for o in (box.tensors, model.state_dict(), opt.state_dict()["state"])
-            for t in live_state._flat(o).values()]
+            for t in live_wire.flat(o).values()]
     assert total == sum(t.numel() * t.element_size() for t in sent) + sum(int(g[0]) for g in groups)
     data = [m for g in groups for m in g[2:]]
     if cap is None:   # per object: one chunk; no tensor is big enough to go by itself
@@ -191,6 +254,70 @@ def test_the_wire_packs_small_tensors_and_lands_every_byte_in_the_receivers_own_
         assert all(m.numel() <= cap for m in chunks) and all(m.numel() * m.element_size() >= cap for m in alone)
         assert len(alone) == 5   # box: big, big_t; model: the 48x24 weight; optimizer: its exp_avg, exp_avg_sq
         assert [sum(m.dtype == torch.uint8 for m in g[2:]) for g in groups] == [1, 2, 3]   # box, model, optimizer
+
+
+def test_nothing_from_a_peer_runs_code_and_nothing_lands_in_a_tensor_of_another_shape():
+    """The skeleton's unpickler resolves only what a state dict may hold (a pickle naming os.system
+    is refused); a received or kept tensor whose destination has another shape or dtype raises
+    LayoutMismatch instead of becoming a new tensor; a state holding a lambda (a LambdaLR over a
+    callable object that keeps one) is refused by the same walker that splits it for the wire."""
+    import os as _os
+    import pickle
+
+    import torch
+
+    from ft_launcher.rank_monitor.rank_side import live_objects, live_wire
+
+    class Evil:
+        def __reduce__(self):
+            return (_os.system, ("echo pwned",))
+
+    with pytest.raises(pickle.UnpicklingError, match="names posix.system|names os.system"):
+        live_wire.loads(pickle.dumps(({"x": Evil()}, [])))
+    skeleton, tensors, paths = live_wire.split({"w": torch.ones(3), "meta": (torch.float32, torch.Size([3]), {1, 2})})
+    back, back_paths = live_wire.loads(live_wire.dumps(skeleton, paths))
+    assert back["meta"] == (torch.float32, torch.Size([3]), {1, 2}) and back_paths == [("w",)]
+
+    messages = []
+    live_wire.send_state({"w": torch.ones(3)}, torch.device("cpu"), messages.append)
+    wire = iter(messages)
+    with pytest.raises(live_wire.LayoutMismatch, match=r"\['w'\]: torch.float32 \[3\] does not fit"):
+        live_wire.recv_state({("w",): torch.zeros(4)}, torch.device("cpu"), lambda t: t.copy_(next(wire)))
+    with pytest.raises(live_wire.LayoutMismatch):
+        live_wire.move_state({"w": torch.ones(3)}, {("w",): torch.zeros(3, dtype=torch.float64)})
+
+    class Warmup:
+        def __init__(self):
+            self.curve = lambda s: s
+
+        def __call__(self, s):
+            return 1.0
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    sched = live_objects.Tracked("scheduler", torch.optim.lr_scheduler.LambdaLR(opt, Warmup()))
+    with pytest.raises(live_wire.Refused) as refused:
+        sched.fresh()
+    assert (refused.value.name, refused.value.what) == ("scheduler", "a function")
+    assert live_wire.path_text(refused.value.path) == "['lr_lambdas'][0]['curve']"
+    plain = live_objects.Tracked("scheduler", torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    plain.fresh()   # a plain lambda: LambdaLR leaves it out of its state
+    plain.snapshot()
+
+
+def test_the_digest_tells_replicas_apart_and_ignores_set_order():
+    import torch
+
+    from ft_launcher.rank_monitor.rank_side import live_wire
+
+    state = {"w": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16),
+             "odd": torch.ones(5, dtype=torch.uint8)[1:], "tags": {"a", "b", "c"}, "lr": 0.1}
+    d, nbytes = live_wire.digest(state)
+    assert nbytes == 40 + 6 + 4
+    same = dict(state, w=state["w"].clone(), tags={"c", "b", "a"})
+    assert live_wire.digest(same)[0] == d
+    for change in ({"lr": 0.1000001}, {"w": state["w"].clone().index_put_((torch.tensor([3]),), torch.tensor(9.))},
+                   {"odd": torch.zeros(4, dtype=torch.uint8)}):
+        assert live_wire.digest(dict(state, **change))[0] != d, change
 
 
 def test_outside_the_launcher_restore_is_none_and_commit_runs_its_body():
@@ -374,6 +501,29 @@ def test_a_restart_signal_inside_commit_leaves_every_replica_equal(launcher, tmp
     live = [e["detail"] for e in read_events(str(out / "logs")) if e["kind"] == "live_recovery"][0]
     assert live["sources"]["1"] == "kept" and live["sources"]["2"].startswith("peer "), live
     assert finals == clean and len({json.dumps(f) for f in finals}) == 1, (finals, clean)
+
+
+def test_restore_reads_each_object_once_on_every_rank_moves_the_kept_state_and_frees_the_previous(launcher,
+                                                                                                 tmp_path):
+    """live_restore_calls.py, 3 ranks: rank 2 raises after the commit of step 4 and receives; ranks
+    0 and 1 keep theirs. restore() calls every object's state_dict() and load_state_dict() the same
+    number of times on the kept, sending and receiving ranks (a state_dict() that runs collectives
+    must not hang); a kept rank's AdamW state is the previous call's own tensors (moved: no copy)
+    and its `step` stays on the CPU, as on the receiver; the previous call's model and optimizer
+    are freed once restore() returns."""
+    proc = launcher.start(["--standalone", "--nproc-per-node", 3, "--max-restarts", 2, "--log-dir", tmp_path / "logs",
+                           os.path.join(SCRIPTS, "live_restore_calls.py"), tmp_path])
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    recs = [json.loads((tmp_path / f"restore_{r}_1.json").read_text()) for r in range(3)]
+    assert {r["step"] for r in recs} == {4} and {r["seen"] for r in recs} == {4}, recs
+    assert len({json.dumps(r["calls"]) for r in recs}) == 1, recs
+    assert recs[0]["calls"] == {"state_dict": 2, "load_state_dict": 1}, recs   # the model once, the tally once
+    assert all(r["step_devices"] == ["cpu"] for r in recs), recs
+    assert recs[0]["moved"] and recs[1]["moved"] and not recs[2]["moved"], recs
+    assert recs[0]["previous_gone"] and recs[1]["previous_gone"], recs
+    live = [e["detail"] for e in read_events(str(tmp_path / "logs")) if e["kind"] == "live_recovery"][0]
+    assert live["sources"]["2"].startswith("peer ") and live["sources"]["0"] == live["sources"]["1"] == "kept", live
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 read from the ranks' records (shm_layout H_LIVE_*), told once per incident.
 
 Every rank writes its resume step and source; global rank 0 also writes the whole job's summary
-(JSON: resume step, completed steps redone, each rank's source, bytes moved, transfer seconds and
-MB/s, or why there was no live state). The agent of the node holding global rank 0 says it as one
+(JSON: the LiveState's name, resume step, completed steps redone, each rank's source, bytes moved,
+transfer seconds and MB/s, the replicas' digest check, or why there was no live state). The agent of the node holding global rank 0 says it as one
 `live_recovery` event and one console line; every agent gives its ranks' resume step to goodput
 (agent.observation.job_status: the steps up to it survived the restart).
 """
@@ -60,8 +60,10 @@ def line(s: dict) -> str:
         moved = f"; {s['bytes'] / 1e6:.2f} MB in {s['transfer_s']:.3f} s"
         if s.get("mb_per_s"):
             moved += f" ({s['mb_per_s']:g} MB/s)"
+    check = s.get("check") or {}
+    checked = f"; replicas agree ({check['bytes'] / 1e6:.2f} MB compared in {check['s']:.3f} s)" if check else ""
     return (f"live recovery: resumed at step {s['resume_step']} ({s.get('steps_redone', 0)} completed step(s) "
-            f"redone, plus the step in flight); {sources}{moved}; restore {s.get('restore_s', 0):.3f} s")
+            f"redone, plus the step in flight); {sources}{moved}; restore {s.get('restore_s', 0):.3f} s{checked}")
 
 
 class News:

@@ -26,29 +26,33 @@ Memory: at the first snapshot every rank measures its copy; the node needs 2 x (
 per rank. When that exceeds `buddy_memory_limit_mb` (default: 80 % of what the node has available
 in memory and in /dev/shm), every rank turns buddy copies off and rank 0 says so in one line.
 
-Restore (`Holdings`, `plan`, `fetch`): LiveState.restore's step exchange also carries each rank's
-complete slots (step, shard, size); `plan` picks the newest step that every shard has (live in a
-process, in a slot on this node, or at a buddy); a rank at that step keeps its state, one with its
-own slot at that step loads it ("host copy"), one with a live replica receives from it ("peer N"),
-any other receives the copy that rank N holds ("buddy N"), into one of its own slots, then loads it.
+A copy is each object's committed state written as live_wire would send it to a peer (message
+after message into the slot), so reading it back is a peer transfer without the wire: the same
+skeleton (unpickled without running code), the same layout checks, tensors landing in the new
+objects' own tensors.
+
+Restore (`holdings`, `offers`, `fetch`): LiveState.restore's step exchange also carries each rank's
+complete slots (step, shard identity, layout, size), offered to the plan (live_plan) beside the
+processes' committed states: the job resumes at the newest step every rank's need is met at; a
+rank at that step keeps its state, one with its own copy of it loads that ("host copy"), one with a
+live replica receives from it ("peer N"), any other receives the copy rank N holds ("buddy N": over
+the buddy group into one of its own slots, then read like a host copy).
 """
 from __future__ import annotations
 
 import collections
-import io
 import os
-import pickle
 import sys
 import threading
 import time
-import zlib
 from typing import Dict, List, Optional, Tuple
 
 from ft_launcher.rank_monitor import buddy_store as S
+from ft_launcher.rank_monitor.rank_side import live_wire as W
 
 _ALIGN = 64
 HEADER_WORDS = 8   # what an exchange says before the payload (see _Exchange)
-SLOT_COLUMNS = 4   # per slot in the step exchange: step, shard, bytes, names crc
+SLOT_COLUMNS = 4   # per slot in the step exchange: step, identity, layout, bytes
 DEFAULT_HOST_FRACTION = 0.8
 
 
@@ -75,103 +79,79 @@ def place(nodes: List[int], local_ranks: List[int]) -> List[int]:
     return dst
 
 
-# ---- packing a snapshot ---------------------------------------------------------------------------
-def _names_crc(names) -> int:
-    return zlib.crc32("\0".join(sorted(names)).encode())
-
-
+# ---- a snapshot in a slot ---------------------------------------------------------------------------
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _offsets(meta_len: int, sizes: List[int]) -> Tuple[List[int], int]:
-    at, out = _aligned(meta_len), []
-    for n in sizes:
-        out.append(at)
-        at = _aligned(at + n)
-    return out, at
+class _Stream:
+    """live_wire's messages (send_state/recv_state) written into or read from a slot's payload, one
+    after the other, each at a 64-byte boundary: a snapshot is what a peer would be sent."""
+
+    def __init__(self, slot: S.Slot) -> None:
+        self.slot, self.at = slot, 0
+
+    def send(self, t) -> None:
+        n = t.numel() * t.element_size()
+        if self.at + n > self.slot.capacity:
+            self.slot.ensure(self.at + n)   # (the data so far stays: the file only grows)
+        if n:
+            self.slot.payload(n, self.at).copy_(t.reshape(-1).view(_uint8()))
+        self.at = _aligned(self.at + n)
+
+    def recv(self, t) -> None:
+        n = t.numel() * t.element_size()
+        if self.at + n > self.slot.capacity:
+            raise ValueError(f"a copy in {self.slot.path} ends before its last message")
+        if n:
+            t.view(-1).view(_uint8()).copy_(self.slot.payload(n, self.at))
+        self.at = _aligned(self.at + n)
 
 
-class _Unpickler(pickle.Unpickler):
-    """A snapshot's description comes from another rank's memory: only plain containers, numbers,
-    strings, torch dtypes/sizes/devices and the skeleton's slots; nothing that runs code."""
-
-    def find_class(self, module, name):
-        import torch
-
-        from ft_launcher.rank_monitor.rank_side import live_state
-
-        if module == "builtins" and name in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str",
-                                             "bytes", "bool", "complex", "slice", "NoneType", "range"):
-            return getattr(__import__("builtins"), name)
-        if module == "collections" and name == "OrderedDict":
-            return collections.OrderedDict
-        if module == "torch" and (name in ("Size", "device") or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        if module == live_state.__name__ and name == "_Slot":
-            return live_state._Slot
-        raise pickle.UnpicklingError(f"a {module}.{name} in the state's non-tensor values")
-
-
-def _loads(data: bytes):
-    return _Unpickler(io.BytesIO(data)).load()
-
-
-def describe(objects: Dict[str, object]):
-    """(meta bytes, tensors, offsets, payload bytes) of a snapshot of `objects`' state dicts."""
-    from ft_launcher.rank_monitor.rank_side import live_state
-
-    entries, tensors = [], []
-    for name in sorted(objects):
-        found, paths = [], []
-        skeleton = live_state._split(objects[name].state_dict(), found, (), paths)
-        entries.append((name, skeleton, paths, len(tensors), [t.numel() * t.element_size() for t in found]))
-        tensors.extend(found)
-    meta = pickle.dumps(entries, protocol=pickle.HIGHEST_PROTOCOL)
-    offsets, total = _offsets(len(meta), [n for e in entries for n in e[4]])
-    return meta, tensors, offsets, total
-
-
-def write_snapshot(slot: S.Slot, objects: Dict[str, object], step: int, shard: int, world: int, rank: int,
-                   cycle: int) -> int:
-    """Copy `objects`' state into `slot` (complete when this returns); -> the payload's bytes."""
+def _uint8():
     import torch
 
-    from ft_launcher.rank_monitor.rank_side import live_state
+    return torch.uint8
 
-    meta, tensors, offsets, total = describe(objects)
-    slot.ensure(total)
+
+def estimate(states: Dict[str, dict]) -> int:
+    """An upper bound of a snapshot's payload bytes (without copying a tensor)."""
+    total = 0
+    for name in sorted(states):
+        skeleton, tensors, paths = W.split(states[name])
+        total += 2 * _ALIGN + _aligned(len(W.dumps(skeleton, paths)))
+        total += sum(_aligned(t.numel() * t.element_size()) + _ALIGN for t in tensors)
+    return total
+
+
+def write_snapshot(slot: S.Slot, states: Dict[str, dict], step: int, identity: int, layout: int, world: int,
+                   rank: int, cycle: int) -> int:
+    """Copy committed `states` (name -> state dict) into `slot`, complete when this returns; ->
+    the payload's bytes."""
+    import torch
+
+    slot.ensure(estimate(states))
     slot.begin()
-    buf = slot.payload(total)
-    buf[:len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+    stream = _Stream(slot)
     with torch.no_grad():
-        for t, at in zip(tensors, offsets):
-            if t.numel():
-                live_state._packed(buf, at, t).copy_(t)
-    slot.finish(step, shard, world, rank, cycle, total, len(meta), _names_crc(objects))
-    return total
+        for name in sorted(states):
+            W.send_state(states[name], torch.device("cpu"), stream.send)
+    slot.finish(step, identity, layout, world, rank, cycle, stream.at)
+    return stream.at
 
 
-def load_snapshot(buf, meta_len: int, objects: Dict[str, object], device) -> int:
-    """Load a snapshot's payload (`buf`, a uint8 tensor) into `objects` (their own tensors where
-    path, shape and dtype match); -> the bytes loaded."""
+def read_snapshot(slot: S.Slot, fresh: Dict[str, tuple], device) -> Tuple[Dict[str, dict], int]:
+    """A snapshot's states, each tensor written into the new object's own tensor of its path
+    (fresh[name][0], as from a peer: live_wire.recv_state, its layout checked). -> (name -> state
+    dict, bytes)."""
     import torch
 
-    from ft_launcher.rank_monitor.rank_side import live_state
-
-    entries = _loads(buf[:meta_len].numpy().tobytes())
-    if sorted(e[0] for e in entries) != sorted(objects):
-        raise ValueError(f"the copy holds {sorted(e[0] for e in entries)}, this LiveState {sorted(objects)}")
-    offsets, total = _offsets(meta_len, [n for e in entries for n in e[4]])
-    live_state._DEVICE[0] = device
+    stream, ready, total = _Stream(slot), {}, 0
     with torch.no_grad():
-        for name, skeleton, paths, first, _ in entries:
-            def fill(dests, first=first):
-                for i, d in enumerate(dests):
-                    if d.numel():
-                        d.copy_(live_state._packed(buf, offsets[first + i], d))
-            live_state._load(objects[name], skeleton, paths, fill)
-    return total
+        for name in sorted(fresh):
+            ready[name], nbytes = W.recv_state(fresh[name][0], torch.device("cpu"), stream.recv)
+            total += nbytes
+    return ready, total
 
 
 # ---- the exchange with the buddies ----------------------------------------------------------------
@@ -196,9 +176,9 @@ class _Exchange(threading.Thread):
             out = torch.tensor(self.header, dtype=torch.int64)
             got = torch.empty(HEADER_WORDS, dtype=torch.int64)
             _pair(dist, out, got, c.dst, c.src, c.group)
-            step, shard, world, origin, nbytes, meta_len, crc, cycle = (int(v) for v in got.tolist())
+            step, identity, layout, world, origin, nbytes, cycle, _ = (int(v) for v in got.tolist())
             inbound = c.inbound_target()
-            sent = self.own.payload(self.header[4]) if self.header[4] else None
+            sent = self.own.payload(self.header[5]) if self.header[5] else None
             if nbytes:
                 try:
                     inbound.ensure(nbytes)
@@ -213,7 +193,7 @@ class _Exchange(threading.Thread):
                 inbound, into = None, None
             _pair(dist, sent, into, c.dst, c.src, c.group)
             if inbound is not None:
-                inbound.finish(step, shard, world, origin, cycle, nbytes, meta_len, crc)
+                inbound.finish(step, identity, layout, world, origin, cycle, nbytes)
             flag = torch.tensor([1 if self.ok else 0], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=c.group)
             self.all_ok = bool(flag.item())
@@ -286,8 +266,7 @@ class BuddyCopy:
         if not self.measured:   # the first copy: every rank's size against what its node has
             self.measured = True
             try:
-                meta, _, _, size = describe(live.objects)
-                _loads(meta)   # a copy must read back without running code: refused now, not at a restore
+                size = estimate(live.committed_states())
             except Exception as exc:  # noqa: BLE001 - whatever the state holds: said, and the copies go off
                 size = -1
                 _say(f"buddy copies off: rank {self.rank} cannot copy its state: {type(exc).__name__}: {exc}")
@@ -298,15 +277,16 @@ class BuddyCopy:
                 return
         t1 = time.perf_counter()
         own = self.own_target()
+        made = live.described()
         ok, total = True, 0
         try:
-            total = write_snapshot(own, live.objects, step, live.shard, self.world, self.rank, self.cycle)
+            total = write_snapshot(own, live.committed_states(), step, made["identity"], made["layout"], self.world,
+                                   self.rank, self.cycle)
         except Exception as exc:  # noqa: BLE001 - the exchange still runs (empty): its barrier turns every rank off
             ok, total = False, 0
             self.note(f"rank {self.rank} cannot copy its state ({type(exc).__name__}: {exc})")
         t2 = time.perf_counter()
-        header = [step, live.shard, self.world, self.rank, total, own.words[S.W_META] if ok else 0,
-                  _names_crc(live.objects), self.cycle]
+        header = [step, made["identity"], made["layout"], self.world, self.rank, total, self.cycle, 0]
         self.pending = _Exchange(self, own, header, ok)
         self.pending.start()
         self.snapshots += 1
@@ -422,128 +402,88 @@ def _gather(t, world: int, group) -> list:
 
 
 # ---- restore -------------------------------------------------------------------------------------
-def holdings(slots: S.SlotSet, world: int, objects) -> List[int]:
-    """This rank's part of the step exchange: per slot (own0, own1, in0, in1) the step, shard,
-    payload bytes and description bytes of the complete copy it holds for a job of `world` ranks
-    with these objects' names, else -1, -1, 0, 0."""
-    crc = _names_crc(objects)
+def holdings(slots: S.SlotSet, world: int) -> List[int]:
+    """This rank's part of the step exchange: per slot (own0, own1, in0, in1) the step, shard
+    identity and layout digests and payload bytes of the complete copy it holds for a job of
+    `world` ranks, else -1, 0, 0, 0."""
     row: List[int] = []
     for slot in slots.slots:
         h = slot.header()
-        if h is None or h["world"] != world or h["names"] != crc:
-            row += [-1, -1, 0, 0]
-        else:
-            row += [h["step"], h["shard"], h["nbytes"], h["meta"]]
+        row += [-1, 0, 0, 0] if h is None or h["world"] != world else \
+            [h["step"], h["identity"], h["layout"], h["nbytes"]]
     return row
 
 
-def copies_of(rows: List[List[int]]) -> List[List[Tuple[int, int, int]]]:
-    """Per rank, its complete copies as (slot index, step, shard), from the exchanged rows."""
+def offers(rows: List[List[int]]) -> list:
+    """The copies every rank holds, as offers to the plan (live_plan.Offer of kind 'slot<i>')."""
+    from ft_launcher.rank_monitor.rank_side.live_plan import Offer
+
     out = []
-    for row in rows:
-        out.append([(i, row[i * SLOT_COLUMNS], row[i * SLOT_COLUMNS + 1]) for i in range(len(S.SLOT_NAMES))
-                    if row[i * SLOT_COLUMNS] >= 0])
+    for r, row in enumerate(rows):
+        for i in range(len(S.SLOT_NAMES)):
+            step, identity, layout = row[i * SLOT_COLUMNS:i * SLOT_COLUMNS + 3]
+            if step >= 0:
+                out.append(Offer(r, step, identity, layout, f"slot{i}"))
     return out
 
 
-def plan(steps: List[int], shards: List[int], copies: List[List[Tuple[int, int, int]]]):
-    """Who resumes where, from each rank's completed step in memory (-1: none usable), its shard,
-    and the copies in its node's memory (`copies_of`). The resume step is the newest step every
-    shard has, live or as a copy. Per rank, its source: itself (kept), ("copy", itself, slot) (its
-    host copy), a rank at that step of the same shard (a live replica, round robin), else
-    ("copy", N, slot): the copy rank N holds (round robin over the holders).
-    -> (resume step, sources, reason); (None, [None] * n, why) when no step is held by every shard."""
-    n = len(steps)
-    wanted = set(shards)
-    live: Dict[int, Dict[int, List[int]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-    held: Dict[int, Dict[int, List[Tuple[int, int]]]] = collections.defaultdict(lambda: collections.defaultdict(list))
-    for r in range(n):
-        if steps[r] >= 0:
-            live[steps[r]][shards[r]].append(r)
-        for slot, step, shard in copies[r]:
-            held[step][shard].append((r, slot))
-    candidates = sorted(set(live) | set(held), reverse=True)
-    resume = next((c for c in candidates if wanted <= set(live[c]) | set(held[c])), None)
-    if resume is None:
-        return None, [None] * n, _why_not(wanted, live, held)
-    sources: list = [None] * n
-    turn: Dict[int, int] = collections.defaultdict(int)
-    for r in range(n):
-        shard = shards[r]
-        mine = [slot for slot, step, sh in copies[r] if step == resume and sh == shard]
-        if steps[r] == resume:
-            sources[r] = r
-        elif mine:
-            sources[r] = ("copy", r, mine[0])
-        elif live[resume][shard]:
-            group = live[resume][shard]
-            sources[r] = group[turn[shard] % len(group)]
-            turn[shard] += 1
-        else:
-            group = [h for h in held[resume][shard] if h[0] != r]
-            q, slot = group[turn[shard] % len(group)]
-            sources[r] = ("copy", q, slot)
-            turn[shard] += 1
-    return resume, sources, ""
+def is_copy(offer) -> bool:
+    return offer is not None and offer.kind.startswith("slot")
 
 
-def _why_not(wanted, live, held) -> str:
-    if not live and not held:
-        return "no rank holds live state or a buddy copy (a cold or job-level restart, or a first start)"
-    steps_of = {s: sorted({c for c in set(live) | set(held) if s in live[c] or s in held[c]}) for s in wanted}
-    lost = sorted(s for s, at in steps_of.items() if not at)
-    if lost:
-        return (f"no rank holds shard {', '.join(map(str, lost))} in memory, live or as a buddy copy (its rank and "
-                f"the rank holding its copy were both lost: a node and its buddy's node)")
-    common = ", ".join(f"shard {s} at {at[0]}-{at[-1]}" for s, at in sorted(steps_of.items()))
-    return f"no step is held by every shard ({common})"
+def source_name(rank: int, offer) -> str:
+    """'host copy' (this rank's own copy on its node) or 'buddy N' (the copy rank N holds)."""
+    return "host copy" if offer.holder == rank else f"buddy {offer.holder}"
 
 
-def source_name(rank: int, source) -> Optional[str]:
-    """'host copy' or 'buddy N' for a copy source; None for the others."""
-    if isinstance(source, tuple):
-        return "host copy" if source[1] == rank else f"buddy {source[1]}"
-    return None
+def unmet_text(needs, offers_, ranks_text) -> str:
+    """The fallback's words when buddy copies were on: the ranks whose shard no rank holds at any
+    step, live or as a copy (a node and its buddy's node lost), else ''."""
+    have = {o.identity for o in offers_}
+    lost = [r for r, need in enumerate(needs) if need.identity not in have]
+    if not lost:
+        return ""
+    return (f"no rank holds the shard {ranks_text(lost)} need{'s' if len(lost) == 1 else ''} in memory at any step, "
+            f"live or as a buddy copy (its rank and the rank holding its copy were both lost: a node and its "
+            f"buddy's node)")
 
 
-def fetch(copy: "BuddyCopy", objects, sources: list, resume: int, rows: List[List[int]], shard: int, device):
+def fetch(copy: "BuddyCopy", plan, rows: List[List[int]], fresh: Dict[str, tuple]):
     """The copy sources of a restore plan, over the buddy group: every rank sends the slots others
     receive from it, a rank whose source is another rank's copy receives it into one of its own
-    slots (one no other rank reads now, else a staging buffer), and a rank with a copy source
-    loads it. -> (bytes this rank got, from a buddy or its host copy; seconds from the start to
-    its state loaded)."""
-    import torch
+    slots (one no other rank reads now, else a staging file) and reads it like its host copy.
+    -> (name -> state dict, bytes, seconds) for a rank whose source is a copy, else None."""
     import torch.distributed as dist
 
-    rank, world = copy.rank, copy.world
-    mine = sources[rank]
-    sends = [(dst, src[2]) for dst, src in enumerate(sources)
-             if isinstance(src, tuple) and src[1] == rank and dst != rank]
+    rank = copy.rank
+    mine = plan.sources[rank]
     t0 = time.perf_counter()
-    works, target, into = [], None, None
-    if isinstance(mine, tuple):
-        q, j = mine[1], mine[2]
-        nbytes, meta_len = rows[q][j * SLOT_COLUMNS + 2], rows[q][j * SLOT_COLUMNS + 3]
-        if q == rank:
-            into = copy.slots.slots[j].payload(nbytes)
+    works, source = [], None
+    if is_copy(mine):
+        j = int(mine.kind[4:])
+        nbytes = rows[mine.holder][j * SLOT_COLUMNS + 3]
+        if mine.holder == rank:
+            source = copy.slots.slots[j]
         else:
-            busy = {src[2] for src in sources if isinstance(src, tuple) and src[1] == rank}
+            busy = {int(o.kind[4:]) for o in plan.sources if is_copy(o) and o.holder == rank}
             free = [i for i in S.OWN if i not in busy]
-            if free:
-                target = copy.slots.slots[free[0]]
-                target.ensure(nbytes)
-                target.begin()
-                into = target.payload(nbytes)
-            else:
-                into = torch.empty(nbytes, dtype=torch.uint8)
-            works.append(dist.irecv(into, q, group=copy.group))
-    for dst, j in sends:
-        works.append(dist.isend(copy.slots.slots[j].payload(rows[rank][j * SLOT_COLUMNS + 2]), dst, group=copy.group))
+            source = copy.slots.slots[free[0]] if free else S.Slot(copy.prefix + "_staging")
+            source.ensure(nbytes)
+            source.begin()
+            works.append(dist.irecv(source.payload(nbytes), mine.holder, group=copy.group))
+    for dst, o in enumerate(plan.sources):
+        if is_copy(o) and o.holder == rank and dst != rank:
+            j = int(o.kind[4:])
+            works.append(dist.isend(copy.slots.slots[j].payload(rows[rank][j * SLOT_COLUMNS + 3]), dst,
+                                    group=copy.group))
     for w in works:
         w.wait()
-    if not isinstance(mine, tuple):
-        return 0, 0.0
-    if target is not None:   # the received copy is this rank's host copy of the resume step from now on
-        target.finish(resume, shard, world, rank, copy.cycle, nbytes, meta_len, _names_crc(objects))
-    load_snapshot(into, meta_len, objects, device)
-    return nbytes, time.perf_counter() - t0
+    if source is None:
+        return None
+    if mine.holder != rank:   # what it received is its host copy of the resume step from now on
+        source.finish(mine.step, mine.identity, mine.layout, copy.world, rank, copy.cycle, nbytes)
+    ready, total = read_snapshot(source, fresh, None)
+    if source not in copy.slots.slots:
+        source.close()
+        os.unlink(source.path)
+    return ready, total, time.perf_counter() - t0

@@ -84,6 +84,14 @@ class _State:
 
 
 _STATE = _State()
+_ON_TEARDOWN: list = []   # callables run at each restart point before the garbage collection (on_teardown)
+
+
+def on_teardown(fn: Callable[[], None]) -> None:
+    """Run `fn` at every restart point, after the process group is gone and before the failed
+    call's garbage is collected (live_state drops the held modules' gradients there)."""
+    if fn not in _ON_TEARDOWN:
+        _ON_TEARDOWN.append(fn)
 
 
 def _record():
@@ -193,6 +201,11 @@ def _teardown() -> None:
         # name; the next one must take the same name as its peers' ("0"), as after a destroy.
         c10d._world.group_count = 0
     sys.last_type = sys.last_value = sys.last_traceback = None
+    for fn in _ON_TEARDOWN:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - a hook must not stop the restart
+            sys.stderr.write(f"ft_launcher: at the restart point: {exc!r}\n")
     gc.collect()
     torch = sys.modules.get("torch")
     if (torch is not None and os.environ.get(ENV_EMPTY_CUDA_CACHE, "1") == "1"

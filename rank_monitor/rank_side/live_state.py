@@ -2,75 +2,111 @@
 replaced ranks heal from a data-parallel peer, so a failure costs the step in flight, not the work
 since the last checkpoint. `ft_launcher.LiveState`; the user guide is docs/live-state.md.
 
-    live = ft.LiveState(model=model, optimizer=opt, scheduler=sched)   # state_dict/load_state_dict
+    live = ft.LiveState(model=model, optimizer=opt, scheduler=sched, loader=loader)
     start = live.restore()      # after init_process_group, BEFORE DDP is constructed
     if start is None: start = load_checkpoint()                        # no live state: as today
     for step in range(start + 1, steps + 1):
+        batch = next(batches)                                            # the loader moves here
         ... forward / backward ...
         with live.commit(step):
             opt.step(); sched.step()
 
-How it works:
+The parts:
+- live_objects: per object, its state as of the last commit at a small per-step cost (a module's
+  buffers, an optimizer's hyperparameters, a snapshot of anything else: a loader's position, a
+  scheduler, RNG), and what a new object reads once at restore (its own tensors, layout, shard
+  identity). live_wire: what a state may hold, the wire, the digest. live_plan: who resumes where.
 - `commit(step)`: a restart signal that lands inside waits for its end (rank_monitor.rank_side.inprocess);
-  on a clean exit `step` is completed: one word of the rank's record (H_LIVE_STEP), no syscall.
-  An exception out of the body leaves the state suspect (it may be half-updated).
-- Across calls of the restartable function the previous call's objects stay in a module-level
-  registry; their tensors are at the last completed step, since only `commit` changes them.
-- `restore()` (cycle > 0 only): one all_gather over the default process group of each rank's
-  completed step and shard; -1 for a new process, a suspect rank, or one whose function raised by
-  itself. plan_recovery: the job resumes at the highest completed step; each shard position
-  needs a rank that holds it (else every rank returns None: the script's checkpoint, and global
-  rank 0 prints one line saying why); a rank at that step keeps its state (copied from its
-  previous objects into the new ones); the others receive it from a holder of the same shard,
-  spread round robin over the holders. Transfer, per object: a pickled skeleton of its state
-  dict (every non-tensor value), then its tensors in few messages: those under 1 MiB packed into
-  one reused staging buffer of at most 16 MiB (as many fills as they need), each larger one sent by
-  itself; received in place into the new object's own tensor where path, shape and dtype match (a
-  DTensor's local shard), else into a new one; then `load_state_dict`. A second all_gather
-  collects what each rank received and how long it
-  took (`transfer_s`: the slowest receiver's; `restore_s`: the slowest rank's time from the step
-  exchange to its state loaded); global rank 0 writes the summary (JSON) into its record for the agent, which says it as one
-  `live_recovery` event and console line (agent.recovery.live_recovery).
-- `buddy_every=K` (rank_monitor.rank_side.buddy_copy): every K steps the commit also copies the
-  state into host memory, this node's and a buddy rank's on another node; the step exchange then
-  also carries each rank's copies, and the plan resumes at the newest step every shard has, live or
-  as a copy (a rank without a live replica, or on a spare node after a lost one, loads a copy).
+  on a clean exit each object's outside-commit state is snapshotted (`_completed`: the hook where a
+  commit counts its step), this process holds `step` for the LiveState's name (the registry), and
+  one word of the rank's record (H_LIVE_STEP) says so. An exception out of the body leaves the
+  state suspect. The first commit checks that every object's state can be sent and compared; one
+  that cannot is refused there with one line (live recovery off for this LiveState), not at the
+  first heal.
+- The registry (this process): per LiveState name, the LiveState whose committed state it holds,
+  and at which step. Only a commit or a completed restore makes a LiveState held: one that was only
+  constructed (a call that ended before its restore) never replaces the previous one, and a fault
+  inside restore() leaves the previous one for the next attempt (a kept rank holds the new one
+  once its state is in it).
+- `restore()` (cycle > 0; a collective, every rank calls it, several LiveStates match by name):
+  1. each object is read once (`state_dict()` once per object on every rank);
+  2. the step exchange (one all_gather, `_Row`): per rank, what it offers (its committed step, the
+     shard identity and layout that state was made under, or why it holds nothing) and what it
+     needs (its new objects' identity and layout);
+  3. live_plan.plan_recovery: the resume step and each rank's source; none: every rank returns
+     None (the script's checkpoint) and global rank 0 prints one line saying why;
+  4. a kept rank moves its committed state into the new objects (copied into their own tensors,
+     the rest handed over, nothing staged), then frees the previous objects;
+  5. the transfers, in one global order: the skeleton and tensors of each object (live_wire);
+  6. the check (`verify=True`, the default): the replicas of each shard that a rank healed in
+     compare a digest of their restored state (one all_gather); a mismatch falls back with one line;
+  7. every rank loads each object (`load_state_dict()` once per object, in name order, the RNG last)
+     and takes that state as its committed state;
+  8. a second all_gather collects bytes, transfer time and each rank's restore time; global rank 0
+     writes the summary (JSON) for the agent, which says it as one `live_recovery` event and console
+     line (agent.recovery.live_recovery).
 - Outside ft_launcher, under torchrun or plain python, outside `ft.restartable`, or with
   `--restart-granularity job`: `restore()` returns None and `commit` only runs its body.
-
-Limits: the state must be what `state_dict` returns; changes made outside `commit` (e.g. BatchNorm
-running statistics updated by the step in flight's forward) are kept as they are. Data position:
-pass a stateful sampler/dataloader, or derive the batch from the step.
 """
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import os
-import pickle
-import random
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from ft_launcher.rank_monitor.rank_side import buddy_copy, inprocess
+from ft_launcher.rank_monitor.rank_side import live_objects as O
+from ft_launcher.rank_monitor.rank_side import live_wire as W
+from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer, Plan, plan_recovery
 from ft_launcher.rank_monitor import buddy_store
 from ft_launcher.rank_monitor import shm_layout as L
 
 NOT_HELD = -1
+RNG = "_rng"
+
+# Why a rank offers nothing in the step exchange (column STATUS of _Row).
+HOLDS, NEW, NONE, SUSPECT, REFUSED = 0, 1, 2, 3, 4
+_STATUS_WORDS = {NEW: ("is a new process", "are new processes"),
+                 NONE: ("held no state under this name", "held no state under this name"),
+                 SUSPECT: ("holds suspect state (an exception left its training function or commit)",
+                           "hold suspect state (an exception left their training function or commit)"),
+                 REFUSED: ("refused the state at its first commit (see that line)",
+                           "refused the state at their first commit (see that line)")}
+
+
+class _Held:
+    """What this process holds for one LiveState name."""
+
+    __slots__ = ("live", "step", "dirty", "ready")
+
+    def __init__(self, live: "LiveState", step: int, ready: Optional[dict] = None) -> None:
+        self.live, self.step, self.dirty = live, step, False
+        self.ready = ready   # committed state dicts not yet loaded into live's objects (during a restore)
+
+    def committed(self) -> Dict[str, dict]:
+        if self.ready is not None:
+            return self.ready
+        return {name: t.committed() for name, t in self.live.tracked.items()}
 
 
 class _Registry:
     """What survives between calls of the restartable function (this process only)."""
 
     def __init__(self) -> None:
-        self.current: Optional["LiveState"] = None   # the running call's LiveState
-        self.cycle: Optional[int] = None             # the cycle it was made in
-        self.previous: Optional["LiveState"] = None  # the previous call's, until restore() used it
-        self.step = NOT_HELD                         # the last step `commit` completed
-        self.dirty = False                           # an exception left a commit: state suspect
-        self.buddy = None                            # this cycle's buddy copies (rank_side.buddy_copy), if on
-        self.said_job = False                        # the granularity-job line was said
+        self.cycle: Optional[int] = None              # the cycle of the running call's LiveStates
+        self.current: Dict[str, "LiveState"] = {}     # the running call's LiveStates, by name
+        self.held: Dict[str, _Held] = {}              # by name: the LiveState whose committed state is held
+        self.refused: Dict[str, str] = {}             # by name: why its state was refused
+        self.calls = 0                                # calls of this process that made a LiveState
+        self.trained = False                          # a commit completed in the running call
+        self.suspect = False                          # the previous call raised by itself after a commit
+        self.depth = 0                                # nested commits (the restart signal waits for all)
+        self.said_job = False                         # the granularity-job line was said
+        self.buddy = None                             # this cycle's buddy copies (rank_side.buddy_copy), if on
 
 
 _REG = _Registry()
@@ -83,103 +119,78 @@ def _cycle() -> int:
         return 0
 
 
-class _Rng:
-    """The RNG state as of the last commit (torch's CPU and CUDA generators, Python's `random`)."""
-
-    def __init__(self) -> None:
-        self.saved: Optional[dict] = None
-
-    def snapshot(self) -> None:
-        import torch
-
-        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        self.saved = state
-
-    def state_dict(self) -> dict:
-        if self.saved is None:
-            self.snapshot()
-        return self.saved
-
-    def load_state_dict(self, state: dict) -> None:
-        import torch
-
-        torch.set_rng_state(state["torch"])
-        random.setstate(state["python"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-        self.saved = state
+def _say(line: str) -> None:
+    """One line on global rank 0 (every rank decides the same)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"ft_launcher: {line}", file=sys.stderr, flush=True)
 
 
-class _Commit:
-    """The context manager `LiveState.commit(step)` returns (one per LiveState: no allocation)."""
+def _on_teardown() -> None:
+    """At an in-place restart: the held modules' gradients go (the next call makes its own), so the
+    new call builds its objects beside the held state, not beside it and its gradients too."""
+    for held in _REG.held.values():
+        for t in held.live.tracked.values():
+            if t.kind == O.MODULE or hasattr(t.obj, "parameters"):
+                try:
+                    for p in t.obj.parameters():
+                        p.grad = None
+                except Exception:  # noqa: BLE001 - best effort: only memory
+                    pass
 
-    __slots__ = ("live", "step")
 
-    def __init__(self, live: "LiveState") -> None:
-        self.live, self.step = live, 0
-
-    def __enter__(self):
-        if self.live._words is not None:
-            inprocess._STATE.in_commit = True
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        words = self.live._words
-        if words is None:
-            return False
-        if exc_type is None:
-            if self.live._rng is not None:
-                self.live._rng.snapshot()
-            _REG.step = self.step
-            _REG.dirty = False
-            words[L.H_LIVE_STEP] = self.step + 1
-        else:
-            _REG.dirty = True
-        inprocess.commit_done()   # a restart signal that arrived inside: RestartInPlace now
-        if exc_type is None and self.live._buddy is not None:
-            self.live._buddy.after_commit(self.live, self.step)   # every K steps: the copy (it may wait)
-        return False
+inprocess.on_teardown(_on_teardown)
 
 
 class LiveState:
     """The training state that survives an in-place restart (see the module docstring).
 
-    `LiveState(model=..., optimizer=..., scheduler=..., ...)`: any number of named objects with
-    `state_dict()` / `load_state_dict()`. Keywords:
-    - `shard`: which part of the state this rank holds, when ranks do not all hold the same (HSDP,
-      FSDP with replication: the rank's position in its shard group, e.g.
-      `mesh.get_local_rank("shard")`); ranks with the same `shard` are replicas of each other.
-      None (default): every rank holds the same state (DDP).
-    - `rng`: also keep the RNG state (torch CPU and CUDA, Python's `random`) as of each commit.
-    - `buddy_every`: every that many steps, also copy the state into this node's host memory and
-      a buddy rank's on another node (rank_side.buddy_copy), so a rank without a live replica
-      and a lost node resume from memory; 0 (default): off.
+    `LiveState(model=..., optimizer=..., scheduler=..., loader=..., ...)`: any number of named
+    objects with `state_dict()` / `load_state_dict()`. Keywords:
+    - `name`: matches this LiveState to the previous call's (several per function: a GAN's G and D);
+      default: the objects' names joined by '+'.
+    - `shard`: which part of the state this rank holds, when ranks do not all hold the same and the
+      state has no DTensors that say so (their mesh coordinates are the shard identity anyway);
+      ranks with the same `shard` are replicas. None (default): from the DTensors, else every rank
+      holds the same state (DDP).
+    - `rng` (default True): also keep the RNG state (torch CPU and CUDA, Python's `random`) as of
+      each commit, so dropout and augmentation continue their stream.
+    - `verify` (default True): after a live recovery in which a rank healed from a peer, the
+      replicas of its shard compare a digest of their restored state; a mismatch falls back.
+    - `buddy_every`: every that many steps, also copy the committed state into host memory, this
+      node's and a buddy rank's on another node (rank_side.buddy_copy), so a rank without a live
+      replica and a lost node resume from memory; 0 (default): off. One LiveState per process.
     - `buddy_memory_limit_mb`: the most host memory the buddy copies of one node may take
       (default: 80 % of what it has available); above it, buddy copies are off, said in one line.
     """
 
-    def __init__(self, *, shard: Optional[int] = None, rng: bool = False, buddy_every: int = 0,
-                 buddy_memory_limit_mb: Optional[float] = None, **objects: Any) -> None:
-        for name, obj in objects.items():
+    def __init__(self, *, name: Optional[str] = None, shard: Optional[int] = None, rng: bool = True,
+                 verify: bool = True, buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
+                 **objects: Any) -> None:
+        for key, obj in objects.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise TypeError(f"LiveState({name}=...): a {type(obj).__name__} has no state_dict/load_state_dict")
+                raise TypeError(f"LiveState({key}=...): a {type(obj).__name__} has no state_dict/load_state_dict")
         if not objects:
             raise TypeError("LiveState(): name at least one object, e.g. LiveState(model=model, optimizer=opt)")
+        if RNG in objects:
+            raise TypeError(f"LiveState({RNG}=...): that name is the RNG state's (rng=True)")
+        self.name = name or "+".join(sorted(objects))
         self.objects: Dict[str, Any] = dict(objects)
-        self._rng = _Rng() if rng else None
-        if self._rng is not None:
-            self.objects["_rng"] = self._rng
-        self.shard = 0 if shard is None else int(shard)
+        if rng:
+            self.objects[RNG] = O.Rng()
+        self.tracked: Dict[str, O.Tracked] = {k: O.Tracked(k, v) for k, v in self.objects.items()}
+        self.shard = None if shard is None else int(shard)
+        self.verify = verify
         if int(buddy_every) < 0:
             raise ValueError(f"LiveState(buddy_every={buddy_every}): a number of steps, 0 for off")
         self._buddy_every = int(buddy_every)
         self._buddy_limit = None if buddy_memory_limit_mb is None else int(float(buddy_memory_limit_mb) * 1e6)
         self._buddy = None
-        self._commit = _Commit(self)
-        self._words = None
         self.last_recovery: Optional[dict] = None   # restore()'s summary (rank 0's view), for tests and logs
+        self.stats = {"commits": 0, "snapshot_s": 0.0, "first_commit_s": 0.0}
+        self.refused: Optional[str] = None
+        self._pending = 0
+        self._described: Optional[dict] = None   # identity and layout of its objects (once read)
+        self._words = None
         rec = None
         if os.environ.get(inprocess.ENV_GRANULARITY, "job") != "job" and inprocess._STATE.active:
             rec = inprocess._record()
@@ -187,27 +198,146 @@ class LiveState:
             return
         self._mm, self._words = rec
         cycle = _cycle()
-        if _REG.cycle != cycle:   # the first LiveState of this call: the last call's is the previous
-            _REG.previous, _REG.cycle = _REG.current, cycle
-        _REG.current = self
+        if _REG.cycle != cycle:   # the first LiveState of this call
+            _REG.suspect = inprocess._STATE.failed_last and _REG.trained
+            _REG.cycle, _REG.current, _REG.trained = cycle, {}, False
+            _REG.calls += 1
+        if self.name in _REG.current:
+            raise TypeError(f"two LiveStates named '{self.name}' in one call: give each its own name "
+                            f"(LiveState(name='G', ...))")
+        _REG.current[self.name] = self
 
     @property
     def active(self) -> bool:
         """True under ft_launcher inside `ft.restartable` with in-place restarts on."""
         return self._words is not None
 
+    # ---- commit ---------------------------------------------------------------------------------
+    def commit(self, step: int) -> "LiveState":
+        """`with live.commit(step): opt.step()`: the body runs whole even if a restart signal
+        arrives meanwhile; once it ends without an exception, `step` counts as completed.
+        Commits may nest (`with g.commit(s), d.commit(s):`): the signal waits for the outermost."""
+        self._pending = step
+        return self
+
+    def __enter__(self) -> "LiveState":
+        if self._words is not None:
+            _REG.depth += 1
+            inprocess._STATE.in_commit = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._words is None:
+            return False
+        try:
+            if exc_type is None:
+                self._completed(self._pending)
+            else:
+                held = _REG.held.get(self.name)
+                if held is not None and held.live is self:
+                    held.dirty = True
+        finally:
+            _REG.depth -= 1
+            if _REG.depth <= 0:
+                _REG.depth = 0
+                inprocess.commit_done()   # a restart signal that arrived inside: RestartInPlace now
+        if exc_type is None and self._buddy is not None and self.refused is None:
+            self._buddy.after_commit(self, self._pending)   # every K steps: the copy (it may wait for the last)
+        return False
+
+    # ---- buddy copies (rank_side.buddy_copy) ----------------------------------------------------------
+    def committed_states(self) -> Dict[str, dict]:
+        """Every object's state dict as of the last commit (what a buddy copy holds)."""
+        return {name: t.committed() for name, t in self.tracked.items()}
+
+    def described(self) -> dict:
+        """The identity and layout digests of this LiveState's objects (as the step exchange has them)."""
+        return self._describe()
+
     def buddy_stats(self) -> Optional[dict]:
         """This cycle's buddy-copy figures (snapshots, bytes, seconds copying, waiting, exchanging),
         or None when buddy copies are off."""
         return self._buddy.stats() if self._buddy is not None else None
 
-    def commit(self, step: int) -> _Commit:
-        """`with live.commit(step): opt.step()`: the body runs whole even if a restart signal
-        arrives meanwhile; once it ends without an exception, `step` counts as completed."""
-        self._commit.step = step
-        return self._commit
+    def _start_buddy(self, cycle: int):
+        """This cycle's buddy copies (a collective: a new gloo group and the placement), when asked
+        for, under ft_launcher, with a state that can be sent; the previous cycle's are closed."""
+        if _REG.buddy is not None:
+            _REG.buddy.close()
+            _REG.buddy = None
+        prefix = os.environ.get(buddy_store.ENV_PREFIX)
+        if not self._buddy_every or not prefix or self.refused is not None:
+            return None
+        self._buddy = _REG.buddy = buddy_copy.BuddyCopy(self._buddy_every, self._buddy_limit, prefix)
+        self._buddy.setup(cycle)
+        _drain_before_destroy()
+        return self._buddy
 
-    # ---- restore ----------------------------------------------------------------------------
+    def _completed(self, step: int) -> None:
+        """A commit's body ended: `step` is completed. What changed outside commit is snapshotted,
+        and this process holds the state at `step`. (Where a GPU step must have finished before its
+        step counts, the wait goes first here.)"""
+        t0 = time.perf_counter()
+        _REG.trained = True
+        if self.refused is not None:
+            return
+        first = self.stats["commits"] == 0
+        try:
+            if first:
+                self._describe()
+            for tracked in self.tracked.values():
+                tracked.snapshot()
+        except W.Refused as exc:
+            self._refuse(exc)
+            return
+        if first:
+            for tracked in self.tracked.values():
+                if tracked.note:
+                    _say(f"LiveState '{self.name}': {tracked.note}")
+        held = _REG.held.get(self.name)
+        if held is None or held.live is not self:
+            held = _REG.held[self.name] = _Held(self, step)
+        held.step, held.dirty, held.ready = step, False, None
+        self._words[L.H_LIVE_STEP] = step + 1
+        self.stats["first_commit_s" if first else "snapshot_s"] += time.perf_counter() - t0
+        self.stats["commits"] += 1
+
+    def _refuse(self, exc: W.Refused) -> None:
+        self.refused = (f"'{exc.name}' holds {exc.what} at {W.path_text(exc.path)}, which a peer could not receive "
+                        f"(a state dict may hold only None, numbers, strings, bytes, dtypes, devices, tensors and "
+                        f"dicts, lists, tuples and sets of those)")
+        said = _REG.refused.get(self.name) == self.refused
+        _REG.refused[self.name] = self.refused
+        held = _REG.held.get(self.name)
+        if held is not None and held.live is self:
+            del _REG.held[self.name]
+        if not said:
+            _say(f"LiveState '{self.name}' refused: {self.refused}: live recovery is off for it, every restart "
+                 f"loads the checkpoint")
+
+    def _describe(self, fresh: Optional[dict] = None) -> dict:
+        """Identity and layout digests of this LiveState's objects (read once: `fresh` if given)."""
+        if fresh is None and self._described is not None:
+            return self._described
+        if fresh is None:
+            fresh = {name: t.fresh() for name, t in sorted(self.tracked.items())}
+        world = _world()
+        per_object = {name: W.digest64(name, self.tracked[name].kind, layout)
+                      for name, (_, layout, _) in sorted(fresh.items())}
+        idents = [(name, ident) for name, (_, _, ident) in sorted(fresh.items()) if ident]
+        self._described = {
+            "world": world,
+            "identity": W.digest64(world, self.shard, idents),
+            "identity_text": O.describe_identity([e for _, ident in idents for e in ident], self.shard),
+            "layout": W.digest64(sorted(per_object.items())),
+            "objects": per_object,
+            "names": W.digest64(sorted(self.tracked)),
+            # plain BatchNorm statistics are per rank; DDP makes rank 0's everyone's at the next forward
+            "rank0_buffers": sorted(n for n, t in self.tracked.items() if t.per_rank) if world > 1 else [],
+        }
+        return self._described
+
+    # ---- restore --------------------------------------------------------------------------------
     def restore(self) -> Optional[int]:
         """Load the state the job resumes at into this call's objects: the last completed step
         this rank now holds, or None when there is no live state (first start, a cold or job-level
@@ -222,110 +352,231 @@ class LiveState:
                       "process): every rank loads its checkpoint", file=sys.stderr, flush=True)
             return None
         import torch
-        import torch.distributed as dist
 
         words, cycle = self._words, _cycle()
-        previous, _REG.previous = _REG.previous, None
-        held, dirty = _REG.step, _REG.dirty or inprocess._STATE.failed_last
-        _REG.step, _REG.dirty = NOT_HELD, False
         words[L.H_LIVE_STEP] = 0
+        fresh = mine = None
+        if self.refused is None:
+            try:
+                fresh = {name: t.fresh() for name, t in sorted(self.tracked.items())}   # each object read once
+                mine = self._describe(fresh)
+            except W.Refused as exc:
+                self._refuse(exc)
+        import torch.distributed as dist
+
+        if cycle == 0:   # a first start: nothing to exchange
+            if dist.is_available() and dist.is_initialized():
+                self._start_buddy(cycle)
+            return None
         if not (dist.is_available() and dist.is_initialized()):
-            if cycle == 0:
-                return None
             raise RuntimeError("LiveState.restore() exchanges state over the process group: call it after "
                                "init_process_group (and before DDP is constructed)")
-        buddy = self._start_buddy(cycle)
-        if cycle == 0:   # a first start: nothing to exchange
-            return None
         rank, world = dist.get_rank(), dist.get_world_size()
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-            else torch.device("cpu")
-        usable = previous is not None and not dirty and set(previous.objects) == set(self.objects)
-        mine = held if usable else NOT_HELD
-        mine_raw = held if previous is not None else NOT_HELD
-        row = [mine, self.shard, mine_raw] + (buddy_copy.holdings(buddy.slots, world, self.objects) if buddy else [])
-        table = _all_gather(torch.tensor(row, dtype=torch.int64, device=device), world)
-        steps, shards, raw = [int(r[0]) for r in table], [int(r[1]) for r in table], [int(r[2]) for r in table]
+        device = transfer_device()
+        buddy = self._start_buddy(cycle)
+        held = _REG.held.get(self.name)
+        row = _Row.mine(self, held, mine)
+        values = row.values + (buddy_copy.holdings(buddy.slots, world) if buddy is not None else [])
+        table = _all_gather(torch.tensor(values, dtype=torch.int64, device=device), world)
+        rows = [_Row(r[:_Row.SIZE]) for r in table]
+        copies = [r[_Row.SIZE:] for r in table] if buddy is not None else None
         started = time.perf_counter()   # every rank is here: what follows is the recovery's own time
-        if buddy is not None:
-            rows = [r[3:] for r in table]
-            resume, sources, reason = buddy_copy.plan(steps, shards, buddy_copy.copies_of(rows))
-        else:
-            resume, sources, reason = plan_recovery(steps, shards)
-        received, seconds = 0, 0.0
-        if resume is not None:
-            with torch.no_grad():
-                if sources[rank] == rank:
-                    _copy_objects(previous, self)
-                    _REG.step = resume   # held now: a failure during the transfers keeps it
-                del previous
-                if buddy is not None:   # copies first: a rank that sends one may also receive a live one
-                    received, seconds = buddy_copy.fetch(buddy, self.objects, sources, resume, rows,
-                                                         self.shard, device)
+        plan, reason = _plan(self, rows, world, buddy_copy.offers(copies) if copies else [])
+        names = sorted(self.tracked)
+        received = sent = 0
+        seconds = 0.0
+        check = None
+        with torch.no_grad():
+            if plan.resume is not None:
+                offered = held.committed() if rows[rank].status == HOLDS else None
+                ready: Dict[str, Any] = {}
+                if plan.kept(rank):   # 4: the committed state into the new objects
+                    ready = {n: W.move_state(offered[n], fresh[n][0]) for n in names}
+                    self._hold(plan.resume, ready, previous=held)
+                    offered = ready
+                if buddy is not None:   # copies first (a rank that sends one may receive a live state)
+                    got = buddy_copy.fetch(buddy, plan, copies, fresh)
+                    if got is not None:
+                        ready, received, seconds = got
                 t0 = time.perf_counter()
-                for dst in range(world):   # a source serves its receivers in rank order
-                    if sources[dst] == rank and dst != rank:
-                        _send_objects(self, dst, device)
-                if isinstance(sources[rank], int) and sources[rank] != rank:
-                    received = _recv_objects(self, sources[rank], device)
-                    seconds = time.perf_counter() - t0
-        else:
-            del previous
+                for src, dst in plan.transfers():   # 5
+                    if src == rank:
+                        for n in names:
+                            sent += W.send_state(offered[n], device, lambda t: dist.send(t, dst))
+                    if dst == rank:
+                        for n in names:
+                            ready[n], nbytes = W.recv_state(fresh[n][0], device, lambda t: dist.recv(t, src))
+                            received += nbytes
+                        seconds = time.perf_counter() - t0
+                offered = None
+                if not plan.kept(rank):
+                    self._hold(plan.resume, ready, previous=held)
+                held = None
+                if self.verify:   # 6
+                    check, reason = _verify(self, plan, rows, ready, names, device, world)
+                if reason:
+                    plan = Plan(None, [None] * world, reason)
+                    _REG.held.pop(self.name, None)
+                else:
+                    self._load(ready, fresh)   # 7
+            else:
+                _REG.held.pop(self.name, None)   # the checkpoint: the previous objects are not needed
+            del held, fresh
+            gc.collect()   # the previous objects' cycles, if any, now
         own = int((time.perf_counter() - started) * 1e9)
-        stats = _all_gather(torch.tensor([received, int(seconds * 1e9), own], dtype=torch.int64, device=device), world)
-        summary = {"cycle": cycle, "resume_step": resume, "steps_redone": None if resume is None
-                   else max(0, max(raw) - resume),
-                   "sources": {str(r): _source_name(r, sources[r]) for r in range(world)},
-                   "bytes": sum(int(s[0]) for s in stats),
+        stats = _all_gather(torch.tensor([received, int(seconds * 1e9), own], dtype=torch.int64, device=device),
+                            world)   # 8
+        summary = self._summary(cycle, plan, rows, stats, check, reason)
+        if rank == 0:
+            if plan.resume is None:
+                print(f"ft_launcher: no live state to resume from ({reason}): every rank loads its checkpoint",
+                      file=sys.stderr, flush=True)
+            _publish(self._mm, words, summary)
+        words[L.H_LIVE_RESUME] = 0 if plan.resume is None else plan.resume + 1
+        src = plan.sources[rank]
+        words[L.H_LIVE_SOURCE] = (L.LIVE_DISK if src is None else L.LIVE_KEPT if plan.kept(rank)
+                                  else (L.LIVE_HOST_COPY if src.holder == rank else L.LIVE_BUDDY - src.holder)
+                                  if buddy_copy.is_copy(src) else L.LIVE_PEER + src.holder)
+        words[L.H_LIVE_CYCLE] = cycle   # last: the agent reads the words above once it sees this
+        if rank == 0:
+            inprocess._wake_agent()
+        if plan.resume is None:
+            return None
+        words[L.H_LIVE_STEP] = plan.resume + 1
+        return plan.resume
+
+    def _hold(self, step: int, ready: Dict[str, Any], previous: Optional[_Held]) -> None:
+        """This LiveState now holds the state at `step` (`ready`, not yet loaded); the previous
+        LiveState of this name is freed."""
+        _REG.held[self.name] = _Held(self, step, ready=ready)
+        if previous is not None and previous.live is not self:
+            previous.live._release()
+
+    def _release(self) -> None:
+        self.tracked.clear()
+        self.objects.clear()
+
+    def _load(self, ready: Dict[str, Any], fresh: dict) -> None:
+        """Every object loads its state (the same order on every rank, the RNG last) and takes it
+        as its committed state. A module whose every tensor arrived in its own tensors (kept or
+        received in place) has nothing left to load."""
+        for name in O.load_order(ready):
+            tracked = self.tracked[name]
+            state = ready[name]
+            loaded = W.copy(state) if tracked.kind == O.SNAPSHOT else None
+            own = fresh[name][0]
+            in_place = (tracked.kind == O.MODULE and not tracked.extra and len(own) == len(W.flat(state))
+                        and all(own.get(p) is t for p, t in W.flat(state).items()))
+            if not in_place:
+                tracked.obj.load_state_dict(tracked.bind(state))
+            tracked.adopt(loaded)
+        held = _REG.held.get(self.name)
+        if held is not None and held.live is self:
+            held.ready = None
+
+    def _summary(self, cycle: int, plan: Plan, rows: List["_Row"], stats: list, check: Optional[dict],
+                 reason: str) -> dict:
+        world = len(rows)
+        raw = max(r.raw for r in rows)
+        sources = {}
+        for r in range(world):
+            sources[str(r)] = _source_name(plan, r)
+        summary = {"cycle": cycle, "name": self.name, "resume_step": plan.resume,
+                   "steps_redone": None if plan.resume is None else max(0, raw - plan.resume),
+                   "sources": sources, "bytes": sum(int(s[0]) for s in stats),
                    "transfer_s": round(max(int(s[1]) for s in stats) / 1e9, 6),
                    "restore_s": round(max(int(s[2]) for s in stats) / 1e9, 6)}
         if summary["bytes"] and summary["transfer_s"]:
             summary["mb_per_s"] = round(summary["bytes"] / 1e6 / summary["transfer_s"], 1)
+        if check is not None:
+            summary["check"] = check
         if reason:
             summary["reason"] = reason
         self.last_recovery = summary
-        if rank == 0:
-            if resume is None:
-                print(f"ft_launcher: no live state to resume from ({reason}): every rank loads its checkpoint",
-                      file=sys.stderr, flush=True)
-            L.write_live_text(self._mm, words, json.dumps(summary, separators=(",", ":")))
-        words[L.H_LIVE_RESUME] = 0 if resume is None else resume + 1
-        words[L.H_LIVE_SOURCE] = _source_word(rank, sources[rank]) if resume is not None else L.LIVE_DISK
-        words[L.H_LIVE_CYCLE] = cycle   # last: the agent reads the words above once it sees this
-        if rank == 0:
-            inprocess._wake_agent()
-        if resume is None:
-            return None
-        _REG.step = resume
-        words[L.H_LIVE_STEP] = resume + 1
-        return resume
+        return summary
 
 
-    def _start_buddy(self, cycle: int):
-        """This cycle's buddy copies (a collective: a new gloo group and the placement), when asked
-        for and under ft_launcher; the previous cycle's are closed."""
-        if _REG.buddy is not None:
-            _REG.buddy.close()
-            _REG.buddy = None
-        prefix = os.environ.get(buddy_store.ENV_PREFIX)
-        if not self._buddy_every or not prefix:
-            return None
-        self._buddy = _REG.buddy = buddy_copy.BuddyCopy(self._buddy_every, self._buddy_limit, prefix)
-        self._buddy.setup(cycle)
-        _drain_before_destroy()
-        return self._buddy
+def _world() -> int:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return int(os.environ.get("WORLD_SIZE", 1))
+    except ValueError:
+        return 1
 
 
-def _source_name(rank: int, source) -> str:
-    if isinstance(source, tuple):
-        return buddy_copy.source_name(rank, source)
-    return "disk" if source is None else "kept" if source == rank else f"peer {source}"
+def transfer_device():
+    """Where live state moves between ranks: the current CUDA device on an NCCL group, else the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-def _source_word(rank: int, source) -> int:
-    if isinstance(source, tuple):
-        return L.LIVE_HOST_COPY if source[1] == rank else L.LIVE_BUDDY - source[1]
-    return L.LIVE_KEPT if source == rank else L.LIVE_PEER + source
+# ---- the step exchange ----------------------------------------------------------------------------
+class _Row:
+    """One rank's line of the step exchange (int64 words): what it offers and what it needs."""
+
+    K = 16   # per-object layout digests carried (for the line that names the object that differs)
+    (STATUS, STEP, RAW, OFFER_ID, OFFER_LAYOUT, OFFER_WORLD, NEED_ID, NEED_LAYOUT, NAMES, REFUSED_NOW,
+     RANK0_BUFFERS) = range(11)
+    H = 11
+    SIZE = H + 2 * K
+
+    def __init__(self, values: list) -> None:
+        self.values = [int(v) for v in values]
+
+    @classmethod
+    def mine(cls, live: LiveState, held: Optional[_Held], now: Optional[dict]) -> "_Row":
+        v = [0] * cls.SIZE
+        status = HOLDS
+        if held is None:
+            status = REFUSED if live.name in _REG.refused else NEW if _REG.calls <= 1 else NONE
+        elif held.dirty or _REG.suspect:
+            status = SUSPECT
+        v[cls.STATUS] = status
+        v[cls.RAW] = held.step if held is not None else NOT_HELD
+        v[cls.STEP] = held.step if status == HOLDS else NOT_HELD
+        if status == HOLDS:
+            made = held.live._describe()
+            v[cls.OFFER_ID], v[cls.OFFER_LAYOUT], v[cls.OFFER_WORLD] = made["identity"], made["layout"], made["world"]
+            for i, d in enumerate(list(made["objects"].values())[:cls.K]):
+                v[cls.H + cls.K + i] = d
+        v[cls.NAMES] = W.digest64(sorted(live.tracked))
+        if now is None:   # its state was refused just now
+            v[cls.REFUSED_NOW] = 1
+            return cls(v)
+        v[cls.NEED_ID], v[cls.NEED_LAYOUT] = now["identity"], now["layout"]
+        v[cls.RANK0_BUFFERS] = int(bool(now["rank0_buffers"]))
+        for i, d in enumerate(list(now["objects"].values())[:cls.K]):
+            v[cls.H + i] = d
+        return cls(v)
+
+    def __getattr__(self, key):
+        return self.values[getattr(_Row, key.upper())]
+
+    def need_objects(self) -> list:
+        return self.values[self.H:self.H + self.K]
+
+    def offer_objects(self) -> list:
+        return self.values[self.H + self.K:]
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _source_name(plan: Plan, r: int) -> str:
+    src = plan.sources[r]
+    if src is None:
+        return "disk"
+    if plan.kept(r):
+        return "kept"
+    return buddy_copy.source_name(r, src) if buddy_copy.is_copy(src) else f"peer {src.holder}"
 
 
 def _drain_before_destroy() -> None:
@@ -350,266 +601,107 @@ def _drain_before_destroy() -> None:
 
 
 def teardown_buddy(join_for: float = 0.0) -> None:
-    """A restart's teardown (rank_side.inprocess): the buddy exchange in flight is abandoned (the
-    group's destruction ends it; at most `join_for` s waited for)."""
+    """A restart's teardown (rank_side.inprocess): the buddy exchange in flight is abandoned (its
+    peers' connections are shut down; at most `join_for` s waited for its thread)."""
     if _REG.buddy is not None:
         _REG.buddy.close(join_for)
         _REG.buddy = None
 
 
-def plan_recovery(steps: List[int], shards: List[int]) -> Tuple[Optional[int], List[Optional[int]], str]:
-    """Who resumes where, from each rank's completed step (-1: holds nothing usable) and shard.
+def _plan(live: LiveState, rows: List[_Row], world: int, copies: Optional[list] = None):
+    """The plan from the exchanged rows (and the buddy copies' offers), and the true reason when
+    there is no resume step."""
+    names = sorted(live.tracked)
+    odd = [r for r, row in enumerate(rows) if row.names != rows[0].names]
+    if odd:
+        return Plan(None, [None] * world, ""), (f"LiveState '{live.name}' holds other objects on {_ranks(odd)} than "
+                                                f"on rank 0 (here: {', '.join(names)})")
+    refused = [r for r, row in enumerate(rows) if row.refused_now]
+    if refused:
+        return Plan(None, [None] * world, ""), (f"LiveState '{live.name}' was refused on {_ranks(refused)}: "
+                                                f"{live.refused or 'see the line above'}")
+    offers = [Offer(r, row.step, row.offer_id, row.offer_layout) for r, row in enumerate(rows)
+              if row.status == HOLDS and row.offer_world == world] + list(copies or [])
+    other_world = sorted({row.offer_world for row in rows if row.status == HOLDS and row.offer_world != world})
+    plan = plan_recovery(offers, [Need(row.need_id, row.need_layout) for row in rows])
+    if plan.resume is not None and rows[0].rank0_buffers and not plan.kept(0):
+        modules = ", ".join(f"'{n}'" for n in live._describe()["rank0_buffers"])
+        return Plan(None, [None] * world, ""), (
+            f"LiveState '{live.name}': rank 0 would heal, but {modules} holds BatchNorm running statistics that each "
+            f"rank updates from its own batch and DDP broadcasts from rank 0 at the next step: rank 0's exist nowhere "
+            f"else (SyncBatchNorm keeps them equal on every rank)")
+    if plan.resume is not None:
+        return plan, ""
+    lost = buddy_copy.unmet_text([Need(row.need_id, row.need_layout) for row in rows], offers, _ranks) \
+        if copies else ""
+    if lost:
+        return plan, f"LiveState '{live.name}': {lost}"
+    if not offers and other_world:
+        return plan, (f"the world size changed ({'/'.join(map(str, other_world))} -> {world}) since the live state "
+                      f"'{live.name}' was committed")
+    if not offers:
+        by_status = collections.defaultdict(list)
+        for r, row in enumerate(rows):
+            by_status[row.status].append(r)
+        parts = [f"{_ranks(rs)} {_STATUS_WORDS[s][len(rs) > 1]}" for s, rs in sorted(by_status.items())]
+        return plan, f"no rank holds live state '{live.name}': " + "; ".join(parts)
+    reason = plan.reason
+    if "another layout" in reason:
+        differ = [names[i] for i in range(min(len(names), _Row.K))
+                  if len({row.need_objects()[i] for row in rows} | {row.offer_objects()[i] for row in rows
+                                                                   if row.status == HOLDS}) > 1]
+        if differ:
+            reason += f" ({', '.join(differ)} differ{'s' if len(differ) == 1 else ''})"
+    elif "different shard" in reason or "no rank holds the shard" in reason:
+        reason += f"; this rank's shard: {live._describe()['identity_text']}"
+    return plan, f"LiveState '{live.name}': {reason}"
 
-    Returns (resume step, source per rank, reason). The resume step is the highest completed
-    step; a rank at it keeps its state (its source is itself); any other receives from a rank
-    of the same shard at the resume step, spread round robin over them. When no rank holds
-    anything, or some shard has no rank at the resume step: (None, [None] * n, why)."""
-    n = len(steps)
-    resume = max(steps, default=NOT_HELD)
-    if resume < 0:
-        return None, [None] * n, "no rank holds live state (a cold or job-level restart, or a first start)"
-    holders: Dict[int, List[int]] = collections.defaultdict(list)
-    for r in range(n):
-        if steps[r] == resume:
-            holders[shards[r]].append(r)
-    missing = sorted(s for s in set(shards) if not holders[s])
-    if missing:
-        lost = ", ".join(map(str, missing))
-        return None, [None] * n, (f"no rank holds shard {lost} at step {resume} (every replica of it was lost "
-                                  f"or is behind)")
-    sources: List[Optional[int]] = [None] * n
-    turn: Dict[int, int] = collections.defaultdict(int)
-    for r in range(n):
-        if steps[r] == resume:
-            sources[r] = r
-        else:
-            group = holders[shards[r]]
-            sources[r] = group[turn[shards[r]] % len(group)]
-            turn[shards[r]] += 1
-    return resume, sources, ""
 
-
-# ---- moving state -------------------------------------------------------------------------------
-class _Slot:
-    """A tensor's place in a pickled skeleton."""
-
-    def __init__(self, index: int, shape: tuple, dtype) -> None:
-        self.index, self.shape, self.dtype = index, shape, dtype
-
-
-def _local(t):
-    """A tensor's own data: a DTensor's local shard, else the tensor."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
-
-
-def _split(value, tensors: list, path: tuple, paths: list):
-    """The skeleton of a state dict (tensors replaced by _Slot) and its tensors (local data)."""
+def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any], names: List[str], device,
+            world: int):
+    """Step 6: per object, a digest of the restored state; the replicas of each shard in which some
+    rank healed from a peer must agree. -> (the check's figures, the reason to fall back or "")."""
     import torch
 
-    if isinstance(value, torch.Tensor):
-        local = _local(value)
-        tensors.append(local)
-        paths.append(path)
-        return _Slot(len(tensors) - 1, tuple(local.shape), local.dtype)
-    if isinstance(value, dict):
-        out = type(value)() if type(value) in (dict, collections.OrderedDict) else {}
-        for k, v in value.items():
-            out[k] = _split(v, tensors, path + (k,), paths)
-        if hasattr(value, "_metadata"):
-            out._metadata = value._metadata
-        return out
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_split(v, tensors, path + (i,), paths) for i, v in enumerate(value))
-    return value
+    t0 = time.perf_counter()
+    digests, nbytes = [], 0
+    for n in names:
+        d, b = W.digest(O.comparable(live.tracked[n], ready[n]))
+        digests.append(d)
+        nbytes += b
+    own_s = time.perf_counter() - t0
+    k = _Row.K
+    mine = (digests + [0] * k)[:k] + [nbytes, int(own_s * 1e9)]
+    table = _all_gather(torch.tensor(mine, dtype=torch.int64, device=device), world)
+    groups = collections.defaultdict(list)
+    for r, row in enumerate(rows):
+        groups[(row.need_id, row.need_layout)].append(r)
+    reason = ""
+    for members in groups.values():
+        if all(plan.kept(r) for r in members):
+            continue   # every rank of this shard restored its own committed state: nothing came from a peer
+        for i, n in enumerate(names[:k]):
+            values = collections.defaultdict(list)
+            for r in members:
+                values[table[r][i]].append(r)
+            if len(values) > 1:
+                split = " vs ".join(_ranks(rs) for rs in sorted(values.values()))
+                hint = (" (per-rank random streams: with rng=False a healed rank draws its own)" if n == RNG else "")
+                reason = (f"after the live recovery of '{live.name}', the replicas of one shard differ in '{n}' "
+                          f"({split}){hint}")
+                break
+        if reason:
+            break
+    slowest = max(int(row[k + 1]) for row in table) / 1e9
+    total = sum(int(row[k]) for row in table)
+    check = {"bytes": total, "s": round(slowest, 6),
+             "ms_per_gb": round(slowest * 1e3 / max(1e-9, max(int(row[k]) for row in table) / 1e9), 1)}
+    return check, reason
 
 
-def _flat(value, path: tuple = (), out: Optional[dict] = None) -> dict:
-    """path -> tensor (the original object: a DTensor stays one) of a state dict."""
-    import torch
-
-    out = {} if out is None else out
-    if isinstance(value, torch.Tensor):
-        out[path] = value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _flat(v, path + (k,), out)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _flat(v, path + (i,), out)
-    return out
-
-
-def _fill(skeleton, values: dict):
-    if isinstance(skeleton, _Slot):
-        return values[skeleton.index]
-    if isinstance(skeleton, dict):
-        out = type(skeleton)()
-        for k, v in skeleton.items():
-            out[k] = _fill(v, values)
-        if hasattr(skeleton, "_metadata"):
-            out._metadata = skeleton._metadata
-        return out
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(_fill(v, values) for v in skeleton)
-    return skeleton
-
-
-def _load(obj, skeleton, paths: list, fill) -> int:
-    """Fill `obj`'s state from a skeleton: fill(destinations) writes tensor i into destinations[i]
-    (the object's own tensor where path, shape and dtype match, else a new one)."""
-    import torch
-
-    mine = _flat(obj.state_dict())
-    dests: list = [None] * len(paths)
-    values = {}
-
-    def visit(node):
-        if isinstance(node, _Slot):
-            own = mine.get(paths[node.index])
-            dest = _local(own) if own is not None else None
-            if dest is None or tuple(dest.shape) != node.shape or dest.dtype != node.dtype or not dest.is_contiguous():
-                dest, own = torch.empty(node.shape, dtype=node.dtype, device=_DEVICE[0]), None
-            dests[node.index] = dest
-            values[node.index] = own if own is not None else dest
-        elif isinstance(node, dict):
-            for v in node.values():
-                visit(v)
-        elif isinstance(node, (list, tuple)):
-            for v in node:
-                visit(v)
-
-    visit(skeleton)
-    fill(dests)
-    obj.load_state_dict(_fill(skeleton, values))
-    return sum(d.numel() * d.element_size() for d in dests)
-
-
-_DEVICE = [None]   # where tensors without a destination of their own are made (restore sets it)
-
-
-def _copy_objects(previous: "LiveState", live: "LiveState") -> None:
-    """A kept rank: the previous call's objects into this call's."""
-    _DEVICE[0] = None
-    for name in sorted(live.objects):
-        tensors, paths = [], []
-        skeleton = _split(previous.objects[name].state_dict(), tensors, (), paths)
-        _DEVICE[0] = tensors[0].device if tensors else None
-        _load(live.objects[name], skeleton, paths, lambda dests: [d.copy_(t) for d, t in zip(dests, tensors)])
-
-
-# The tensors of one object go over the wire in few messages: every tensor smaller than
-# _DIRECT_BYTES packed, in skeleton order, into chunks of at most _CHUNK_BYTES (each tensor whole in
-# one, at an _ALIGN-byte offset), one staging buffer filled and sent (received and unpacked) per
-# chunk; then every larger tensor by itself (it needs no staging copy). Any dtype (a tensor's bytes
-# are viewed in the buffer as its dtype and shape: non-contiguous ones pack without a copy of
-# their own), any device (the buffer is on the transfer device). Both sides plan the same messages
-# from the skeleton's shapes and dtypes.
-_CHUNK_BYTES = 16 << 20    # the most a staging buffer holds (one, reused: bounded memory, pages touched once)
-_DIRECT_BYTES = 1 << 20    # a tensor at least this big (or than _CHUNK_BYTES) is sent by itself
-_ALIGN = 64
-
-
-def _plan(sizes: List[int]) -> Tuple[List[List[Tuple[int, int]]], List[int], List[int]]:
-    """The messages for tensors of `sizes` bytes: (chunks, each a list of (tensor index, byte
-    offset); each chunk's length; the indices of the tensors sent by themselves). 0-byte tensors
-    are in neither."""
-    cap = max(1, _CHUNK_BYTES)
-    alone = min(_DIRECT_BYTES, cap)
-    chunks: List[List[Tuple[int, int]]] = []
-    lengths: List[int] = []
-    direct: List[int] = []
-    used = cap + 1   # no chunk open
-    for i, n in enumerate(sizes):
-        if n <= 0:
-            continue
-        if n >= alone:
-            direct.append(i)
-            continue
-        at = -(-used // _ALIGN) * _ALIGN
-        if at + n > cap:
-            chunks.append([])
-            lengths.append(0)
-            at = 0
-        chunks[-1].append((i, at))
-        used = lengths[-1] = at + n
-    return chunks, lengths, direct
-
-
-def _packed(buf, at: int, t):
-    """The bytes of `buf` from `at` seen as a tensor of t's shape and dtype."""
-    return buf[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-
-
-def _send_tensors(tensors: list, device, send) -> None:
-    import torch
-
-    chunks, lengths, direct = _plan([t.numel() * t.element_size() for t in tensors])
-    if chunks:
-        buf = torch.empty(max(lengths), dtype=torch.uint8, device=device)
-        for chunk, length in zip(chunks, lengths):
-            for i, at in chunk:
-                _packed(buf, at, tensors[i]).copy_(tensors[i])
-            send(buf[:length])
-    for i in direct:
-        t = tensors[i]
-        send(t if t.device == device and t.is_contiguous() else t.to(device).contiguous())
-
-
-def _recv_tensors(dests: list, device, recv) -> None:
-    import torch
-
-    chunks, lengths, direct = _plan([d.numel() * d.element_size() for d in dests])
-    if chunks:
-        buf = torch.empty(max(lengths), dtype=torch.uint8, device=device)
-        for chunk, length in zip(chunks, lengths):
-            recv(buf[:length])
-            for i, at in chunk:
-                dests[i].copy_(_packed(buf, at, dests[i]))
-    for i in direct:
-        d = dests[i]
-        if d.device == device and d.is_contiguous():
-            recv(d)
-        else:
-            staged = torch.empty(d.shape, dtype=d.dtype, device=device)
-            recv(staged)
-            d.copy_(staged)
-
-
-def _send_objects(live: "LiveState", dst: int, device, send=None) -> None:
-    """Every object's skeleton (pickled) and then its tensors (_send_tensors) to rank `dst`;
-    `send(tensor)` is the wire (default: dist.send to dst)."""
-    import torch
-    import torch.distributed as dist
-
-    send = send or (lambda t: dist.send(t, dst))
-    for name in sorted(live.objects):
-        tensors, paths = [], []
-        skeleton = _split(live.objects[name].state_dict(), tensors, (), paths)
-        blob = pickle.dumps((skeleton, paths), protocol=pickle.HIGHEST_PROTOCOL)
-        send(torch.tensor([len(blob)], dtype=torch.int64, device=device))
-        send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device))
-        _send_tensors(tensors, device, send)
-
-
-def _recv_objects(live: "LiveState", src: int, device, recv=None) -> int:
-    """What _send_objects sent, loaded into `live`'s objects; -> the bytes received.
-    `recv(tensor)` is the wire (default: dist.recv from src)."""
-    import torch
-    import torch.distributed as dist
-
-    recv = recv or (lambda t: dist.recv(t, src))
-    _DEVICE[0] = device
-    total = 0
-    for name in sorted(live.objects):
-        size = torch.empty(1, dtype=torch.int64, device=device)
-        recv(size)
-        raw = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-        recv(raw)
-        skeleton, paths = pickle.loads(raw.cpu().numpy().tobytes())
-        total += raw.numel() + _load(live.objects[name], skeleton, paths,
-                                     lambda dests: _recv_tensors(dests, device, recv))
-    return total
+def _publish(mm, words, summary: dict) -> None:
+    """Global rank 0: the job's summary of this restore, for the agent (agent.recovery.live_recovery)."""
+    L.write_live_text(mm, words, json.dumps(summary, separators=(",", ":")))
 
 
 def _all_gather(t, world: int) -> list:

@@ -12,6 +12,7 @@ usage: live_commit.py OUT FAULT
 """
 import json
 import os
+import random
 import sys
 import time
 
@@ -41,6 +42,7 @@ def train():
     rank, cycle = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     dist.init_process_group("gloo")
     torch.manual_seed(3)
+    random.seed(3)   # LiveState keeps the RNG state (rng=True): replicas draw alike
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     live = ft.LiveState(model=model, optimizer=opt)

@@ -1,0 +1,306 @@
+"""Live state, one object: its state as of the last commit, kept at a small per-step cost.
+
+`Tracked(name, obj)` wraps one object of a LiveState. What changes outside `commit` must be rolled
+back to the commit, so each kind keeps what it must:
+- module (`torch.nn.Module` whose `state_dict()` returns views of its own parameters and buffers):
+  parameters change only inside commit (the optimizer step), so they are read as they are (the
+  state dict rebuilt from a key map made once, without calling state_dict() again); the
+  persistent buffers (BatchNorm's running statistics, which every forward pass changes) and any
+  `_extra_state` are copied at each commit into snapshots made once (`torch._foreach_copy_`).
+- optimizer (`torch.optim.Optimizer`): its state changes only in `step()`, inside commit; its
+  param groups' hyperparameters (a scheduler may change the learning rate outside commit) are
+  copied at each commit.
+- anything else (a StatefulDataLoader, a sampler, a scheduler, RNG, a user's object, a module
+  whose state_dict() returns copies such as FSDP1's): its `state_dict()` copied at each commit
+  (live_wire.copy: containers rebuilt, tensors cloned).
+
+`committed()` is the state dict as of the last commit (a module's and an optimizer's read from
+the object, without a collective); `fresh()` reads a new object once (its own tensors, where a
+received or kept state lands in place, and its layout and shard identity: the step exchange
+compares those); `adopt(state)` makes a state just loaded into the object its committed state.
+`setup()` checks, once (at the first restore() or commit), that the state can be sent and compared
+(live_wire.check) and settles the kind; a state that cannot be sent raises live_wire.Refused there,
+not at the first heal.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Dict, List, Optional, Tuple
+
+from ft_launcher.rank_monitor.rank_side import live_wire as W
+
+MODULE, OPTIMIZER, SNAPSHOT = "module", "optimizer", "snapshot"
+
+
+def _storage(t) -> int:
+    data = W.local(t)
+    try:
+        return data.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):   # e.g. a meta or fake tensor
+        return -1
+
+
+def identity_entries(state) -> list:
+    """Which part of a sharded state this rank holds, from its DTensors: per DTensor, its mesh's
+    shape, placements and this rank's coordinate on every mesh dimension it is not replicated on.
+    [] for plain tensors (every rank holds the same: data parallelism)."""
+    out = []
+    for path, t in W.flat(state).items():
+        mesh = getattr(t, "device_mesh", None)
+        if mesh is None or type(t).__name__ != "DTensor":
+            continue
+        coord = mesh.get_coordinate() or []
+        sharded = tuple((d, coord[d] if d < len(coord) else None) for d, p in enumerate(t.placements)
+                        if not p.is_replicate())
+        out.append((path, tuple(mesh.shape), tuple(str(p) for p in t.placements), sharded))
+    return out
+
+
+def layout_entries(state) -> list:
+    """(path, local shape, dtype) of every tensor of a state dict."""
+    return [(path, tuple(W.local(t).shape), str(t.dtype)) for path, t in W.flat(state).items()]
+
+
+class Tracked:
+    """One object of a LiveState and its state as of the last commit (module docstring)."""
+
+    def __init__(self, name: str, obj: Any) -> None:
+        import torch
+
+        self.name, self.obj = name, obj
+        if isinstance(obj, torch.optim.Optimizer):
+            self.kind = OPTIMIZER
+        elif isinstance(obj, torch.nn.Module):
+            self.kind = MODULE   # until first_commit finds that its state_dict returns copies
+        else:
+            self.kind = SNAPSHOT
+        self.ready = False             # setup ran: the state was checked, the kind settled
+        self.note: Optional[str] = None   # a line to say once (a module kept by copies)
+        self.state: Optional[dict] = None   # SNAPSHOT: the committed state dict
+        self.buffers: List[Tuple[str, Any, str]] = []   # MODULE: (state-dict key, owner module, buffer name)
+        self.buffer_snaps: list = []
+        self.extra: List[Tuple[str, Any]] = []          # MODULE: (state-dict key, submodule) with _extra_state
+        self.extra_snaps: list = []
+        self.per_rank: set = set()   # MODULE: keys of plain BatchNorm running statistics (per rank under DDP)
+        self.entries: list = []      # MODULE: (state-dict key, owner module, attribute, param|buffer|extra)
+        self.metadata = None
+        self.groups: Optional[list] = None              # OPTIMIZER: param groups' hyperparameters
+
+    # ---- set up once: check the state and settle the kind -------------------------------------
+    def setup(self, sd=None) -> None:
+        """Check the state once (Refused, with this object's name, if a peer could not receive it)
+        and settle the kind; `sd`: its state_dict() if just read."""
+        sd = self.obj.state_dict() if sd is None else sd
+        try:
+            W.check(sd)
+        except W.Refused as exc:
+            exc.name = self.name
+            raise
+        if self.kind == MODULE:
+            self._find_buffers(sd)
+        self.ready = True
+
+    def _find_buffers(self, sd) -> None:
+        """A module: map each state-dict key to the parameter or buffer it is a view of (then its
+        committed state is rebuilt from them without calling state_dict(): no hook, no collective),
+        else (its state_dict() makes new tensors) keep it as a snapshot."""
+        module = self.obj
+        params, buffers = {}, {}
+        for _, mod in module.named_modules():
+            for pname, p in mod._parameters.items():
+                if p is not None:
+                    params[(W.local(p).data_ptr(), tuple(p.shape))] = (mod, pname)
+            for bname, buf in mod._buffers.items():
+                if buf is not None and bname not in mod._non_persistent_buffers_set:
+                    buffers[(buf.data_ptr(), tuple(buf.shape))] = (mod, bname)
+        entries = []
+        for key, value in sd.items():
+            if isinstance(key, str) and key.endswith("_extra_state"):
+                prefix = key[:-len("_extra_state")].rstrip(".")
+                self.extra.append((key, module.get_submodule(prefix) if prefix else module))
+                entries.append((key, None, None, "extra"))
+                continue
+            where = (W.local(value).data_ptr(), tuple(value.shape)) if hasattr(value, "shape") else None
+            if where in params:
+                entries.append((key, *params[where], "param"))
+            elif where in buffers:
+                mod, bname = buffers[where]
+                self.buffers.append((key, mod, bname))
+                if _plain_batchnorm(mod):
+                    self.per_rank.add(key)
+                entries.append((key, mod, bname, "buffer"))
+            else:   # its state_dict() builds new tensors (FSDP1): copy it at every commit
+                self.kind, self.buffers, self.extra, self.per_rank = SNAPSHOT, [], [], set()
+                self.note = (f"'{self.name}': its state_dict() returns copies, not its own tensors (FSDP1?): it is "
+                             f"copied at every commit")
+                return
+        self.entries, self.metadata = entries, getattr(sd, "_metadata", None)
+
+    # ---- every commit ---------------------------------------------------------------------------
+    def snapshot(self) -> None:
+        """What changes outside commit, as of now (the end of a commit)."""
+        import torch
+
+        if not self.ready:
+            self.setup()
+        if self.kind == SNAPSHOT:
+            try:
+                self.state = W.copy(self.obj.state_dict())
+            except W.Refused as exc:
+                exc.name = self.name
+                raise
+        elif self.kind == OPTIMIZER:
+            self.groups = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                            for k, v in g.items() if k != "params"} for g in self.obj.param_groups]
+        else:
+            if self.buffers:
+                now = [mod._buffers[b] for _, mod, b in self.buffers]
+                snaps = self.buffer_snaps
+                if len(snaps) != len(now) or any(s.shape != t.shape or s.dtype != t.dtype or s.device != t.device
+                                                 for s, t in zip(snaps, now)):
+                    self.buffer_snaps = [t.detach().clone() for t in now]
+                else:
+                    torch._foreach_copy_(snaps, [t.detach() for t in now])
+            if self.extra:
+                self.extra_snaps = [W.copy(mod.get_extra_state()) for _, mod in self.extra]
+
+    def committed(self) -> dict:
+        """The object's state dict as of the last commit (or the last restore)."""
+        if self.kind == SNAPSHOT:
+            return self.state
+        if self.kind == OPTIMIZER:
+            sd = self.obj.state_dict()
+            for group, saved in zip(sd["param_groups"], self.groups or []):
+                group.update(saved)
+            return sd
+        sd = collections.OrderedDict()
+        buffers, extras = iter(self.buffer_snaps), iter(self.extra_snaps)
+        for key, mod, attr, kind in self.entries:
+            if kind == "param":
+                p = mod._parameters.get(attr)
+                if p is None:   # the module changed since: read it as it is
+                    return self.obj.state_dict()
+                sd[key] = p.detach()
+            else:
+                sd[key] = next(buffers) if kind == "buffer" else next(extras)
+        if self.metadata is not None:
+            sd._metadata = self.metadata
+        return sd
+
+    # ---- restore --------------------------------------------------------------------------------
+    def fresh(self) -> Tuple[dict, list, list]:
+        """A new object, read once: (its own tensors by path: where a kept or received state lands
+        in place; its layout; its shard identity). Only modules and optimizers have destinations
+        (anything else is received into new tensors and loaded)."""
+        sd = self.obj.state_dict()
+        if not self.ready:
+            self.setup(sd)
+        if self.kind == OPTIMIZER:
+            params = [[p for p in g["params"]] for g in self.obj.param_groups]
+            layout = [[(tuple(W.local(p).shape), str(p.dtype)) for p in group] for group in params]
+            ident = identity_entries({i: {j: p for j, p in enumerate(group)} for i, group in enumerate(params)})
+            return W.flat(sd), layout, ident
+        dests = W.flat(sd) if self.kind == MODULE else {}
+        return dests, layout_entries(sd), identity_entries(sd)
+
+    def bind(self, state: dict) -> dict:
+        """A state about to be loaded, fitted to this call's objects: an optimizer's per-parameter
+        tensors (moved from the previous optimizer or received as local data) become DTensors like
+        this call's parameters where those are DTensors (FSDP2: no copy, the new mesh)."""
+        if self.kind != OPTIMIZER or not isinstance(state, dict) or not isinstance(state.get("state"), dict):
+            return state
+        from torch.distributed.tensor import DTensor
+
+        params = [p for g in self.obj.param_groups for p in g["params"]]
+        out = dict(state)
+        out["state"] = {}
+        for idx, entry in state["state"].items():
+            p = params[idx] if isinstance(idx, int) and 0 <= idx < len(params) else None
+            if not isinstance(p, DTensor) or not isinstance(entry, dict):
+                out["state"][idx] = entry
+                continue
+            shape = tuple(p.to_local().shape)
+            fitted = {}
+            for key, value in entry.items():
+                data = W.local(value) if hasattr(value, "dim") else None
+                if data is not None and data.dim() > 0 and tuple(data.shape) == shape:
+                    value = DTensor.from_local(data, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+                fitted[key] = value
+            out["state"][idx] = fitted
+        return out
+
+    def adopt(self, loaded: Optional[dict]) -> None:
+        """The state just loaded into the object is now its committed state. `loaded`: a copy
+        of it made before load_state_dict (SNAPSHOT: a loader reports its new position only once
+        it iterates, so its committed state is what was loaded, not what it says now)."""
+        import torch
+
+        if self.kind == SNAPSHOT:
+            self.state = loaded
+            if isinstance(self.obj, torch.utils.data.DataLoader) and hasattr(self.obj, "load_state_dict"):
+                # A StatefulDataLoader makes its iterator now, from the loaded state (state_dict()
+                # does; the script's iter() then continues it): making one draws a seed from torch's
+                # generator, which must happen before the RNG state is loaded, as in a run without
+                # the restart (there the iterator was made at the top of its epoch).
+                self.obj.state_dict()
+        else:
+            self.snapshot()
+
+
+def _plain_batchnorm(mod) -> bool:
+    """BatchNorm whose running statistics each rank updates from its own batch (not SyncBatchNorm):
+    under DDP they are per rank, and DDP broadcasts rank 0's at the start of every forward."""
+    import torch
+
+    return (isinstance(mod, torch.nn.modules.batchnorm._NormBase) and not isinstance(mod, torch.nn.SyncBatchNorm)
+            and getattr(mod, "track_running_stats", False))
+
+
+def comparable(tracked: "Tracked", state: dict) -> dict:
+    """The part of a restored state that replicas must agree on (a module's per-rank BatchNorm
+    statistics left out: DDP overwrites them from rank 0 at the next forward)."""
+    if tracked.kind != MODULE or not tracked.per_rank:
+        return state
+    return {k: v for k, v in state.items() if k not in tracked.per_rank}
+
+
+def load_order(names) -> List[str]:
+    """Objects load in name order, the RNG state last (loading a loader may draw from it)."""
+    return sorted(names, key=lambda n: (n == "_rng", n))
+
+
+class Rng:
+    """The RNG state as of the last commit (torch's CPU and CUDA generators, Python's `random`):
+    a LiveState object (`rng=True`, the default)."""
+
+    def state_dict(self) -> dict:
+        import random
+
+        import torch
+
+        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        import random
+
+        import torch
+
+        torch.set_rng_state(state["torch"].cpu())
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def describe_identity(entries: list, shard: Optional[int]) -> str:
+    """A short text of a shard identity (for the fallback line)."""
+    parts = [] if shard is None else [f"shard={shard}"]
+    coords = collections.OrderedDict()
+    for _, mesh, placements, sharded in entries:
+        coords[(mesh, placements, sharded)] = True
+    for mesh, placements, sharded in list(coords)[:2]:
+        parts.append(f"mesh {list(mesh)} {'/'.join(placements)} at " + ", ".join(f"dim {d}={c}" for d, c in sharded))
+    return "; ".join(parts) or "unsharded"
