@@ -1,31 +1,36 @@
 """HSDP with live state: 4 ranks as 2 replicas x 2 shards (torch's fully_shard on a (replicate,
-shard) DeviceMesh, gloo on the CPU), AdamW, ft.LiveState with `shard=` the rank's shard position,
-so a replaced rank heals from the same shard in the other replica (docs/live-state.md).
+shard) DeviceMesh, gloo on the CPU), AdamW, ft.LiveState(model=..., optimizer=...): the parameters
+are DTensors, whose mesh coordinates say which shard a rank holds, so a replaced rank heals from
+the same shard in the other replica (docs/live-state.md).
 
     ft_launcher --standalone --nproc-per-node 4 examples/hsdp_train.py --steps 40 --fail-at-step 17 --fail-rank 3
-
-`--replicas 1` is pure FSDP (a 1-D mesh over every rank: no replica), and `--buddy-every K` keeps a
-buddy copy of each rank's state every K steps (ft.LiveState(buddy_every=K)), so a killed rank or a
-lost node resumes from host memory:
-
-    ft_launcher --standalone --nproc-per-node 2 examples/hsdp_train.py --replicas 1 --buddy-every 1 \
-        --fail-at-step 17 --fail-rank 1
-
-`--ckpt-every N` saves a torch.distributed.checkpoint every N steps into --ckpt-dir, the fallback
-when there is no live state (without it, a fallback trains from step 0). `--progress-dir` makes
-each rank append `cycle step` lines to rank_<r>.txt there; `--step-time` sleeps that long per step.
 
 `--fail-in forward` kills the fault rank inside the FSDP forward pass of the fault step instead of
 at its start: a forward pre-hook on the second Linear exits there (after the first layer's forward
 and FSDP's all-gather of the second layer's parameters, whose own pre-hook runs first), while its
 peers are in that step's collectives.
 
-Deterministic (the batch of step s on rank r is a function of (s, r)). `--fail-at-step` SIGKILLs
-rank --fail-rank at the start of that step (cycle 0 only). Rank 0 prints `FINAL step=<n>
-checksum=<c>` (the full parameters' sum).
+`--mesh shard,replicate` lays the mesh out the other way: ranks 0, 1 hold shard 0 (the two replicas
+of it) and ranks 2, 3 shard 1, so a node of 2 ranks holds one whole shard.
+
+`--replicas 1` is pure FSDP (a 1-D mesh over every rank: no replica), and `--buddy-every K` keeps a
+buddy copy of each rank's state every K steps (ft.LiveState(buddy_every=K)), so a killed rank or a
+lost node resumes from host memory (docs/live-state.md, "Buddy copies"):
+
+    ft_launcher --standalone --nproc-per-node 2 examples/hsdp_train.py --replicas 1 --buddy-every 1 \
+        --fail-at-step 17 --fail-rank 1
+
+`--ckpt-every N` saves a torch.distributed.checkpoint every N steps into --ckpt-dir, the fallback
+when there is no live state (without it, a fallback trains from step 0). `--progress-dir` makes
+each rank append `cycle step time` lines to rank_<r>.txt there. `--fail-how kill` SIGKILLs the
+fault rank instead of its exit 1.
+
+Deterministic (the batch of step s on rank r is a function of (s, r)). Rank 0 prints `FINAL
+step=<n> checksum=<c>` (the full parameters' sum).
 """
 import argparse
 import os
+import random
 import signal
 import time
 
@@ -34,24 +39,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import ft_launcher as ft
-
-
-class TrainState:
-    """Model and optimizer as one object with sharded state dicts (torch.distributed.checkpoint's)."""
-
-    def __init__(self, model, opt):
-        self.model, self.opt = model, opt
-
-    def state_dict(self):
-        model, optim = get_state_dict(self.model, self.opt)
-        return {"model": model, "optim": optim}
-
-    def load_state_dict(self, state):
-        set_state_dict(self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def train(args):
@@ -60,21 +51,24 @@ def train(args):
     world = dist.get_world_size()
     if args.replicas == 1:   # pure FSDP: every rank holds its own shard, no replica
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    else:
-        mesh = init_device_mesh("cpu", (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
+    elif args.mesh == "replicate,shard":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+    else:   # the same (replicate, shard) dimensions over the ranks in the other order
+        layout = torch.arange(world).view(2, world // 2).t().contiguous()
+        mesh = DeviceMesh("cpu", layout, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, args.width), nn.Tanh(), nn.Linear(args.width, 1))
+    random.seed(0)   # replicas draw alike: LiveState keeps the RNG state (rng=True) and heals it from a peer
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state = TrainState(model, opt)
-    live = ft.LiveState(train=state, shard=mesh.get_local_rank("shard"), buddy_every=args.buddy_every,
+    live = ft.LiveState(model=model, optimizer=opt, buddy_every=args.buddy_every,
                         buddy_memory_limit_mb=args.buddy_memory_limit_mb)
     start = live.restore()
     if start is None:
-        start = load_checkpoint(args, state)
+        start = load_checkpoint(args, model, opt)
         if start and rank == 0:
             print(f"resumed from the checkpoint at step {start} (cycle {cycle})", flush=True)
     elif rank == 0:
@@ -89,9 +83,9 @@ def train(args):
                 model[2].register_forward_pre_hook(_die_in_forward(rank, step))
             else:
                 print(f"rank {rank}: failing on purpose at step {step}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-        if args.step_time:
-            time.sleep(args.step_time)
+                if args.fail_how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                os._exit(1)
         g = torch.Generator().manual_seed(step * 1009 + rank)
         x = torch.randn(8, 16, generator=g)
         opt.zero_grad()
@@ -101,11 +95,9 @@ def train(args):
         if progress:
             progress.write(f"{cycle} {step} {time.time():.6f}\n")
         if args.ckpt_every and step % args.ckpt_every == 0:
-            dcp.save(state.state_dict(), checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
-            if rank == 0:
-                with open(os.path.join(args.ckpt_dir, "latest.tmp"), "w") as fh:
-                    fh.write(str(step))
-                os.replace(os.path.join(args.ckpt_dir, "latest.tmp"), os.path.join(args.ckpt_dir, "latest"))
+            save_checkpoint(args, model, opt, step, rank)
+        if args.step_time:
+            time.sleep(args.step_time)
     with torch.no_grad():
         total = float(sum(p.full_tensor().double().sum() for p in model.parameters()))
     if rank == 0:
@@ -115,16 +107,28 @@ def train(args):
     dist.destroy_process_group()
 
 
-def load_checkpoint(args, state) -> int:
-    """The newest checkpoint's step, loaded into `state`; 0 when there is none."""
+def save_checkpoint(args, model, opt, step, rank):
+    """A sharded checkpoint (torch.distributed.checkpoint) of step `step`; rank 0 then names it the latest."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(args.ckpt_dir, "latest.tmp"), "w") as fh:
+            fh.write(str(step))
+        os.replace(os.path.join(args.ckpt_dir, "latest.tmp"), os.path.join(args.ckpt_dir, "latest"))
+
+
+def load_checkpoint(args, model, opt) -> int:
+    """The newest checkpoint's step, loaded into model and optimizer; 0 when there is none."""
     try:
         with open(os.path.join(args.ckpt_dir, "latest")) as fh:
             step = int(fh.read())
     except (OSError, ValueError):
         return 0
-    sd = state.state_dict()
-    dcp.load(sd, checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
-    state.load_state_dict(sd)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return step
 
 
@@ -139,18 +143,21 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--fail-at-step", type=int, default=None)
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (time for a fault to land)")
     p.add_argument("--fail-rank", type=int, default=3)
+    p.add_argument("--mesh", choices=("replicate,shard", "shard,replicate"), default="replicate,shard",
+                   help="the order of the mesh's dimensions over the ranks (default: a replica's shards on "
+                        "neighbouring ranks)")
     p.add_argument("--fail-in", choices=("step", "forward"), default="step",
                    help="where --fail-rank exits: at the start of the step (default) or inside its FSDP forward")
+    p.add_argument("--fail-how", choices=("exit", "kill"), default="exit", help="exit 1 (default) or SIGKILL")
     p.add_argument("--replicas", type=int, default=2, help="replicas of the model (1: pure FSDP, no replica)")
-    p.add_argument("--width", type=int, default=64, help="hidden width")
     p.add_argument("--buddy-every", type=int, default=0, help="a buddy copy every K steps (0: off)")
     p.add_argument("--buddy-memory-limit-mb", type=float, default=None,
                    help="the most host memory a node's buddy copies may take (default: 80 %% of what is available)")
     p.add_argument("--ckpt-every", type=int, default=0, help="a checkpoint every N steps (0: none)")
     p.add_argument("--ckpt-dir", default="ckpt")
-    p.add_argument("--progress-dir", default=None)
-    p.add_argument("--step-time", type=float, default=0.0, help="seconds each step sleeps")
+    p.add_argument("--progress-dir", default=None, help="each rank appends 'cycle step time' lines here")
     ft.restartable(train)(p.parse_args())
 
 

@@ -145,7 +145,8 @@ class Tracked:
             self.setup()
         if self.kind == SNAPSHOT:
             try:
-                self.state = W.copy(self.obj.state_dict())
+                sd = self.obj.state_dict()
+                self.state = sd if isinstance(self.obj, Rng) else W.copy(sd)   # Rng's is a new snapshot already
             except W.Refused as exc:
                 exc.name = self.name
                 raise
@@ -272,7 +273,8 @@ def load_order(names) -> List[str]:
 
 class Rng:
     """The RNG state as of the last commit (torch's CPU and CUDA generators, Python's `random`):
-    a LiveState object (`rng=True`, the default)."""
+    a LiveState object (`rng=True`, the default). Its state_dict() is a new snapshot each call
+    (new tensors, an immutable tuple): Tracked keeps it without a copy."""
 
     def state_dict(self) -> dict:
         import random

@@ -33,6 +33,7 @@ import struct
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_SCALAR_TYPES = frozenset(_SCALARS)
 _MAX_SKELETON = 1 << 30   # a skeleton longer than this is refused as garbage
 
 
@@ -97,6 +98,8 @@ def walk(value, on_tensor: Callable[[tuple, Any], Any], path: tuple = ()):
             out._metadata = walk(meta, on_tensor, path + ("_metadata",))
         return out
     if kind is list or kind is tuple:
+        if _SCALAR_TYPES.issuperset(map(type, value)):   # e.g. Python's RNG state: 625 ints
+            return value if kind is tuple else list(value)
         return kind(walk(v, on_tensor, path + (i,)) for i, v in enumerate(value))
     if kind is set or kind is frozenset:
         return kind(walk(v, on_tensor, path + ("{}",)) for v in value)

@@ -1,0 +1,293 @@
+"""A training loop written from docs/live-state.md: DDP on gloo, torchdata's StatefulDataLoader over
+a StatefulDistributedSampler, the batch drawn at the top of each step, AdamW with a warm-up
+schedule, everything in one ft.LiveState (RNG included: the default), a checkpoint every 50 steps.
+
+    ft_launcher --standalone --nproc-per-node 2 examples/live_train.py --steps 150
+
+Options that make the model harder to recover exactly: `--batchnorm` (BatchNorm1d: running
+statistics change in every forward, outside commit), `--dropout P` (draws from torch's generator),
+`--ema` (an EMA teacher in a second LiveState, `name="teacher"`, committed with the first).
+After an in-place restart the healthy ranks keep their state as of their last commit (the loader's
+position, BatchNorm statistics and RNG rolled back to it) and a replaced rank receives it from a
+peer; with no live state it loads the checkpoint. Deterministic: a run with failures ends with
+exactly the model of a run without them. Rank 0 prints `FINAL step=<n> loss=<l> checksum=<c>` and
+writes final.json into --ckpt-dir; every rank writes final_rank_<r>.json (its replica's checksum).
+
+The test hooks below the loop (cycle 0 only unless said): --fail-at-step (exit at the top of the
+step), --raise-at-step / --hang-at-step (after the step's commit, every rank first holding --hold
+seconds), --die-in-restore R (cycle 1: rank R dies inside restore(), while its objects load),
+--unsendable-scheduler (a schedule that holds a lambda in its state: LiveState refuses it at the
+first commit), --fsdp (the model under torch's fully_shard over every rank, no replicas, without
+`shard=`: a replaced rank has no peer to heal from; no checkpoint either: a fallback trains from
+step 0). --progress-dir: each rank appends
+'cycle step time' after each step.
+"""
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+import ft_launcher as ft
+
+
+class EpochSampler(StatefulDistributedSampler):
+    """StatefulDistributedSampler keeps its place in the epoch, not the epoch: keep both."""
+
+    def state_dict(self):
+        return {**super().state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.set_epoch(state["epoch"])
+
+
+class Warmup:
+    """The learning-rate factor of step s (a callable object: LambdaLR keeps its __dict__)."""
+
+    def __init__(self, steps, unsendable=False):
+        self.steps = steps
+        if unsendable:
+            self.curve = lambda s: s   # a lambda in the scheduler's state: no peer could receive it
+
+    def __call__(self, s):
+        return min(1.0, (s + 1) / self.steps)
+
+
+def build(args, rank, world):
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    layers = [nn.Linear(16, 64)] + ([nn.BatchNorm1d(64)] if args.batchnorm else []) + [nn.Tanh()]
+    layers += ([nn.Dropout(args.dropout)] if args.dropout else []) + [nn.Linear(64, 1)]
+    model = nn.Sequential(*layers)
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(args.samples, 16, generator=g)
+    data = torch.utils.data.TensorDataset(x, torch.tanh(x[:, :4].sum(1, keepdim=True)) + 0.1 * x[:, 4:5])
+    sampler = EpochSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    loader = StatefulDataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
+    return model, loader, sampler
+
+
+def train(args):
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    cycle = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    hooks = Hooks(args, rank, cycle)
+    ft.heartbeat()
+    with ft.section("setup"):
+        dist.init_process_group("gloo")
+        model, loader, sampler = build(args, rank, world)
+        if args.fsdp:
+            from torch.distributed.fsdp import fully_shard
+            fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup(20, args.unsendable_scheduler))
+        live = ft.LiveState(model=model, optimizer=opt, scheduler=sched, loader=loader, **hooks.objects())
+        teacher = teacher_live = None
+        if args.ema:
+            teacher = build(args, rank, world)[0].requires_grad_(False)
+            teacher_live = ft.LiveState(name="teacher", teacher=teacher, rng=False)
+        start = live.restore()                          # before DDP: its constructor broadcasts rank 0's state
+        if teacher_live is not None and teacher_live.restore() != start:
+            start = None                                # both live at the same step, or both from the checkpoint
+        if start is None:
+            start = load_checkpoint(args, model, opt, sched, loader, teacher)
+        elif rank == 0:
+            print(f"resumed from live state at step {start} (cycle {cycle})", flush=True)
+        ddp = model if args.fsdp else nn.parallel.DistributedDataParallel(model)
+        if not args.fsdp:
+            settle_gradient_buckets(ddp)
+
+    batches = iter(loader)
+    loss = torch.tensor(0.0)
+    for step in range(start + 1, args.steps + 1):
+        with ft.section("step"):
+            hooks.top_of_step(step)
+            try:
+                x, y = next(batches)
+            except StopIteration:                       # a new epoch
+                sampler.set_epoch(sampler.epoch + 1)
+                batches = iter(loader)
+                x, y = next(batches)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            with live.commit(step), (teacher_live.commit(step) if teacher_live else _nothing()):
+                opt.step()
+                sched.step()
+                if teacher is not None:
+                    with torch.no_grad():
+                        for t, p in zip(teacher.parameters(), model.parameters()):
+                            t.lerp_(p, 0.1)
+            opt.zero_grad(set_to_none=True)
+            hooks.after_commit(step)
+        ft.heartbeat()
+        hooks.progress(step)
+        if step % args.ckpt_every == 0 or step == args.steps:
+            with ft.section("checkpointing"):
+                save_checkpoint(args, rank, step, model, opt, sched, loader, teacher)
+    finish(args, rank, world, cycle, model, teacher, loss)
+    if ddp is not model:
+        del ddp   # before the group goes (examples/ddp_train.py: gloo's exit deadlock)
+    dist.destroy_process_group()
+
+
+def settle_gradient_buckets(ddp):
+    """One backward pass that changes nothing (eval mode: no BatchNorm update, no dropout draw), so
+    DDP builds its gradient buckets now: with 3 or more ranks the bucket order decides how the
+    all-reduce adds up, and a run resumed at step k would otherwise differ in the last bits."""
+    ddp.eval()
+    ddp(torch.zeros(2, 16)).sum().backward()
+    ddp.zero_grad(set_to_none=True)
+    ddp.train()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def save_checkpoint(args, rank, step, model, opt, sched, loader, teacher):
+    if args.fsdp:   # this example keeps no checkpoint of sharded state: a fallback trains from step 0
+        return
+    sched_state = dict(sched.state_dict(), lr_lambdas=[None])   # the schedule's function is code: the script's
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched_state,
+             "loader": loader.state_dict(), "teacher": teacher.state_dict() if teacher is not None else None,
+             "rng": torch.get_rng_state(), "py_rng": random.getstate(), "step": step}
+    os.makedirs(args.ckpt_dir, exist_ok=True)
+    if rank == 0:
+        path = os.path.join(args.ckpt_dir, "ckpt.pt")
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    dist.barrier()
+
+
+def load_checkpoint(args, model, opt, sched, loader, teacher):
+    path = os.path.join(args.ckpt_dir, "ckpt.pt")
+    if args.fsdp or not os.path.exists(path):
+        return 0
+    state = torch.load(path, weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    sched.load_state_dict(state["sched"])
+    loader.load_state_dict(state["loader"])
+    if teacher is not None:
+        teacher.load_state_dict(state["teacher"])
+    torch.set_rng_state(state["rng"])
+    random.setstate(state["py_rng"])
+    if dist.get_rank() == 0:
+        print(f"resumed from step {state['step']} (checkpoint)", flush=True)
+    return state["step"]
+
+
+def checksum(*modules):
+    with torch.no_grad():
+        total = 0.0
+        for m in modules:
+            if m is None:
+                continue
+            for t in list(m.parameters()) + list(m.buffers()):
+                t = t.full_tensor() if hasattr(t, "full_tensor") else t
+                total += float(t.double().sum())
+        return total
+
+
+def finish(args, rank, world, cycle, model, teacher, loss):
+    result = {"step": args.steps, "checksum": checksum(model, teacher), "loss": float(loss), "world_size": world,
+              "cycle": cycle}
+    os.makedirs(args.ckpt_dir, exist_ok=True)
+    with open(os.path.join(args.ckpt_dir, f"final_rank_{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    if rank == 0:
+        with open(os.path.join(args.ckpt_dir, "final.json"), "w") as fh:
+            json.dump(result, fh)
+        print(f"FINAL step={args.steps} loss={result['loss']:.6f} checksum={result['checksum']!r}", flush=True)
+
+
+# ---- test hooks (not part of the loop a user writes) ---------------------------------------------
+class Hooks:
+    def __init__(self, args, rank, cycle):
+        self.args, self.rank, self.cycle = args, rank, cycle
+        self.fault = rank == args.fail_rank and cycle == 0
+        self.log = None
+        if args.progress_dir:
+            os.makedirs(args.progress_dir, exist_ok=True)
+            self.log = open(os.path.join(args.progress_dir, f"rank_{rank}.txt"), "a", buffering=1)
+
+    def objects(self):
+        """An extra LiveState object that dies inside restore() (--die-in-restore, cycle 1)."""
+        if self.args.die_in_restore is None:
+            return {}
+        return {"probe": DieInRestore(self.rank == self.args.die_in_restore and self.cycle == 1)}
+
+    def top_of_step(self, step):
+        if self.fault and step == self.args.fail_at_step:
+            print(f"rank {self.rank}: failing on purpose at step {step}", flush=True)
+            os._exit(1)
+
+    def after_commit(self, step):
+        if self.cycle != 0 or step not in (self.args.raise_at_step, self.args.hang_at_step):
+            return
+        end = time.monotonic() + self.args.hold   # every rank completes this step's commit first
+        while time.monotonic() < end:
+            ft.heartbeat()
+            time.sleep(0.05)
+        if self.fault and step == self.args.raise_at_step:
+            raise RuntimeError(f"simulated exception after the commit of step {step}")
+        if self.fault and step == self.args.hang_at_step:
+            print(f"rank {self.rank} hangs after step {step} (simulated)", flush=True)
+            while True:
+                time.sleep(3600)
+
+    def progress(self, step):
+        if self.log:
+            self.log.write(f"{self.cycle} {step} {time.time():.6f}\n")
+
+
+class DieInRestore:
+    """A LiveState object whose load_state_dict kills its rank (a second fault inside restore())."""
+
+    def __init__(self, die):
+        self.die = die
+
+    def state_dict(self):
+        return {"n": 1}
+
+    def load_state_dict(self, state):
+        if self.die:
+            print(f"rank {os.environ.get('RANK')}: dying inside restore() on purpose", flush=True)
+            os._exit(1)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--ckpt-dir", default="ckpt")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--samples", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=16, help="per rank")
+    p.add_argument("--batchnorm", action="store_true")
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--ema", action="store_true", help="an EMA teacher in a second LiveState")
+    p.add_argument("--fsdp", action="store_true", help="fully_shard over every rank (no replicas), no shard=")
+    p.add_argument("--progress-dir", default=None)
+    p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--fail-at-step", type=int, default=None)
+    p.add_argument("--raise-at-step", type=int, default=None)
+    p.add_argument("--hang-at-step", type=int, default=None)
+    p.add_argument("--hold", type=float, default=0.5)
+    p.add_argument("--die-in-restore", type=int, default=None, metavar="RANK")
+    p.add_argument("--unsendable-scheduler", action="store_true")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ft.restartable(train)(parse_args())

@@ -1,0 +1,338 @@
+"""Live recovery that is exact or says why (issue 30), on the loop a user writes from the guide:
+examples/live_train.py (DDP on gloo, torchdata's StatefulDataLoader over a StatefulDistributedSampler,
+the batch drawn at the top of each step, AdamW + LambdaLR, a checkpoint every 50 steps, RNG kept).
+Each case ends with exactly the final model of a fault-free run (checksums, every rank), or with
+the one line of an explicit fallback; real agents, monitors, ranks and rendezvous.
+
+1. Faults at step 137 of 150: rank 0 killed (1 agent x 2 ranks), rank 1 raising after its commit,
+   rank 1 hung after its commit (2 agents x 1 rank), rank 3 killed in 2 x 2: every kept rank rolls
+   its loader back to its last commit, a healed rank continues its peer's position, no step twice.
+2. BatchNorm + dropout (RNG kept): rank 1 killed heals exactly; rank 0 killed falls back (its
+   BatchNorm statistics exist nowhere else) with one line saying so.
+3. Two LiveStates in one function (the model's and an EMA teacher's), matched by name.
+5. FSDP over every rank without `shard=`: the fallback line (no replica to heal from).
+6. A second fault inside restore() (the healed rank dies while loading): the next cycle is live.
+7. A scheduler whose state holds a lambda: one line at the start, live recovery off for it.
+4. HSDP 2 x 2 with a hot spare that takes a place before the survivor in the order: the survivor's
+   ranks move; kept where their new place holds the same shard, else every rank falls back.
+The wire and plan units are in test_live_state.py; 20 live recoveries' memory in test_live_memory.
+"""
+import json
+import os
+
+import pytest
+
+from conftest import ROOT, node_tree, read_events, wait_for
+from test_fault_matrix import BOUND, EXAMPLE as DDP_EXAMPLE, JOB, TOPOLOGIES, Job, _listening, progress
+
+LIVE_EXAMPLE = os.path.join(ROOT, "examples", "live_train.py")
+STEPS, FAULT = 150, 137
+BASE = ["--steps", STEPS, "--ckpt-every", 50]
+TOPOLOGIES.setdefault("2x1", (2, 1))
+BOUND.setdefault("2x1", 120)
+
+
+class LiveJob(Job):
+    """A Job of test_fault_matrix running examples/live_train.py instead of ddp_train.py."""
+
+    def __init__(self, launcher, root, topology, ft_args=(), job_args=(), max_restarts=1):
+        root.mkdir(parents=True, exist_ok=True)
+        super().__init__(launcher, root, topology, ft_args, job_args, max_restarts=max_restarts)
+        i = self.args.index(DDP_EXAMPLE)
+        self.args[i:i + len(JOB)] = [LIVE_EXAMPLE]
+
+    def run(self):
+        self.launch()
+        results, _ = self.wait()
+        out = "".join(r[1] for r in results)
+        err = "".join(r[2] for r in results)
+        assert all(code == 0 for code, _, _ in results), err[-4000:]
+        return out, err
+
+    def finals(self):
+        return [json.loads((self.ckpt / f"final_rank_{r}.json").read_text()) for r in range(self.world)]
+
+
+class References:
+    """The fault-free run of each (world size, flags), once per module."""
+
+    def __init__(self, factory, launcher_factory):
+        self.factory, self.cache = factory, {}
+
+    def get(self, launcher, topology, flags):
+        key = (TOPOLOGIES[topology][0] * TOPOLOGIES[topology][1], tuple(map(str, flags)))
+        if key not in self.cache:
+            root = self.factory.mktemp("reference")
+            job = LiveJob(launcher, root, topology, job_args=BASE + list(flags))
+            out, err = job.run()
+            assert "no live state" not in err and "refused" not in err, err[-3000:]
+            self.cache[key] = job.finals()   # per rank (BatchNorm's statistics differ between replicas)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return References(tmp_path_factory, None)
+
+
+def told(job):
+    return [e["detail"] for e in job.events() if e["kind"] == "live_recovery"]
+
+
+def check_exact(job, ref, fault_rank, resume, source=None):
+    """Every rank ends with its fault-free counterpart's model; one live recovery, resumed at
+    `resume`, the fault rank from a peer (or `source`), every other rank kept; no healthy rank
+    trains a completed step twice."""
+    finals = job.finals()
+    assert [f["checksum"] for f in finals] == [r["checksum"] for r in ref], (finals, ref)
+    assert [f["loss"] for f in finals] == [r["loss"] for r in ref]
+    live = told(job)
+    assert len(live) == 1 and live[0]["resume_step"] == resume and live[0]["steps_redone"] == 0, live
+    sources = dict(live[0]["sources"])
+    got = sources.pop(str(fault_rank))
+    assert got == source if source else got.startswith("peer "), live
+    assert set(sources.values()) == {"kept"}, live
+    for rank in range(job.world):
+        rows = progress(job.prog, rank)
+        after = [s for c, s, _ in rows if c == 1]
+        assert after == list(range(resume + 1, STEPS + 1)), (rank, after[:3])
+        if rank != fault_rank:
+            before = [s for c, s, _ in rows if c == 0]
+            assert before[-1] <= resume, (rank, before[-3:])
+    return live[0]
+
+
+# ---- 1. the torchdata loop, each fault at step 137 ---------------------------------------------------
+def test_killed_rank_0_heals_from_its_peer_and_the_loader_continues_exactly(launcher, tmp_path, references):
+    """1 agent x 2 ranks, rank 0 killed at the top of step 137 (its batch not yet drawn; rank 1 has
+    drawn its batch 137 and waits in the all-reduce): rank 1 rolls its loader back to the commit of
+    136, rank 0 (a new process) receives model, optimizer, scheduler, loader position and RNG."""
+    ref = references.get(launcher, "1x2", [])
+    job = LiveJob(launcher, tmp_path, "1x2", job_args=BASE + ["--fail-at-step", FAULT, "--fail-rank", 0])
+    out, err = job.run()
+    live = check_exact(job, ref, 0, FAULT - 1)
+    assert "no live state" not in err and live["check"]["bytes"] > 0, live
+    print(f"\n{live}")
+
+
+@pytest.mark.slow
+def test_a_rank_raising_after_its_commit_heals_exactly(launcher, tmp_path, references):
+    """Rank 1 raises after the commit of step 137 (every rank holds 0.5 s first): its state is
+    suspect, the job resumes at 137, rank 1 receives the state from rank 0 in its own process."""
+    ref = references.get(launcher, "1x2", [])
+    job = LiveJob(launcher, tmp_path, "1x2", job_args=BASE + ["--raise-at-step", FAULT, "--fail-rank", 1])
+    job.run()
+    check_exact(job, ref, 1, FAULT, source="peer 0")
+
+
+@pytest.mark.slow
+def test_a_hang_after_the_commit_keeps_the_waiting_rank_and_heals_the_hung_one(launcher, tmp_path, references):
+    """2 agents x 1 rank: rank 1 hangs after the commit of step 137; rank 0 waits in step 138's
+    all-reduce (its batch 138 drawn) until the step timeouts find the hang: rank 0 restarts in
+    place with its loader rolled back to 137, rank 1 is replaced and heals from it."""
+    ref = references.get(launcher, "2x1", [])
+    job = LiveJob(launcher, tmp_path, "2x1", ["--ft-rank-section-timeouts", "setup:30,step:3,checkpointing:30"],
+                  job_args=BASE + ["--hang-at-step", FAULT, "--fail-rank", 1])
+    job.run()
+    check_exact(job, ref, 1, FAULT, source="peer 0")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_in_2x2_heals_exactly(launcher, tmp_path, references):
+    ref = references.get(launcher, "2x2", [])
+    job = LiveJob(launcher, tmp_path, "2x2", job_args=BASE + ["--fail-at-step", FAULT, "--fail-rank", 3])
+    job.run()
+    check_exact(job, ref, 3, FAULT - 1)
+
+
+# ---- 2. BatchNorm + dropout -------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("fault_rank", [1, 0])
+def test_batchnorm_and_dropout(launcher, tmp_path, references, fault_rank):
+    """Dropout draws from torch's generator (kept with the state); BatchNorm's running statistics
+    change in every forward (rolled back to the commit). Rank 1 killed: exact. Rank 0 killed: its
+    BatchNorm statistics (per rank; DDP makes rank 0's everyone's at the next step) exist nowhere
+    else: the checkpoint, with one line that says so."""
+    flags = ["--batchnorm", "--dropout", 0.2]
+    ref = references.get(launcher, "1x2", flags)
+    job = LiveJob(launcher, tmp_path, "1x2", job_args=BASE + flags + ["--fail-at-step", FAULT, "--fail-rank",
+                                                                      fault_rank])
+    out, err = job.run()
+    if fault_rank == 1:
+        check_exact(job, ref, 1, FAULT - 1, source="peer 0")
+        return
+    lines = [ln for ln in err.splitlines() if "no live state to resume from" in ln]
+    assert len(lines) == 1 and "BatchNorm running statistics" in lines[0] and "rank 0 would heal" in lines[0], lines
+    assert told(job)[0]["resume_step"] is None
+    assert "resumed from step 100 (checkpoint)" in out
+
+
+# ---- 3. two LiveStates --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_live_states_in_one_function_match_by_name(launcher, tmp_path, references):
+    """The model's LiveState and an EMA teacher's (name='teacher'), committed together: rank 1
+    killed, both heal from rank 0; the teacher (in the checksum) ends exact too."""
+    ref = references.get(launcher, "1x2", ["--ema"])
+    job = LiveJob(launcher, tmp_path, "1x2", job_args=BASE + ["--ema", "--fail-at-step", FAULT, "--fail-rank", 1])
+    out, _ = job.run()
+    check_exact(job, ref, 1, FAULT - 1, source="peer 0")
+    assert f"resumed from live state at step {FAULT - 1} (cycle 1)" in out
+
+
+# ---- 5. FSDP without replicas ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_fsdp_without_replicas_falls_back_with_one_line(launcher, tmp_path, references):
+    """fully_shard over both ranks, LiveState without shard=: the parameters' mesh coordinates say
+    each rank holds its own shard; rank 1 killed has no peer holding its shard: every rank falls
+    back (this example keeps no sharded checkpoint: step 0), and rank 0 says why in one line."""
+    ref = references.get(launcher, "1x2", ["--fsdp"])
+    job = LiveJob(launcher, tmp_path, "1x2", job_args=BASE + ["--fsdp", "--fail-at-step", FAULT, "--fail-rank", 1])
+    out, err = job.run()
+    lines = [ln for ln in err.splitlines() if "no live state to resume from" in ln]
+    assert len(lines) == 1, err[-3000:]
+    assert "no rank holds the shard rank 1 needs at step 136: every rank's state is a different shard" in lines[0]
+    assert [f["checksum"] for f in job.finals()] == [r["checksum"] for r in ref]
+    assert told(job)[0]["resume_step"] is None and told(job)[0]["sources"] == {"0": "disk", "1": "disk"}
+
+
+# ---- 6. a second fault inside restore() ---------------------------------------------------------------
+@pytest.mark.slow
+def test_a_fault_inside_restore_leaves_the_next_cycle_live(launcher, tmp_path, references):
+    """Rank 1 killed at step 137; in cycle 1 the new rank 1 dies inside restore() (while loading its
+    objects): rank 0 already holds the state in its new objects, so cycle 2 recovers live at 136
+    and the job ends exact."""
+    ref = references.get(launcher, "1x2", ["--die-in-restore", 1])
+    job = LiveJob(launcher, tmp_path, "1x2", job_args=BASE + ["--fail-at-step", FAULT, "--fail-rank", 1,
+                                                              "--die-in-restore", 1], max_restarts=2)
+    out, err = job.run()
+    assert "dying inside restore() on purpose" in out
+    finals = job.finals()
+    assert [f["checksum"] for f in finals] == [r["checksum"] for r in ref] and finals[0]["cycle"] == 2, finals
+    live = [t for t in told(job)]
+    assert live[-1]["resume_step"] == FAULT - 1 and live[-1]["sources"] == {"0": "kept", "1": "peer 0"}, live
+    assert all(t["resume_step"] is not None for t in live), live
+    assert "no live state" not in err
+
+
+# ---- 7. state a peer could not receive ------------------------------------------------------------------
+def test_an_unsendable_scheduler_is_refused_at_once_with_one_line(launcher, tmp_path):
+    """LambdaLR over a callable object that holds a lambda: its state_dict() holds the lambda. The
+    LiveState refuses it before training (one line naming where), the job trains on; the fault at
+    step 17 falls back to the checkpoint, saying why."""
+    job = LiveJob(launcher, tmp_path, "1x2", job_args=["--steps", 20, "--ckpt-every", 10, "--unsendable-scheduler",
+                                                       "--fail-at-step", 17, "--fail-rank", 1])
+    out, err = job.run()
+    refused = [ln for ln in err.splitlines() if "refused:" in ln]
+    assert len(refused) == 1, err[-3000:]
+    assert "'scheduler' holds a function at ['lr_lambdas'][0]['curve']" in refused[0], refused
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if "no live state to resume from" in ln]
+    assert len(lines) == 1 and "was refused on ranks 0, 1: 'scheduler' holds a function" in lines[0], lines
+    assert "resumed from step 10 (checkpoint)" in out
+
+
+# ---- 4. HSDP: a node lost, the spare first in the order ------------------------------------------------
+HSDP_EXAMPLE = os.path.join(ROOT, "examples", "hsdp_train.py")
+
+
+class HsdpSpareJob(Job):
+    """hsdp_train.py on 2 agents x 2 ranks (--nnodes 2:3) and a third agent that joins later as a
+    hot spare. Node order (GROUP_RANK): the first agent 1 (it hosts the store), the second 2, the
+    spare 0: when the second is lost, the spare takes ranks 0, 1 and the survivor moves to 2, 3."""
+
+    ORDER = {0: 1, 1: 2, 2: 0}
+
+    def __init__(self, launcher, root, job_args):
+        super().__init__(launcher, root, "2x2", ["--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60"])
+        i = self.args.index(DDP_EXAMPLE)
+        self.args = self.args[:i] + [HSDP_EXAMPLE] + [str(a) for a in job_args]
+        self.args[self.args.index("--nnodes") + 1] = "2:3"
+
+    def launch_agent(self, node):
+        if node > 0:
+            wait_for(lambda: _listening(self.port), 30, "the store host to listen")
+        proc = self.launcher.start(self.args, extra_env={"GROUP_RANK": str(self.ORDER[node])})
+        self.agents.append(proc)
+        return proc
+
+
+def hsdp_final(out):
+    return [ln.split("] ", 1)[-1] for ln in out.splitlines() if "FINAL" in ln]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["replicate,shard", "shard,replicate"])
+def test_hsdp_a_lost_node_and_a_spare_first_in_the_order_keeps_or_falls_back_never_mixed(launcher, tmp_path, mesh):
+    """replicate,shard: a node holds one replica (both shards); the survivor's ranks move from 0, 1
+    to 2, 3, where the mesh puts the same shards: they keep their state, the spare's ranks heal
+    from them. shard,replicate: a node holds both replicas of one shard; the lost node took all of
+    shard 1, and the survivor's ranks (shard 0) now sit where shard 1 goes: no rank holds what
+    ranks 2, 3 need, and every rank falls back (here: step 0) with one line. Both end with the
+    fault-free run's model."""
+    args = ["--steps", 30, "--mesh", mesh]
+    ref = launcher.run(["--standalone", "--nproc-per-node", 4, "--log-dir", tmp_path / "ref", HSDP_EXAMPLE] + args,
+                       timeout=200)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    job = HsdpSpareJob(launcher, tmp_path / "job", args + ["--step-time", 0.3]).launch()
+    wait_for(lambda: read_events(job.logs, "ranks_started"), 90, "the job to train")
+    job.launch_agent(2)
+    wait_for(lambda: read_events(job.logs, "spare_waiting"), 60, "the third agent to wait as a spare")
+    for proc in node_tree(job.agents[1].pid):   # the second node: its agent and ranks 2, 3
+        proc.kill()
+    results, _ = job.wait(bound=240)
+    assert results[0][0] == 0 and results[2][0] == 0, "\n".join(r[2][-3000:] for r in results)
+    out = "".join(r[1] for r in results)
+    err = "".join(r[2] for r in results)
+    assert hsdp_final(out) == hsdp_final(ref.stdout) and len(hsdp_final(out)) == 1, (out[-2000:], ref.stdout[-500:])
+    live = [e["detail"] for e in job.events() if e["kind"] == "live_recovery"]
+    assert len(live) == 1, live
+    starts = [e["detail"] for e in job.events() if e["kind"] == "ranks_started" and e["cycle"] == 1]
+    print(f"\n{live[0]}\n{starts}")
+    if mesh == "replicate,shard":
+        assert live[0]["resume_step"] is not None, live
+        assert live[0]["sources"]["2"] == live[0]["sources"]["3"] == "kept", live
+        assert {live[0]["sources"]["0"], live[0]["sources"]["1"]} == {"peer 2", "peer 3"}, live
+        assert "no live state" not in err
+    else:
+        assert live[0]["resume_step"] is None and "no rank holds the shard ranks 2, 3 need" in live[0]["reason"], live
+        lines = [ln for ln in err.splitlines() if "no live state to resume from" in ln]
+        assert len(lines) == 1, lines
+
+
+# ---- memory: 20 live recoveries with ~234 MB of model + AdamW state ------------------------------------
+@pytest.mark.slow
+def test_live_memory_twenty_recoveries_leave_a_kept_rank_within_1_1x_of_its_memory_before(launcher, tmp_path):
+    """bench/live_train.py at width 3000 (19.5 M parameters: 234 MB of model + AdamW state), rank 1
+    killed at the top of step 6 in cycles 0..19, rank 0 kept every time. Rank 0's RSS after the last
+    step of cycle 20 is within 1.1x of its RSS after step 5 of cycle 0 (model, gradients and AdamW
+    state all made); each restore's peak is printed. The model ends exact."""
+    restarts, width = 20, 3000
+    script = os.path.join(ROOT, "bench", "live_train.py")
+    common = ["--width", width, "--steps", 8, "--ckpt-every", 100, "--batch", 8]
+    ref = launcher.run(["--standalone", "--nproc-per-node", 2, "--log-dir", tmp_path / "ref", script] + common
+                       + ["--ckpt-dir", tmp_path / "ref_ckpt", "--progress-dir", tmp_path / "ref_prog"], timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    expected = json.loads((tmp_path / "ref_ckpt" / "final.json").read_text())
+    res = launcher.run(["--standalone", "--nproc-per-node", 2, "--max-restarts", restarts + 2, "--log-dir",
+                        tmp_path / "logs", "--ft-max-no-progress-cycles", 0, "--ft-warm-reserves", 2, script] + common
+                       + ["--live", "--kill-at-step", 6, "--kill-rank", 1, "--kill-cycles", restarts,
+                          "--ckpt-dir", tmp_path / "ckpt", "--progress-dir", tmp_path / "prog"], timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    final = json.loads((tmp_path / "ckpt" / "final.json").read_text())
+    assert final["checksum"] == expected["checksum"] and final["cycle"] == restarts, (final, expected)
+    assert final["state_bytes"] >= 200e6, final
+    told = [e["detail"] for e in read_events(str(tmp_path / "logs")) if e["kind"] == "live_recovery"]
+    assert len(told) == restarts and all(t["sources"] == {"0": "kept", "1": "peer 0"} for t in told), told
+    rss = {}
+    with open(tmp_path / "prog" / "rss_rank_0.txt") as fh:
+        for line in fh:
+            cycle, step, value = map(int, line.split())
+            rss[(cycle, step)] = value
+    before, after = rss[(0, 5)], rss[(restarts, 8)]
+    print(f"\nstate {final['state_bytes'] / 1e6:.0f} MB; rank 0 RSS {before / 2**20:.0f} MB before the first fault, "
+          f"{after / 2**20:.0f} MB after {restarts} live recoveries ({after / before:.3f}x)")
+    print("cycle  rss_before_restore_MB  restore_peak_MB")
+    for cycle in range(1, restarts + 1):
+        rec = json.loads((tmp_path / "prog" / f"restore_rank_0_cycle_{cycle}.json").read_text())
+        print(f"{cycle:5d}  {rec['rss_before'] / 2**20:21.0f}  {rec['rss_peak'] / 2**20:15.0f}")
+    assert after <= 1.1 * before, f"rank 0's RSS grew: {before / 2**20:.0f} -> {after / 2**20:.0f} MB"
