@@ -108,6 +108,19 @@ def test_plan_when_a_node_and_its_buddys_node_are_both_lost_says_so():
         "holding its copy were both lost: a node and its buddy's node)")
 
 
+def test_the_line_names_the_buddy_and_the_step():
+    from ft_launcher.agent.recovery.live_recovery import line, source_words
+
+    told = {"resume_step": 135, "steps_redone": 1, "sources": {"0": "host copy", "1": "kept", "2": "buddy 0",
+                                                               "3": "buddy 1"},
+            "bytes": 2_000_000, "transfer_s": 0.01, "mb_per_s": 200.0, "restore_s": 0.05}
+    said = line(told)
+    assert said.startswith("live recovery: resumed at step 135 (1 completed step(s) redone")
+    assert "rank 0 from its host copy, rank 1 kept, rank 2 from buddy rank 0, rank 3 from buddy rank 1" in said
+    assert source_words(told["sources"], kept=False) == ("rank 0 from its host copy, rank 2 from buddy rank 0, "
+                                                         "rank 3 from buddy rank 1")
+
+
 # ---- a snapshot in slot files (no process) ---------------------------------------------------------
 def build(seed):
     import torch
