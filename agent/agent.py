@@ -44,7 +44,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
-from ft_launcher.rank_monitor import shm_layout
+from ft_launcher.rank_monitor import buddy_store, shm_layout
 from ft_launcher.rank_monitor.agent_side.monitor_handle import MonitorHandle, MonitorStartError
 from ft_launcher.rank_monitor.peer_sockets import ENV_JOB_ADDRS
 from ft_launcher.rank_monitor.monitor_side.server import ENV_HANG_VERDICT
@@ -282,7 +282,10 @@ class NodeAgent:
         if self.monitor_set is not None:
             self.monitor_set.stop_all()
         pool.shutdown(wait=True)
-        for marker in glob.glob(shm_layout.warned_prefix(os.getpid()) + "*"):   # the ranks' said-once marks
+        # the ranks' said-once marks and their buddy copies (rank_monitor.buddy_store: host memory that
+        # outlived the ranks; the orphan watchdog removes them too if the agent is killed)
+        for marker in (glob.glob(shm_layout.warned_prefix(os.getpid()) + "*")
+                       + glob.glob(buddy_store.agent_files(os.getpid()))):
             try:
                 os.unlink(marker)
             except OSError:

@@ -12,6 +12,11 @@ the time it writes just before. Contenders:
             restarts in place and keeps its state, the replaced rank heals from it
   ckpt      the same under ft_launcher without LiveState: every rank reloads the checkpoint
   torchrun  torchrun --max-restarts 3 of the same script: every rank restarts and reloads it
+  buddy1    --live with a buddy copy every step (ft.LiveState(buddy_every=1)): the state also in host
+            memory (this node's shared memory, and the buddy rank's: one node here); the killed rank
+            loads its own copy there ("host copy")
+  buddy10   the same every 10 steps: the killed rank's copy is older than the resume step, so it
+            heals from its live peer as --live does; the figure here is the per-step cost
   torchft   2 TorchFT replica groups (1 rank each, Manager on ProcessGroupGloo, gradients
             averaged with manager.allreduce) under torchft_lighthouse (--min_replicas 1, its
             default 5 s heartbeat timeout unless --torchft-heartbeat-timeout-ms); this bench
@@ -26,6 +31,10 @@ Figures (per rank from its progress lines; a step counts when its line is writte
                           events.jsonl (ft_launcher --live), else the script's restore record
   transfer MB/s           state bytes / the time the recovering rank took to get it (peer or disk)
   checksum                the DDP contenders' final model against a fault-free run of the same job
+  buddy copy cost         with a buddy contender: fault-free runs of --live without and with buddy
+                          copies (K = 1, 10), the same steps: the mean step time over steps 20..end
+                          against --live's, and the ranks' own account (LiveState.buddy_stats: the
+                          copy into host memory and the wait for the previous exchange, per step)
 Every process the bench starts runs in its own session; all are killed (process groups) at the end.
 """
 from __future__ import annotations
@@ -50,9 +59,10 @@ from ft_launcher.agent.recovery.live_recovery import per_rank  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "live_train.py")
-CONTENDERS = ("live", "ckpt", "torchrun", "torchft")
-LABELS = {"live": "ft_launcher --live", "ckpt": "ft_launcher ckpt restore", "torchrun": "torchrun ckpt restore",
-          "torchft": "TorchFT 0.2.0"}
+CONTENDERS = ("live", "buddy1", "buddy10", "ckpt", "torchrun", "torchft")
+LABELS = {"live": "ft_launcher --live", "buddy1": "--live + buddy copy K=1", "buddy10": "--live + buddy copy K=10",
+          "ckpt": "ft_launcher ckpt restore", "torchrun": "torchrun ckpt restore", "torchft": "TorchFT 0.2.0"}
+BUDDY = {"buddy1": 1, "buddy10": 10}   # contender -> buddy_every
 
 
 def parse_args(argv=None):
@@ -80,7 +90,7 @@ def parse_args(argv=None):
     args.skipped = []
     if args.only is None:
         args.only = [c for c in CONTENDERS if not (c == "torchft" and not torchft_available())
-                     and not (c == "live" and not live_available())]
+                     and not (c in ("live", *BUDDY) and not live_available())]
         args.skipped = [c for c in CONTENDERS if c not in args.only]
     else:
         args.only = [c.strip() for c in args.only.split(",") if c.strip()]
@@ -95,7 +105,7 @@ def parse_args(argv=None):
         p.error("--reps must be at least 1")
     if "torchft" in args.only and not torchft_available():
         p.error("torchft is not installed (pip install torchft==0.2.0), or leave it out with --only")
-    if "live" in args.only and not live_available():
+    if any(c in args.only for c in ("live", *BUDDY)) and not live_available():
         p.error("this ft_launcher has no ft.LiveState (the live-state API): leave 'live' out with --only")
     return args
 
@@ -111,11 +121,12 @@ def live_available() -> bool:
     return out.stdout.strip() == "True"
 
 
-def script_args(args, kill: bool, live=False, restartable=False) -> List[str]:
+def script_args(args, kill: bool, live=False, restartable=False, buddy=0) -> List[str]:
     out = ["--steps", str(args.steps), "--width", str(args.width), "--ckpt-every", str(args.ckpt_every),
            "--progress-dir", "progress", "--ckpt-dir", "ckpt"]
     if kill:
         out += ["--kill-at-step", str(args.kill_at), "--kill-rank", str(args.kill_rank)]
+    out += ["--buddy-every", str(buddy)] if buddy else []
     return out + (["--live"] if live else []) + (["--restartable"] if restartable and not live else [])
 
 
@@ -252,8 +263,9 @@ def measure(args, contender: str, kill: bool = True) -> dict:
     else:
         kind = "torchrun" if contender == "torchrun" else "ft_launcher"
         extra = ["--max-restarts", "3"] + (["--log-dir", "logs"] if kind == "ft_launcher" else [])
-        job = Job(kind, 2, extra, script_args(args, kill, live=contender == "live",
-                                              restartable=contender == "ckpt"), script=SCRIPT)
+        job = Job(kind, 2, extra, script_args(args, kill, live=contender in ("live", *BUDDY),
+                                              restartable=contender == "ckpt", buddy=BUDDY.get(contender, 0)),
+                  script=SCRIPT)
     ok = False
     try:
         deadline = time.monotonic() + args.timeout
@@ -284,6 +296,11 @@ def result(args, contender: str, job, kill: bool) -> dict:
     if final.get("commits", 0) > 1:   # ft_launcher --live: the committed-state snapshots, per step
         out["snapshot_us"] = final["snapshot_s"] / (final["commits"] - 1) * 1e6
     if not kill:
+        steps = [[t for c, st, t in rows if c == 0 and st >= 20] for rows in progress.values()]
+        gaps = [b - a for ts in steps for a, b in zip(ts, ts[1:])]
+        if gaps:
+            out["mean_step_s"] = sum(gaps) / len(gaps)
+        out["buddy"] = [read_json(os.path.join(job.progress_dir, f"buddy_rank_{r}_cycle_0.json")) for r in (0, 1)]
         return out
     fault = read_fault(job.progress_dir)
     if fault is None:
@@ -341,7 +358,7 @@ def result(args, contender: str, job, kill: bool) -> dict:
                 out["transfer_s"], out["transfer_mbs"] = d["transfer_s"], d["mb_per_s"]
         else:
             out["source"] = f"disk ({d.get('reason')})"
-    if contender in ("live", "ckpt"):
+    if contender in ("live", "ckpt", *BUDDY):
         out["replaced_warm"] = replaced_warm(evs, victim)
     return out
 
@@ -424,6 +441,41 @@ def costs(runs: Dict[str, List[dict]]) -> str:
     return "\n".join(lines)
 
 
+def buddy_cost(args) -> str:
+    """Fault-free runs of --live without and with buddy copies, alternated --reps times: the mean
+    step time against --live's, and each rank's own account of the copies (per step)."""
+    kinds = ["live"] + [c for c in BUDDY if c in args.only]
+    seen: Dict[str, List[dict]] = {c: [] for c in kinds}
+    for rep in range(args.reps):
+        for c in kinds:
+            r = measure(args, c, kill=False)
+            seen[c].append(r)
+            if "failed" in r or "mean_step_s" not in r:
+                print(f"  cost rep {rep}: {LABELS[c]:26s} FAILED: {r.get('failed', 'no steps')}", flush=True)
+                continue
+            print(f"  cost rep {rep}: {LABELS[c]:26s} mean step {r['mean_step_s'] * 1000:.2f} ms"
+                  + "".join(f"; rank {i}: {b}" for i, b in enumerate(r.get("buddy") or []) if b), flush=True)
+    base = med([r["mean_step_s"] for r in seen["live"] if "mean_step_s" in r])
+    lines = ["| fault-free, same job | mean step (ms) | vs --live | copy into host memory per snapshot (ms) | "
+             "wait for the previous exchange per snapshot (ms) | exchange per snapshot (ms, background) | "
+             "rank's own cost per step (% of the step) | host memory per rank (MB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in kinds:
+        rs = [r for r in seen[c] if "mean_step_s" in r]
+        step = [r["mean_step_s"] * 1000 for r in rs]
+        vs = f"{(med(step) / 1000 / base - 1) * 100:+.1f} %" if c != "live" and base and step else "1.00"
+        stats = [b for r in rs for b in (r.get("buddy") or []) if b and b.get("snapshots")]
+        per = lambda key: [b[key] / b["snapshots"] * 1000 for b in stats]   # noqa: E731
+        own = [(b["copy_s"] + b["wait_s"]) / b["steps"] / (r["mean_step_s"]) * 100
+               for r in rs for b in (r.get("buddy") or []) if b and b.get("snapshots")]
+        mem = [4 * b["bytes"] / 1e6 for b in stats]
+        lines.append(f"| {LABELS[c]} | {spread(step)} | {vs} | {spread(per('copy_s')) if stats else 'n/a'} | "
+                     f"{spread(per('wait_s')) if stats else 'n/a'} | {spread(per('exchange_s')) if stats else 'n/a'} | "
+                     f"{spread(own) if own else 'n/a'} | {spread(mem, '{:.0f}') if mem else 'n/a'} |")
+    lines.append(f"(median (min-max) over {args.reps} runs each, both ranks; steps 20..{args.steps})")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     print(f"kill rank {args.kill_rank} at step {args.kill_at} of {args.steps}, checkpoint every {args.ckpt_every}, "
@@ -436,6 +488,8 @@ def main(argv=None) -> None:
         ref = measure(args, "ckpt", kill=False)
         reference = ref.get("checksum")
         print(f"  fault-free run: checksum {reference}, state {ref.get('state_mb', 0):.1f} MB", flush=True)
+    if any(c in BUDDY for c in args.only):
+        print(buddy_cost(args), flush=True)
     runs: Dict[str, List[dict]] = {c: [] for c in args.only}
     for rep in range(args.reps):
         for c in args.only:

@@ -48,8 +48,12 @@ def parse_args(argv=None):
     p.add_argument("--kill-cycles", type=int, default=1, help="kill in every cycle below this (default: cycle 0 only)")
     p.add_argument("--restartable", action="store_true", help="ddp mode: run under ft_launcher.restartable")
     p.add_argument("--live", action="store_true", help="ddp mode: ft.LiveState (implies --restartable)")
+    p.add_argument("--buddy-every", type=int, default=0,
+                   help="ddp mode, --live: a buddy copy of the state every K steps (ft.LiveState(buddy_every=K))")
     p.add_argument("--heartbeat-ms", type=int, default=100, help="torchft mode: the Manager's heartbeat interval")
     args = p.parse_args(argv)
+    if args.buddy_every:
+        args.live = True
     if args.live:
         args.restartable = True
     if args.mode == "torchft" and (args.live or args.restartable):
@@ -175,7 +179,7 @@ def train_ddp(args):
         live = None
         peak = None
         if args.live:
-            live = ft.LiveState(model=model, optimizer=opt, scheduler=sched)
+            live = ft.LiveState(model=model, optimizer=opt, scheduler=sched, buddy_every=args.buddy_every)
             with PeakRss() as peak:
                 start = live.restore()
             if start is not None:
@@ -227,6 +231,10 @@ def train_ddp(args):
         if live is not None:   # the per-step cost of keeping the committed state (snapshots at commit)
             extra.update(commits=live.stats["commits"], snapshot_s=live.stats["snapshot_s"])
         final(args, model, rank, world, cycle, extra)
+    stats = live.buddy_stats() if live is not None else None
+    if stats is not None:   # this cycle's buddy-copy figures (the bench's per-step cost)
+        with open(os.path.join(args.progress_dir, f"buddy_rank_{rank}_cycle_{cycle}.json"), "w") as fh:
+            json.dump(dict(stats, steps=args.steps - start), fh)
     progress.close()
     del ddp   # before the group goes (see examples/ddp_train.py: gloo's exit deadlock)
     dist.destroy_process_group()

@@ -16,17 +16,32 @@ step-section timeout finds the hang (`--ft-rank-section-timeouts step:T`) and ha
 `--mesh shard,replicate` lays the mesh out the other way: ranks 0, 1 hold shard 0 (the two replicas
 of it) and ranks 2, 3 shard 1, so a node of 2 ranks holds one whole shard.
 
-Deterministic (the batch of step s on rank r is a function of (s, r)); no checkpoint: a fallback
-trains from step 0. Rank 0 prints `FINAL step=<n> checksum=<c>` (the full parameters' sum).
+`--replicas 1` is pure FSDP (a 1-D mesh over every rank: no replica), and `--buddy-every K` keeps a
+buddy copy of each rank's state every K steps (ft.LiveState(buddy_every=K)), so a killed rank or a
+lost node resumes from host memory (docs/live-state.md, "Buddy copies"):
+
+    ft_launcher --standalone --nproc-per-node 2 examples/hsdp_train.py --replicas 1 --buddy-every 1 \
+        --fail-at-step 17 --fail-rank 1
+
+`--ckpt-every N` saves a torch.distributed.checkpoint every N steps into --ckpt-dir, the fallback
+when there is no live state (without it, a fallback trains from step 0). `--progress-dir` makes
+each rank append `cycle step time` lines to rank_<r>.txt there. `--fail-how kill` SIGKILLs the
+fault rank instead of its exit 1.
+
+Deterministic (the batch of step s on rank r is a function of (s, r)). Rank 0 prints `FINAL
+step=<n> checksum=<c>` (the full parameters' sum).
 """
 import argparse
 import os
 import random
+import signal
 import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -37,7 +52,9 @@ def train(args):
     rank, cycle = int(os.environ.get("RANK", 0)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    if args.mesh == "replicate,shard":
+    if args.replicas == 1:   # pure FSDP: every rank holds its own shard, no replica
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    elif args.mesh == "replicate,shard":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     else:   # the same (replicate, shard) dimensions over the ranks in the other order
         layout = torch.arange(world).view(2, world // 2).t().contiguous()
@@ -50,12 +67,19 @@ def train(args):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    live = ft.LiveState(model=model, optimizer=opt)
+    live = ft.LiveState(model=model, optimizer=opt, buddy_every=args.buddy_every,
+                        buddy_memory_limit_mb=args.buddy_memory_limit_mb)
     start = live.restore()
     if start is None:
-        start = 0
+        start = load_checkpoint(args, model, opt)
+        if start and rank == 0:
+            print(f"resumed from the checkpoint at step {start} (cycle {cycle})", flush=True)
     elif rank == 0:
         print(f"resumed from live state at step {start} (cycle {cycle})", flush=True)
+    progress = None
+    if args.progress_dir:
+        os.makedirs(args.progress_dir, exist_ok=True)
+        progress = open(os.path.join(args.progress_dir, f"rank_{rank}.txt"), "a", buffering=1)
     for step in range(start + 1, args.steps + 1):
         if step == args.fail_at_step and rank == args.fail_rank and cycle == 0:
             if args.fail_in == "forward":
@@ -64,6 +88,8 @@ def train(args):
                 dist.reduce_scatter_single = _hang_before(dist.reduce_scatter_single, rank, step)
             else:
                 print(f"rank {rank}: failing on purpose at step {step}", flush=True)
+                if args.fail_how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 os._exit(1)
         g = torch.Generator().manual_seed(step * 1009 + rank)
         x = torch.randn(8, 16, generator=g)
@@ -72,13 +98,44 @@ def train(args):
             nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
             with live.commit(step):
                 opt.step()
+        if progress:
+            progress.write(f"{cycle} {step} {time.time():.6f}\n")
+        if args.ckpt_every and step % args.ckpt_every == 0:
+            save_checkpoint(args, model, opt, step, rank)
         if args.step_time:
             time.sleep(args.step_time)
     with torch.no_grad():
         total = float(sum(p.full_tensor().double().sum() for p in model.parameters()))
     if rank == 0:
         print(f"FINAL step={args.steps} checksum={total!r}", flush=True)
+    if progress:
+        progress.close()
     dist.destroy_process_group()
+
+
+def save_checkpoint(args, model, opt, step, rank):
+    """A sharded checkpoint (torch.distributed.checkpoint) of step `step`; rank 0 then names it the latest."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(args.ckpt_dir, "latest.tmp"), "w") as fh:
+            fh.write(str(step))
+        os.replace(os.path.join(args.ckpt_dir, "latest.tmp"), os.path.join(args.ckpt_dir, "latest"))
+
+
+def load_checkpoint(args, model, opt) -> int:
+    """The newest checkpoint's step, loaded into model and optimizer; 0 when there is none."""
+    try:
+        with open(os.path.join(args.ckpt_dir, "latest")) as fh:
+            step = int(fh.read())
+    except (OSError, ValueError):
+        return 0
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return step
 
 
 def _die_in_forward(rank, step):
@@ -108,6 +165,14 @@ def main():
     p.add_argument("--fail-in", choices=("step", "forward", "reduce_scatter"), default="step",
                    help="where --fail-rank fails: exits at the start of the step (default) or inside its FSDP "
                         "forward, or hangs before its shard reduce_scatter")
+    p.add_argument("--fail-how", choices=("exit", "kill"), default="exit", help="exit 1 (default) or SIGKILL")
+    p.add_argument("--replicas", type=int, default=2, help="replicas of the model (1: pure FSDP, no replica)")
+    p.add_argument("--buddy-every", type=int, default=0, help="a buddy copy every K steps (0: off)")
+    p.add_argument("--buddy-memory-limit-mb", type=float, default=None,
+                   help="the most host memory a node's buddy copies may take (default: 80 %% of what is available)")
+    p.add_argument("--ckpt-every", type=int, default=0, help="a checkpoint every N steps (0: none)")
+    p.add_argument("--ckpt-dir", default="ckpt")
+    p.add_argument("--progress-dir", default=None, help="each rank appends 'cycle step time' lines here")
     ft.restartable(train)(p.parse_args())
 
 

@@ -7,7 +7,7 @@ agent (agent.recovery.live_recovery), at any world size.
      "counts": {"kept": 511, "peer": 1, "disk": 0},
      "bytes": ..., "transfer_s": ..., "restore_s": ..., "mb_per_s": ..., "reason": ...}
 
-`sources` maps each source ("kept", "peer N", "disk") to the ranks it served, as ranges
+`sources` maps each source ("kept", "peer N", "buddy N", "host copy", "disk") to the ranks it served, as ranges
 ("0-3,7"): its size grows with the number of distinct sources and gaps, not with the world. When
 the JSON would not fit the record's area (shm_layout.LIVE_TEXT_BYTES: tens of thousands of
 fragmented ranges), the per-peer detail goes first (`sources` keeps "kept", "peer", "disk" and
@@ -20,7 +20,14 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 from ft_launcher.rank_monitor import shm_layout as L
 
-KEPT, PEER, DISK = "kept", "peer", "disk"
+KEPT, PEER, BUDDY, HOST_COPY, DISK = "kept", "peer", "buddy", "host copy", "disk"
+ORDER = {KEPT: 0, PEER: 1, BUDDY: 2, HOST_COPY: 3, DISK: 4}
+
+
+def kind(name: str) -> str:
+    """A source's kind: 'kept', 'peer' ('peer N'), 'buddy' ('buddy N': a copy rank N held in its
+    node's host memory), 'host copy' (the rank's own copy on its node) or 'disk'."""
+    return name if name == HOST_COPY else name.split(" ", 1)[0]
 
 
 def source_name(rank: int, source: Optional[int]) -> str:
@@ -56,25 +63,25 @@ def parse_ranges(text: str) -> List[int]:
 
 
 def by_source(sources: Sequence[Optional[int]]) -> Dict[str, str]:
-    """Per rank's source (its rank, a peer's rank, or None: disk) -> {source name: rank ranges}."""
+    """Per rank's source (its rank, a peer's rank, None: disk, or a source's name, e.g. 'buddy 3')
+    -> {source name: rank ranges}."""
     groups: Dict[str, List[int]] = {}
     for rank, source in enumerate(sources):
-        groups.setdefault(source_name(rank, source), []).append(rank)
+        groups.setdefault(source if isinstance(source, str) else source_name(rank, source), []).append(rank)
     return {name: ranges(ranks) for name, ranks in sorted(groups.items(), key=source_order)}
 
 
 def source_order(item) -> tuple:
     """Sort key of a (source name, ranges) item: kept, then peers by rank, then disk."""
     name = item[0]
-    kind, _, peer = name.partition(" ")
-    return ({KEPT: 0, PEER: 1, DISK: 2}.get(kind, 3), int(peer) if peer.isdigit() else -1)
+    peer = name.partition(" ")[2]
+    return (ORDER.get(kind(name), len(ORDER)), int(peer) if peer.isdigit() else -1)
 
 
 def counts(sources: Dict[str, str]) -> Dict[str, int]:
     out = {KEPT: 0, PEER: 0, DISK: 0}
     for name, text in sources.items():
-        kind = name.split(" ", 1)[0]
-        out[kind] = out.get(kind, 0) + len(parse_ranges(text))
+        out[kind(name)] = out.get(kind(name), 0) + len(parse_ranges(text))
     return out
 
 
@@ -105,10 +112,10 @@ def encode(summary: dict, limit: int) -> bytes:
     if len(data) <= limit:
         return data
     sources = summary.get("sources") or {}
-    peers = [name for name in sources if name.startswith(PEER + " ")]
+    peers = [name for name in sources if kind(name) in (PEER, BUDDY)]
     coarse: Dict[str, List[int]] = {}
     for name, text in sources.items():
-        coarse.setdefault(name.split(" ", 1)[0], []).extend(parse_ranges(text))
+        coarse.setdefault(kind(name), []).extend(parse_ranges(text))
     smaller = dict(summary, sources={k: ranges(v) for k, v in sorted(coarse.items(), key=source_order)},
                    sources_elided=f"which peer each receiving rank got its state from ({len(peers)} peers)")
     data = _json(smaller)

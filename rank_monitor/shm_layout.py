@@ -83,7 +83,7 @@ H_FROZEN_NS = 35        # monitor: when it found this incarnation hung; its stat
 H_LIVE_STEP = 36        # the last completed step + 1 (0: none): `LiveState.commit` on exit, no syscall
 H_LIVE_CYCLE = 37       # the cycle whose `restore()` wrote the words below (0: none); written last
 H_LIVE_RESUME = 38      # that restore's resume step + 1 (0: no live state, the script's checkpoint)
-H_LIVE_SOURCE = 39      # where this rank's state came from: LIVE_* below, or LIVE_PEER + peer rank
+H_LIVE_SOURCE = 39      # where this rank's state came from: LIVE_* below, LIVE_PEER + peer rank, LIVE_BUDDY - rank
 H_LIVE_TEXT_LEN = 40    # global rank 0: bytes of the recovery summary (JSON, rank_monitor.live_summary) in the live text area
 H_CLIENT_KIND = 41      # who writes the client words: CLIENT_OWN (the rank's own client) or CLIENT_NVRX
 HEADER_WORDS = 48
@@ -126,6 +126,8 @@ IP_WORDS = (H_IP_STATE, H_IP_SEEN, H_IP_FAIL_NS, H_IP_REQUEST, H_IP_GO, H_IP_TEX
 LIVE_DISK = 0           # H_LIVE_SOURCE: no live state (the checkpoint on disk, or a first start)
 LIVE_KEPT = 1           # kept in this process's memory
 LIVE_PEER = 2           # + N: received from global rank N
+LIVE_HOST_COPY = -1     # loaded from its own copy in this node's host memory (rank_side.buddy_copy)
+LIVE_BUDDY = -2         # - N: received the copy global rank N held in its node's host memory
 
 STOP_SHUTDOWN = 1       # the job is stopping (preemption, a signal to the launcher)
 STOP_RESTART = 2        # the ranks are stopped for a restart

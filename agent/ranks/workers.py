@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 
 from ft_launcher.rank_monitor.rank_side import inprocess
 
-from ft_launcher.rank_monitor import shm_layout
+from ft_launcher.rank_monitor import buddy_store, shm_layout
 from ft_launcher.rank_monitor.pdeathsig import set_pdeathsig
 
 from ft_launcher.agent.recovery.flight_recorder import recorder_env
@@ -90,6 +90,7 @@ def slot_env(cfg: LaunchConfig, local_rank: int) -> Dict[str, str]:
     })
     env[inprocess.ENV_GRANULARITY] = cfg.ft.restart_granularity
     env[shm_layout.ENV_WARNED] = shm_layout.warned_prefix(os.getpid())   # a rank's warnings: once per agent
+    env[buddy_store.ENV_PREFIX] = buddy_store.prefix_for(os.getpid(), local_rank)   # the slot's host copies
     env[inprocess.ENV_EMPTY_CUDA_CACHE] = "1" if cfg.ft.empty_cuda_cache else "0"
     if cfg.ft.install_exception_hook:
         env["FT_LAUNCHER_EXCEPTION_HOOK"] = "1"   # a warm reserve installs rank_monitor.rank_side.excepthook

@@ -58,8 +58,10 @@ def source_words(sources: dict, kept: bool = True) -> str:
              if kept or name != S.KEPT]
     words: List[str] = []
     for name, text in items[:LINE_SOURCES]:
+        kind, _, holder = name.partition(" ")
         how = ("kept" if name == S.KEPT else "from disk" if name == S.DISK
-               else f"from peer rank {name.split(' ', 1)[1]}" if " " in name else "from peers")
+               else "from its host copy" if name == S.HOST_COPY
+               else f"from {kind} rank {holder}" if holder else {S.BUDDY: "from buddies"}.get(kind, f"from {kind}s"))
         words.append(f"{_ranks_words(text)} {how}")
     rest = items[LINE_SOURCES:]
     if rest:

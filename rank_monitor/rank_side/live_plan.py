@@ -5,13 +5,14 @@ where each rank's state comes from. Pure (no torch, no I/O): the step exchange o
 - An `Offer` is a state some rank can give: its completed `step`, the shard `identity` it is of
   (which part of a sharded state, under which world size), and the `layout` of the objects it was
   made by (names, shapes, dtypes), both as digests; `holder` is the rank that sends it and `kind`
-  where it holds it ("own": its committed state; a later kind, e.g. a buddy copy of a peer's, is
-  one more offer by another holder).
+  where it holds it ("own": its committed state in its process; "slot<i>": a copy in its node's
+  host memory, rank_side.buddy_copy: its own state's or its buddy's).
 - A `Need` is what a rank's new objects take: the identity and layout it has now.
 - The job resumes at the highest step at which every rank's need is met by an offer of that step
   with the same identity and layout (identity before data: a rank never loads another shard's or
-  another layout's state). A rank whose own offer meets its need keeps its state; any other
-  receives from a matching holder, spread round robin over them. No such step: every rank takes
+  another layout's state). A rank whose own offer meets its need keeps its state; one whose host
+  copy does loads it; any other receives from a matching holder, a live one first (a peer's
+  process), else a copy, spread round robin over them. No such step: every rank takes
   its checkpoint, and the plan says which rank's need nothing met, and why.
 """
 from __future__ import annotations
@@ -43,9 +44,11 @@ class Plan(NamedTuple):
         return src is not None and src.holder == rank and src.kind == "own"
 
     def transfers(self) -> List[Tuple[int, int]]:
-        """(source rank, receiving rank) in the order every rank walks them (by receiver): each
-        pair of ranks meets in the same order on both sides, so no send waits on a cycle."""
-        return [(src.holder, r) for r, src in enumerate(self.sources) if src is not None and not self.kept(r)]
+        """(source rank, receiving rank) of the live transfers (from a process's committed state,
+        not a copy) in the order every rank walks them (by receiver): each pair of ranks meets in
+        the same order on both sides, so no send waits on a cycle."""
+        return [(src.holder, r) for r, src in enumerate(self.sources)
+                if src is not None and not self.kept(r) and src.kind == "own"]
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -74,11 +77,12 @@ def _sources(step: int, holders: Dict[Need, List[Offer]], needs: Sequence[Need])
     sources: List[Optional[Offer]] = []
     turn: Dict[Need, int] = collections.defaultdict(int)
     for r, need in enumerate(needs):
-        own = [o for o in holders[need] if o.holder == r and o.kind == "own"]
+        own = ([o for o in holders[need] if o.holder == r and o.kind == "own"]
+               or [o for o in holders[need] if o.holder == r])   # kept, else its host copy
         if own:
             sources.append(own[0])
             continue
-        group = holders[need]
+        group = [o for o in holders[need] if o.kind == "own"] or holders[need]   # a live peer first
         sources.append(group[turn[need] % len(group)])
         turn[need] += 1
     return sources

@@ -57,11 +57,11 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ft_launcher.rank_monitor.rank_side import comm_backend, gpu_commit, inprocess
+from ft_launcher.rank_monitor.rank_side import buddy_copy, comm_backend, gpu_commit, inprocess
 from ft_launcher.rank_monitor.rank_side import live_objects as O
 from ft_launcher.rank_monitor.rank_side import live_wire as W
 from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer, Plan, plan_recovery
-from ft_launcher.rank_monitor import live_summary
+from ft_launcher.rank_monitor import buddy_store, live_summary
 from ft_launcher.rank_monitor import shm_layout as L
 
 NOT_HELD = -1
@@ -105,6 +105,7 @@ class _Registry:
         self.suspect = False                          # the previous call raised by itself after a commit
         self.depth = 0                                # nested commits (the restart signal waits for all)
         self.said_job = False                         # the granularity-job line was said
+        self.buddy = None                             # this cycle's buddy copies (rank_side.buddy_copy), if on
 
 
 _REG = _Registry()
@@ -154,10 +155,16 @@ class LiveState:
       each commit, so dropout and augmentation continue their stream.
     - `verify` (default True): after a live recovery in which a rank healed from a peer, the
       replicas of its shard compare a digest of their restored state; a mismatch falls back.
+    - `buddy_every`: every that many steps, also copy the committed state into host memory, this
+      node's and a buddy rank's on another node (rank_side.buddy_copy), so a rank without a live
+      replica and a lost node resume from memory; 0 (default): off. One LiveState per process.
+    - `buddy_memory_limit_mb`: the most host memory the buddy copies of one node may take
+      (default: 80 % of what it has available); above it, buddy copies are off, said in one line.
     """
 
     def __init__(self, *, name: Optional[str] = None, shard: Optional[int] = None, rng: bool = True,
-                 verify: bool = True, **objects: Any) -> None:
+                 verify: bool = True, buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
+                 **objects: Any) -> None:
         for key, obj in objects.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"LiveState({key}=...): a {type(obj).__name__} has no state_dict/load_state_dict")
@@ -172,6 +179,11 @@ class LiveState:
         self.tracked: Dict[str, O.Tracked] = {k: O.Tracked(k, v) for k, v in self.objects.items()}
         self.shard = None if shard is None else int(shard)
         self.verify = verify
+        if int(buddy_every) < 0:
+            raise ValueError(f"LiveState(buddy_every={buddy_every}): a number of steps, 0 for off")
+        self._buddy_every = int(buddy_every)
+        self._buddy_limit = None if buddy_memory_limit_mb is None else int(float(buddy_memory_limit_mb) * 1e6)
+        self._buddy = None
         self.last_recovery: Optional[dict] = None   # restore()'s summary (rank 0's view), for tests and logs
         self.stats = {"commits": 0, "snapshot_s": 0.0, "first_commit_s": 0.0}
         self.refused: Optional[str] = None
@@ -232,7 +244,37 @@ class LiveState:
             if _REG.depth <= 0:
                 _REG.depth = 0
                 inprocess.commit_done()   # a restart signal that arrived inside: RestartInPlace now
+        if exc_type is None and self._buddy is not None and self.refused is None:
+            self._buddy.after_commit(self, self._pending)   # every K steps: the copy (it may wait for the last)
         return False
+
+    # ---- buddy copies (rank_side.buddy_copy) ----------------------------------------------------------
+    def committed_states(self) -> Dict[str, dict]:
+        """Every object's state dict as of the last commit (what a buddy copy holds)."""
+        return {name: t.committed() for name, t in self.tracked.items()}
+
+    def described(self) -> dict:
+        """The identity and layout digests of this LiveState's objects (as the step exchange has them)."""
+        return self._describe()
+
+    def buddy_stats(self) -> Optional[dict]:
+        """This cycle's buddy-copy figures (snapshots, bytes, seconds copying, waiting, exchanging),
+        or None when buddy copies are off."""
+        return self._buddy.stats() if self._buddy is not None else None
+
+    def _start_buddy(self, cycle: int):
+        """This cycle's buddy copies (a collective: a new gloo group and the placement), when asked
+        for, under ft_launcher, with a state that can be sent; the previous cycle's are closed."""
+        if _REG.buddy is not None:
+            _REG.buddy.close()
+            _REG.buddy = None
+        prefix = os.environ.get(buddy_store.ENV_PREFIX)
+        if not self._buddy_every or not prefix or self.refused is not None:
+            return None
+        self._buddy = _REG.buddy = buddy_copy.BuddyCopy(self._buddy_every, self._buddy_limit, prefix)
+        self._buddy.setup(cycle)
+        _drain_before_destroy()
+        return self._buddy
 
     def _completed(self, step: int) -> None:
         """A commit's body ended: `step` is completed. What changed outside commit is snapshotted,
@@ -331,20 +373,26 @@ class LiveState:
                 mine = self._describe(fresh)
             except W.Refused as exc:
                 self._refuse(exc)
-        if cycle == 0:   # a first start: nothing to exchange
-            return None
         import torch.distributed as dist
 
+        if cycle == 0:   # a first start: nothing to exchange
+            if dist.is_available() and dist.is_initialized():
+                self._start_buddy(cycle)
+            return None
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("LiveState.restore() exchanges state over the process group: call it after "
                                "init_process_group (and before DDP is constructed)")
         rank, world = dist.get_rank(), dist.get_world_size()
         device = comm_backend.transfer_device()   # the group's real backend per device
+        buddy = self._start_buddy(cycle)
         held = _REG.held.get(self.name)
         row = _Row.mine(self, held, mine)
-        rows = [_Row(r) for r in _all_gather(torch.tensor(row.values, dtype=torch.int64, device=device), world)]
+        values = row.values + (buddy_copy.holdings(buddy.slots, world) if buddy is not None else [])
+        table = _all_gather(torch.tensor(values, dtype=torch.int64, device=device), world)
+        rows = [_Row(r[:_Row.SIZE]) for r in table]
+        copies = [r[_Row.SIZE:] for r in table] if buddy is not None else None
         started = time.perf_counter()   # every rank is here: what follows is the recovery's own time
-        plan, reason = _plan(self, rows, world)
+        plan, reason = _plan(self, rows, world, buddy_copy.offers(copies) if copies else [])
         names = sorted(self.tracked)
         received = sent = 0
         seconds = 0.0
@@ -357,6 +405,10 @@ class LiveState:
                     ready = {n: W.move_state(offered[n], fresh[n][0]) for n in names}
                     self._hold(plan.resume, ready, previous=held)
                     offered = ready
+                if buddy is not None:   # copies first (a rank that sends one may receive a live state)
+                    got = buddy_copy.fetch(buddy, plan, copies, fresh)
+                    if got is not None:
+                        ready, received, seconds = got
                 t0 = time.perf_counter()
                 for src, dst in plan.transfers():   # 5
                     if src == rank:
@@ -394,7 +446,8 @@ class LiveState:
         words[L.H_LIVE_RESUME] = 0 if plan.resume is None else plan.resume + 1
         src = plan.sources[rank]
         words[L.H_LIVE_SOURCE] = (L.LIVE_DISK if src is None else L.LIVE_KEPT if plan.kept(rank)
-                                  else L.LIVE_PEER + src.holder)
+                                  else (L.LIVE_HOST_COPY if src.holder == rank else L.LIVE_BUDDY - src.holder)
+                                  if buddy_copy.is_copy(src) else L.LIVE_PEER + src.holder)
         words[L.H_LIVE_CYCLE] = cycle   # last: the agent reads the words above once it sees this
         if rank == 0:
             inprocess._wake_agent()
@@ -437,8 +490,7 @@ class LiveState:
         """The job's summary of this restore (rank_monitor.live_summary: compact at any world size)."""
         world = len(rows)
         raw = max(r.raw for r in rows)
-        sources = [None if plan.sources[r] is None else r if plan.kept(r) else plan.sources[r].holder
-                   for r in range(world)]
+        sources = [_source_name(plan, r) for r in range(world)]
         summary = live_summary.build(cycle, plan.resume, None if plan.resume is None else max(0, raw - plan.resume),
                                      sources, sum(int(s[0]) for s in stats), max(int(s[1]) for s in stats) / 1e9,
                                      max(int(s[2]) for s in stats) / 1e9, reason, name=self.name, check=check)
@@ -510,8 +562,47 @@ def _ranks(ranks) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _plan(live: LiveState, rows: List[_Row], world: int):
-    """The plan from the exchanged rows, and the true reason when there is no resume step."""
+def _source_name(plan: Plan, r: int) -> str:
+    src = plan.sources[r]
+    if src is None:
+        return "disk"
+    if plan.kept(r):
+        return "kept"
+    return buddy_copy.source_name(r, src) if buddy_copy.is_copy(src) else f"peer {src.holder}"
+
+
+def _drain_before_destroy() -> None:
+    """The script's own `destroy_process_group()` (at its end) first waits for the buddy exchange in
+    flight: a group destroyed under it aborts the process."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(dist.destroy_process_group, "_ft_drains", False):
+        return
+    original = c10d.destroy_process_group
+
+    def destroy_process_group(*args, **kwargs):
+        if _REG.buddy is not None:
+            _REG.buddy.close(join_for=60.0)
+            _REG.buddy = None
+        return original(*args, **kwargs)
+
+    destroy_process_group._ft_drains = True
+    destroy_process_group.__wrapped__ = original
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
+
+
+def teardown_buddy(join_for: float = 0.0) -> None:
+    """A restart's teardown (rank_side.inprocess): the buddy exchange in flight is abandoned (its
+    peers' connections are shut down; at most `join_for` s waited for its thread)."""
+    if _REG.buddy is not None:
+        _REG.buddy.close(join_for)
+        _REG.buddy = None
+
+
+def _plan(live: LiveState, rows: List[_Row], world: int, copies: Optional[list] = None):
+    """The plan from the exchanged rows (and the buddy copies' offers), and the true reason when
+    there is no resume step."""
     names = sorted(live.tracked)
     odd = [r for r, row in enumerate(rows) if row.names != rows[0].names]
     if odd:
@@ -522,7 +613,7 @@ def _plan(live: LiveState, rows: List[_Row], world: int):
         return Plan(None, [None] * world, ""), (f"LiveState '{live.name}' was refused on {_ranks(refused)}: "
                                                 f"{live.refused or 'see the line above'}")
     offers = [Offer(r, row.step, row.offer_id, row.offer_layout) for r, row in enumerate(rows)
-              if row.status == HOLDS and row.offer_world == world]
+              if row.status == HOLDS and row.offer_world == world] + list(copies or [])
     other_world = sorted({row.offer_world for row in rows if row.status == HOLDS and row.offer_world != world})
     plan = plan_recovery(offers, [Need(row.need_id, row.need_layout) for row in rows])
     if plan.resume is not None and rows[0].rank0_buffers and not plan.kept(0):
@@ -533,6 +624,10 @@ def _plan(live: LiveState, rows: List[_Row], world: int):
             f"else (SyncBatchNorm keeps them equal on every rank)")
     if plan.resume is not None:
         return plan, ""
+    lost = buddy_copy.unmet_text([Need(row.need_id, row.need_layout) for row in rows], offers, _ranks) \
+        if copies else ""
+    if lost:
+        return plan, f"LiveState '{live.name}': {lost}"
     if not offers and other_world:
         return plan, (f"the world size changed ({'/'.join(map(str, other_world))} -> {world}) since the live state "
                       f"'{live.name}' was committed")
