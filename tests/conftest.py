@@ -10,6 +10,9 @@ its agent's pid: `ft_launcher_<pid>_...`, `ft_launcher-<pid>`, `ft_launcher_rese
 `ft_launcher_fr_<pid>_...`) is a leak. The test's pids are those it launched and those a light
 sampler (TokenWatch) saw carrying its token; files of other jobs on the machine, or of an earlier
 test, are never blamed on it.
+
+The jobs the tests run on this (the example job, its fault-free references, what a job leaves
+behind) are tests/harness.py's.
 """
 import json
 import os
@@ -254,6 +257,15 @@ def ours_on_disk():
 def leaked_files(before, pids):
     """Files of ours that appeared since `before` and name one of `pids` (this test's processes)."""
     return sorted(p for p in ours_on_disk() - before if owner_pids(p) & pids)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The fault-free runs of the example job (harness.References: a checksum per topology and
+    job arguments), each computed once for the whole session."""
+    from harness import References   # harness imports this module: here, not at the top
+
+    return References(tmp_path_factory)
 
 
 @pytest.fixture

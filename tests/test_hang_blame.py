@@ -5,7 +5,7 @@ its shard reduce_scatter, its shard peer waits in that reduce_scatter and its re
 replicate all_reduce: the flight recorder's sequence numbers, compared within each process group,
 name rank 3 alone, and the victims keep their live state (slow).
 
-examples/ddp_train.py under `ft.restartable`, real agents, monitors and ranks (test_fault_matrix's
+examples/ddp_train.py under `ft.restartable`, real agents, monitors and ranks (tests/harness.py's
 Job). The hang: rank `--fail-rank` sleeps for an hour in a phase (ddp_train --hang-in), or the
 test SIGSTOPs it while it steps. Then:
 - the job ends with exactly the model of a fault-free run, after one in-place restart;
@@ -19,17 +19,11 @@ import signal
 
 import pytest
 
-from conftest import ROOT, read_events, wait_for
-from test_fault_matrix import HOLD_STEP, Job, References, progress
-from test_inprocess_restart import started
+from conftest import ROOT, wait_for
+from harness import HOLD_STEP, Job, progress, started
 
 T = 3.0
 TIMEOUTS = ["--ft-rank-section-timeouts", f"setup:15,step:{T:g},checkpointing:{T:g}"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return References(tmp_path_factory)
 
 
 def run_hang(launcher, tmp_path, topology, how, phase, env=None):

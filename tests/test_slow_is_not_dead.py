@@ -14,7 +14,7 @@ import time
 import psutil
 
 from conftest import SCRIPTS, free_port, node_tree, read_events, wait_for
-from test_store_failover import _sleepers_with_spare
+from harness import listening, sleepers_with_spare
 
 PAUSE = 8.0
 FAILOVER_BOUND = 6.0   # store host SIGKILL -> both ranks of cycle 1 started on the successor
@@ -39,8 +39,7 @@ def test_a_paused_store_host_and_a_paused_agent_lose_no_node(launcher, tmp_path)
             "--rdzv-id", f"slow{port}", "--ft-warm-reserves", 0, "--log-dir", logs,
             os.path.join(SCRIPTS, "cycle_sleeper.py"), out, 2 * PAUSE + 12]
     host = launcher.start(args, extra_env={"GROUP_RANK": "0"})
-    from test_fault_matrix import _listening
-    wait_for(lambda: _listening(port), 30, "the store host to listen")
+    wait_for(lambda: listening(port), 30, "the store host to listen")
     other = launcher.start(args, extra_env={"GROUP_RANK": "1"})
     wait_for(lambda: all((out / f"rank_{r}.txt").exists() for r in (0, 1)), 60, "both ranks to start")
     _pause(host.pid, PAUSE)
@@ -56,7 +55,7 @@ def test_a_paused_store_host_and_a_paused_agent_lose_no_node(launcher, tmp_path)
 
 
 def test_a_killed_store_host_is_failed_over_within_its_bound(launcher, tmp_path):
-    job = _sleepers_with_spare(launcher, tmp_path)
+    job = sleepers_with_spare(launcher, tmp_path)
     killed_at = time.time()
     for proc in node_tree(job.agents[0].pid):
         proc.kill()
