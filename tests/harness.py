@@ -23,6 +23,8 @@ file imports from another test file.
   a fixture makes outside any test), `sample_each_cycle` / `check_flat` (a healthy rank's RSS,
   fds and threads across many restarts), `write` (a file in the test's dir), `bench_module` (a
   script of bench/ imported, with bench's own `harness` beside this one).
+- The agent's parts without an agent: `monitored_ranks` (real monitors, a real rank under each),
+  `round_protocol` (one agent's round protocol on a store this process hosts).
 """
 import contextlib
 import glob
@@ -31,6 +33,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -381,3 +384,58 @@ def await_spare(logs):
     their keep-alive tick: a failover must count it)."""
     wait_for(lambda: read_events(logs, "spare_waiting"), 30, "the third agent to wait as a spare")
     wait_for(lambda: len(read_events(logs, "spare_joined")) == 2, 10, "the trainers to see the spare")
+
+
+# ---- the agent's parts without an agent ------------------------------------------------------------
+@contextlib.contextmanager
+def monitored_ranks(launcher, run_dir, commands, cfg=None, cycle=0, env=None):
+    """Real rank monitors (the agent's MonitorHandle and the monitor process it starts), one per
+    command, and a real rank under each: `commands[i]` (the arguments after the interpreter) runs
+    as local and global rank i of cycle `cycle` with its monitor's environment, and the monitor is
+    told of it as an agent tells it (`env`: more variables for every rank). For the agent's parts
+    that read monitors (section statistics, open sections, in-place words). Yields (monitors, ranks: agent.ranks.workers.Rank); on the way
+    out the ranks are killed and the monitors stopped."""
+    from ft_launcher.agent.ranks.workers import Rank
+    from ft_launcher.rank_monitor.agent_side.monitor_handle import MonitorHandle
+    from ft_launcher.rank_monitor.config import FaultToleranceConfig
+
+    monitors, ranks = [], []
+    before = os.environ.get("FT_TEST_TOKEN")
+    os.environ["FT_TEST_TOKEN"] = launcher.token   # the monitors carry the test's token: its leak check sees them
+    try:
+        for local_rank in range(len(commands)):
+            monitors.append(MonitorHandle.start(local_rank, cfg or FaultToleranceConfig(), str(run_dir)))
+        for i, (monitor, command) in enumerate(zip(monitors, commands)):
+            rank_env = launcher.env(dict(monitor.rank_env(), RANK=str(i), LOCAL_RANK=str(i),
+                                         WORLD_SIZE=str(len(commands)), TORCHELASTIC_RESTART_COUNT=str(cycle),
+                                         **(env or {})))
+            start_ns = time.monotonic_ns()
+            proc = subprocess.Popen([sys.executable] + [str(a) for a in command], env=rank_env, cwd=ROOT,
+                                    start_new_session=True)
+            monitor.rank_started(proc.pid, i, cycle, start_ns)
+            ranks.append(Rank(local_rank=i, rank=i, proc=proc, pidfd=-1, start_ns=start_ns, output=None))
+        yield monitors, ranks
+    finally:
+        if before is None:
+            del os.environ["FT_TEST_TOKEN"]
+        else:
+            os.environ["FT_TEST_TOKEN"] = before
+        for rank in ranks:
+            rank.proc.kill()
+            rank.proc.wait()
+        for monitor in monitors:
+            monitor.stop()
+
+
+def round_protocol(ft=None, node_id="node-a", nproc=2):
+    """One agent's RoundProtocol (agent.rounds.rendezvous) of a one-node job, on a TCPStore this
+    process hosts (released with the objects): for the agent's parts that read and write the
+    round's keys. `ft`: the job's FaultToleranceConfig."""
+    from ft_launcher.agent.launch_config import LaunchConfig
+    from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
+    from ft_launcher.agent.rounds.round_types import NodeInfo
+    from ft_launcher.rank_monitor.config import FaultToleranceConfig
+
+    cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, entrypoint=["x"], standalone=True,
+                       rdzv_port=0, rdzv_id=f"unit{uuid.uuid4().hex[:8]}", ft=ft or FaultToleranceConfig())
+    return RoundProtocol(JobStore(cfg, lambda line: None), cfg, NodeInfo(node_id, "127.0.0.1", None, nproc))
