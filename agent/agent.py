@@ -18,8 +18,9 @@ Signals take one path (_check_signal -> _shut_down: ranks signalled, round told,
 
 A killed rank's walk: its pidfd wakes the supervisor's selector -> Supervisor.outcome reaps it and
 failure_cause.rank_ended says why -> the agent reports the Failure (_fail) -> RoundProtocol.interrupt
--> RestartPolicy.decide writes the Verdict -> at the cycle's end the carrier asks the healthy ranks
-to leave their step (rung in_process) and workers stop the rest -> restarting -> the next round:
+-> RestartPolicy.decide writes the Verdict -> at the cycle's end the hang blame settles who was
+stopped as hung, the carrier asks the ranks the verdict keeps (Verdict.stays) to leave their step
+(rung in_process) and workers stop the rest -> restarting -> the next round:
 the carrier adopts the ranks at their restart point, the dead slot gets a warm reserve
 (reserve_pool.take) or a cold start (workers.start).
 
@@ -553,7 +554,9 @@ class NodeAgent:
         if verdict is not None:   # else whatever raised (a signal, a lost store) has said where we go
             self.life.to(NodeState.RESTARTING if verdict.restart else NodeState.STOPPING, verdict.kind)
         # first: they leave their step while we go on (agent.ranks.in_place_carrier)
-        keep = self.carrier.ask(rnd, verdict, self.me.node_id, self.group, self.monitor_set, self.blame)
+        in_place = verdict is not None and verdict.in_process and rnd.group_rank is not None
+        stopped_as_hung = self.blame.settle(self.monitor_set, self.group.ranks, rnd.number) if in_place else set()
+        keep = self.carrier.ask(rnd, verdict, self.me.node_id, self.group, self.monitor_set, stopped_as_hung)
         self.blame.end_cycle()
         self.live_news.poll(self.monitors)   # a cycle that ends at once still tells its recovery
         # a flight-recorder dump in progress ends before any rank is stopped
