@@ -2,18 +2,22 @@
 starting -> joining -> running or spare -> restarting -> joining ... -> stopping -> finished), the
 loop over rounds and the exit codes; every other job is a named part's:
 
-- agent.rounds.rendezvous: the rounds (join, close, interrupt) on the job's store, one client for every
-  store call; agent.rounds.store_failover moves the job to a successor when the store host is lost.
-- agent.ranks.monitor_set: the rank monitors (start, reports, stall checks, replacement, stop).
-- agent.ranks.workers: the ranks' processes (start, adopt, reap, stop); agent.ranks.reserve_pool the warm
-  reserves that replace them.
+The agent holds three bundles of parts and a few deciders:
+- agent.rounds.job_rounds (JobRounds): this node's side of the job's rounds: its liveness port, its
+  identity, the job's store, the round protocol on it (agent.rounds.rendezvous: join, close,
+  interrupt), the round watcher, and the failover to a successor store (agent.rounds.store_failover).
+- agent.ranks.node_ranks (NodeRanks): this node's processes: the orphan watchdog, the ranks' output,
+  the rank monitors (agent.ranks.monitor_set), the ranks (agent.ranks.workers), the warm reserves
+  (agent.ranks.reserve_pool) and the ranks that restart in their own process
+  (agent.ranks.in_place_carrier).
+- agent.observation.observers (Observers): what the operator reads: the status file, live-recovery
+  news, section use, stragglers, learned timeouts, NVRx's cycle info; agent.observation.events the
+  lines and events.jsonl.
 - agent.recovery.supervisor: watches a cycle and returns, typed, what ended it; agent.recovery.failure_cause says
   what a failure is, for the operator and for the verdict.
 - agent.recovery.restart_policy: the verdict, decided once per round by its first reporter: restart (in
-  place or all ranks), exclude, stop, or not at all.
-- agent.ranks.in_place_carrier: the ranks that restart in their own process, from one cycle into the next.
+  place or all ranks), exclude, stop, or not at all; Verdict.stays names the ranks it keeps in place.
 - agent.recovery.hang_blame and agent.recovery.flight_recorder: who hung, and where.
-- agent.observation.job_status and agent.observation.events: what the operator reads (status file, lines, events.jsonl).
 Signals take one path (_check_signal -> _shut_down: ranks signalled, round told, Shutdown).
 
 A killed rank's walk: its pidfd wakes the supervisor's selector -> Supervisor.outcome reaps it and
