@@ -18,7 +18,7 @@ file imports from another test file.
   phase held IN_PLACE_HOLD s, caught by IN_PLACE_TIMEOUTS.
 - `SleeperJob` / `sleepers_with_spare`: agents whose ranks run tests/scripts/cycle_sleeper.py (no
   torch: a cycle starts in milliseconds); `await_spare`: a third agent waits as a hot spare.
-- Plumbing: `listening(port)` (the store host is up), `communicate_all` (every agent's end within
+- Plumbing: `listening(port)` (the store host is up), `paused` (processes SIGSTOPped for a block), `communicate_all` (every agent's end within
   a bound, else all killed and the test failed), `own_launcher` (a launcher of its own for a run
   a fixture makes outside any test), `sample_each_cycle` / `check_flat` (a healthy rank's RSS,
   fds and threads across many restarts), `write` (a file in the test's dir), `bench_module` (a
@@ -97,6 +97,21 @@ def listening(port):
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@contextlib.contextmanager
+def paused(procs):
+    """`procs` (psutil processes) stopped with SIGSTOP for the block, resumed after (those still there)."""
+    for proc in procs:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            try:
+                proc.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
 
 
 def progress(progress_dir, rank):

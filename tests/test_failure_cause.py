@@ -9,13 +9,11 @@ whose `what` is the operator's line.
   request (ShutdownWorkload stops, ExcludeThisNode leaves, Continue and unknown actions do nothing).
 (How the supervisor gets there in a real job: tests/test_failure_walk.py.)
 """
-import io
 import signal
 
 import pytest
 
 from harness import monitored_ranks, round_protocol
-from ft_launcher.agent.observation.events import EventLog
 from ft_launcher.agent.ranks.workers import Rank
 from ft_launcher.agent.recovery.failure_cause import (CAUSES, dump_words, hang_place, peers_lost, rank_ended,
                                                       rank_raised, rank_request, request_words)
@@ -31,9 +29,9 @@ def rank(global_rank=3, local_rank=1):
 
 
 @pytest.fixture
-def no_blame():
+def no_blame(events):
     """Hang blame with no cycle under way (off, or nothing decided): it adds nothing."""
-    return HangBlame(EventLog(stream=io.StringIO()))
+    return HangBlame(events)
 
 
 def test_a_hang_report_says_where_the_rank_hung_and_for_how_long(no_blame):
@@ -75,11 +73,11 @@ def test_without_a_report_the_exit_status_is_the_cause(no_blame, code, words):
     assert report == {"kind": "failure", "what": f"rank 3 on node-a {words}", "rank": 3, "exitcode": code}
 
 
-def test_the_culprits_line_names_the_ranks_that_waited_on_it(launcher, tmp_path):
+def test_the_culprits_line_names_the_ranks_that_waited_on_it(launcher, tmp_path, events):
     """Both ranks' monitors fired; rank 0's stack waits inside torch.distributed, rank 1's runs the
     training code: the verdict (stack evidence) names rank 1 the culprit, and its line says so."""
     proto = round_protocol()
-    blame = HangBlame(EventLog(str(tmp_path / "events.jsonl"), stream=io.StringIO()))
+    blame = HangBlame(events)
     stacks = {0: WAITS, 1: RUNS}
     sleep = ["-c", "import time; time.sleep(120)"]
     with monitored_ranks(launcher, tmp_path / "run", [sleep, sleep]) as (monitors, ranks):

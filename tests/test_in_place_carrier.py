@@ -13,7 +13,6 @@ sleeps for ranks that are not restartable), the round's keys on a store this pro
 - `drop` kills carried ranks that will not restart, with a line each.
 (The whole path in a real job: tests/test_inprocess_restart.py, tests/test_failure_walk.py.)
 """
-import io
 import os
 import signal
 import time
@@ -23,7 +22,6 @@ import pytest
 from conftest import SCRIPTS, read_events, wait_for
 from harness import monitored_ranks, round_protocol
 from ft_launcher.agent.launch_config import LaunchConfig
-from ft_launcher.agent.observation.events import EventLog
 from ft_launcher.agent.ranks import inprocess_ranks
 from ft_launcher.agent.ranks.in_place_carrier import InPlaceCarrier
 from ft_launcher.agent.ranks.monitor_set import MonitorSet
@@ -42,18 +40,10 @@ NODE = NodeInfo("node-a", "127.0.0.1", None, 2)
 
 
 @pytest.fixture
-def console():
-    return io.StringIO()
-
-
-@pytest.fixture
-def carrier(tmp_path, console):
+def carrier(events):
     cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, entrypoint=["x"],
                        ft=FaultToleranceConfig(inprocess_timeout=TIMEOUT))
-    events = EventLog(str(tmp_path / "events.jsonl"), stream=console)
-    part = InPlaceCarrier(cfg, events)
-    yield part
-    events.close()
+    return InPlaceCarrier(cfg, events)
 
 
 def verdict(inputs):

@@ -7,7 +7,6 @@ Real monitors over real ranks: one that never enters a section (a plain sleep), 
 (tests/scripts/monitored_rank.py); a real event log. NO_SECTION_AFTER is shortened to keep the
 test short.
 """
-import io
 import os
 import time
 
@@ -16,7 +15,6 @@ import pytest
 from conftest import SCRIPTS, read_events, wait_for
 from harness import monitored_ranks
 from ft_launcher.agent.observation import section_use
-from ft_launcher.agent.observation.events import EventLog
 from ft_launcher.agent.observation.section_use import SectionUse, entered_a_section
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
@@ -35,20 +33,6 @@ def ranks(launcher, tmp_path, monkeypatch):
         yield monitors
 
 
-@pytest.fixture
-def console():
-    """The operator's lines."""
-    return io.StringIO()
-
-
-@pytest.fixture
-def log(tmp_path, console):
-    """The node's event log: events.jsonl in tmp_path, its lines on `console`."""
-    events = EventLog(str(tmp_path / "events.jsonl"), stream=console)
-    yield events
-    events.close()
-
-
 def said(tmp_path):
     return [e["detail"] for e in read_events(str(tmp_path), "no_section_entered")]
 
@@ -59,10 +43,10 @@ def said(tmp_path):
     ({"initial_rank_heartbeat_timeout": 90.0}, "outside them only the heartbeat timeouts find a hang"),
     ({}, "nothing finds a hang outside them (no out-of-section or heartbeat timeout is set)"),
 ])
-def test_no_rank_in_a_section_after_the_deadline_is_said_once_with_what_still_protects(ranks, log, console,
+def test_no_rank_in_a_section_after_the_deadline_is_said_once_with_what_still_protects(ranks, events, console,
                                                                                        tmp_path, timeouts, rest):
     ft = FaultToleranceConfig(rank_section_timeouts={"step": 5.0, "setup": 20.0, "fwd": None}, **timeouts)
-    use = SectionUse(log)
+    use = SectionUse(events)
     use.poll(ranks[:1], ft)                   # before a cycle started: no deadline, nothing to check
     use.cycle_start()
     use.poll(ranks[:1], ft)
@@ -80,17 +64,17 @@ def test_no_rank_in_a_section_after_the_deadline_is_said_once_with_what_still_pr
     assert len(said(tmp_path)) == 1
 
 
-def test_a_rank_inside_a_section_settles_it_without_a_word(ranks, log, console, tmp_path):
+def test_a_rank_inside_a_section_settles_it_without_a_word(ranks, events, console, tmp_path):
     ft = FaultToleranceConfig(rank_section_timeouts={"step": 5.0})
     assert not entered_a_section(ranks[0]) and entered_a_section(ranks[1])
-    use = SectionUse(log)
+    use = SectionUse(events)
     use.cycle_start()
     use.poll(ranks, ft)                       # one rank of the node is enough
     assert use.settled and not said(tmp_path) and not console.getvalue()
 
 
-def test_without_section_timeouts_nothing_is_said_and_a_later_one_is_still_checked(ranks, log, tmp_path):
-    use = SectionUse(log)
+def test_without_section_timeouts_nothing_is_said_and_a_later_one_is_still_checked(ranks, events, tmp_path):
+    use = SectionUse(events)
     use.cycle_start()
     wait_for(lambda: time.monotonic() > use.deadline, 5, "the deadline")
     use.poll(ranks[:1], FaultToleranceConfig())

@@ -9,13 +9,11 @@ from the counters its monitor keeps, compared with the median of the other ranks
   straggler_windows windows in a row, with its node kept for exclusion; a new cycle starts over.
 (A whole job naming its straggler: tests/test_operations.py.)
 """
-import io
 import json
 import os
 
 from conftest import SCRIPTS, read_events, wait_for
 from harness import monitored_ranks, round_protocol
-from ft_launcher.agent.observation.events import EventLog
 from ft_launcher.agent.observation.stragglers import StragglerWatch, mean_over_window, slow_ranks
 from ft_launcher.agent.rounds.round_types import Round
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
@@ -39,11 +37,10 @@ def test_a_straggler_is_slower_than_threshold_times_the_median_of_the_others():
     assert slow_ranks({0: 0.0, 1: 0.5}, 1.5) == {}                # a zero median compares nothing
 
 
-def test_the_slow_rank_is_reported_once_after_its_windows_and_its_node_kept_for_exclusion(launcher, tmp_path):
+def test_the_slow_rank_is_reported_once_after_its_windows_and_its_node_kept_for_exclusion(launcher, tmp_path, events):
     ft = FaultToleranceConfig(straggler_window=10.0, straggler_threshold=2.0, straggler_windows=2,
                               straggler_exclude=True)
     proto = round_protocol(ft)
-    events = EventLog(str(tmp_path / "events.jsonl"), stream=io.StringIO())
     events.cycle = 0
     watch = StragglerWatch(ft, events)
     (tmp_path / "out").mkdir()
@@ -86,13 +83,12 @@ def test_the_slow_rank_is_reported_once_after_its_windows_and_its_node_kept_for_
         window(next_cycle, 41.0)
         window(next_cycle, 51.0)
         assert [(e["rank"], e["cycle"]) for e in straggler_events()] == [(1, 0), (1, 1)]
-    events.close()
 
 
-def test_without_a_window_the_watch_does_nothing(tmp_path):
+def test_without_a_window_the_watch_does_nothing(events):
     ft = FaultToleranceConfig(straggler_window=0)
     proto = round_protocol(ft)
-    watch = StragglerWatch(ft, EventLog(str(tmp_path / "events.jsonl"), stream=io.StringIO()))
+    watch = StragglerWatch(ft, events)
     assert not watch.enabled
     watch.tick(proto, Round(0, proto.me, [proto.me], []), [], [], now=0.0)
     assert not proto.exists("r0/strag/0")

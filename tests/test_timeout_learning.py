@@ -10,7 +10,6 @@ the round's keys on a store this process hosts, files in the test's dir.
   starts from the file, which a job that asked for neither computing nor the file never reads.
 (Whole jobs learning their timeouts: tests/test_computed_timeouts.py.)
 """
-import io
 import json
 import os
 
@@ -18,7 +17,6 @@ import pytest
 
 from conftest import SCRIPTS, read_events, wait_for
 from harness import monitored_ranks, round_protocol
-from ft_launcher.agent.observation.events import EventLog
 from ft_launcher.agent.observation.timeout_learning import TimeoutLearner, observations_from_stats
 from ft_launcher.rank_monitor import ft_state_file
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
@@ -33,13 +31,6 @@ def stepping(launcher, tmp_path):
     (tmp_path / "out").mkdir()
     with monitored_ranks(launcher, tmp_path / "run", [RANK + [tmp_path / "out", "--steps", 10000]]) as (monitors, _):
         yield monitors
-
-
-@pytest.fixture
-def events(tmp_path):
-    log = EventLog(str(tmp_path / "events.jsonl"), stream=io.StringIO())
-    yield log
-    log.close()
 
 
 def steps(monitors):
