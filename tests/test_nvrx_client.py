@@ -16,6 +16,7 @@ import signal
 import pytest
 
 from conftest import ROOT, SCRIPTS, free_port, read_events, wait_for
+from harness import listening
 
 pytest.importorskip("nvidia_resiliency_ext.fault_tolerance", reason="pip install -e '.[test]' installs it")
 
@@ -133,14 +134,6 @@ def test_nvrx_heartbeats_example_through_a_hang_and_a_kill(launcher, tmp_path):
 PREVIOUS_RUN = {"current_timeouts": {"section": {
     "section": {"setup": 50.0, "step": 60.0, "checkpointing": 60.0}, "out_of_section": 60.0,
     "calculated_sections": ["setup"], "is_out_of_section_calculated": False}}}
-
-
-def listening(port):
-    import socket
-
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def steps_done(out, rank):

@@ -8,28 +8,18 @@ this machine, ranks that do not import torch (tests/scripts/cycle_sleeper.py).
   (its connections reset) and run cycle 1 on the successor store within FAILOVER_BOUND.
 """
 import os
-import signal
 import time
 
-import psutil
-
 from conftest import SCRIPTS, free_port, node_tree, read_events, wait_for
-from harness import listening, sleepers_with_spare
+from harness import listening, paused, sleepers_with_spare
 
 PAUSE = 8.0
 FAILOVER_BOUND = 6.0   # store host SIGKILL -> both ranks of cycle 1 started on the successor
 
 
 def _pause(pid, seconds):
-    procs = node_tree(pid)
-    for proc in procs:
-        proc.send_signal(signal.SIGSTOP)
-    time.sleep(seconds)   # the pause itself is the fault: nothing to await
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGCONT)
-        except psutil.NoSuchProcess:
-            pass
+    with paused(node_tree(pid)):
+        time.sleep(seconds)   # the pause itself is the fault: nothing to await
 
 
 def test_a_paused_store_host_and_a_paused_agent_lose_no_node(launcher, tmp_path):

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from conftest import node_tree, read_events, wait_for
-from harness import HOLD_STEP, STEPS, Job, SleeperJob, await_spare, progress, sleepers_with_spare
+from harness import HOLD_STEP, STEPS, Job, SleeperJob, await_spare, paused, progress, sleepers_with_spare
 
 FAILOVER_TO_STEPPING = 6.0  # goal: store host SIGKILL -> every remaining rank stepping again
 HOLD = 40.0                 # cycle 0 holds step HOLD_STEP this long: the faults land inside it
@@ -85,8 +85,8 @@ def test_store_host_paused_for_good_the_survivors_end_with_their_own_code(launch
     never returns; the agent used to abort at interpreter exit (SIGABRT, 'terminate called
     without an active exception') instead of exiting 0."""
     job = sleepers_with_spare(launcher, tmp_path)
-    paused = _tree(job.agents[0].pid)
-    for proc in paused:
+    host = _tree(job.agents[0].pid)
+    for proc in host:
         proc.send_signal(signal.SIGSTOP)
     try:
         outs = []
@@ -94,7 +94,7 @@ def test_store_host_paused_for_good_the_survivors_end_with_their_own_code(launch
             _, err = proc.communicate(timeout=60)
             outs.append(err)
     finally:
-        for proc in paused:
+        for proc in host:
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
@@ -165,20 +165,11 @@ def test_paused_store_host_finds_it_was_replaced_and_stops_its_ranks(launcher, t
     # store when the old host resumes and looks for it (a finished job's store is gone)
     job = _with_spare(launcher, tmp_path, ["--step-time", "0.5"])
     old = job.agents[0]
-    paused = _tree(old.pid)
-    old_ranks = [p.pid for p in paused[1:] if any(a.endswith("ddp_train.py") for a in p.cmdline()[:3])]
-    assert len(old_ranks) == 2, [p.cmdline() for p in paused]
-    for proc in paused:
-        proc.send_signal(signal.SIGSTOP)
-    try:
-        # the others notice the silent host, fail over and train again without it
+    host = _tree(old.pid)
+    old_ranks = [p.pid for p in host[1:] if any(a.endswith("ddp_train.py") for a in p.cmdline()[:3])]
+    assert len(old_ranks) == 2, [p.cmdline() for p in host]
+    with paused(host):   # the others notice the silent host, fail over and train again without it
         wait_for(lambda: _stepping_again(job, 0), 60, "the survivor and the spare to step again")
-    finally:
-        for proc in paused:
-            try:
-                proc.send_signal(signal.SIGCONT)
-            except psutil.NoSuchProcess:
-                pass
     _, err = old.communicate(timeout=30)
     assert old.returncode == 1, err[-3000:]
     assert "moved the job to generation 1 of the store" in err, err[-3000:]
