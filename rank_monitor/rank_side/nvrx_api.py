@@ -14,12 +14,15 @@ import time
 from typing import Any, Dict, Iterable, Mapping, Optional
 
 from ft_launcher.rank_monitor import shm_layout as L
-from ft_launcher.rank_monitor.rank_side.sections import _Section, _section_of, _sections, heartbeat, section
+from ft_launcher.rank_monitor.rank_side.sections import _Section, _section_of, heartbeat, section
 from ft_launcher.rank_monitor.rank_side.shm_attachment import _ATT
 from ft_launcher.rank_monitor.rank_side.warn_once import _warn
 from ft_launcher.rank_monitor.workload_requests import WorkloadAction, WorkloadControlRequest
 
 _mono = time.monotonic_ns
+# Bound by assignment, not imported: CPython 3.11 calls a method of an imported name without
+# LOAD_METHOD, and end_section's _sections.get is on NVRx's per-step path.
+_sections = _ATT.sections
 
 
 class RankMonitorClientError(Exception):
