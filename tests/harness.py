@@ -79,17 +79,14 @@ def write(tmp_path, text, name="ft.yaml"):
 
 
 def bench_module(name):
-    """bench/<name>.py imported as a module. The benchmarks have a `harness` of their own
-    (bench/harness.py): it is `harness` only while the script loads (its `from harness import`),
-    and bench/ leaves sys.path again, so that for every test `harness` stays this module."""
-    ours, path = sys.modules[__name__], list(sys.path)
-    del sys.modules[__name__]
+    """bench/<name>.py imported as a module (bench/ on sys.path only while it loads, for its own
+    imports: bench/bench_jobs.py)."""
+    path = list(sys.path)
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
         return importlib.import_module(name)
     finally:
         sys.path[:] = path
-        sys.modules[__name__] = ours
 
 
 def listening(port):
