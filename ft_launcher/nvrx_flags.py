@@ -2,7 +2,7 @@
 NVRx 0.4.1 or 0.7 command line runs here unchanged.
 
 The fault-tolerance keys (`--ft-<key>`, NVRx 0.7's included) are rank_monitor.config's and are
-added by ft_launcher.cli from FIELD_NAMES; this module owns the rest: the flags whose job this
+added by ft_launcher.flags from FIELD_NAMES; this module owns the rest: the flags whose job this
 launcher does another way, or always does (`--ft-restart-policy any-failed`), and the services
 that are not ours (the attribution service, the gRPC log server). `notes(args)` gives one line for
 each such flag on the command line saying what ft_launcher does instead; keys without a meaning

@@ -24,7 +24,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, ROOT)
-from ft_launcher import cli  # noqa: E402
+from ft_launcher import cli, flags  # noqa: E402
 from ft_launcher.rank_monitor.config import FIELD_NAMES, FaultToleranceConfig  # noqa: E402
 
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -134,7 +134,7 @@ def _flags_by_dest():
     import argparse
 
     out = {}
-    for action in cli.build_parser()._actions:
+    for action in flags.build_parser()._actions:
         if not action.option_strings:
             continue
         shown, hidden = out.setdefault(action.dest, ([], []))
@@ -170,7 +170,7 @@ def test_every_nvrx_only_flag_is_in_the_docs():
 
 
 def test_every_ft_flag_the_docs_name_is_a_flag():
-    options = {o for a in cli.build_parser()._actions for o in a.option_strings}
+    options = {o for a in flags.build_parser()._actions for o in a.option_strings}
     named = set()
     for page in PAGES:
         named |= set(re.findall(r"(?<![\w-])(--ft[-_][a-z0-9_-]*[a-z0-9])(?![\w<-])", _read(page)))
@@ -179,7 +179,7 @@ def test_every_ft_flag_the_docs_name_is_a_flag():
 
 
 def test_every_flag_in_the_flags_table_is_a_flag():
-    options = {o for a in cli.build_parser()._actions for o in a.option_strings}
+    options = {o for a in flags.build_parser()._actions for o in a.option_strings}
     text = _read(os.path.join(ROOT, "docs", "flags-and-configuration.md")).split("## Flags", 1)[1]
     named = set()
     for cell in re.findall(r"^\| ((?:`-[^`]*`(?:, )?)+) \|", text.split("\n## ", 1)[0], re.M):
@@ -211,7 +211,7 @@ def test_every_key_is_in_the_table_with_its_flag_and_its_real_default():
     rows = _key_table()
     assert sorted(rows) == sorted(FIELD_NAMES)
     defaults = FaultToleranceConfig()
-    parser = cli.build_parser()
+    parser = flags.build_parser()
     for key in FIELD_NAMES:
         flag, shown = rows[key]
         assert parser.parse_args([flag, "1", "x.py"]) is not None   # the flag is the key's
@@ -234,7 +234,7 @@ def test_every_key_is_in_the_table_with_its_flag_and_its_real_default():
 
 
 def test_numeric_flag_defaults_in_the_table_are_the_parsers():
-    parser = cli.build_parser()
+    parser = flags.build_parser()
     defaults = {o: a.default for a in parser._actions for o in a.option_strings}
     text = _read(os.path.join(ROOT, "docs", "flags-and-configuration.md"))
     checked = 0
@@ -266,14 +266,14 @@ def _check_ft_launcher(argv, monkeypatch):
         import importlib
 
         def parse_only(self, args=None, namespace=None):
-            raise _Parsed(super(cli._Parser, self).parse_args(args, namespace))
+            raise _Parsed(super(flags._Parser, self).parse_args(args, namespace))
 
-        monkeypatch.setattr(cli._Parser, "parse_args", parse_only)
+        monkeypatch.setattr(flags._Parser, "parse_args", parse_only)
         with pytest.raises(_Parsed):
             importlib.import_module(cli.SUBCOMMANDS[argv[0]]).main(argv[1:])
         monkeypatch.undo()
         return
-    args = cli.build_parser().parse_args(argv)   # a UsageError fails the test
+    args = flags.build_parser().parse_args(argv)   # a UsageError fails the test
     said = io.StringIO()
     with redirect_stderr(said):
         if args.nnodes:
@@ -437,7 +437,7 @@ def test_the_readme_first_commands_are_what_ci_and_the_first_hour_test_run():
         assert line.startswith("pip install torch==2.13.0 && pip install ")
     launch = shlex.split(run.rsplit("&& ", 1)[1])
     assert launch[0] == "ft_launcher" and "examples/ddp_train.py" in launch and "--hang-in" in launch
-    cli.build_parser().parse_args(launch[1:])
+    flags.build_parser().parse_args(launch[1:])
     assert test.endswith("&& python -m pytest -q") and '".[test]"' in test
 
 
