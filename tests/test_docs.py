@@ -24,7 +24,8 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, ROOT)
-from ft_launcher import cli, flags  # noqa: E402
+from ft_launcher import cli, flag_values, flags  # noqa: E402
+from ft_launcher.rendezvous_endpoint import DEFAULT_C10D_PORT  # noqa: E402
 from ft_launcher.rank_monitor.config import FIELD_NAMES, FaultToleranceConfig  # noqa: E402
 
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -277,15 +278,15 @@ def _check_ft_launcher(argv, monkeypatch):
     said = io.StringIO()
     with redirect_stderr(said):
         if args.nnodes:
-            cli.parse_nnodes(args.nnodes)
-        cli.parse_backend(args.rdzv_backend)
-        cli.parse_signals(args.signals_to_handle)
-        cli.parse_rdzv_conf(args.rdzv_conf)
+            flag_values.parse_nnodes(args.nnodes)
+        flag_values.parse_backend(args.rdzv_backend)
+        flag_values.parse_signals(args.signals_to_handle)
+        flag_values.parse_rdzv_conf(args.rdzv_conf)
         if args.rdzv_endpoint:
-            cli.parse_endpoint(args.rdzv_endpoint, cli.DEFAULT_C10D_PORT)
+            flag_values.parse_endpoint(args.rdzv_endpoint, DEFAULT_C10D_PORT)
         nproc = int(args.nproc_per_node) if args.nproc_per_node.isdigit() else 8   # gpu/auto need a GPU here
-        cli.parse_stream_map("--redirects", args.redirects, nproc)
-        cli.parse_stream_map("--tee", args.tee, nproc)
+        flag_values.parse_stream_map("--redirects", args.redirects, nproc)
+        flag_values.parse_stream_map("--tee", args.tee, nproc)
         from ft_launcher.ft_config_loading import build_ft_config
 
         ft_cli = {k[4:]: v for k, v in vars(args).items() if k.startswith("ft__") and v is not None}
@@ -322,7 +323,7 @@ def test_every_command_in_the_docs_parses_and_names_files_that_exist(page, monke
                 continue   # a sentence naming the command (`ft_launcher report` writes ...)
             try:
                 _check_ft_launcher(rest, monkeypatch)
-            except (cli.UsageError, Exception) as exc:
+            except (flags.UsageError, Exception) as exc:
                 if isinstance(exc, AssertionError):
                     raise
                 pytest.fail(f"{page}: `{line}` does not parse: {type(exc).__name__}: {exc}")
