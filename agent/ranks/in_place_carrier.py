@@ -3,10 +3,10 @@ rung), carried from the cycle that failed into the next one.
 
 - While a cycle runs, `news` declares the node restartable to the round (the policy's input) once every rank runs
   under `ft.restartable`, and returns a rank whose function raised (it waits, alive, for the verdict).
-- When the verdict is rung `in_process`, `ask` requests each healthy rank of this node to leave its
-  function at once (agent.ranks.inprocess_ranks.request): not a rank the verdict replaces, not one that
-  exited, and not one its monitor found hung, unless the hang blame (agent.recovery.hang_blame) found it only
-  waited on the rank that hung. The agent stops every other rank; `carry` keeps those asked.
+- When the verdict is rung `in_process`, `ask` applies it: the ranks it keeps (Verdict.stays: not a
+  rank the verdict replaces, not one that exited, not one stopped as hung, which the agent learns
+  from agent.recovery.hang_blame.settle) are requested to leave their function at once
+  (agent.ranks.inprocess_ranks.request). The agent stops every other rank; `carry` keeps those asked.
 - In the next cycle `adopt` waits (up to `inprocess_timeout` from the request) for them to reach
   their restart point and returns those to adopt; one that exited or is late is killed and its slot
   starts afresh (`inprocess_timeout` event). A signal meanwhile reaches the carried ranks too and
@@ -17,7 +17,7 @@ rung), carried from the cycle that failed into the next one.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Set, Tuple
 
 from ft_launcher.agent.ranks import inprocess_ranks
 from ft_launcher.agent.ranks.process_wait import Unkillable, kill_and_wait
@@ -47,26 +47,17 @@ class InPlaceCarrier:
         return (raised[0][0], raised[0][2]) if raised else None
 
     # ---- at the verdict ---------------------------------------------------------------------
-    def ask(self, rnd: Round, verdict, node_id: str, group: WorkerGroup, monitor_set, blame) -> Dict[int, tuple]:
-        """The verdict restarts healthy ranks in place: ask this node's to leave their function now.
-        Returns local rank -> (monitor, rank, when asked) of those asked."""
-        if verdict is None or not verdict.in_process or rnd.group_rank is None:
+    def ask(self, rnd: Round, verdict, node_id: str, group: WorkerGroup, monitor_set,
+            stopped_as_hung: Set[int]) -> Dict[int, tuple]:
+        """Apply the verdict: ask this node's ranks it keeps in place (Verdict.stays) to leave their
+        function now. Returns local rank -> (monitor, rank, when asked) of those asked."""
+        if verdict is None or rnd.group_rank is None:
             return {}
         keep, now = {}, time.monotonic()
-        monitors = monitor_set.handles
-        # a rank whose monitor found it hung is being stopped by that monitor: it is replaced,
-        # unless the hang blame found it only waited on the rank that hung (agent.recovery.hang_blame)
-        for monitor in monitors:
-            report = monitor.pending_hang(rnd.number)
-            if report is not None:
-                blame.on_hang(monitor.local_rank, report)
-        blame.tick(monitors, group.ranks, final=True)
-        hung = monitor_set.hung(rnd.number) - blame.released()
-        for rank in group.ranks:
-            if rank.exitcode is None and rank.local_rank not in hung and verdict.keeps(rank.rank, node_id):
-                monitor = monitors[rank.local_rank]
-                if inprocess_ranks.request(monitor, rank, verdict.next_round):
-                    keep[rank.local_rank] = (monitor, rank, now)
+        for rank in verdict.stays(group.ranks, node_id, stopped_as_hung):
+            monitor = monitor_set.handles[rank.local_rank]
+            if inprocess_ranks.request(monitor, rank, verdict.next_round):
+                keep[rank.local_rank] = (monitor, rank, now)
         return keep
 
     def carry(self, keep: Dict[int, tuple]) -> None:

@@ -129,6 +129,15 @@ class MonitorSet:
                  if any(r.get("kind") == "hang" and r.get("cycle") == cycle for r in reports)}
         return found | {m.local_rank for m in self.handles if m.reported_hang(cycle)}
 
+    def unread_hangs(self, cycle: int) -> List[tuple]:
+        """(local rank, report) of the hang reports of `cycle` a monitor holds that were not read yet."""
+        out = []
+        for monitor in self.handles:
+            report = monitor.pending_hang(cycle)
+            if report is not None:
+                out.append((monitor.local_rank, report))
+        return out
+
     def take_pending(self, local_rank: int, cycle: int) -> List[dict]:
         """The reports that explain `local_rank`'s end in `cycle` (older ones are dropped)."""
         return [r for r in self.pending.pop(local_rank, []) if r.get("cycle") == cycle]

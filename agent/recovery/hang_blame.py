@@ -282,6 +282,15 @@ class HangBlame:
             return self.stacks[rank] is not True
         return True
 
+    def settle(self, monitor_set, ranks, cycle: int) -> Set[int]:
+        """The cycle ends: the hang reports its monitors hold that the agent has not read yet go in,
+        the blame decides (final), and the answer is the local ranks stopped as hung (their monitor
+        found them hung and the blame did not release them): the verdict replaces them."""
+        for local_rank, report in monitor_set.unread_hangs(cycle):
+            self.on_hang(local_rank, report)
+        self.tick(monitor_set.handles, ranks, final=True)
+        return monitor_set.hung(cycle) - self.released()
+
     def released(self) -> Set[int]:
         """Local ranks whose monitors were told to release them (victims: they restart in place)."""
         return {lr for lr, kill in self.told.items() if not kill} if self.number is not None else set()

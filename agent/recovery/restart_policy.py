@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ft_launcher.rank_monitor.config import RESTART_GRANULARITIES
 
@@ -102,6 +102,14 @@ class Verdict:
         """Does the healthy rank `global_rank` on node `node_id` restart in its own process?"""
         return (self.in_process and global_rank not in self.replace_ranks
                 and node_id not in self.replace_nodes and node_id not in self.exclude)
+
+    def stays(self, ranks, node_id: str, stopped_as_hung: Set[int]) -> list:
+        """This node's ranks that restart in their own process: alive, kept by the verdict, and not
+        stopped as hung (agent.recovery.hang_blame.settle). The in-place carrier asks these."""
+        if not self.in_process:
+            return []
+        return [rank for rank in ranks if rank.exitcode is None and rank.local_rank not in stopped_as_hung
+                and self.keeps(rank.rank, node_id)]
 
     def rung_words(self) -> str:
         """How the restart happens, for the operator's line."""
