@@ -243,7 +243,7 @@ def test_with_both_packages_installed_in_either_order_the_documented_command_run
     import sys
 
     from ft_launcher import __version__
-    from ft_launcher.cli import command_owner
+    from ft_launcher.flags import command_owner
 
     ours, nvrx = wheels
     venv = tmp_path / "venv"
