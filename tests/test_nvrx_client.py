@@ -242,10 +242,12 @@ def wheels(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("last", ["ours", "nvrx"])
-def test_with_both_packages_installed_in_either_order_the_documented_command_runs_ours(tmp_path, wheels, last):
-    """docs/migrating-from-nvrx.md: `ft_launcher` is ours when ft_launcher is installed after
-    NVRx; `ftrun` and `python -m ft_launcher` are ours in either order, and `--version` says
-    when `ft_launcher` on PATH is NVRx's."""
+def test_with_both_packages_installed_in_either_order_the_command_says_which_runs(tmp_path, wheels, last):
+    """docs/migrating-from-nvrx.md, as pip does it: both wheels carry a console script named
+    `ft_launcher`; pip writes the later one over the earlier one without a warning, so the package
+    installed last owns the name. `ftrun` and `python -m ft_launcher` are ours in either order;
+    ours says, in `--version`, when `ft_launcher` on PATH is NVRx's (whose launcher has no
+    `--version`); `pip install --force-reinstall --no-deps ft_launcher` takes the name back."""
     import subprocess
     import sys
 
@@ -254,32 +256,61 @@ def test_with_both_packages_installed_in_either_order_the_documented_command_run
 
     ours, nvrx = wheels
     venv = tmp_path / "venv"
+    # the venv sees this machine's site-packages (torch and the rest, for `--version`)
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], check=True,
                    timeout=120)
     py, bin_dir = venv / "bin" / "python", venv / "bin"
+
+    def install(wheel, *how):
+        res = subprocess.run([sys.executable, "-m", "pip", "--python", py, "--disable-pip-version-check", "install",
+                              "-q", "--no-deps", "--no-index", *how, wheel], capture_output=True, text=True,
+                             timeout=180)
+        assert res.returncode == 0 and "warn" not in res.stderr.lower(), res.stderr
+        assert (venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+                / wheel.name.split("-")[0]).is_dir(), f"{wheel.name} was not installed into the venv"
+
+    # --ignore-installed: installs each wheel into the venv as into a clean environment. Without
+    # it pip skips a wheel whose version the outer site-packages already holds ("already installed
+    # with the same version"), writing no script; NVRx 0.4.1 is installed on the machines that run
+    # this suite, so NVRx's `ft_launcher` would never reach the venv (ours would, as an editable
+    # install always gets reinstalled).
     for wheel in ((nvrx, ours) if last == "ours" else (ours, nvrx)):
-        res = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "--no-index",
-                              wheel], capture_output=True, text=True, timeout=180)
-        assert res.returncode == 0, res.stderr
+        install(wheel, "--ignore-installed")
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     env.pop("PYTHONPATH", None)
 
-    def version(*cmd):
-        res = subprocess.run(list(cmd) + ["--version"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                             timeout=120)
-        assert res.returncode == 0, res.stderr
-        return res.stdout.strip().splitlines()
+    def run(*cmd):
+        return subprocess.run(list(cmd) + ["--version"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
 
-    owner = command_owner(str(bin_dir / "ft_launcher"))
-    assert owner == ("ft_launcher" if last == "ours" else "nvidia-resiliency-ext")
-    for cmd in (["ftrun"], [str(py), "-m", "ft_launcher"]) + ((["ft_launcher"],) if last == "ours" else ()):
-        lines = version(*cmd)
-        assert lines[0] == f"ft_launcher {__version__}"
-        if last == "nvrx":   # says which one `ft_launcher` runs, and how to get ours
-            assert lines[1].startswith(f"note: the `ft_launcher` command on PATH ({bin_dir / 'ft_launcher'}) is "
-                                       "nvidia-resiliency-ext's launcher")
+    def ours_says(*cmd, note):
+        res = run(*cmd)
+        assert res.returncode == 0, res.stderr
+        lines = res.stdout.strip().splitlines()
+        assert lines[0] == f"ft_launcher {__version__}", (cmd, lines)
+        if note:   # says which one `ft_launcher` runs, and how to get ours
+            assert len(lines) == 2 and lines[1].startswith(
+                f"note: the `ft_launcher` command on PATH ({bin_dir / 'ft_launcher'}) is nvidia-resiliency-ext's "
+                "launcher"), lines
         else:
-            assert len(lines) == 1
+            assert len(lines) == 1, lines
+
+    script = bin_dir / "ft_launcher"
+    assert command_owner(str(script)) == ("ft_launcher" if last == "ours" else "nvidia-resiliency-ext")
+    for cmd in (["ftrun"], [str(py), "-m", "ft_launcher"]):
+        ours_says(*cmd, note=last == "nvrx")
+    if last == "ours":
+        ours_says("ft_launcher", note=False)
+        return
+    # NVRx's launcher runs: it has no --version, and answers with its usage (exit 2)
+    res = run("ft_launcher")
+    assert res.returncode == 2 and f"ft_launcher {__version__}" not in res.stdout, (res.stdout, res.stderr)
+    assert res.stderr.strip().splitlines()[-1] == (
+        "ft_launcher: error: the following arguments are required: training_script, training_script_args"), res.stderr
+    # the migration page's way to take the name back
+    install(ours, "--force-reinstall")
+    assert command_owner(str(script)) == "ft_launcher"
+    ours_says("ft_launcher", note=False)
 
 
 def test_version_says_when_ft_launcher_on_path_is_nvrx(tmp_path):
