@@ -53,27 +53,50 @@ def close(a, b):
 
 
 # ---- NVRx 0.4.1's own examples ------------------------------------------------------------------
-# Each epoch must outlast the examples' fault delay (the given one plus up to 4 s, unseeded), so
-# the fault always lands in the epoch after the one that arms it and the run after the restart
-# (one epoch left) finishes before its own fault fires.
+# How the examples simulate a fault (_setup_simulated_fault): at the end of an epoch (the sections
+# example's first; the heartbeats example's first once its heartbeat timeouts are computed, at
+# epoch 1's second step) the example arms a thread that sleeps `delay + 4 * random()` seconds
+# (unseeded) and then sends SIGSTOP (rank_hung) or SIGKILL (rank_killed) to a random rank; when
+# training ends first, the fault is cancelled and the job simply completes. The restarted run arms
+# again after its first epoch. So, with `--epochs` one more than the arming epoch:
+# - the epoch after the arming one must outlast FAULT_DELAY + 4 s on any machine that runs this:
+#   the train sets make each epoch about 10 s on this project's 2 cores (2.3 times the longest delay;
+#   a single run, unloaded: 3.1 ms a heartbeats step, 3.8 ms a sections step, 4 samples a rank);
+# - the restarted run has that one epoch left, arms after it and cancels at once: FAULT_DELAY > 0
+#   keeps its thread asleep until then.
 EXAMPLE_ARGS = ["--device", "cpu", "--hidden", "32", "--batch", "4", "--val_dataset_size", "16",
-                "--logging_interval", "100000"]
+                "--logging_interval", "100000", "--log_all_ranks"]   # all ranks: the armed rank says so
+FAULT_DELAY = 0.25
+SECTIONS_TRAIN_SET, HEARTBEATS_TRAIN_SET = 21000, 26000   # samples: 2 ranks x 4 a step
 
 
 def run_example(launcher, tmp_path, script, yaml, fault, epochs, dataset, out, name, extra=()):
     logs = tmp_path / f"logs_{name}"
+    simulated = ["--simulated_fault", f"{fault},{FAULT_DELAY}"] if fault else []
     res = launcher.run(["--standalone", "--nproc-per-node", 2, "--max-restarts", 3, "--log-dir", logs,
                         "--ft-cfg-path", os.path.join(EXAMPLES, yaml), "--ft-calc-timeout-floor", 2,
                         os.path.join(EXAMPLES, script), *EXAMPLE_ARGS, "--epochs", epochs,
-                        "--train_dataset_size", dataset, "--output_dir", out, "--simulated_fault", f"{fault},0",
-                        *extra], timeout=200)
+                        "--train_dataset_size", dataset, "--output_dir", out, *simulated, *extra], timeout=200)
     assert res.returncode == 0, res.stderr[-4000:]
     return res, logs
 
 
+def armed_faults(stderr):
+    """[(fault, target rank, delay s)] as the examples' rank that is to fail logs them."""
+    return [(m.group(1), int(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"Selected fault=(\w+); target rank=(\d+); delay=([0-9.]+)", stderr)]
+
+
 def assert_caught_and_recovered(res, logs, fault):
+    """The fault armed in cycle 0 fired in training, our monitors caught it through NVRx's
+    client, and the restarted job completed; returns the hang or failure event."""
     said = res.stderr[-3000:]
+    armed = armed_faults(res.stderr)
+    assert armed and armed[0][0] == fault, said
+    _, target, delay = armed[0]
     starts = read_events(logs, "cycle_start")
+    assert len(starts) != 1, (f"the example's {fault} (rank {target}, {delay:.2f} s after it was armed) was "
+                              f"cancelled: training ended first; its epochs are too short on this machine\n{said}")
     assert len(starts) == 2 and read_events(logs)[-1]["kind"] == "job_complete", said
     if fault == "rank_hung":
         hangs = read_events(logs, "hang")
@@ -81,14 +104,15 @@ def assert_caught_and_recovered(res, logs, fault):
         return hangs[0]
     failure = read_events(logs, "failure")[0]
     assert failure["cycle"] == 0 and failure["detail"]["exitcode"] == -signal.SIGKILL, (failure, said)
+    assert failure["rank"] == target, (failure, armed, said)   # the rank the example killed
     assert not read_events(logs, "hang"), said
     return failure
 
 
-def test_nvrx_sections_example_through_a_hang_then_a_kill_with_its_timeouts_kept(launcher, tmp_path):
+def test_nvrx_sections_example_through_a_hang_with_its_timeouts_kept(launcher, tmp_path):
     out = tmp_path / "out"
     res, logs = run_example(launcher, tmp_path, "train_ddp_sections_api.py", "fault_tol_cfg_sections.yaml",
-                            "rank_hung", 2, 4000, out, "hung")
+                            "rank_hung", 2, SECTIONS_TRAIN_SET, out, "hung")
     hang = assert_caught_and_recovered(res, logs, "rank_hung")
     # caught by a timeout NVRx's client computed in cycle 0 and sent to our monitor (the YAML's
     # 'step' is 10 s, 'checkpoint' 30 s, out of section 30 s), enforced no lower than the floor (2 s)
@@ -102,11 +126,12 @@ def test_nvrx_sections_example_through_a_hang_then_a_kill_with_its_timeouts_kept
     sent = set_timeouts_lines(res.stderr)
     assert {rank for rank, _ in sent} == {0, 1}
 
-    # the next run (a fresh checkpoint, the same ft_state.json): NVRx's client loads the timeouts
-    # back, and the first thing each rank sends our monitor is exactly what the file holds
+    # the next run (a fresh checkpoint, the same ft_state.json; no fault, so short epochs do):
+    # NVRx's client loads the timeouts back, and the first thing each rank sends our monitor is
+    # exactly what the file holds
     res, logs = run_example(launcher, tmp_path, "train_ddp_sections_api.py", "fault_tol_cfg_sections.yaml",
-                            "rank_killed", 2, 4000, out, "killed", extra=["--checkpoint_fname", "second.pt"])
-    assert_caught_and_recovered(res, logs, "rank_killed")
+                            None, 2, 800, out, "next", extra=["--checkpoint_fname", "second.pt"])
+    assert len(read_events(logs, "cycle_start")) == 1 and read_events(logs)[-1]["kind"] == "job_complete"
     first = {rank: values for rank, values in reversed(set_timeouts_lines(res.stderr))}
     expected = calculated(state)
     for rank in (0, 1):
@@ -115,14 +140,22 @@ def test_nvrx_sections_example_through_a_hang_then_a_kill_with_its_timeouts_kept
 
 
 @pytest.mark.slow
+def test_nvrx_sections_example_through_a_kill(launcher, tmp_path):
+    res, logs = run_example(launcher, tmp_path, "train_ddp_sections_api.py", "fault_tol_cfg_sections.yaml",
+                            "rank_killed", 2, SECTIONS_TRAIN_SET, tmp_path / "out", "killed")
+    assert_caught_and_recovered(res, logs, "rank_killed")
+
+
+@pytest.mark.slow
 def test_nvrx_heartbeats_example_through_a_hang_and_a_kill(launcher, tmp_path):
     out = tmp_path / "out"
     res, logs = run_example(launcher, tmp_path, "train_ddp_heartbeats_api.py", "fault_tol_cfg_heartbeats.yaml",
-                            "rank_hung", 3, 6000, out, "hung")
+                            "rank_hung", 3, HEARTBEATS_TRAIN_SET, out, "hung")
     hang = assert_caught_and_recovered(res, logs, "rank_hung")
     assert hang["detail"]["reason"] == "heartbeat" and 2.0 <= hang["detail"]["timeout"] < 30, hang
     res, logs = run_example(launcher, tmp_path, "train_ddp_heartbeats_api.py", "fault_tol_cfg_heartbeats.yaml",
-                            "rank_killed", 3, 6000, out, "killed", extra=["--checkpoint_fname", "second.pt"])
+                            "rank_killed", 3, HEARTBEATS_TRAIN_SET, out, "killed",
+                            extra=["--checkpoint_fname", "second.pt"])
     assert_caught_and_recovered(res, logs, "rank_killed")
     # the restarted ranks restored the computed heartbeat timeouts from the example's checkpoint
     restored = [values for _, values in set_timeouts_lines(res.stderr) if {"initial", "subsequent"} <= set(values)]
