@@ -120,8 +120,11 @@ def test_we_load_what_nvrx_client_state_dict_writes_and_configured_values_stay_c
     out.mkdir()
     res = launcher.run(["--standalone", "--nproc-per-node", "1", "--log-dir", tmp_path / "logs",
                         "--ft-state-path", produced, "--ft-rank-section-timeouts", "checkpointing:30",
-                        os.path.join(SCRIPTS, "monitored_rank.py"), out, "--steps", 3], timeout=90)
-    assert res.returncode != 0   # NVRx's sub-second out-of-section timeout stops the rank ...
+                        os.path.join(SCRIPTS, "monitored_rank.py"), out, "--steps", 6, "--fault", "oos",
+                        "--rank", 0], timeout=90)
+    # the rank waits between two sections after step 3: NVRx's computed out-of-section timeout (a few ms)
+    # stops it, where the configured default would let it wait for minutes ...
+    assert res.returncode != 0 and "hung in out of section" in res.stderr, res.stderr
     loaded = read_events(tmp_path / "logs", "timeouts_loaded")[0]["detail"]["timeouts"]
     assert set(loaded) == set(parsed.timeouts)   # ... and 'checkpointing' 420 s was not loaded
     # our client, given it as a state dict (no monitor: the views still show what was loaded)
