@@ -17,7 +17,9 @@ back to the commit, so each kind keeps what it must:
 `committed()` is the state dict as of the last commit (a module's and an optimizer's read from
 the object, without a collective); `fresh()` reads a new object once (its own tensors, where a
 received or kept state lands in place, and its layout and shard identity: the step exchange
-compares those); `adopt(state)` makes a state just loaded into the object its committed state.
+compares those); `bind(state, meshes)` puts a kept or received state's DTensors on this call's
+device meshes (a kept rank's are on the previous call's, whose process groups are gone); `adopt(state)`
+makes a state just loaded into the object its committed state.
 `setup()` checks, once (at the first restore() or commit), that the state can be sent and compared
 (live_wire.check) and settles the kind; a state that cannot be sent raises live_wire.Refused there,
 not at the first heal.

@@ -38,8 +38,10 @@ The parts:
   4. a kept rank moves its committed state into the new objects (copied into their own tensors,
      the rest handed over, nothing staged), then frees the previous objects;
   5. the transfers, in one global order: the skeleton and tensors of each object (live_wire);
-  6. the check (`verify=True`, the default): the replicas of each shard that a rank healed in
-     compare a digest of their restored state (one all_gather); a mismatch falls back with one line;
+  6. each state is bound to this call's device meshes (live_objects.Tracked.bind; a DTensor on a
+     mesh this call has no equal of falls back with one line); the check (`verify=True`, the
+     default): the replicas of each shard that a rank healed in compare a digest of their restored
+     state (one all_gather); a mismatch falls back with one line;
   7. every rank loads each object (`load_state_dict()` once per object, in name order, the RNG last)
      and takes that state as its committed state;
   8. a second all_gather collects bytes, transfer time and each rank's restore time; global rank 0
