@@ -2,18 +2,22 @@
 starting -> joining -> running or spare -> restarting -> joining ... -> stopping -> finished), the
 loop over rounds and the exit codes; every other job is a named part's:
 
-- agent.rounds.rendezvous: the rounds (join, close, interrupt) on the job's store, one client for every
-  store call; agent.rounds.store_failover moves the job to a successor when the store host is lost.
-- agent.ranks.monitor_set: the rank monitors (start, reports, stall checks, replacement, stop).
-- agent.ranks.workers: the ranks' processes (start, adopt, reap, stop); agent.ranks.reserve_pool the warm
-  reserves that replace them.
+The agent holds three bundles of parts and a few deciders:
+- agent.rounds.job_rounds (JobRounds): this node's side of the job's rounds: its liveness port, its
+  identity, the job's store, the round protocol on it (agent.rounds.rendezvous: join, close,
+  interrupt), the round watcher, and the failover to a successor store (agent.rounds.store_failover).
+- agent.ranks.node_ranks (NodeRanks): this node's processes: the orphan watchdog, the ranks' output,
+  the rank monitors (agent.ranks.monitor_set), the ranks (agent.ranks.workers), the warm reserves
+  (agent.ranks.reserve_pool) and the ranks that restart in their own process
+  (agent.ranks.in_place_carrier).
+- agent.observation.observers (Observers): what the operator reads: the status file, live-recovery
+  news, section use, stragglers, learned timeouts, NVRx's cycle info; agent.observation.events the
+  lines and events.jsonl.
 - agent.recovery.supervisor: watches a cycle and returns, typed, what ended it; agent.recovery.failure_cause says
   what a failure is, for the operator and for the verdict.
 - agent.recovery.restart_policy: the verdict, decided once per round by its first reporter: restart (in
-  place or all ranks), exclude, stop, or not at all.
-- agent.ranks.in_place_carrier: the ranks that restart in their own process, from one cycle into the next.
+  place or all ranks), exclude, stop, or not at all; Verdict.stays names the ranks it keeps in place.
 - agent.recovery.hang_blame and agent.recovery.flight_recorder: who hung, and where.
-- agent.observation.job_status and agent.observation.events: what the operator reads (status file, lines, events.jsonl).
 Signals take one path (_check_signal -> _shut_down: ranks signalled, round told, Shutdown).
 
 A killed rank's walk: its pidfd wakes the supervisor's selector -> Supervisor.outcome reaps it and
@@ -35,13 +39,11 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-import secrets
 import selectors
 import signal
 import socket
 import tempfile
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
@@ -52,33 +54,20 @@ from ft_launcher.rank_monitor.monitor_side.server import ENV_HANG_VERDICT
 
 from ft_launcher.agent.observation.events import EventLog
 from ft_launcher.agent.recovery.failure_cause import Failure
-from ft_launcher.agent.ranks.in_place_carrier import InPlaceCarrier
 from ft_launcher.agent.recovery.fault_injection import FaultInjector
 from ft_launcher.agent.recovery.flight_recorder import FlightRecorder
 from ft_launcher.agent.recovery.hang_blame import POLL as BLAME_POLL, HangBlame
-from ft_launcher.agent.ranks.gpu_env import heartbeat_warning
 from ft_launcher.agent.recovery.health_checks import HealthChecks
 from ft_launcher.agent.recovery.no_restart import NoRestart, mark_excluded, park_store_host
-from ft_launcher.agent.observation.section_use import SectionUse
-from ft_launcher.agent.observation.stragglers import StragglerWatch
-from ft_launcher.agent.observation.job_status import JobStatus
-from ft_launcher.agent.ranks.monitor_set import MonitorSet
+from ft_launcher.agent.observation.observers import Observers
 from ft_launcher.agent.node_state import NodeLife, NodeState
-from ft_launcher.agent.observation.timeout_learning import TimeoutLearner, default_state_path
 from ft_launcher.agent.launch_config import LaunchConfig
-from ft_launcher.agent.ranks.orphan_watchdog import OrphanWatchdog
-from ft_launcher.agent.ranks.process_wait import Unkillable
-from ft_launcher.agent.ranks.rank_output import RankOutput
-from ft_launcher.agent.recovery import failure_cause, live_recovery
-from ft_launcher.agent.ranks import inprocess_ranks
-from ft_launcher.agent.observation import nvrx_cycle_info, nvrx_logs
-from ft_launcher.agent.rounds import segments, store_threads
-from ft_launcher.agent.rounds.keepalive import AliveListener
-from ft_launcher.agent.ranks.reserve_pool import ReservePool
+from ft_launcher.agent.ranks.node_ranks import NodeRanks, Unkillable
+from ft_launcher.agent.recovery import failure_cause
+from ft_launcher.agent.rounds.job_rounds import JobRounds
 from ft_launcher.agent.recovery.restart_policy import RoundFacts, Verdict
-from ft_launcher.agent.rounds.round_types import NodeInfo, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
+from ft_launcher.agent.rounds.round_types import RendezvousError, Round, Stopped, StoreLost, StoreReplaced
 from ft_launcher.agent.recovery.supervisor import Finished, Interrupted, Supervisor
-from ft_launcher.agent.ranks.workers import WorkerGroup, rank_env, set_wake_fd
 
 EXIT_OK, EXIT_FAILED = 0, 1
 NAMED_UP_TO = 256   # a round of at most this many nodes names them in its events (reading the list is O(N))
@@ -94,10 +83,9 @@ class NodeAgent:
     def __init__(self, cfg: LaunchConfig, events: EventLog, metrics=None):
         self.cfg = cfg
         self.events = events
-        self.status = JobStatus(cfg, events)  # status file, stepping/cycle_summary events
-        self.live_news = live_recovery.News(self.status, events)   # what the ranks' LiveState.restore() did
-        if metrics is not None:
-            metrics.attach(events, lambda: self.status.snapshot)
+        self.obs = Observers(cfg, events, metrics)   # what the operator sees (agent.observation.observers)
+        self.status = self.obs.status   # the status file and the cycles' summaries
+        self.learner = self.obs.learner   # computed timeouts (agent.observation.timeout_learning)
         self.say = events.say
         self.life = NodeLife(self.say)   # the node's state (agent.node_state), shown by `ft_launcher status`
         self.life.listeners.append(self.status.on_state)
@@ -108,20 +96,32 @@ class NodeAgent:
         self._signal_handled = False  # once True, waits no longer end on self._signal
         events.node = socket.gethostname()  # until the rendezvous gives this node its rank
         self._excluded: Optional[str] = None   # why this node left the job (agent.recovery.no_restart)
-        # the ranks that restart in their own process, from one cycle into the next; given the round protocol at _run
-        self.carrier = InPlaceCarrier(cfg, events)
+        # this node's processes: watchdog, output, monitors, reserves, the in-place carrier, the cycle's
+        # ranks (agent.ranks.node_ranks); the carrier is given the round protocol at _run
+        self.ranks = NodeRanks(cfg, events)
+        # this node's side of the job's rounds: liveness port, store, round protocol, watcher, failover
+        # (agent.rounds.job_rounds)
+        self.rounds = JobRounds(cfg, self.say, events, self.wake, self._unhandled_signal)
         # Where stack dumps go: the log dir, else a per-agent dir in the platform's temp dir
         # (removed at the end unless a dump was written there).
         self._run_dir = cfg.log_dir or os.path.join(tempfile.gettempdir(), f"ft_launcher-{os.getpid()}")
         # Parts made once the run starts (_run), None until then: _teardown stops those that exist
-        self.monitor_set: Optional[MonitorSet] = None
-        self.reserves: Optional[ReservePool] = None
         self.flight: Optional[FlightRecorder] = None
-        self.output: Optional[RankOutput] = None          # the ranks' streams (agent.ranks.rank_output)
-        self.watcher = None                               # agent.rounds.rendezvous.RoundWatcher, per store
-        self.group: Optional[WorkerGroup] = None          # this cycle's ranks
-        self.cycle_info: Optional[nvrx_cycle_info.CycleInfoWriter] = None
         self._deferred_restart: Optional[list] = None     # restart lines said once the cycle's ranks stopped
+
+    # this node's processes, by part (agent.ranks.node_ranks)
+    carrier = property(lambda self: self.ranks.carrier)
+    watchdog = property(lambda self: self.ranks.watchdog)
+    output = property(lambda self: self.ranks.output)
+    monitor_set = property(lambda self: self.ranks.monitor_set)
+    reserves = property(lambda self: self.ranks.reserves)
+    group = property(lambda self: self.ranks.group)
+    # the job's rounds, by part (agent.rounds.job_rounds)
+    store = property(lambda self: self.rounds.store)
+    me = property(lambda self: self.rounds.me)
+    proto = property(lambda self: self.rounds.proto)
+    failover = property(lambda self: self.rounds.failover)
+    watcher = property(lambda self: self.rounds.watcher)
 
     @property
     def monitors(self) -> list:
@@ -144,28 +144,6 @@ class NodeAgent:
         """What the rendezvous waits ask between slices: a signal nobody has acted on yet."""
         return None if self._signal_handled else self._signal
 
-    def _master_host(self) -> str:
-        """MASTER_ADDR the ranks get from this node (round rank 0): with the static backend, the
-        --master-addr the user gave when it names this node (torchrun passes it through), else this
-        node's address (torchrun: --local-addr or the FQDN)."""
-        from ft_launcher.agent.rounds.rendezvous import is_local_address
-
-        if self.cfg.rdzv_backend == "static" and not self.cfg.standalone and is_local_address(self.cfg.rdzv_host):
-            return self.cfg.rdzv_host
-        return self.me.host
-
-    def _node_info(self) -> NodeInfo:
-        host = self.cfg.local_addr or ("127.0.0.1" if self.cfg.standalone else socket.getfqdn())
-        node_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        domain = None
-        if self.cfg.ft.segment:   # NVLink-domain segments (agent.rounds.segments)
-            domain, why = segments.node_domain()
-            if domain is None:
-                raise RendezvousError(f"segment {self.cfg.ft.segment}: this node's NVLink domain is unknown ({why}); "
-                                      f"without --ft-segment the job trains on any nodes")
-        return NodeInfo(node_id=node_id, host=host, order_key=self.cfg.order_key, nproc=self.cfg.nproc_per_node,
-                        domain=domain, alive_port=self.alive.port)
-
     # ---- main ---------------------------------------------------------------------------
     def run(self) -> int:
         code = EXIT_FAILED
@@ -182,7 +160,7 @@ class NodeAgent:
         for sig in self.cfg.signals or FORWARDED_SIGNALS:
             signal.signal(sig, self._on_signal)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        self.watchdog = OrphanWatchdog()
+        self.ranks.open_watchdog(self._wake_w)   # an in-process restartable rank that raised wakes us through it
         marks["watchdog"] = time.time()
         # What the agent leaves on disk if it is SIGKILLed: its monitors' records, its stack-dump dir,
         # its entry in this user's runtime dir (`ft_launcher status`) and that dir once it is empty
@@ -191,54 +169,37 @@ class NodeAgent:
             self.watchdog.tidy_at_exit(self._run_dir)
         self.watchdog.remove_at_exit(self.status.registry)
         self.watchdog.tidy_at_exit(os.path.dirname(self.status.registry))
-        self.output = RankOutput(self.events.disk_warning)
-        set_wake_fd(self._wake_w)   # an in-process restartable rank that raised wakes us through it
         self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog,  # before monitors, reserves
                                      keep_dir=self._run_dir)
         self.blame = HangBlame(self.events)
         os.environ[ENV_HANG_VERDICT] = "1"   # our monitors hold a hung rank for the blame verdict
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
-        self.monitor_set = MonitorSet(self.cfg, self._run_dir, self.watchdog, self.events)
-        self.monitor_set.start(pool)
+        self.ranks.open_monitors(self._run_dir, pool)
         marks["monitors_started"] = time.time()
-        self.reserves = ReservePool(self.cfg, self.watchdog, self.events)
+        self.ranks.open_reserves()
         marks["reserves"] = time.time()
-        # no torch here: the store's client is ours (agent.rounds.store_client); only the agent that
-        # hosts the job's store, or a round's workers' store (node 0), imports torch
-        with warnings.catch_warnings():  # torch's import-time warnings say nothing about this job
-            warnings.simplefilter("ignore")
-            from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
-            from ft_launcher.agent.rounds.store_failover import StoreFailover
-            from ft_launcher.agent.rounds import rendezvous
+        mark = self.rounds.load()   # the store's modules, timed as a start-up phase
         marks["imports"] = time.time()
         for name, when in marks.items():
-            rendezvous.mark(name, when)
-        self.alive = AliveListener("127.0.0.1" if self.cfg.standalone else "")   # this node's liveness port
+            mark(name, when)
+        self.rounds.listen()   # this node's liveness port
         try:
             try:
-                self.store = JobStore(self.cfg, self.say, self._unhandled_signal)
-                self.me = self._node_info()
-                self.me.hosts_store = self.store.is_host
-                self.proto = RoundProtocol(self.store, self.cfg, self.me)
+                self.rounds.reach(self.learner)
                 self.injector = FaultInjector(self.cfg.ft, self.proto.claim_fault, self.proto.faults_fired,
                                               self.events)
-                self.learner = TimeoutLearner(self.cfg.ft, default_state_path(self.cfg.ft, self.cfg.log_dir),
-                                              self.events)
-                self.failover = StoreFailover(self.cfg, self.store, self.proto, self.me, self.say, self.learner)
                 self.flight.on_request = lambda cycle: self.learner.freeze(self.monitors, cycle)
                 self.flight.on_done = lambda cycle: [m.flight_done(cycle) for m in list(self.monitors)]
                 self._warn_if_hangs_undetectable()
-                if heartbeat_warning(os.environ, self.cfg.ft):
-                    self.say(heartbeat_warning(os.environ, self.cfg.ft))
+                if self.ranks.heartbeat_warning():
+                    self.say(self.ranks.heartbeat_warning())
                 self.carrier.proto = self.proto
                 self.progress = self.proto.progress   # one tracker: this node's polls, the policy's inputs
-                self.stragglers = StragglerWatch(self.cfg.ft, self.events)
-                self.section_use = SectionUse(self.events)
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
-                rendezvous.mark("store")
-                self._start_watcher()
+                mark("store")
+                self.rounds.start_watcher()
                 self.monitor_set.ready()
-                rendezvous.mark("monitors_ready")
+                mark("monitors_ready")
                 code = self._cycles_failing_over()
                 return self._job_stopped(code) if code > 128 else code
             except StoreReplaced as exc:
@@ -276,10 +237,7 @@ class NodeAgent:
             self.reserves.close()
         if self.flight is not None:
             self.flight.close()
-        if self.watcher is not None:
-            self.watcher.stop()
-        # this watcher, those replaced by a failover, abandoned connects (agent.rounds.store_threads)
-        store_threads.join_all(self.cfg.conf("keep_alive_interval") + 1.0)
+        self.rounds.close()   # the watcher, and every store thread joined (agent.rounds.store_threads)
         if self.monitor_set is not None:
             self.monitor_set.stop_all()
         pool.shutdown(wait=True)
@@ -297,20 +255,6 @@ class NodeAgent:
         MonitorHandle.tidy_run_dir(self._run_dir, remove_if_empty=not self.cfg.log_dir)
         signal.set_wakeup_fd(-1)
 
-    def _start_watcher(self) -> None:
-        from ft_launcher.agent.rounds.round_watcher import RoundWatcher
-
-        if self.watcher is not None:
-            self.watcher.stop()
-        try:
-            self.watcher = RoundWatcher(self.store, self.cfg, self.me, self.wake, self.failover.find_successor,
-                                        lambda node: self.events.event("spare_joined", None, spare=node.label(),
-                                                                       node_id=node.node_id), self.alive)
-        except RendezvousError as exc:   # the store went away before the watcher could reach it
-            raise StoreLost(str(exc)) from None
-        self.watcher.late_joiners = self.failover.memory.late
-        self.watcher.start()
-
     def _cycles_failing_over(self) -> int:
         """The cycles; when the store host is lost, again on the successor store."""
         number, target = None, None
@@ -320,8 +264,7 @@ class NodeAgent:
             except StoreLost as exc:  # the store host is gone: move to its successor
                 self.life.to(NodeState.RESTARTING, "the store host was lost")
                 self.events.event("store_lost", None, error=str(exc))
-                number, target = self.failover.take_over(exc)
-                self._start_watcher()
+                number, target = self.rounds.take_over(exc)
                 self.events.event("store_failover", None, host=self.store.host, port=self.store.port,
                                   generation=self.failover.memory.generation, next_cycle=number,
                                   hosted_here=self.store.is_host)
@@ -473,15 +416,7 @@ class NodeAgent:
     def _run_round(self, rnd: Round) -> Verdict:
         cfg = self.cfg
         self.life.to(NodeState.RUNNING, f"cycle {rnd.number}")
-        worker_store = None
-        if rnd.group_rank == 0:
-            from ft_launcher.agent.rounds.rendezvous import host_store
-
-            worker_store = host_store("0.0.0.0", 0, cfg.conf("read_timeout"))   # torch's, on an IPv4 socket of ours
-            master = (self._master_host(), worker_store.port)
-            self.proto.publish_worker_store(rnd.number, *master)
-        else:
-            master = self.proto.worker_store(rnd.number)
+        worker_store, master = self.rounds.workers_store(rnd)   # MASTER_ADDR/PORT (group rank 0 hosts it)
         restarts = self.proto.restarts_used()
         self.events.event(
             "cycle_start",
@@ -490,11 +425,8 @@ class NodeAgent:
             + (f", {rnd.nspares} hot spare(s)" if rnd.nspares else "")
             + (f" (restart {restarts}/{cfg.max_restarts})" if rnd.number else ""),
             world_size=rnd.world_size, master=f"{master[0]}:{master[1]}", **_names(rnd))
-        if rnd.group_rank == 0 and cfg.ft.cycle_info_dir:   # NVRx's cycle info file (agent.observation.nvrx_cycle_info)
-            self._cycle_info().start(rnd.number, rnd.active, rnd.spares, cfg.applog_prefix and
-                                     nvrx_logs.cycle_log_file(cfg.applog_prefix, rnd.number))
-        previous = self.group
-        self.group = WorkerGroup(cfg, self.watchdog, self.output, rnd.number)
+        self.obs.cycle_starting(rnd)   # NVRx's cycle info (group rank 0), the live news' cycle
+        previous = self.ranks.new_group(rnd.number)
         self.watcher.watch(rnd)
         self.flight.start_cycle(self.store, rnd, self.me.node_id,
                                 lambda: [(r.local_rank, r.rank) for r in self.group.ranks])
@@ -505,10 +437,8 @@ class NodeAgent:
         self.learner.begin_cycle(rnd.number)
         self.progress.begin_cycle(rnd.number)   # the checkpoint iteration it starts from (agent.recovery.progress)
         self.carrier.begin_cycle()
-        self.live_news.begin_cycle(rnd.number, rnd.rank_offset)
         self._start_ranks(rnd, master, self.carrier.adopt(rnd.number, previous, self._unhandled_signal))
-        self.section_use.cycle_start()
-        self.status.cycle_start(rnd, restarts, self.group, self.monitors)
+        self.obs.ranks_started(rnd, restarts, self.group, self.monitors)
         self.reserves.fill()
         self.injector.plan(rnd.number, rnd.world_size, rnd.rank_offset, self.cfg.nproc_per_node,
                            self.group.ranks[0].start_ns)
@@ -522,30 +452,8 @@ class NodeAgent:
             del worker_store
 
     def _start_ranks(self, rnd: Round, master: tuple, in_place: dict) -> None:
-        """This node's ranks of cycle `rnd.number`: those carried in place go on in their process
-        (`in_place`: local rank -> rank), the others start from a warm reserve or cold."""
-        cfg = self.cfg
-        for local_rank in range(cfg.nproc_per_node):
-            monitor = self.monitors[local_rank] if self.monitors else None
-            env = rank_env(cfg, local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
-                           rnd.world_size, rnd.nnodes, master,
-                           {**(monitor.rank_env() if monitor else {}), **self.reserves.rank_env(local_rank),
-                            ENV_JOB_ADDRS: ",".join(_job_hosts(rnd))})
-            kept = in_place.get(local_rank)
-            if kept is not None:   # at its restart point: it runs its function again, same process
-                rank = self.group.adopt(kept, rnd.rank_offset + local_rank, rnd.number)
-                monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
-                inprocess_ranks.go(monitor, env, rnd.number)
-                continue
-            # The first cycle starts cold, as torchrun's does, even where a reserve is ready (after a
-            # long rendezvous): with some ranks warm (they exit fast) and some cold (their exit walks
-            # torch's objects for ~1 s), a cold rank's exception could take a warm peer down, and be
-            # blamed on it, before the cold rank itself had exited.
-            reserve = self.reserves.take(local_rank) if rnd.number > 0 else None
-            rank = self.group.start(local_rank, rnd.rank_offset + local_rank, env, rnd.number, reserve)
-            self.reserves.rank_started(local_rank, rank.warm)   # a cold start is timed: the early rung's yardstick
-            if monitor:
-                monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
+        """This node's ranks of cycle `rnd.number` (agent.ranks.node_ranks.start_ranks), then said."""
+        self.ranks.start_ranks(rnd, master, in_place, {ENV_JOB_ADDRS: ",".join(_job_hosts(rnd))})
         self._ranks_started()
 
     def _end_cycle(self, rnd: Round, verdict: Optional[Verdict]) -> None:
@@ -558,12 +466,10 @@ class NodeAgent:
         stopped_as_hung = self.blame.settle(self.monitor_set, self.group.ranks, rnd.number) if in_place else set()
         keep = self.carrier.ask(rnd, verdict, self.me.node_id, self.group, self.monitor_set, stopped_as_hung)
         self.blame.end_cycle()
-        self.live_news.poll(self.monitors)   # a cycle that ends at once still tells its recovery
+        self.obs.live_news.poll(self.monitors)   # a cycle that ends at once still tells its recovery
         # a flight-recorder dump in progress ends before any rank is stopped
         self.flight.end_cycle(store_ok=not self.watcher.store_lost)
-        self.status.cycle_end()
-        if self.cycle_info is not None:
-            self.cycle_info.end()
+        self.obs.cycle_ended()
         if self.learner.enabled:
             try:
                 self._learn(rnd)
@@ -586,11 +492,6 @@ class NodeAgent:
         kept = {id(k[1]) for k in keep.values()}   # alive: their GPU memory stays theirs
         self.health.dead_pids = [r.pid for r in self.group.ranks if id(r) not in kept]
         self.watcher.watch(None)
-
-    def _cycle_info(self):
-        if self.cycle_info is None:
-            self.cycle_info = nvrx_cycle_info.CycleInfoWriter(self.cfg.ft.cycle_info_dir, self.events.disk_warning)
-        return self.cycle_info
 
     def _facts(self, rnd: Round) -> RoundFacts:
         return RoundFacts(rnd.number, [n.node_id for n in rnd.active], [n.node_id for n in rnd.spares],
@@ -628,16 +529,14 @@ class NodeAgent:
     def _observe(self, rnd: Round) -> None:
         """What the agent does on every pass while ranks run, besides looking for the cycle's end."""
         self.blame.tick(self.monitors, self.group.ranks)
-        self.status.sample()
-        self.live_news.poll(self.monitors)
-        self.section_use.poll(self.monitors, self.cfg.ft)
+        self.obs.poll(self.monitors)
         self._check_signal(rnd)
         self.monitor_set.check_ticks()
         self.reserves.maintain()
         if self.learner.due():
             self._learn(rnd)
         self.progress.poll(self.proto, rnd.number, self.monitors)
-        self.stragglers.tick(self.proto, rnd, self.group.ranks, self.monitors)
+        self.obs.stragglers.tick(self.proto, rnd, self.group.ranks, self.monitors)
 
     def _ranks_finished(self, rnd: Round) -> None:
         """Every rank of this node ended 0: the job completes when every node's have."""

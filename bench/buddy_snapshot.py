@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     import torch.nn as nn
 
     from ft_launcher.rank_monitor import buddy_store as S
-    from ft_launcher.rank_monitor.rank_side import buddy_copy
+    from ft_launcher.rank_monitor.rank_side import buddy_copy, live_objects
 
     dev = torch.device(args.device)
     layers = [nn.Linear(256, args.width)] + [nn.Linear(args.width, args.width) for _ in range(args.layers)]
@@ -40,6 +40,7 @@ def main(argv=None) -> None:
     model(torch.randn(8, 256, device=dev)).sum().backward()
     opt.step()
     objects = {"model": model, "optimizer": opt}
+    tracked = {name: live_objects.Tracked(name, obj) for name, obj in objects.items()}
     prefix = S.prefix_for(os.getpid(), 0)
     slot = S.Slot(prefix + "_own0")
     writes, loads, nbytes = [], [], 0
@@ -48,10 +49,13 @@ def main(argv=None) -> None:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            nbytes = buddy_copy.write_snapshot(slot, objects, 1, 0, 1, 0, 0)
+            states = {name: obj.state_dict() for name, obj in objects.items()}   # as LiveState's commit holds them
+            nbytes = buddy_copy.write_snapshot(slot, states, 1, 0, 1, 1, 0, 0)
             writes.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            buddy_copy.load_snapshot(slot.payload(nbytes), slot.header()["meta"], objects, dev)
+            t0 = time.perf_counter()   # a restore from the host copy: read into the objects' tensors, load
+            ready, _ = buddy_copy.read_snapshot(slot, {name: t.fresh() for name, t in tracked.items()}, dev)
+            for name in sorted(ready):
+                objects[name].load_state_dict(tracked[name].bind(ready[name]))
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             loads.append(time.perf_counter() - t0)

@@ -32,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Job, ratio, recovered, repeat, summary  # noqa: E402
+from bench_jobs import Job, cycle1_starts, ratio, recovered, repeat, reserves_ready, summary  # noqa: E402
 
 STEP_TIMEOUT = 2.0
 EARLY_S = 0.25
@@ -42,20 +42,6 @@ def script_args(ckpt_every=5, in_place=False):
     return ["--steps", "100000", "--step-time", "0.05", "--ckpt-every", str(ckpt_every),
             "--progress-dir", "progress", "--ckpt-dir", "ckpt", "--raise-on", "USR1"] + (
         ["--restartable"] if in_place else [])
-
-
-def reserves_ready(job: Job, nproc: int):
-    """The ready reports of this job's warm reserves, once every slot has one (else None)."""
-    path = os.path.join(job.dir, "logs", "events.jsonl")
-    if not os.path.exists(path):
-        return None
-    with open(path) as fh:
-        ready = {}
-        for line in fh:
-            event = json.loads(line)
-            if event["kind"] == "reserve_ready" and not event["detail"].get("refreshed"):
-                ready.setdefault(event["detail"]["local_rank"], dict(event["detail"], time=event["time"]))
-    return ready if len(ready) == nproc else None
 
 
 def _read_time(path: str):
@@ -77,22 +63,6 @@ def _victims_kept(job: Job, nproc: int) -> bool:
                 for r in event["detail"]["ranks"]:
                     pids.setdefault(event["cycle"], {})[r["rank"]] = (r["pid"], r.get("in_place", False))
     return all(pids.get(1, {}).get(r) == (pids[0][r][0], True) for r in range(nproc) if r != 1)
-
-
-def _cycle1_starts(job: Job) -> str:
-    """How cycle 1's ranks started: 'w' a reserve still warming (taken), 'r' a ready reserve,
-    'c' cold, 'p' in place; one letter per rank."""
-    path = os.path.join(job.dir, "logs", "events.jsonl")
-    taken, ranks = set(), {}
-    with open(path) as fh:
-        for line in fh:
-            event = json.loads(line)
-            if event["kind"] == "reserve_taken_warming":
-                taken.add(event["detail"]["pid"])
-            elif event["kind"] == "ranks_started" and event["cycle"] == 1:
-                ranks = {r["rank"]: r for r in event["detail"]["ranks"]}
-    return "".join("p" if r.get("in_place") else ("w" if r["pid"] in taken else "r") if r["warm"] else "c"
-                   for _, r in sorted(ranks.items()))
 
 
 def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, stats: dict = None,
@@ -123,7 +93,7 @@ def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, s
                 return launch, None
             ok = True
             if kind == "ft_launcher" and stats is not None:
-                stats.setdefault("early_starts", []).append(_cycle1_starts(job))
+                stats.setdefault("early_starts", []).append(cycle1_starts(job))
             return launch, back - t0
         job.wait_for(lambda: all(len(r) >= 12 for r in job.progress().values()) and len(job.progress()) == nproc,
                      60, "12 steps")

@@ -1,5 +1,4 @@
 """The launcher end to end: real agents, a real rendezvous, real ranks, real signals."""
-import json
 import os
 import re
 import signal
@@ -9,15 +8,11 @@ import psutil
 import pytest
 
 from conftest import EXAMPLE, SCRIPTS, free_port, read_events, tagged, wait_for
+from harness import read_json
 
 ENV_DUMP = os.path.join(SCRIPTS, "env_dump.py")
 FAIL_RANK = os.path.join(SCRIPTS, "fail_rank.py")
 SLEEPER = os.path.join(SCRIPTS, "sleeper.py")
-
-
-def read_json(path):
-    with open(path) as fh:
-        return json.load(fh)
 
 
 def wait_for_files(paths, timeout=60):
@@ -283,15 +278,17 @@ def test_the_same_error_again_before_any_progress_stops_the_job_with_its_traceba
     assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr
     error = "ModuleNotFoundError: No module named 'ft_launcher_tests_no_such_module'"
     same = [l for l in res.stderr.splitlines() if error in l and "(the same error as rank " in l]
-    assert len(same) == 3, res.stderr   # the other rank of cycle 0, both of cycle 1
-    assert sum("in cycle 0: traceback not repeated; whole in " in l for l in same) == 2, same
+    # the other rank of cycle 0 and both of cycle 1, each that failed before the first one's failure
+    # stopped it (a rank stopped while still starting prints nothing)
+    assert 1 <= len(same) <= 3, res.stderr
+    assert all("traceback not repeated; whole in " in l for l in same), same
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("ft_launcher: error: rank ") and "exited with code 1: the same error as in cycle 0, " \
         "2 failures in a row before any progress (max_identical_failures=2); restarting cannot help -> the job " \
         "stops without a restart: exiting 93" in last, last
     assert sorted({e["cycle"] for e in read_events(logs, "cycle_start")}) == [0, 1]
-    for cycle in (0, 1):   # each rank's log file has it whole
-        assert error in (logs / f"cycle_{cycle}" / "rank_1.log").read_text()
+    for cycle in (0, 1):   # the log file of each rank that failed has it whole
+        assert any(error in (logs / f"cycle_{cycle}" / f"rank_{r}.log").read_text() for r in (0, 1))
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "2", "--ft-max-identical-failures",
                         "0", script], timeout=120)
     assert res.returncode == 1 and "restart budget spent (2/2" in res.stderr.strip().splitlines()[-1], res.stderr

@@ -100,7 +100,7 @@ def on_teardown(fn: Callable[[], None]) -> None:
 
 def _record():
     """(mm, words) of the rank's record, or None outside ft_launcher."""
-    from ft_launcher.rank_monitor.rank_side.client import _ATT
+    from ft_launcher.rank_monitor.rank_side.shm_attachment import _ATT
 
     if not _ATT.ensure():
         return None
@@ -221,7 +221,7 @@ class _Run:
         if rec is None or threading.current_thread() is not threading.main_thread() or not _install():
             return self.fn(*self.args, **self.kwargs)
         mm, words = rec
-        from ft_launcher.rank_monitor.rank_side.client import _ATT
+        from ft_launcher.rank_monitor.rank_side.shm_attachment import _ATT
 
         restart_watcher.start()
 

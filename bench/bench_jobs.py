@@ -5,6 +5,7 @@ Both launchers run the same script with the same flags, so a ratio compares laun
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -178,3 +179,34 @@ def recovered(results: dict, kind: str, fault: str, reps: int) -> str:
     if not failed and not results[(kind, fault)]:
         return "not run"
     return f"recovered {reps - failed}/{reps}"
+
+
+# ---- what ft_launcher's events say about its warm reserves -------------------------------------------
+def reserves_ready(job: Job, nproc: int):
+    """The ready reports of this job's warm reserves, once every slot has one (else None)."""
+    path = os.path.join(job.dir, "logs", "events.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        ready = {}
+        for line in fh:
+            event = json.loads(line)
+            if event["kind"] == "reserve_ready" and not event["detail"].get("refreshed"):
+                ready.setdefault(event["detail"]["local_rank"], dict(event["detail"], time=event["time"]))
+    return ready if len(ready) == nproc else None
+
+
+def cycle1_starts(job: Job) -> str:
+    """How cycle 1's ranks started: 'w' a reserve still warming (taken), 'r' a ready reserve,
+    'c' cold, 'p' in place; one letter per rank."""
+    path = os.path.join(job.dir, "logs", "events.jsonl")
+    taken, ranks = set(), {}
+    with open(path) as fh:
+        for line in fh:
+            event = json.loads(line)
+            if event["kind"] == "reserve_taken_warming":
+                taken.add(event["detail"]["pid"])
+            elif event["kind"] == "ranks_started" and event["cycle"] == 1:
+                ranks = {r["rank"]: r for r in event["detail"]["ranks"]}
+    return "".join("p" if r.get("in_place") else ("w" if r["pid"] in taken else "r") if r["warm"] else "c"
+                   for _, r in sorted(ranks.items()))
