@@ -628,6 +628,40 @@ def test_dtensors_of_the_call_after_a_restart_point_are_on_its_own_mesh():
     assert "a device mesh that this call's objects do not have" in res.stdout, res.stdout
 
 
+_MID_STEP = r"""
+import os, tempfile
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from ft_launcher.rank_monitor.rank_side import live_objects as O
+
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+for m in (model[0], model[2], model):
+    fully_shard(m, mesh=mesh)
+sharded = dict(model.named_parameters())
+tracked = O.Tracked("model", model)
+tracked.snapshot()   # a commit: the state is the sharded parameters
+model[2].unshard()   # as inside its forward or backward, where a fault leaves it
+assert type(model[2]._parameters["weight"]).__name__ != "DTensor"
+state = tracked.committed()
+assert all(state[k].to_local().data_ptr() == p.to_local().data_ptr() for k, p in sharded.items()), state
+print("committed:", sorted((k, type(v).__name__) for k, v in state.items()))
+dist.destroy_process_group()
+"""
+
+
+def test_a_kept_fsdp2_module_s_state_is_its_sharded_parameters_even_mid_step():
+    """FSDP2 registers a module's unsharded parameters during its forward and backward; a restart
+    signal raised there (or a peer's failure in the all-gather) leaves them registered. A kept rank's
+    committed state is still the sharded parameters the optimizer steps (before: the unsharded ones,
+    and the restore raised LayoutMismatch: [1, 64] does not fit this rank's [0, 64])."""
+    res = subprocess.run([sys.executable, "-c", _MID_STEP], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "('2.weight', 'DTensor')" in res.stdout, res.stdout
+
 def test_fully_shard_after_an_in_place_restart_is_on_the_new_mesh_and_exact(launcher, tmp_path):
     """tests/scripts/fsdp_two_calls.py: fully_shard as HSDP over 2 ranks (2 replicas x 1 shard), AdamW,
     LiveState; rank 1 SIGKILLed at step 5 of 8. Rank 0 restarts in place and keeps its state, rank 1

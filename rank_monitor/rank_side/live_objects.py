@@ -4,7 +4,9 @@
 back to the commit, so each kind keeps what it must:
 - module (`torch.nn.Module` whose `state_dict()` returns views of its own parameters and buffers):
   parameters change only inside commit (the optimizer step), so they are read as they are (the
-  state dict rebuilt from a key map made once, without calling state_dict() again); the
+  state dict rebuilt from a key map made once, without calling state_dict() again; FSDP2's sharded
+  DTensor parameters, also where a fault inside a forward or backward left the unsharded ones
+  registered on the module); the
   persistent buffers (BatchNorm's running statistics, which every forward pass changes) and any
   `_extra_state` are copied at each commit into snapshots made once (`torch._foreach_copy_`).
 - optimizer (`torch.optim.Optimizer`): its state changes only in `step()`, inside commit; its
@@ -75,6 +77,11 @@ def identity_entries(state) -> list:
     return out
 
 
+def _same_sharding(a, b) -> bool:
+    """Two DTensors on equal meshes with the same placements."""
+    return _is_dtensor(a) and _is_dtensor(b) and a.device_mesh == b.device_mesh and a.placements == b.placements
+
+
 def distinct_meshes(tensors) -> list:
     """The device meshes of the DTensors among `tensors`, each once (by identity)."""
     out: list = []
@@ -115,6 +122,7 @@ class Tracked:
         self.extra_snaps: list = []
         self.per_rank: set = set()   # MODULE: keys of plain BatchNorm running statistics (per rank under DDP)
         self.entries: list = []      # MODULE: (state-dict key, owner module, attribute, param|buffer|extra)
+        self.sharded: dict = {}      # MODULE: state-dict key -> its DTensor parameter (FSDP2's sharded one)
         self.metadata = None
         self.groups: Optional[list] = None              # OPTIMIZER: param groups' hyperparameters
         self.meshes: list = []       # the device meshes of the new object's DTensors (read by fresh())
@@ -156,6 +164,9 @@ class Tracked:
             where = (W.local(value).data_ptr(), tuple(value.shape)) if hasattr(value, "shape") else None
             if where in params:
                 entries.append((key, *params[where], "param"))
+                mod, pname = params[where]
+                if _is_dtensor(mod._parameters[pname]):
+                    self.sharded[key] = mod._parameters[pname]
             elif where in buffers:
                 mod, bname = buffers[where]
                 self.buffers.append((key, mod, bname))
@@ -163,7 +174,7 @@ class Tracked:
                     self.per_rank.add(key)
                 entries.append((key, mod, bname, "buffer"))
             else:   # its state_dict() builds new tensors (FSDP1): copy it at every commit
-                self.kind, self.buffers, self.extra, self.per_rank = SNAPSHOT, [], [], set()
+                self.kind, self.buffers, self.extra, self.per_rank, self.sharded = SNAPSHOT, [], [], set(), {}
                 self.note = (f"'{self.name}': its state_dict() returns copies, not its own tensors (FSDP1?): it is "
                              f"copied at every commit")
                 return
@@ -212,6 +223,11 @@ class Tracked:
         for key, mod, attr, kind in self.entries:
             if kind == "param":
                 p = mod._parameters.get(attr)
+                own = self.sharded.get(key)
+                if own is not None and p is not own and not _same_sharding(p, own):
+                    # FSDP2 registers its unsharded parameters during a module's forward and backward: a
+                    # fault there leaves them on the module; the state is the sharded parameter's
+                    p = own
                 if p is None:   # the module changed since: read it as it is
                     return self.obj.state_dict()
                 sd[key] = p.detach()
