@@ -572,6 +572,120 @@ def test_hsdp_a_killed_rank_heals_from_its_shard_in_the_other_replica(launcher, 
     assert per_rank(told[0]["sources"]) == {"0": "kept", "1": "kept", "2": "kept", "3": "peer 1"}, told
 
 
+# ---- DTensor across an in-place restart (rank_side.dtensor_cycle; live_objects.Tracked.bind) --------------
+_MESH_CYCLES = r"""
+import os, sys, tempfile
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from ft_launcher.rank_monitor.rank_side import dtensor_cycle, live_objects as O
+
+class Holder:   # a user's object whose state is one DTensor
+    def __init__(self, t): self.t = t
+    def state_dict(self): return {"w": self.t}
+    def load_state_dict(self, sd): self.t = sd["w"]
+
+store, stale, held = tempfile.mkdtemp(), [], None
+for cycle in range(3):
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(store, str(cycle)), 1), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    t = DTensor.from_local(torch.arange(4.0), mesh, [Replicate(), Shard(0)])
+    stale.append((t + 1).device_mesh is not mesh)   # a DTensor op's output: which call's mesh
+    if cycle == 2:   # the state held since cycle 0 (on its mesh) bound to this call's
+        tracked = O.Tracked("holder", Holder(t))
+        tracked.fresh()
+        bound = tracked.bind({"w": held}, tracked.meshes)["w"]
+        assert bound.device_mesh is mesh and bound.to_local().data_ptr() == held.to_local().data_ptr()
+        assert bound.placements == held.placements and bound.to_local().tolist() == [0.0, 1.0, 2.0, 3.0]
+        other = DTensor.from_local(torch.ones(2), init_device_mesh("cpu", (1,)), [Shard(0)])
+        try:
+            tracked.bind({"w": other}, tracked.meshes)
+            raise SystemExit("a DTensor on a mesh this call does not have was bound")
+        except O.Unbound as exc:
+            print("unbound:", exc)
+    held = held if held is not None else t
+    dist.destroy_process_group()
+    dist.distributed_c10d._world.group_count = 0
+    if cycle == 1:   # as rank_side.inprocess's teardown does at every restart point
+        print("cleared:", dtensor_cycle.forget_meshes())
+print("stale:", stale)
+assert stale[2] is False, stale
+"""
+
+
+def test_dtensors_of_the_call_after_a_restart_point_are_on_its_own_mesh():
+    """torch caches DTensor sharding decisions keyed on a DeviceMesh's shape and ranks, not its process
+    groups: after a process group is destroyed and made again in the same process (an in-place
+    restart), a DTensor op's output is on the previous call's mesh (torch 2.13; printed, not asserted,
+    should torch change). After dtensor_cycle.forget_meshes (the restart point's), it is on the new
+    one. A state held since an earlier call is bound to this call's equal mesh (no copy); a DTensor on
+    a mesh this call has no equal of raises Unbound (the restore then falls back with one line)."""
+    res = subprocess.run([sys.executable, "-c", _MESH_CYCLES], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    print(res.stdout)
+    assert "cleared: ['sharding propagation', 'sharding propagation (C++)'" in res.stdout, res.stdout
+    assert "a device mesh that this call's objects do not have" in res.stdout, res.stdout
+
+
+_MID_STEP = r"""
+import os, tempfile
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from ft_launcher.rank_monitor.rank_side import live_objects as O
+
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+for m in (model[0], model[2], model):
+    fully_shard(m, mesh=mesh)
+sharded = dict(model.named_parameters())
+tracked = O.Tracked("model", model)
+tracked.snapshot()   # a commit: the state is the sharded parameters
+model[2].unshard()   # as inside its forward or backward, where a fault leaves it
+assert type(model[2]._parameters["weight"]).__name__ != "DTensor"
+state = tracked.committed()
+assert all(state[k].to_local().data_ptr() == p.to_local().data_ptr() for k, p in sharded.items()), state
+print("committed:", sorted((k, type(v).__name__) for k, v in state.items()))
+dist.destroy_process_group()
+"""
+
+
+def test_a_kept_fsdp2_module_s_state_is_its_sharded_parameters_even_mid_step():
+    """FSDP2 registers a module's unsharded parameters during its forward and backward; a restart
+    signal raised there (or a peer's failure in the all-gather) leaves them registered. A kept rank's
+    committed state is still the sharded parameters the optimizer steps (before: the unsharded ones,
+    and the restore raised LayoutMismatch: [1, 64] does not fit this rank's [0, 64])."""
+    res = subprocess.run([sys.executable, "-c", _MID_STEP], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "('2.weight', 'DTensor')" in res.stdout, res.stdout
+
+def test_fully_shard_after_an_in_place_restart_is_on_the_new_mesh_and_exact(launcher, tmp_path):
+    """tests/scripts/fsdp_two_calls.py: fully_shard as HSDP over 2 ranks (2 replicas x 1 shard), AdamW,
+    LiveState; rank 1 SIGKILLed at step 5 of 8. Rank 0 restarts in place and keeps its state, rank 1
+    heals from it. In cycle 1 every DTensor on both ranks (parameters, AdamW's state handed over from
+    the previous call, an op's output) is on cycle 1's mesh, and the full parameters equal a fault-free
+    run's. Before the restart point forgot torch's DTensor caches, rank 0's parameters were on cycle
+    0's mesh (whose group names, for a rank that moves, resolve to nothing)."""
+    script = os.path.join(SCRIPTS, "fsdp_two_calls.py")
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "fault").mkdir()
+    ref = launcher.run(["--standalone", "--nproc-per-node", 2, "--log-dir", tmp_path / "ref_logs", script,
+                        tmp_path / "ref"])
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    fault = launcher.run(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", tmp_path / "logs",
+                          script, tmp_path / "fault", "--fail-at-step", 5, "--fail-rank", 1])
+    assert fault.returncode == 0, fault.stderr[-3000:]
+    clean = [json.loads((tmp_path / "ref" / f"dtensors_{r}_0.json").read_text()) for r in range(2)]
+    after = [json.loads((tmp_path / "fault" / f"dtensors_{r}_1.json").read_text()) for r in range(2)]
+    assert [a["start"] for a in after] == [4, 4], after
+    assert all(a["other_mesh"] == [] and a["dtensors"] >= 5 for a in after), after
+    assert [a["checksum"] for a in after] == [c["checksum"] for c in clean], (after, clean)
+    live = [e["detail"] for e in read_events(str(tmp_path / "logs")) if e["kind"] == "live_recovery"]
+    assert len(live) == 1 and per_rank(live[0]["sources"]) == {"0": "kept", "1": "peer 0"}, live
+
 def test_goodput_keeps_a_cycle_s_steps_up_to_the_live_resume_step():
     """agent.observation.job_status.kept_work: a cycle followed by a checkpoint restart keeps its steps up to the
     checkpoint; followed by a live restore at step R, every step a rank completed up to R."""

@@ -24,7 +24,7 @@ How it talks to the agent: the words H_IP_* of the rank's shared-memory record (
   nodes (rank_monitor.peer_sockets: a DDP reducer keeps a gloo group's sockets open, and a peer
   waiting for this rank's data learns that it is gone only when they close), then settles the
   GPU and aborts NCCL unless the watcher did (restart_watcher.act), destroys the process group,
-  frees what the failed call held (a full garbage collection, cheap because what existed before
+  clears torch's DTensor caches that hold the group's DeviceMesh (rank_side.dtensor_cycle), frees what the failed call held (a full garbage collection, cheap because what existed before
   the first call was frozen out of the collector's view, gc.freeze, as in a warm reserve),
   empties the CUDA cache (empty_cuda_cache), sets IP_READY and waits for H_IP_GO; the
   agent kills a rank that does not get there within inprocess_timeout and replaces it.
@@ -54,7 +54,7 @@ import traceback
 from typing import Callable, Optional
 
 from ft_launcher.rank_monitor import peer_sockets
-from ft_launcher.rank_monitor.rank_side import restart_watcher
+from ft_launcher.rank_monitor.rank_side import dtensor_cycle, restart_watcher
 from ft_launcher.rank_monitor import shm_layout as L
 
 ENV_WAKE_FD = "FT_LAUNCHER_WAKE_FD"            # the agent's wake pipe (write end), inherited
@@ -168,6 +168,7 @@ def _teardown() -> None:
         # An init_process_group that failed half-way (a peer died while it waited) took a group
         # name; the next one must take the same name as its peers' ("0"), as after a destroy.
         c10d._world.group_count = 0
+    dtensor_cycle.forget_meshes()   # torch's DTensor caches would hand the next call this call's DeviceMesh
     sys.last_type = sys.last_value = sys.last_traceback = None
     for fn in _ON_TEARDOWN:
         try:

@@ -4,7 +4,9 @@
 back to the commit, so each kind keeps what it must:
 - module (`torch.nn.Module` whose `state_dict()` returns views of its own parameters and buffers):
   parameters change only inside commit (the optimizer step), so they are read as they are (the
-  state dict rebuilt from a key map made once, without calling state_dict() again); the
+  state dict rebuilt from a key map made once, without calling state_dict() again; FSDP2's sharded
+  DTensor parameters, also where a fault inside a forward or backward left the unsharded ones
+  registered on the module); the
   persistent buffers (BatchNorm's running statistics, which every forward pass changes) and any
   `_extra_state` are copied at each commit into snapshots made once (`torch._foreach_copy_`).
 - optimizer (`torch.optim.Optimizer`): its state changes only in `step()`, inside commit; its
@@ -17,7 +19,9 @@ back to the commit, so each kind keeps what it must:
 `committed()` is the state dict as of the last commit (a module's and an optimizer's read from
 the object, without a collective); `fresh()` reads a new object once (its own tensors, where a
 received or kept state lands in place, and its layout and shard identity: the step exchange
-compares those); `adopt(state)` makes a state just loaded into the object its committed state.
+compares those); `bind(state, meshes)` puts a kept or received state's DTensors on this call's
+device meshes (a kept rank's are on the previous call's, whose process groups are gone); `adopt(state)`
+makes a state just loaded into the object its committed state.
 `setup()` checks, once (at the first restore() or commit), that the state can be sent and compared
 (live_wire.check) and settles the kind; a state that cannot be sent raises live_wire.Refused there,
 not at the first heal.
@@ -25,6 +29,7 @@ not at the first heal.
 from __future__ import annotations
 
 import collections
+import sys
 from typing import Any, List, Optional, Tuple
 
 from ft_launcher.rank_monitor.rank_side import live_wire as W
@@ -40,20 +45,54 @@ def _storage(t) -> int:
         return -1
 
 
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and getattr(t, "device_mesh", None) is not None
+
+
+def _coordinate(mesh) -> list:
+    """This rank's coordinate on `mesh`: where this process's rank in the current process group sits
+    in the mesh's rank map (not the mesh's own coordinate, which is the rank of the process that made
+    it: a mesh from a previous call, as torch's caches handed out before rank_side.dtensor_cycle,
+    would name the shard this process held then)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        found = (mesh.mesh == dist.get_rank()).nonzero()
+        return found[0].tolist() if len(found) else []
+    return list(mesh.get_coordinate() or [])
+
+
 def identity_entries(state) -> list:
     """Which part of a sharded state this rank holds, from its DTensors: per DTensor, its mesh's
     shape, placements and this rank's coordinate on every mesh dimension it is not replicated on.
     [] for plain tensors (every rank holds the same: data parallelism)."""
     out = []
     for path, t in W.flat(state).items():
-        mesh = getattr(t, "device_mesh", None)
-        if mesh is None or type(t).__name__ != "DTensor":
+        if not _is_dtensor(t):
             continue
-        coord = mesh.get_coordinate() or []
+        mesh = t.device_mesh
+        coord = _coordinate(mesh)
         sharded = tuple((d, coord[d] if d < len(coord) else None) for d, p in enumerate(t.placements)
                         if not p.is_replicate())
         out.append((path, tuple(mesh.shape), tuple(str(p) for p in t.placements), sharded))
     return out
+
+
+def _same_sharding(a, b) -> bool:
+    """Two DTensors on equal meshes with the same placements."""
+    return _is_dtensor(a) and _is_dtensor(b) and a.device_mesh == b.device_mesh and a.placements == b.placements
+
+
+def distinct_meshes(tensors) -> list:
+    """The device meshes of the DTensors among `tensors`, each once (by identity)."""
+    out: list = []
+    for t in tensors:
+        if _is_dtensor(t) and not any(t.device_mesh is m for m in out):
+            out.append(t.device_mesh)
+    return out
+
+
+class Unbound(W.LayoutMismatch):
+    """A kept or received DTensor whose device mesh has no equal among this call's objects' meshes."""
 
 
 def layout_entries(state) -> list:
@@ -83,8 +122,10 @@ class Tracked:
         self.extra_snaps: list = []
         self.per_rank: set = set()   # MODULE: keys of plain BatchNorm running statistics (per rank under DDP)
         self.entries: list = []      # MODULE: (state-dict key, owner module, attribute, param|buffer|extra)
+        self.sharded: dict = {}      # MODULE: state-dict key -> its DTensor parameter (FSDP2's sharded one)
         self.metadata = None
         self.groups: Optional[list] = None              # OPTIMIZER: param groups' hyperparameters
+        self.meshes: list = []       # the device meshes of the new object's DTensors (read by fresh())
 
     # ---- set up once: check the state and settle the kind -------------------------------------
     def setup(self, sd=None) -> None:
@@ -123,6 +164,9 @@ class Tracked:
             where = (W.local(value).data_ptr(), tuple(value.shape)) if hasattr(value, "shape") else None
             if where in params:
                 entries.append((key, *params[where], "param"))
+                mod, pname = params[where]
+                if _is_dtensor(mod._parameters[pname]):
+                    self.sharded[key] = mod._parameters[pname]
             elif where in buffers:
                 mod, bname = buffers[where]
                 self.buffers.append((key, mod, bname))
@@ -130,7 +174,7 @@ class Tracked:
                     self.per_rank.add(key)
                 entries.append((key, mod, bname, "buffer"))
             else:   # its state_dict() builds new tensors (FSDP1): copy it at every commit
-                self.kind, self.buffers, self.extra, self.per_rank = SNAPSHOT, [], [], set()
+                self.kind, self.buffers, self.extra, self.per_rank, self.sharded = SNAPSHOT, [], [], set(), {}
                 self.note = (f"'{self.name}': its state_dict() returns copies, not its own tensors (FSDP1?): it is "
                              f"copied at every commit")
                 return
@@ -179,6 +223,11 @@ class Tracked:
         for key, mod, attr, kind in self.entries:
             if kind == "param":
                 p = mod._parameters.get(attr)
+                own = self.sharded.get(key)
+                if own is not None and p is not own and not _same_sharding(p, own):
+                    # FSDP2 registers its unsharded parameters during a module's forward and backward: a
+                    # fault there leaves them on the module; the state is the sharded parameter's
+                    p = own
                 if p is None:   # the module changed since: read it as it is
                     return self.obj.state_dict()
                 sd[key] = p.detach()
@@ -198,38 +247,47 @@ class Tracked:
             self.setup(sd)
         if self.kind == OPTIMIZER:
             params = [[p for p in g["params"]] for g in self.obj.param_groups]
+            self.meshes = distinct_meshes([p for group in params for p in group])
             layout = [[(tuple(W.local(p).shape), str(p.dtype)) for p in group] for group in params]
             ident = identity_entries({i: {j: p for j, p in enumerate(group)} for i, group in enumerate(params)})
             return W.flat(sd), layout, ident
         dests = W.flat(sd) if self.kind == MODULE else {}
+        self.meshes = distinct_meshes(W.flat(sd).values())
         return dests, layout_entries(sd), identity_entries(sd)
 
-    def bind(self, state: dict) -> dict:
-        """A state about to be loaded, fitted to this call's objects: an optimizer's per-parameter
-        tensors (moved from the previous optimizer or received as local data) become DTensors like
-        this call's parameters where those are DTensors (FSDP2: no copy, the new mesh)."""
-        if self.kind != OPTIMIZER or not isinstance(state, dict) or not isinstance(state.get("state"), dict):
-            return state
+    def bind(self, state: dict, meshes: list) -> dict:
+        """A state about to be loaded, bound to this call's device meshes (`meshes`: those of this
+        LiveState's new objects). A kept rank's previous objects' DTensors (an optimizer's state is
+        handed over, not copied) are on the previous call's mesh, whose process groups are gone:
+        each is rebuilt on the equal mesh of this call (its local data, placements and shape; no
+        copy). A received optimizer's per-parameter tensors (local data) become DTensors like this
+        call's parameters where those are DTensors (FSDP2). Raises Unbound where a DTensor's mesh
+        has no equal among `meshes` (it cannot be bound exactly)."""
         from torch.distributed.tensor import DTensor
 
-        params = [p for g in self.obj.param_groups for p in g["params"]]
-        out = dict(state)
-        out["state"] = {}
-        for idx, entry in state["state"].items():
-            p = params[idx] if isinstance(idx, int) and 0 <= idx < len(params) else None
-            if not isinstance(p, DTensor) or not isinstance(entry, dict):
-                out["state"][idx] = entry
-                continue
-            shape = tuple(p.to_local().shape)
-            fitted = {}
-            for key, value in entry.items():
-                data = W.local(value) if hasattr(value, "dim") else None
-                if data is not None and data.dim() > 0 and tuple(data.shape) == shape:
-                    value = DTensor.from_local(data, p.device_mesh, p.placements, run_check=False,
-                                               shape=p.shape, stride=p.stride())
-                fitted[key] = value
-            out["state"][idx] = fitted
-        return out
+        params = ([p for g in self.obj.param_groups for p in g["params"]] if self.kind == OPTIMIZER
+                  and isinstance(state, dict) and isinstance(state.get("state"), dict) else None)
+
+        def place(path, t):
+            if _is_dtensor(t):
+                mesh = t.device_mesh
+                if any(mesh is m for m in meshes):
+                    return t
+                for m in meshes:
+                    if m == mesh:
+                        return DTensor.from_local(t.to_local(), m, t.placements, run_check=False, shape=t.shape,
+                                                  stride=t.stride())
+                raise Unbound(f"'{self.name}' holds a DTensor at {W.path_text(path)} on {mesh}, a device mesh "
+                              f"that this call's objects do not have")
+            if params is None or len(path) != 3 or path[0] != "state" or not isinstance(path[1], int):
+                return t
+            p = params[path[1]] if 0 <= path[1] < len(params) else None
+            if not _is_dtensor(p) or t.dim() == 0 or tuple(t.shape) != tuple(p.to_local().shape):
+                return t
+            return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+
+        return W.walk(state, place)
 
     def adopt(self, loaded: Optional[dict]) -> None:
         """The state just loaded into the object is now its committed state. `loaded`: a copy

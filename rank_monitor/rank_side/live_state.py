@@ -38,8 +38,10 @@ The parts:
   4. a kept rank moves its committed state into the new objects (copied into their own tensors,
      the rest handed over, nothing staged), then frees the previous objects;
   5. the transfers, in one global order: the skeleton and tensors of each object (live_wire);
-  6. the check (`verify=True`, the default): the replicas of each shard that a rank healed in
-     compare a digest of their restored state (one all_gather); a mismatch falls back with one line;
+  6. each state is bound to this call's device meshes (live_objects.Tracked.bind; a DTensor on a
+     mesh this call has no equal of falls back with one line); the check (`verify=True`, the
+     default): the replicas of each shard that a rank healed in compare a digest of their restored
+     state (one all_gather); a mismatch falls back with one line;
   7. every rank loads each object (`load_state_dict()` once per object, in name order, the RNG last)
      and takes that state as its committed state;
   8. a second all_gather collects bytes, transfer time and each rank's restore time; global rank 0
@@ -423,8 +425,12 @@ class LiveState:
                 if not plan.kept(rank):
                     self._hold(plan.resume, ready, previous=held)
                 held = None
+                unbound = self._bind(ready, names)   # every DTensor on this call's mesh
                 if self.verify:   # 6
-                    check, reason = _verify(self, plan, rows, ready, names, device, world)
+                    check, reason = _verify(self, plan, rows, ready, names, device, world, unbound)
+                else:
+                    reason = _unbound_reason(self, _all_gather(torch.tensor([int(bool(unbound))], device=device),
+                                                               world), 0, unbound)
                 if reason:
                     plan = Plan(None, [None] * world, reason)
                     _REG.held.pop(self.name, None)
@@ -467,6 +473,21 @@ class LiveState:
         self.tracked.clear()
         self.objects.clear()
 
+    def _bind(self, ready: Dict[str, Any], names: List[str]) -> str:
+        """Each state to load bound to this call's device meshes (live_objects.Tracked.bind: a kept
+        rank's DTensors are on the previous call's mesh), in place in `ready`. -> "" or, where a
+        DTensor's mesh has no equal in this call's objects, what (the job then falls back)."""
+        meshes: list = []
+        for m in (m for t in self.tracked.values() for m in t.meshes):
+            if not any(m is seen for seen in meshes):
+                meshes.append(m)
+        try:
+            for n in names:
+                ready[n] = self.tracked[n].bind(ready[n], meshes)
+        except O.Unbound as exc:
+            return str(exc)
+        return ""
+
     def _load(self, ready: Dict[str, Any], fresh: dict) -> None:
         """Every object loads its state (the same order on every rank, the RNG last) and takes it
         as its committed state. A module whose every tensor arrived in its own tensors (kept or
@@ -479,7 +500,7 @@ class LiveState:
             in_place = (tracked.kind == O.MODULE and not tracked.extra and len(own) == len(W.flat(state))
                         and all(own.get(p) is t for p, t in W.flat(state).items()))
             if not in_place:
-                tracked.obj.load_state_dict(tracked.bind(state))
+                tracked.obj.load_state_dict(state)
             tracked.adopt(loaded)
         held = _REG.held.get(self.name)
         if held is not None and held.live is self:
@@ -649,10 +670,22 @@ def _plan(live: LiveState, rows: List[_Row], world: int, copies: Optional[list] 
     return plan, f"LiveState '{live.name}': {reason}"
 
 
+def _unbound_reason(live: LiveState, table: list, column: int, mine: str) -> str:
+    """The fallback reason when some rank's state could not be bound to this call's device meshes
+    (`table[r][column]` set: LiveState._bind), else ""."""
+    odd = [r for r, row in enumerate(table) if row[column]]
+    if not odd:
+        return ""
+    return (f"LiveState '{live.name}': the state of {_ranks(odd)} holds DTensors on a device mesh that this call's "
+            f"objects do not have, so it cannot be bound to this call's process groups exactly"
+            + (f" (here: {mine})" if mine else ""))
+
+
 def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any], names: List[str], device,
-            world: int):
+            world: int, unbound: str = ""):
     """Step 6: per object, a digest of the restored state; the replicas of each shard in which some
-    rank healed from a peer must agree. -> (the check's figures, the reason to fall back or "")."""
+    rank healed from a peer must agree; and no rank's state may hold a DTensor it could not bind
+    (`unbound`: LiveState._bind). -> (the check's figures, the reason to fall back or "")."""
     import torch
 
     t0 = time.perf_counter()
@@ -663,13 +696,13 @@ def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any]
         nbytes += b
     own_s = time.perf_counter() - t0
     k = _Row.K
-    mine = (digests + [0] * k)[:k] + [nbytes, int(own_s * 1e9)]
+    mine = (digests + [0] * k)[:k] + [nbytes, int(own_s * 1e9), int(bool(unbound))]
     table = _all_gather(torch.tensor(mine, dtype=torch.int64, device=device), world)
     groups = collections.defaultdict(list)
     for r, row in enumerate(rows):
         groups[(row.need_id, row.need_layout)].append(r)
-    reason = ""
-    for members in groups.values():
+    reason = _unbound_reason(live, table, k + 2, unbound)
+    for members in (groups.values() if not reason else ()):
         if all(plan.kept(r) for r in members):
             continue   # every rank of this shard restored its own committed state: nothing came from a peer
         for i, n in enumerate(names[:k]):
