@@ -294,7 +294,7 @@ def commit_cost(steps):
 
 # ---- recovery figures ------------------------------------------------------------------------
 def exception_in_place(reps):
-    from harness import Job
+    from bench_jobs import Job
 
     out = []
     for _ in range(reps):

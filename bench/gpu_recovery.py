@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Job, cycle1_starts, ratio, recovered, repeat, reserves_ready, summary  # noqa: E402
+from bench_jobs import Job, cycle1_starts, ratio, recovered, repeat, reserves_ready, summary  # noqa: E402
 
 STEP_TIMEOUT = 2.0
 HANG_STEP = 40         # the hang comes ~2 s after the first step: before the warm reserve is ready

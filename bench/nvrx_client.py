@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Job, bench_env  # noqa: E402
+from bench_jobs import Job, bench_env  # noqa: E402
 
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nvrx_client_rank.py")
 

@@ -32,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Job, cycle1_starts, ratio, recovered, repeat, reserves_ready, summary  # noqa: E402
+from bench_jobs import Job, cycle1_starts, ratio, recovered, repeat, reserves_ready, summary  # noqa: E402
 
 STEP_TIMEOUT = 2.0
 EARLY_S = 0.25

@@ -18,7 +18,7 @@ import tempfile
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Job  # noqa: E402
+from bench_jobs import Job  # noqa: E402
 
 RANK_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "section_rank.py")
 NPROC = 2

@@ -30,7 +30,7 @@ import time
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import EXAMPLE, bench_env, read_progress, stop_launcher  # noqa: E402
+from bench_jobs import EXAMPLE, bench_env, read_progress, stop_launcher  # noqa: E402
 
 
 def parse_args(argv=None):

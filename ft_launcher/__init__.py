@@ -4,8 +4,9 @@ Every name is loaded on first use (PEP 562), so importing the package costs noth
 the rank monitors and the warm reserves are its subpackages `ft_launcher.agent` and
 `ft_launcher.rank_monitor` (the repository keeps them in agent/ and rank_monitor/ beside this
 folder; an installation puts them inside it), and they must start fast. The implementation of
-the names below is ft_launcher.rank_monitor.rank_side.client (with rank_monitor.nvrx_types,
-rank_monitor.config and rank_monitor.rank_side.inprocess). The calls are cheap no-ops (after one warning)
+the names below is in ft_launcher.rank_monitor.rank_side (sections: section, heartbeat;
+nvrx_api: NVRx's client; preemption; warn_once; inprocess; live_state), rank_monitor.nvrx_types
+and rank_monitor.config. The calls are cheap no-ops (after one warning)
 when the script is not running under ft_launcher. An NVRx script changes only its import:
 `from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient` becomes
 `from ft_launcher import RankMonitorClient`; the names below are those NVRx's fault_tolerance
@@ -47,11 +48,16 @@ if (not _os.path.isdir(_os.path.join(__path__[0], "agent"))
 
     _sys.meta_path.insert(0, _CheckoutFinder)
 
-_CLIENT = "ft_launcher.rank_monitor.rank_side.client"
-_LAZY = {name: _CLIENT for name in (
-    "FtSectionWarning", "Preemption", "RankMonitorClient", "RankMonitorClientError", "heartbeat", "on_preemption",
-    "preempted", "section",
-    "send_workload_control_request")}
+_RANK_SIDE = "ft_launcher.rank_monitor.rank_side."
+_LAZY = {"section": _RANK_SIDE + "sections",
+         "heartbeat": _RANK_SIDE + "sections",
+         "RankMonitorClient": _RANK_SIDE + "nvrx_api",
+         "RankMonitorClientError": _RANK_SIDE + "nvrx_api",
+         "send_workload_control_request": _RANK_SIDE + "nvrx_api",
+         "Preemption": _RANK_SIDE + "preemption",
+         "preempted": _RANK_SIDE + "preemption",
+         "on_preemption": _RANK_SIDE + "preemption",
+         "FtSectionWarning": _RANK_SIDE + "warn_once"}
 _LAZY.update({"WorkloadAction": "ft_launcher.rank_monitor.workload_requests",
               "WorkloadControlRequest": "ft_launcher.rank_monitor.workload_requests",
               "RestartInPlace": "ft_launcher.rank_monitor.rank_side.inprocess",

@@ -1,488 +1,40 @@
-"""The `ft_launcher` command line: torchrun's flags (both spellings, or their `PET_*` variables),
-NVRx's `--ft-*` flags and YAML, SLURM defaults; builds a LaunchConfig and runs the node agent.
+"""The `ft_launcher` command: torchrun's flags (both spellings, or their `PET_*` variables),
+NVRx's `--ft-*` flags and YAML, SLURM defaults -> a LaunchConfig -> the node agent, until it exits.
 
-Every input problem ends in one line `ft_launcher: error: ...` and exit code 2, never a
-traceback.
+The steps, in the order their errors are reported: the parser and its flags (flags; `PET_*` from
+env_flags), each value (flag_values), what ft_launcher does differently (flag_notes), the
+rendezvous (rendezvous_endpoint), flags that do not fit together (flag_checks), the fault-tolerance
+config (ft_config_loading), the logs and every path written (output_paths), and the command each
+rank runs (rank_command). Every input problem ends in one line `ft_launcher: error: ...` and exit
+code 2, never a traceback.
 """
 from __future__ import annotations
 
-import argparse
-import difflib
 import os
-import shutil
-import signal
 import sys
-import tempfile
-import uuid
-import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Optional, Sequence
 
-from ft_launcher import __version__, nvrx_flags
-from ft_launcher.rank_monitor.config import FIELD_NAMES, ConfigError, FaultToleranceConfig, help_of
+from ft_launcher.flag_checks import check_restart_timings, training_nodes
+from ft_launcher.flag_notes import ft_notes, torchrun_notes
+from ft_launcher.flag_values import (check_metrics_port, parse_backend, parse_nproc, parse_ranks_filter,
+                                     parse_signals)
+from ft_launcher.flags import PROG, UsageError, build_parser, warn
+from ft_launcher.ft_config_loading import ft_config_from_args
+from ft_launcher.output_paths import check_nvrx_log_paths, check_output_paths, resolve_logs
+from ft_launcher.rank_command import entry_kind, hooked_entrypoint
+from ft_launcher.rendezvous_endpoint import resolve_rendezvous, slurm_or_none
 
-PROG = "ft_launcher"
 # Subcommands, recognised only as the first argument (a training script is a path: `./status`).
 SUBCOMMANDS = {"report": "ft_launcher.report", "status": "ft_launcher.status"}
-DEFAULT_C10D_PORT = 29400
-DEFAULT_MASTER_PORT = 29500
-
-
-class UsageError(Exception):
-    pass
-
-
-def command_owner(path: str) -> Optional[str]:
-    """Which package a console script at `path` runs: "ft_launcher", "nvidia-resiliency-ext", or
-    None (not a Python entry-point script, e.g. a pyenv shim)."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(4096).decode("utf-8", "replace")
-    except OSError:
-        return None
-    if "nvidia_resiliency_ext" in head:
-        return "nvidia-resiliency-ext"
-    if "ft_launcher.cli" in head:
-        return "ft_launcher"
-    return None
-
-
-class _Version(argparse.Action):
-    """--version as its lines are (argparse's own re-wraps them into one paragraph)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(version_text())
-        parser.exit()
-
-
-def version_text() -> str:
-    """`--version`: this package's version, and a note when the `ft_launcher` command on PATH is
-    nvidia-resiliency-ext's (it installs a script of the same name; the one installed last wins)."""
-    text = f"{PROG} {__version__}"
-    found = shutil.which(PROG)
-    if found and command_owner(found) == "nvidia-resiliency-ext":
-        text += (f"\nnote: the `{PROG}` command on PATH ({found}) is nvidia-resiliency-ext's launcher, installed "
-                 f"after this package: run `ftrun` or `python -m ft_launcher`, or reinstall ft_launcher to take the "
-                 f"name back (docs/migrating-from-nvrx.md)")
-    return text
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, with a hint for a mistyped flag
-        if "required: training_script" in message:
-            message = "no training script given (usage: ft_launcher [flags] train.py [script args])"
-        if message.startswith("unrecognized arguments:"):
-            flag = message.split(":", 1)[1].split()[0]
-            options = [o for a in self._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
-            hint = difflib.get_close_matches(flag.split("=")[0].replace("_", "-"), options, n=1)
-            if hint:
-                message += f" (did you mean {hint[0]}?)"
-        raise UsageError(message)
-
-
-# --help groups the flags; each flag shows one spelling, its default and one line.
-_GROUPS = {
-    "nodes and rendezvous": ("nnodes", "nproc-per-node", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf",
-                             "standalone", "node-rank", "master-addr", "master-port", "local-addr"),
-    "restarts and stopping": ("max-restarts", "term-timeout", "workers-stop-timeout", "monitor-interval",
-                              "shutdown-timeout", "signals-to-handle"),
-    "what each rank runs": ("module", "no-python", "run-path", "role", "start-method"),
-    "logs and console": ("log-dir", "redirects", "tee", "local-ranks-filter", "metrics-port"),
-    "torchrun flags this launcher does differently (each says how when used)": (
-        "event-log-handler", "logs-specs", "duplicate-stdout-filters", "duplicate-stderr-filters", "numa-binding",
-        "virtual-local-rank"),
-}
-# torchrun 2.13 flags ft_launcher takes but does not act on as torchrun does: one line each, said
-# when the flag is given a value other than torchrun's default (flag dest -> (default, the line)).
-TORCHRUN_NOTES = {
-    "event_log_handler": ("null", "torch's event handlers are not called; ft_launcher writes its events to "
-                                  "<log dir>/events.jsonl (--log-dir)"),
-    "logs_specs": (None, "no LogsSpecs plugin is loaded; ft_launcher lays out rank logs itself (--log-dir, "
-                         "--redirects, --tee)"),
-    "duplicate_stdout_filters": ("", "lines are not duplicated to a filtered file; with --log-dir every rank's "
-                                     "output is in its log files (grep them)"),
-    "duplicate_stderr_filters": ("", "lines are not duplicated to a filtered file; with --log-dir every rank's "
-                                     "output is in its log files (grep them)"),
-    "numa_binding": (None, "ranks are not bound to CPUs near their GPU; bind them yourself (e.g. numactl in "
-                           "--no-python mode)"),
-}
-NUMA_MODES = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode values
-_GROUP_OF = {name: title for title, names in _GROUPS.items() for name in names}
-
-# NVRx's own spellings of some keys
-FT_KEY_ALIASES = {"storage_healthcheck_path": ("--ft-storage-health-check-path", "--ft_storage_health_check_path")}
-
-
-def _group(parser, title: str):
-    groups = parser.__dict__.setdefault("_ft_groups", {})
-    if title not in groups:
-        groups[title] = parser.add_argument_group(title)
-    return groups[title]
-
-
-def _with_default(help_text: Optional[str], default) -> Optional[str]:
-    if help_text is None or "default" in help_text or default in (None, "", False):
-        return help_text
-    return f"{help_text} (default {default})"
-
-
-def _flag(parser, name: str, *extra: str, **kwargs):
-    """Add `--a-b` to its --help group, with its default; the underscore twin `--a_b` is
-    accepted too but not shown."""
-    kwargs["help"] = _with_default(kwargs.get("help"), kwargs.get("default"))
-    _group(parser, _GROUP_OF.get(name, "other")).add_argument(*extra, f"--{name}", **kwargs)
-    if "-" in name:
-        parser.add_argument(f"--{name.replace('-', '_')}", **dict(kwargs, help=argparse.SUPPRESS))
-
-
-def _ft_default(value) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if value in (None, {}, []):
-        return "none"
-    return str(value)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, allow_abbrev=False, usage=f"{PROG} [flags] training_script [script args ...]",
-                formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=40),
-                description="Fault-tolerant launcher for PyTorch training (a torchrun replacement).",
-                epilog=f"also: {PROG} report LOGDIR... (an HTML report of a job), "
-                       f"{PROG} status [LOGDIR...] (what a running job is doing); each takes --help")
-    _flag(p, "nnodes", default=None, help="N or MIN:MAX; nodes past MIN wait as hot spares (default 1, SLURM_NNODES under SLURM)")
-    _flag(p, "nproc-per-node", default="1", help="ranks per node: an int, cpu, gpu or auto")
-    _flag(p, "rdzv-backend", default=None, help="c10d or static (default static, c10d with --rdzv-endpoint or SLURM); "
-          "etcd and etcd-v2 are a one-line error")
-    _flag(p, "rdzv-endpoint", default="", help="HOST[:PORT] of the rendezvous store (default port 29400)")
-    _flag(p, "rdzv-id", default=None, help="job id shared by all nodes (default SLURM_JOB_ID or 'none')")
-    _flag(p, "rdzv-conf", default="", help="k=v,... : join_timeout, last_call_timeout, close_timeout, read_timeout, is_host, keep_alive_interval, keep_alive_max_attempt, store_unresponsive_timeout")
-    _flag(p, "standalone", action="store_true", help="single node, local store on a free port")
-    _flag(p, "max-restarts", type=int, default=0, help="job-wide restart budget (default 0)")
-    _flag(p, "monitor-interval", type=float, default=0.1, help="fallback polling period of the agent in seconds")
-    _flag(p, "start-method", default="spawn", choices=["spawn", "fork", "forkserver"], help="accepted for torchrun compatibility; ranks are always fresh processes")
-    _flag(p, "role", default="default", help="the ranks' ROLE_NAME")
-    _flag(p, "module", "-m", action="store_true", help="run the script as a module (python -m)")
-    _flag(p, "no-python", action="store_true", help="run the script directly, not through python")
-    _flag(p, "run-path", action="store_true", help="run the script through runpy.run_path")
-    _flag(p, "log-dir", default=None, help="per-rank, per-cycle logs and events.jsonl go here")
-    _flag(p, "redirects", "-r", default="0", help="streams to send only to the log files: 0-3 or local_rank:mask,...")
-    _flag(p, "tee", "-t", default="0", help="streams to copy to the log files and the console: 0-3 or local_rank:mask,...")
-    _flag(p, "local-ranks-filter", default="", help="show only these local ranks on the console, e.g. 0,1")
-    _flag(p, "metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (default off)")
-    _flag(p, "node-rank", type=int, default=None, help="this node's rank (static backend)")
-    _flag(p, "master-addr", default="127.0.0.1", help="store host (static backend)")
-    _flag(p, "master-port", type=int, default=DEFAULT_MASTER_PORT, help="store port (static backend)")
-    _flag(p, "local-addr", default=None, help="address the other nodes reach this node at")
-    _flag(p, "term-timeout", type=float, default=30.0, help="seconds ranks get after SIGTERM/SIGINT before SIGKILL")
-    _flag(p, "workers-stop-timeout", type=float, default=15.0, help="seconds ranks get to stop at a restart before SIGKILL")
-    # torchrun 2.13's other flags: shutdown-timeout and signals-to-handle act; the rest say how we differ
-    _flag(p, "shutdown-timeout", type=int, default=None, help="torchrun's name for --term-timeout (--term-timeout wins when both are given)")
-    _flag(p, "signals-to-handle", default=None, help="signals forwarded to the ranks, then the job stops "
-          "(default SIGTERM,SIGINT,SIGHUP; torchrun's also has SIGQUIT)")
-    _flag(p, "event-log-handler", default="null", help="accepted: events go to <log dir>/events.jsonl")
-    _flag(p, "logs-specs", default=None, help="accepted: ft_launcher lays out rank logs itself")
-    _flag(p, "duplicate-stdout-filters", default="", help="accepted, not acted on: grep the --log-dir files")
-    _flag(p, "duplicate-stderr-filters", default="", help="accepted, not acted on: grep the --log-dir files")
-    _flag(p, "numa-binding", default=None, choices=NUMA_MODES, help="accepted, not acted on: ranks are not bound to CPUs")
-    _flag(p, "virtual-local-rank", action="store_true", help="not supported: one-line error (ranks see every GPU)")
-    p.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
-    ft = _group(p, "fault tolerance")
-    ft.description = ("hang detection and simulated faults; also a fault_tolerance: section in --ft-cfg-path "
-                      "(flags win). Each flag is also accepted with underscores and as --ft-param-<key>.")
-    _GROUP_OF["ft-cfg-path"] = "fault tolerance"
-    _flag(p, "ft-cfg-path", default=None, help="YAML with a fault_tolerance: section (at any nesting level)")
-    p.add_argument(*nvrx_flags.CFG_PATH_SPELLINGS, dest="ft_cfg_path", default=None, help=argparse.SUPPRESS)
-    nvrx_flags.add_flags(p)
-    defaults = FaultToleranceConfig()
-    for key in FIELD_NAMES:
-        dashed = key.replace("_", "-")
-        spellings = list(dict.fromkeys([f"--ft-{dashed}", f"--ft-{key}", f"--ft-param-{key}", f"--ft-param-{dashed}"]
-                                       + ([f"--{dashed}", f"--{key}"] if key.startswith("ft_") else [f"--ft_{key}"])
-                                       + list(FT_KEY_ALIASES.get(key, ()))))
-        shown = f"--{dashed}" if key.startswith("ft_") else spellings[0]  # --ft-state-path
-        default = getattr(defaults, key)
-        if key == "rank_termination_signal":
-            default = signal.Signals(default).name
-        line = help_of(key)   # declared with the key (rank_monitor.config.schema); None: not shown
-        ft.add_argument(shown, dest=f"ft__{key}", default=None, metavar="V",
-                        help=argparse.SUPPRESS if line is None else
-                        _with_default(line.replace("%", "%%"), _ft_default(default)))
-        p.add_argument(*[s for s in spellings if s != shown], dest=f"ft__{key}", default=None,
-                       help=argparse.SUPPRESS)
-    p.add_argument("training_script", help="the script (or module, or program) every rank runs")
-    p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="passed to the script")
-    return p
-
-
-# ---- value parsing -------------------------------------------------------------------------
-def parse_nnodes(text: str) -> tuple:
-    parts = text.split(":")
-    try:
-        if len(parts) == 1:
-            low = high = int(parts[0])
-        elif len(parts) == 2:
-            low, high = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError
-    except ValueError:
-        raise UsageError(f"--nnodes: expected N or MIN:MAX, got {text!r}") from None
-    if low < 1 or high < low:
-        raise UsageError(f"--nnodes: need 1 <= MIN <= MAX, got {text!r}")
-    return low, high
-
-
-def parse_backend(text: Optional[str]) -> Optional[str]:
-    if text is None or text in ("c10d", "static"):
-        return text
-    if text in ("etcd", "etcd-v2"):
-        raise UsageError(f"--rdzv-backend: {text} is not supported: ft_launcher has no etcd rendezvous; its agents host their own "
-                         "store: use --rdzv-backend c10d --rdzv-endpoint NODE0_HOST:PORT (or --standalone)")
-    raise UsageError(f"--rdzv-backend: expected c10d or static, got {text!r}")
-
-
-def parse_signals(text: Optional[str]) -> tuple:
-    """--signals-to-handle SIGTERM,SIGUSR1,... (names, with or without SIG, or numbers)."""
-    if text is None:
-        return ()
-    out = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        name = item.upper() if item.upper().startswith("SIG") else "SIG" + item.upper()
-        try:
-            sig = signal.Signals(int(item)) if item.isdigit() else signal.Signals[name]
-        except (KeyError, ValueError):
-            raise UsageError(f"--signals-to-handle: unknown signal {item!r}") from None
-        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
-            raise UsageError(f"--signals-to-handle: {sig.name} cannot be handled")
-        out.append(int(sig))
-    if not out:
-        raise UsageError("--signals-to-handle: expected e.g. SIGTERM,SIGINT,SIGUSR1")
-    return tuple(dict.fromkeys(out))
-
-
-def torchrun_notes(args) -> None:
-    """One line for each torchrun flag given that ft_launcher takes but handles its own way."""
-    if args.virtual_local_rank:
-        raise UsageError("--virtual-local-rank is not supported: every rank sees every GPU of its node and "
-                         "LOCAL_RANK is its index there (torch.cuda.set_device(LOCAL_RANK))")
-    for dest, (default, line) in TORCHRUN_NOTES.items():
-        if getattr(args, dest) not in (default, None):
-            print(f"{PROG}: note: --{dest.replace('_', '-')}: {line}", file=sys.stderr)
-
-
-def parse_rdzv_conf(text: str) -> Dict[str, object]:
-    from ft_launcher.agent.launch_config import RDZV_CONF_DEFAULTS
-
-    conf: Dict[str, object] = dict(RDZV_CONF_DEFAULTS)
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise UsageError(f"--rdzv-conf: expected key=value, got {item!r}")
-        if key == "is_host":
-            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise UsageError(f"--rdzv-conf: is_host must be true or false, got {value!r}")
-            conf[key] = value.lower() in ("1", "true", "yes")
-        elif key in RDZV_CONF_DEFAULTS or key == "timeout":
-            try:
-                number = float(value)
-            except ValueError:
-                raise UsageError(f"--rdzv-conf: {key} must be a number, got {value!r}") from None
-            if number < 0:
-                raise UsageError(f"--rdzv-conf: {key} must not be negative, got {value!r}")
-            conf["join_timeout" if key == "timeout" else key] = number
-        else:
-            hint = difflib.get_close_matches(key, list(RDZV_CONF_DEFAULTS) + ["is_host"], n=1)
-            print(f"{PROG}: warning: --rdzv-conf: unknown key {key!r} ignored"
-                  + (f" (did you mean {hint[0]!r}?)" if hint else ""), file=sys.stderr)
-    return conf
-
-
-def parse_stream_map(flag: str, text: str, nproc: int) -> Dict[int, int]:
-    text = text.strip()
-    try:
-        if ":" not in text:
-            mask = int(text)
-            if not 0 <= mask <= 3:
-                raise ValueError
-            return {i: mask for i in range(nproc)} if mask else {}
-        out = {}
-        for item in text.split(","):
-            rank, _, mask = item.partition(":")
-            value = int(mask)
-            if not 0 <= value <= 3:
-                raise ValueError
-            out[int(rank)] = value
-        return out
-    except ValueError:
-        raise UsageError(f"{flag}: expected 0-3 or local_rank:mask,... (1 stdout, 2 stderr, 3 both), got {text!r}") from None
-
-
-def parse_nproc(text: str) -> int:
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    if text in ("gpu", "auto"):
-        with warnings.catch_warnings():  # torch's import-time warnings are not the user's (no numpy, pynvml)
-            warnings.simplefilter("ignore")
-            import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if text == "gpu":
-            if not gpus:
-                raise UsageError("--nproc-per-node gpu: no GPU found on this node")
-            return gpus
-        return gpus or (os.cpu_count() or 1)
-    if text == "cpu":
-        return os.cpu_count() or 1
-    raise UsageError(f"--nproc-per-node: expected a positive int, cpu, gpu or auto, got {text!r}")
-
-
-def parse_active_nodes(active_world_size: Optional[int], nproc: int, max_nodes: int) -> Optional[int]:
-    """The nodes that train when only `active_world_size` ranks may (the rest are warm spares)."""
-    if active_world_size is None:
-        return None
-    if active_world_size % nproc:
-        raise UsageError(f"active_world_size {active_world_size} must be a multiple of --nproc-per-node "
-                         f"({nproc} ranks per node): whole nodes train or stand by")
-    nodes = active_world_size // nproc
-    if nodes > max_nodes:
-        raise UsageError(f"active_world_size {active_world_size} needs {nodes} nodes of {nproc} rank{'s' if nproc != 1 else ''}, "
-                         f"but the job has at most {max_nodes} node{'s' if max_nodes != 1 else ''} (--nnodes)")
-    return nodes
-
-
-def parse_endpoint(text: str, default_port: int) -> tuple:
-    host, sep, port = text.rpartition(":") if text.count(":") == 1 or text.startswith("[") else (text, "", "")
-    if not sep:
-        return text or "127.0.0.1", default_port
-    host = host.strip("[]")
-    if not port.isdigit() or not 0 <= int(port) < 65536:
-        raise UsageError(f"--rdzv-endpoint: bad port in {text!r}")
-    return host or "127.0.0.1", int(port)
-
-
-def entrypoint(args) -> List[str]:
-    script, rest = args.training_script, list(args.training_script_args)
-    if args.no_python:
-        if args.module:
-            raise UsageError("--no-python and --module cannot be combined")
-        if not (os.path.isfile(script) or shutil.which(script)):
-            raise UsageError(f"program not found: {script}")
-        return [script] + rest
-    if args.module:
-        import importlib.util
-
-        sys.path.insert(0, os.getcwd())  # `python -m` (how each rank runs it) looks in the cwd first
-        try:
-            found = importlib.util.find_spec(script.split(".")[0]) is not None
-        except (ImportError, ValueError):
-            found = False
-        finally:
-            sys.path.remove(os.getcwd())
-        if not found:
-            raise UsageError(f"module not found: {script}")
-        return [sys.executable, "-u", "-m", script] + rest
-    if os.path.isdir(script):
-        raise UsageError(f"training script {script} is a directory, not a file")
-    if not os.path.isfile(script):
-        raise UsageError(f"training script not found: {script}")
-    not_python = _not_python(script)
-    if not_python:
-        raise UsageError(f"training script {script} is not a Python script ({not_python}): to run it as a "
-                         f"program, add --no-python")
-    if args.run_path:
-        runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-        return [sys.executable, "-u", "-c", runner, script] + rest
-    return [sys.executable, "-u", script] + rest
-
-
-def _not_python(script: str) -> Optional[str]:
-    """Why `script` is a program rather than Python (a shell script passed without --no-python,
-    which every rank would fail with a SyntaxError), or None. Only a file that python cannot
-    compile counts, and only with a non-Python `#!` line or a shell's file extension."""
-    try:
-        with open(script, "rb") as fh:
-            source = fh.read(1 << 20)
-    except OSError:
-        return None
-    first = source.split(b"\n", 1)[0].decode("utf-8", errors="replace").strip()
-    shebang = first[2:].strip() if first.startswith("#!") else None
-    if shebang is not None and "python" in shebang:
-        return None
-    if shebang is None and not script.endswith((".sh", ".bash", ".zsh")):
-        return None
-    try:
-        compile(source, script, "exec")
-        return None
-    except (SyntaxError, ValueError) as exc:
-        lineno = getattr(exc, "lineno", None)
-        where = f"python cannot parse it: {type(exc).__name__}" + (f" at line {lineno}" if lineno else "")
-        return f"it starts with '#!{shebang}'; {where}" if shebang else where
-
-
-def _hooked_entrypoint(args, ft) -> List[str]:
-    """The rank's command; with install_exception_hook, through rank_monitor.rank_side.excepthook."""
-    command = entrypoint(args)
-    if not ft.install_exception_hook:
-        return command
-    if args.no_python:
-        print(f"{PROG}: install_exception_hook: --no-python runs no Python of ours first; the hook is "
-              "not installed (a rank's exit code still reports its failure)", file=sys.stderr)
-        return command
-    from ft_launcher.rank_monitor.rank_side import excepthook
-    from ft_launcher.rank_monitor.own_modules import package_parent
-
-    return excepthook.command(entry_kind(args), command, args.training_script,
-                              list(args.training_script_args), package_parent())
-
-
-def entry_kind(args) -> str:
-    """How the cold command runs the target (see LaunchConfig.entry_kind)."""
-    if args.no_python:
-        return "program"
-    return "module" if args.module else "run_path" if args.run_path else "script"
-
-
-def check_writable_dir(what: str, path: str) -> None:
-    """`path`, a directory the launcher will write into, exists (or is made now) and takes a file."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except FileExistsError:
-        raise UsageError(f"{what}: {path} exists and is not a directory") from None
-    except OSError as exc:
-        raise UsageError(f"{what}: cannot write in {path}: {exc.strerror or exc}") from None
-
-
-def check_output_paths(log_dir: Optional[str], ft) -> None:
-    """Every path the launcher will write, checked before anything starts."""
-    if log_dir:
-        check_writable_dir("--log-dir", log_dir)
-    if ft.calc_ft_timeouts or ft.ft_state_path:
-        from ft_launcher.agent.observation.timeout_learning import default_state_path
-
-        path = os.path.abspath(default_state_path(ft, log_dir))
-        what = "--ft-state-path" if ft.ft_state_path else "ft_state.json (calc_ft_timeouts)"
-        if os.path.isdir(path):
-            raise UsageError(f"{what}: {path} is a directory, not a file")
-        check_writable_dir(what, os.path.dirname(path))
-
-
-def _slurm():
-    try:
-        from ft_launcher.agent.rounds.slurm_env import slurm_info
-    except ImportError:
-        return None
-    try:
-        return slurm_info()
-    except ValueError as exc:
-        raise UsageError(f"SLURM environment: {exc}") from None
 
 
 def launch_config(argv: Sequence[str]):
+    """The LaunchConfig of the command line `argv` (and the `PET_*` variables, SLURM); bad input is a
+    UsageError naming where the value came from."""
     from ft_launcher import env_flags
 
     try:  # a flag not on the command line comes from its PET_* variable (torchrun's rule)
-        args, origins = env_flags.parse_args(build_parser(), argv, warn=lambda m: print(f"{PROG}: warning: {m}", file=sys.stderr))
+        args, origins = env_flags.parse_args(build_parser(), argv, warn=warn)
     except env_flags.EnvFlagError as exc:
         raise UsageError(str(exc)) from None
     try:
@@ -491,126 +43,32 @@ def launch_config(argv: Sequence[str]):
         raise UsageError(origins.blame(str(exc))) from None
 
 
-def _keys_set(ft_cli, ft) -> set:
-    """Fault-tolerance keys given on the command line or set away from their default (a file)."""
-    defaults = FaultToleranceConfig()
-    return set(ft_cli) | {k for k in nvrx_flags.KEY_NOTES if getattr(ft, k) != getattr(defaults, k)}
-
-
-def _check_nic_keys(ft, given: set) -> None:
-    """NVRx's NIC link-state check (agent.recovery.health_checks): a template names its NIC by {nic}; asked
-    for on a node without that folder of NICs, one line says it is skipped."""
-    from ft_launcher.agent.recovery.health_checks import nic_folder
-
-    template = ft.link_state_path_template
-    if template and "{nic}" not in template:
-        raise UsageError(f"link_state_path_template: {template!r} must contain {{nic}} (the NIC's name), e.g. "
-                         "/sys/class/infiniband/{nic}/ports/1/state")
-    asked = {"enable_nic_healthcheck", "link_state_path_template"} & given
-    if ft.enable_nic_healthcheck and asked and not os.path.isdir(nic_folder(template)):
-        print(f"{PROG}: enable_nic_healthcheck: skipped on this node: {nic_folder(template)} does not exist "
-              f"(no RDMA NIC to check)", file=sys.stderr)
-
-
 def _launch_config(args, origins):
     from ft_launcher.agent.launch_config import LaunchConfig
-    from ft_launcher.ft_config_loading import build_ft_config
 
-    slurm = _slurm()
+    slurm = slurm_or_none()
     nproc = parse_nproc(args.nproc_per_node)
     backend = parse_backend(args.rdzv_backend)
     signals = parse_signals(args.signals_to_handle)
     torchrun_notes(args)
     if args.shutdown_timeout is not None and origins.of("term_timeout") is None:
         args.term_timeout = float(args.shutdown_timeout)
-    order_key: Optional[int] = None
-    store_here: Optional[bool] = None  # whether this node hosts the store, when SLURM says so
-    if args.standalone:
-        if args.nnodes and args.nnodes.strip() not in ("1", "1:1"):
-            raise UsageError(f"--standalone is one node: it cannot be combined with --nnodes {args.nnodes}")
-        backend, low, high = "c10d", 1, 1
-        host, port, run_id = "127.0.0.1", 0, args.rdzv_id or uuid.uuid4().hex[:12]
-    else:
-        low, high = parse_nnodes(args.nnodes) if args.nnodes else (
-            (slurm.nnodes, slurm.nnodes) if slurm else (1, 1))
-        if args.rdzv_endpoint:
-            backend = backend or "c10d"
-            host, port = parse_endpoint(args.rdzv_endpoint, DEFAULT_C10D_PORT)
-        elif slurm and backend != "static":
-            backend, host, port = "c10d", slurm.first_host, DEFAULT_MASTER_PORT
-            if os.environ.get("SLURMD_NODENAME"):  # the store lives on the first node, and only there
-                store_here = slurm.nodename == slurm.first_host
-        else:
-            backend = backend or "static"
-            host, port = args.master_addr, args.master_port
-        run_id = args.rdzv_id or (slurm.job_id if slurm else "none")
-        if slurm:
-            order_key = slurm.node_rank
-        if args.node_rank is not None:
-            order_key = args.node_rank
-        elif order_key is None and os.environ.get("GROUP_RANK", "").isdigit():
-            order_key = int(os.environ["GROUP_RANK"])
-        if backend == "static":
-            if low != high:
-                raise UsageError("--rdzv-backend static needs a fixed --nnodes N (use c10d for MIN:MAX)")
-            order_key = order_key or 0
-    rdzv_conf = parse_rdzv_conf(args.rdzv_conf)
-    is_host = rdzv_conf.pop("is_host", store_here)
-    if backend == "static" and is_host is None:
-        is_host = order_key == 0
-    for flag in ("max_restarts", "term_timeout", "workers_stop_timeout"):
-        if getattr(args, flag) < 0:
-            raise UsageError(f"--{flag.replace('_', '-')} must not be negative, got {getattr(args, flag):g}")
-    if args.monitor_interval <= 0:
-        raise UsageError(f"--monitor-interval must be positive, got {args.monitor_interval:g}")
-    ft_cli = {k[4:]: v for k, v in vars(args).items() if k.startswith("ft__") and v is not None}
-    try:
-        ft = build_ft_config(args.ft_cfg_path, ft_cli, warn=lambda m: print(f"{PROG}: warning: {m}", file=sys.stderr))
-    except ConfigError as exc:
-        raise UsageError(str(exc)) from None
-    for line in nvrx_flags.notes(args) + nvrx_flags.key_notes(_keys_set(ft_cli, ft)):
-        print(f"{PROG}: {line}", file=sys.stderr)
-    _check_nic_keys(ft, _keys_set(ft_cli, ft) | set(ft_cli))
-    from ft_launcher.agent.ranks import numa_bind
-
-    for line in numa_bind.problems(nproc, ft.numa_bind_strict):
-        print(f"{PROG}: {line}", file=sys.stderr)
-    if "numa_bind_strict" in _keys_set(ft_cli, ft) | set(ft_cli) and not os.environ.get(numa_bind.ENV):
-        print(f"{PROG}: numa_bind_strict: {numa_bind.ENV} is not set, so ranks are not bound to NUMA nodes "
-              f"(as in NVRx)", file=sys.stderr)
-    capture = parse_stream_map("--redirects", args.redirects, nproc)
-    tee = parse_stream_map("--tee", args.tee, nproc)
-    log_dir = args.log_dir
-    if log_dir:
-        log_dir = os.path.abspath(log_dir)
-        if not capture and not tee:
-            tee = {i: 3 for i in range(nproc)}  # a log dir means files for every rank, console too
-    elif capture:
-        log_dir = tempfile.mkdtemp(prefix="ft_launcher_logs_")
-        print(f"{PROG}: --redirects without --log-dir: logs go to {log_dir}", file=sys.stderr)
+    rdzv = resolve_rendezvous(args, backend, slurm)
+    check_restart_timings(args)
+    ft, ft_cli = ft_config_from_args(args)
+    ft_notes(args, ft, ft_cli, nproc)
+    log_dir, capture, tee = resolve_logs(args, nproc)
     check_output_paths(log_dir, ft)
+    check_nvrx_log_paths(args, ft)
+    active_nodes = training_nodes(ft, nproc, rdzv.min_nodes, rdzv.max_nodes)
+    check_metrics_port(args.metrics_port)
+    ranks_filter = parse_ranks_filter(args.local_ranks_filter)
     applog_prefix, nvrx_logfile = args.nvrx__ft_per_cycle_applog_prefix, args.nvrx__ft_nvrx_logfile
-    for flag, path in (("--ft-per-cycle-applog-prefix", applog_prefix), ("--ft-nvrx-logfile", nvrx_logfile),
-                       ("--ft-cycle-info-dir", ft.cycle_info_dir)):
-        if path:
-            check_writable_dir(flag, path if flag == "--ft-cycle-info-dir" else os.path.dirname(os.path.abspath(path)))
-    active_nodes = parse_active_nodes(ft.active_world_size, nproc, high)
-    training = min(active_nodes, low) if active_nodes else low
-    if ft.segment and training % ft.segment:
-        raise UsageError(f"--ft-segment {ft.segment}: the {training} training node(s) (MIN of --nnodes) must be a "
-                         f"multiple of it: nodes train in whole segments of {ft.segment} nodes of one NVLink domain")
-    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
-        raise UsageError(f"--metrics-port: expected a port 1-65535, got {args.metrics_port}")
-    ranks_filter = None
-    if args.local_ranks_filter:
-        try:
-            ranks_filter = {int(x) for x in args.local_ranks_filter.split(",") if x.strip()}
-        except ValueError:
-            raise UsageError(f"--local-ranks-filter: expected e.g. 0,1, got {args.local_ranks_filter!r}") from None
     return LaunchConfig(
-        min_nodes=low, max_nodes=high, nproc_per_node=nproc, entrypoint=_hooked_entrypoint(args, ft),
-        rdzv_backend=backend, rdzv_host=host, rdzv_port=port, rdzv_id=run_id, rdzv_conf=rdzv_conf,
-        is_host=is_host, order_key=order_key, standalone=args.standalone, max_restarts=args.max_restarts,
+        min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, nproc_per_node=nproc,
+        entrypoint=hooked_entrypoint(args, ft), rdzv_backend=rdzv.backend, rdzv_host=rdzv.host,
+        rdzv_port=rdzv.port, rdzv_id=rdzv.run_id, rdzv_conf=rdzv.conf, is_host=rdzv.is_host,
+        order_key=rdzv.order_key, standalone=args.standalone, max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval, role=args.role, log_dir=log_dir, capture=capture, tee=tee,
         local_ranks_filter=ranks_filter, local_addr=args.local_addr, term_timeout=args.term_timeout,
         workers_stop_timeout=args.workers_stop_timeout, ft=ft, entry_kind=entry_kind(args),

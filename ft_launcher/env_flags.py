@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 PREFIX = "PET_"
 _TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")
 # torchrun flags ft_launcher does not have: their variables are ignored with a warning that says so.
-# None since every torchrun 2.13 flag is one of ours (ft_launcher.cli.TORCHRUN_NOTES says how some differ).
+# None since every torchrun 2.13 flag is one of ours (ft_launcher.flag_notes.TORCHRUN_NOTES says how some differ).
 TORCHRUN_ONLY: Tuple[str, ...] = ()
 
 
@@ -123,7 +123,7 @@ class Origins:
 
     def describe(self, args, slurm) -> Dict[str, str]:
         """Where the node count and the rendezvous endpoint came from, for the agent's first line.
-        Mirrors the choice `ft_launcher.cli.launch_config` makes."""
+        Mirrors the choice `ft_launcher.rendezvous_endpoint.resolve_rendezvous` makes."""
         if args.standalone:
             here = self.of("standalone") or "--standalone"
             return {"nnodes": here, "endpoint": here}

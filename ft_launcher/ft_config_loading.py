@@ -10,9 +10,10 @@ Megatron-Bridge names with no meaning here one warning for all of them.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
-from ft_launcher.rank_monitor.config import FaultToleranceConfig, load_yaml_file, parse_sim_fault_desc
+from ft_launcher.flags import UsageError, warn
+from ft_launcher.rank_monitor.config import ConfigError, FaultToleranceConfig, load_yaml_file, parse_sim_fault_desc
 
 
 def build_ft_config(cfg_path: Optional[str], cli_values: Dict[str, Any],
@@ -24,3 +25,13 @@ def build_ft_config(cfg_path: Optional[str], cli_values: Dict[str, Any],
         layers.append(("FT_SIM_FAULT_DESC", parse_sim_fault_desc(os.environ["FT_SIM_FAULT_DESC"])))
     layers.append(("command line", cli_values))
     return FaultToleranceConfig.from_sources(*layers, warn=warn)
+
+
+def ft_config_from_args(args) -> Tuple[FaultToleranceConfig, Dict[str, Any]]:
+    """(the config, the keys given as `--ft-<key>` flags) of the launcher's parsed flags; a bad value
+    or file is a UsageError, a doubtful one a warning."""
+    ft_cli = {k[4:]: v for k, v in vars(args).items() if k.startswith("ft__") and v is not None}
+    try:
+        return build_ft_config(args.ft_cfg_path, ft_cli, warn=warn), ft_cli
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None

@@ -2,7 +2,7 @@
 NVRx 0.4.1 or 0.7 command line runs here unchanged.
 
 The fault-tolerance keys (`--ft-<key>`, NVRx 0.7's included) are rank_monitor.config's and are
-added by ft_launcher.cli from FIELD_NAMES; this module owns the rest: the flags whose job this
+added by ft_launcher.flags from FIELD_NAMES; this module owns the rest: the flags whose job this
 launcher does another way, or always does (`--ft-restart-policy any-failed`), and the services
 that are not ours (the attribution service, the gRPC log server). `notes(args)` gives one line for
 each such flag on the command line saying what ft_launcher does instead; keys without a meaning
@@ -19,7 +19,7 @@ _ATTRIBUTION = ("no attribution service here: each failure's cause (rank, sectio
 _LOG_SERVER = "no gRPC log server here: " + _LOGS
 
 # flag (dashed, without --) -> (argparse kwargs, the line printed when it is given; None: silent)
-# (--logs-specs is torchrun's flag, which NVRx passes on: cli.TORCHRUN_NOTES takes it)
+# (--logs-specs is torchrun's flag, which NVRx passes on: flag_notes.TORCHRUN_NOTES takes it)
 FLAGS: Dict[str, tuple] = {
     "ft-restart-policy": (dict(choices=["any-failed", "min-healthy"]),
                           "restarts happen on any failure (any-failed); --nnodes MIN:MAX keeps hot spares, "
@@ -66,7 +66,7 @@ KEY_NOTES = {
                      "rendezvous (enable_nic_healthcheck)",
     "skip_section_response": None,   # built: NVRx 0.6+'s client on the monitor's socket (monitor_side.nvrx_peers)
     "segment": None,   # built: agent.rounds.segments
-    "numa_bind_strict": None,   # built: agent.ranks.numa_bind (its line comes from ft_launcher.cli)
+    "numa_bind_strict": None,   # built: agent.ranks.numa_bind (its line comes from ft_launcher.flag_notes)
     "check_remaining_processes": None,   # every rank's process group is killed and checked here anyway
     "attribution_endpoint": _ATTRIBUTION,
     "attribution_stop_action": _ATTRIBUTION,

@@ -142,7 +142,7 @@ def render(agents: List[dict], now: Optional[float] = None) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    from ft_launcher.cli import UsageError, _Parser
+    from ft_launcher.flags import UsageError, _Parser
 
     parser = _Parser(prog=PROG, description="What a job is doing, from its agents' status files: with no "
                      "LOGDIR, every job this user runs on this machine (with or without --log-dir); with LOGDIR, "

@@ -2,7 +2,7 @@
 with the fields and properties of nvidia_resiliency_ext.fault_tolerance 0.4.1.
 
 Dataclasses, like NVRx's, so `dataclasses.asdict` gives NVRx's state-dict fields. Kept apart from
-rank_monitor.rank_side.client so that `import ft_launcher` does not pay for the dataclasses machinery; the
+rank_monitor.rank_side.nvrx_api so that `import ft_launcher` does not pay for the dataclasses machinery; the
 client imports this module on its slow path (the views, load_state_dict, init).
 """
 from __future__ import annotations

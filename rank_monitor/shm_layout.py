@@ -3,7 +3,7 @@
 One fixed-size file (under /dev/shm) per local rank slot, created by the monitor. Viewed as an
 array of signed 64-bit words (`memoryview(mmap).cast('q')`) followed by a name table. The "client"
 words (sections, heartbeats, timeout overrides, workload requests) have one writer, cleared when a
-new incarnation attaches: the rank's own client (rank_side.client), or, for NVRx's client talking
+new incarnation attaches: the rank's own client (rank_side.sections), or, for NVRx's client talking
 to the monitor's socket, the monitor in its stead (monitor_side.nvrx_peers; H_CLIENT_KIND says
 which). Besides, the monitor writes only H_START_NS (0 while no rank runs), H_MONITOR_NS (its
 liveness tick, which the agent watches) and, before it terminates a hung rank, the stop words;
@@ -132,7 +132,7 @@ LIVE_BUDDY = -2         # - N: received the copy global rank N held in its node'
 STOP_SHUTDOWN = 1       # the job is stopping (preemption, a signal to the launcher)
 STOP_RESTART = 2        # the ranks are stopped for a restart
 
-CLIENT_OWN = 0          # H_CLIENT_KIND: the rank's client writes the record (rank_side.client)
+CLIENT_OWN = 0          # H_CLIENT_KIND: the rank's client writes the record (rank_side.sections)
 CLIENT_NVRX = 1         # the monitor writes it for NVRx's client on its socket (monitor_side.nvrx_peers)
 
 TIMEOUT_UNSET = 0

@@ -10,7 +10,11 @@ its agent's pid: `ft_launcher_<pid>_...`, `ft_launcher-<pid>`, `ft_launcher_rese
 `ft_launcher_fr_<pid>_...`) is a leak. The test's pids are those it launched and those a light
 sampler (TokenWatch) saw carrying its token; files of other jobs on the machine, or of an earlier
 test, are never blamed on it.
+
+The jobs the tests run on this (the example job, its fault-free references, what a job leaves
+behind) are tests/harness.py's.
 """
+import io
 import json
 import os
 import re
@@ -254,6 +258,32 @@ def ours_on_disk():
 def leaked_files(before, pids):
     """Files of ours that appeared since `before` and name one of `pids` (this test's processes)."""
     return sorted(p for p in ours_on_disk() - before if owner_pids(p) & pids)
+
+
+@pytest.fixture
+def console():
+    """What an agent's part says to the operator, for a test that builds the part without an agent."""
+    return io.StringIO()
+
+
+@pytest.fixture
+def events(tmp_path, console):
+    """An agent's event log (agent.observation.events.EventLog): events.jsonl in tmp_path (read it
+    with read_events(tmp_path)), its lines on `console`."""
+    from ft_launcher.agent.observation.events import EventLog
+
+    log = EventLog(str(tmp_path / "events.jsonl"), stream=console)
+    yield log
+    log.close()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The fault-free runs of the example job (harness.References: a checksum per topology and
+    job arguments), each computed once for the whole session."""
+    from harness import References   # harness imports this module: here, not at the top
+
+    return References(tmp_path_factory)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 from conftest import SCRIPTS, free_port, read_events, wait_for
+from harness import listening
 
 FREEZER = "/sys/fs/cgroup/freezer"
 
@@ -201,7 +202,7 @@ def test_a_verdict_that_never_comes_ends_the_wait_after_close_timeout(launcher, 
             "--rdzv-conf", "join_timeout=30,last_call_timeout=1,close_timeout=2", "--ft-warm-reserves", 0,
             "--log-dir", logs, os.path.join(SCRIPTS, "cycle_sleeper.py"), out, 600]
     agents = [launcher.start(args, extra_env={"GROUP_RANK": "0"})]
-    wait_for(lambda: read_events(logs, "cycle_start") or agents[0].poll() is not None or _listening(port), 30,
+    wait_for(lambda: read_events(logs, "cycle_start") or agents[0].poll() is not None or listening(port), 30,
              "the store host to listen")
     agents.append(launcher.start(args, extra_env={"GROUP_RANK": "1"}))
     wait_for(lambda: all((out / f"rank_{r}.txt").exists() for r in (0, 1)), 60, "both nodes to run their ranks")
@@ -219,14 +220,6 @@ def test_a_verdict_that_never_comes_ends_the_wait_after_close_timeout(launcher, 
         assert "Traceback" not in err, err[-3000:]
 
 
-def _listening(port):
-    import socket
-
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 def test_a_store_lost_during_the_liveness_check_is_a_store_loss_not_a_traceback():

@@ -26,9 +26,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, node_tree, read_events, wait_for
-from test_fault_matrix import _listening, progress
-from test_inprocess_restart import started
+from conftest import ROOT, free_port, node_tree, read_events, wait_for
+from harness import communicate_all, listening, own_launcher, progress, started
 from ft_launcher.agent.recovery.live_recovery import per_rank
 
 EXAMPLE = os.path.join(ROOT, "examples", "hsdp_train.py")
@@ -191,7 +190,7 @@ class FsdpJob:
         self.launcher, self.root = launcher, root
         self.nodes, self.nproc, self.spares = nodes, nproc, spares
         self.logs, self.ckpt, self.prog = root / "logs", root / "ckpt", root / "progress"
-        self.port = __import__("conftest").free_port()
+        self.port = free_port()
         base = ["--nproc-per-node", nproc, "--max-restarts", max_restarts, "--log-dir", self.logs,
                 "--ft-warm-reserves", 0]
         if nodes == 1 and not spares:
@@ -208,7 +207,7 @@ class FsdpJob:
     def launch(self):
         for node in range(self.nodes):
             if node == 1:
-                wait_for(lambda: _listening(self.port), 30, "the store host to listen")
+                wait_for(lambda: listening(self.port), 30, "the store host to listen")
             self.agents.append(self.launcher.start(self.args, extra_env={"GROUP_RANK": str(node)}))
         return self
 
@@ -219,17 +218,7 @@ class FsdpJob:
         wait_for(lambda: len(read_events(str(self.logs), "spare_waiting")) >= self.spares, 60, "the spares to wait")
 
     def wait(self, bound=240, lost=()):
-        results = []
-        deadline = time.monotonic() + bound
-        for i, proc in enumerate(self.agents):
-            try:
-                out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except Exception:
-                for p in self.agents:
-                    p.kill()
-                outs = [p.communicate() for p in self.agents]
-                pytest.fail(f"job did not end within {bound}s\n" + "\n".join(o[1][-3000:] for o in outs))
-            results.append((proc.returncode, out, err))
+        results = communicate_all(self.agents, time.monotonic() + bound, bound)
         for i, (code, _, err) in enumerate(results):
             if i not in lost:
                 assert code == 0, f"agent {i} exited {code}\n{err[-3000:]}"
@@ -247,25 +236,13 @@ def final_checksum(results):
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """The fault-free run's final line per layout (nodes, nproc), once per module."""
-    import uuid
-
-    from conftest import Launcher, wait_until_gone
-
     cache = {}
 
     def checksum(nodes, nproc):
         if (nodes, nproc) not in cache:
-            token = uuid.uuid4().hex
             root = tmp_path_factory.mktemp(f"clean_{nodes}x{nproc}")
-            helper = Launcher(token, root)
-            try:
-                job = FsdpJob(helper, root, nodes, nproc).launch()
-                cache[(nodes, nproc)] = final_checksum(job.wait())
-            finally:
-                helper.cleanup()
-                left = wait_until_gone(token, timeout=5)
-                for proc in left:
-                    proc.kill()
+            with own_launcher(root) as helper:
+                cache[(nodes, nproc)] = final_checksum(FsdpJob(helper, root, nodes, nproc).launch().wait())
         return cache[(nodes, nproc)]
 
     return checksum

@@ -4,15 +4,10 @@ no traceback) for every kind of bad input."""
 import pytest
 
 from conftest import SCRIPTS
+from harness import write
 from ft_launcher.cli import launch_config
 
 SCRIPT = f"{SCRIPTS}/env_dump.py"
-
-
-def write(tmp_path, text, name="ft.yaml"):
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
 
 
 def ft_of(*argv):

@@ -24,7 +24,8 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, ROOT)
-from ft_launcher import cli  # noqa: E402
+from ft_launcher import cli, flag_values, flags  # noqa: E402
+from ft_launcher.rendezvous_endpoint import DEFAULT_C10D_PORT  # noqa: E402
 from ft_launcher.rank_monitor.config import FIELD_NAMES, FaultToleranceConfig  # noqa: E402
 
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -134,7 +135,7 @@ def _flags_by_dest():
     import argparse
 
     out = {}
-    for action in cli.build_parser()._actions:
+    for action in flags.build_parser()._actions:
         if not action.option_strings:
             continue
         shown, hidden = out.setdefault(action.dest, ([], []))
@@ -170,7 +171,7 @@ def test_every_nvrx_only_flag_is_in_the_docs():
 
 
 def test_every_ft_flag_the_docs_name_is_a_flag():
-    options = {o for a in cli.build_parser()._actions for o in a.option_strings}
+    options = {o for a in flags.build_parser()._actions for o in a.option_strings}
     named = set()
     for page in PAGES:
         named |= set(re.findall(r"(?<![\w-])(--ft[-_][a-z0-9_-]*[a-z0-9])(?![\w<-])", _read(page)))
@@ -179,7 +180,7 @@ def test_every_ft_flag_the_docs_name_is_a_flag():
 
 
 def test_every_flag_in_the_flags_table_is_a_flag():
-    options = {o for a in cli.build_parser()._actions for o in a.option_strings}
+    options = {o for a in flags.build_parser()._actions for o in a.option_strings}
     text = _read(os.path.join(ROOT, "docs", "flags-and-configuration.md")).split("## Flags", 1)[1]
     named = set()
     for cell in re.findall(r"^\| ((?:`-[^`]*`(?:, )?)+) \|", text.split("\n## ", 1)[0], re.M):
@@ -211,7 +212,7 @@ def test_every_key_is_in_the_table_with_its_flag_and_its_real_default():
     rows = _key_table()
     assert sorted(rows) == sorted(FIELD_NAMES)
     defaults = FaultToleranceConfig()
-    parser = cli.build_parser()
+    parser = flags.build_parser()
     for key in FIELD_NAMES:
         flag, shown = rows[key]
         assert parser.parse_args([flag, "1", "x.py"]) is not None   # the flag is the key's
@@ -234,7 +235,7 @@ def test_every_key_is_in_the_table_with_its_flag_and_its_real_default():
 
 
 def test_numeric_flag_defaults_in_the_table_are_the_parsers():
-    parser = cli.build_parser()
+    parser = flags.build_parser()
     defaults = {o: a.default for a in parser._actions for o in a.option_strings}
     text = _read(os.path.join(ROOT, "docs", "flags-and-configuration.md"))
     checked = 0
@@ -266,26 +267,26 @@ def _check_ft_launcher(argv, monkeypatch):
         import importlib
 
         def parse_only(self, args=None, namespace=None):
-            raise _Parsed(super(cli._Parser, self).parse_args(args, namespace))
+            raise _Parsed(super(flags._Parser, self).parse_args(args, namespace))
 
-        monkeypatch.setattr(cli._Parser, "parse_args", parse_only)
+        monkeypatch.setattr(flags._Parser, "parse_args", parse_only)
         with pytest.raises(_Parsed):
             importlib.import_module(cli.SUBCOMMANDS[argv[0]]).main(argv[1:])
         monkeypatch.undo()
         return
-    args = cli.build_parser().parse_args(argv)   # a UsageError fails the test
+    args = flags.build_parser().parse_args(argv)   # a UsageError fails the test
     said = io.StringIO()
     with redirect_stderr(said):
         if args.nnodes:
-            cli.parse_nnodes(args.nnodes)
-        cli.parse_backend(args.rdzv_backend)
-        cli.parse_signals(args.signals_to_handle)
-        cli.parse_rdzv_conf(args.rdzv_conf)
+            flag_values.parse_nnodes(args.nnodes)
+        flag_values.parse_backend(args.rdzv_backend)
+        flag_values.parse_signals(args.signals_to_handle)
+        flag_values.parse_rdzv_conf(args.rdzv_conf)
         if args.rdzv_endpoint:
-            cli.parse_endpoint(args.rdzv_endpoint, cli.DEFAULT_C10D_PORT)
+            flag_values.parse_endpoint(args.rdzv_endpoint, DEFAULT_C10D_PORT)
         nproc = int(args.nproc_per_node) if args.nproc_per_node.isdigit() else 8   # gpu/auto need a GPU here
-        cli.parse_stream_map("--redirects", args.redirects, nproc)
-        cli.parse_stream_map("--tee", args.tee, nproc)
+        flag_values.parse_stream_map("--redirects", args.redirects, nproc)
+        flag_values.parse_stream_map("--tee", args.tee, nproc)
         from ft_launcher.ft_config_loading import build_ft_config
 
         ft_cli = {k[4:]: v for k, v in vars(args).items() if k.startswith("ft__") and v is not None}
@@ -322,7 +323,7 @@ def test_every_command_in_the_docs_parses_and_names_files_that_exist(page, monke
                 continue   # a sentence naming the command (`ft_launcher report` writes ...)
             try:
                 _check_ft_launcher(rest, monkeypatch)
-            except (cli.UsageError, Exception) as exc:
+            except (flags.UsageError, Exception) as exc:
                 if isinstance(exc, AssertionError):
                     raise
                 pytest.fail(f"{page}: `{line}` does not parse: {type(exc).__name__}: {exc}")
@@ -437,7 +438,7 @@ def test_the_readme_first_commands_are_what_ci_and_the_first_hour_test_run():
         assert line.startswith("pip install torch==2.13.0 && pip install ")
     launch = shlex.split(run.rsplit("&& ", 1)[1])
     assert launch[0] == "ft_launcher" and "examples/ddp_train.py" in launch and "--hang-in" in launch
-    cli.build_parser().parse_args(launch[1:])
+    flags.build_parser().parse_args(launch[1:])
     assert test.endswith("&& python -m pytest -q") and '".[test]"' in test
 
 

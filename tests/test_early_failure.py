@@ -8,10 +8,10 @@ import os
 import signal
 
 from conftest import read_events, wait_for
-from test_fault_matrix import Job, References, progress
+from harness import Job, progress, ranks_started
 
 
-def test_an_early_kill_takes_the_reserve_still_warming(launcher, tmp_path, tmp_path_factory):
+def test_an_early_kill_takes_the_reserve_still_warming(launcher, tmp_path, reference):
     job = Job(launcher, tmp_path, "1x2", ["--ft-rank-section-timeouts", "setup:60,step:30,checkpointing:30"]).launch()
     # rank 1 has stepped and its slot's reserve has started, but it is not ready yet
     wait_for(lambda: progress(job.prog, 1) and any(e["detail"]["local_rank"] == 1
@@ -22,13 +22,12 @@ def test_an_early_kill_takes_the_reserve_still_warming(launcher, tmp_path, tmp_p
     assert not [e for e in read_events(job.logs, "reserve_ready") if e["detail"]["local_rank"] == 1]
     results, _ = job.wait()
     assert all(code == 0 for code, _, _ in results), results[0][2][-3000:]
-    assert job.final()["checksum"] == References(tmp_path_factory).checksum("1x2")
+    assert job.final()["checksum"] == reference.checksum("1x2")
     # the killed rank's slot took the reserve warming for it, timed against the slot's cold start
     taken = {e["detail"]["local_rank"]: e["detail"] for e in read_events(job.logs, "reserve_taken_warming")}
     assert 1 in taken, read_events(job.logs)
     assert 0 < taken[1]["warming"] < taken[1]["cold_start"], taken
-    cycle1 = {r["rank"]: r for e in read_events(job.logs, "ranks_started") if e["cycle"] == 1
-              for r in e["detail"]["ranks"]}
+    cycle1 = ranks_started(job.logs, 1)
     assert cycle1[1]["warm"] and cycle1[1]["pid"] == taken[1]["pid"], (cycle1, taken)
     # a full restart (no ft.restartable): slot 0 took its reserve too, ready or still warming
     assert cycle1[0]["warm"], cycle1

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from conftest import SCRIPTS
+from harness import first_agent_line
 from ft_launcher.cli import launch_config
 
 ENV_DUMP = os.path.join(SCRIPTS, "env_dump.py")
@@ -20,10 +21,6 @@ def clean_env(monkeypatch):
         if name.startswith(("PET_", "SLURM_")) or name in ("GROUP_RANK", "FT_SIM_FAULT_DESC"):
             monkeypatch.delenv(name)
     return monkeypatch
-
-
-def first_agent_line(stderr):
-    return next(line for line in stderr.splitlines() if line.startswith("[ft_launcher "))
 
 
 # ---- in process: which value wins ----------------------------------------------------------------

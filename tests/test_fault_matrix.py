@@ -4,7 +4,8 @@ Each case runs examples/ddp_train.py under ft_launcher (1 agent x 2 ranks, or 2 
 sharing one rendezvous, log dir and checkpoint dir), puts one fault into one phase of cycle 0 and
 checks the outcome: the job ends within a bound; it reaches the target step with exactly the model
 of a fault-free run with the same seed (computed once per module and topology); the restarts and
-the events (events.jsonl) are the expected ones; no process is left (the launcher fixture).
+the events (events.jsonl) are the expected ones; no process is left (the launcher fixture). The
+job, its constants and the fault-free reference runs are tests/harness.py's.
 
 How a fault lands in a phase:
 - rank_killed / rank_hung: the launcher's simulated faults (`--ft-simulate-fault`), due DELAY s
@@ -30,7 +31,6 @@ restarts once and the failure names the rank that left early.
 The default run keeps a representative subset; the rest is marked slow:
     python -m pytest -q -m "slow or not slow" tests/test_fault_matrix.py   # the full matrix
 """
-import json
 import os
 import signal
 import time
@@ -38,149 +38,13 @@ import time
 import psutil
 import pytest
 
-from conftest import EXAMPLE, Launcher, free_port, monitor_of, read_events, tagged, wait_for, wait_until_gone
+from conftest import monitor_of, tagged, wait_for
+from harness import (BOUND, DELAY, HANG_TIMEOUTS, HOLD, HOLD_STEP, STEPS, Job, check_one_restart, fault_rank,
+                     progress)
 
-STEPS, CKPT_EVERY, HOLD_STEP, SEED = 20, 3, 3, 7
-HOLD, DELAY = 12.0, 8.0      # phase held HOLD s; a simulated fault is due DELAY..DELAY*1.2 s after start
-JOB = [EXAMPLE, "--steps", STEPS, "--ckpt-every", CKPT_EVERY, "--hold-step", HOLD_STEP, "--seed", SEED,
-       "--step-time", "0.02"]
-LONG = 30  # a timeout that should not fire
-# Per phase: timeouts that catch a hang there (see the module docstring).
-HANG_TIMEOUTS = {
-    "setup": ["--ft-rank-section-timeouts", f"setup:{HOLD + 2},step:{LONG},checkpointing:{LONG}"],
-    "checkpointing": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{LONG},checkpointing:{HOLD + 2}"],
-    "step": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{HOLD + 1},checkpointing:{LONG}"],
-    "oos": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{LONG},checkpointing:{LONG}",
-            "--ft-rank-out-of-section-timeout", str(HOLD + 1)],
-}
 # Faults that need no hold: short timeouts, so a peer left waiting in setup is found quickly.
 QUICK_TIMEOUTS = ["--ft-rank-section-timeouts", "setup:10,step:10,checkpointing:10"]
-TOPOLOGIES = {"1x2": (1, 2), "2x2": (2, 2)}
-BOUND = {"1x2": 90, "2x2": 120}   # seconds from launch to the end of a faulty job
-
-
-def read_json(path):
-    with open(path) as fh:
-        return json.load(fh)
-
-
-def progress(progress_dir, rank):
-    """[(cycle, step, time)] written by one rank."""
-    path = os.path.join(progress_dir, f"rank_{rank}.txt")
-    if not os.path.exists(path):
-        return []
-    with open(path) as fh:
-        rows = [line.split() for line in fh if line.strip()]
-    return [(int(c), int(s), float(t)) for c, s, t in rows if c.isdigit()]
-
-
-class Job:
-    """One ft_launcher job: one or two agents on this machine, sharing log, checkpoint and progress dirs."""
-
-    def __init__(self, launcher, root, topology, ft_args=(), job_args=(), max_restarts=1, rdzv_conf=None,
-                 pet=False):
-        self.launcher = launcher
-        self.nodes, self.nproc = TOPOLOGIES[topology]
-        self.topology = topology
-        self.world = self.nodes * self.nproc
-        self.logs, self.ckpt, self.prog = root / "logs", root / "ckpt", root / "progress"
-        port = free_port()
-        self.port = port
-        base = ["--nproc-per-node", self.nproc, "--max-restarts", max_restarts, "--log-dir", self.logs]
-        if self.nodes == 1:
-            base = ["--standalone"] + base
-        else:
-            conf = "join_timeout=30,last_call_timeout=1" + (f",{rdzv_conf}" if rdzv_conf else "")
-            base += ["--nnodes", self.nodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                     "--rdzv-id", f"mtx{port}", "--rdzv-conf", conf]
-        # pet: these flags only as PET_* variables, no GROUP_RANK (as Kubeflow's operator starts pods)
-        self.pet = None
-        if pet:
-            assert self.nodes > 1, "a PET_* job is a multi-node one"
-            self.pet = {f"PET_{str(f)[2:].replace('-', '_').upper()}": str(v) for f, v in zip(base[::2], base[1::2])}
-            base = []
-        self.args = base + list(ft_args) + JOB + list(job_args) + [
-            "--ckpt-dir", self.ckpt, "--progress-dir", self.prog]
-        self.agents = []
-        self.start = None
-
-    def launch(self):
-        self.start = time.monotonic()
-        for node in range(self.nodes):
-            self.launch_agent(node)
-        return self
-
-    def launch_agent(self, node):
-        # the first agent hosts the store (it binds the endpoint first); wait until it does
-        if node > 0:
-            wait_for(lambda: _listening(self.port), 30, "the store host to listen")
-        proc = self.launcher.start(self.args, extra_env=self.pet or {"GROUP_RANK": str(node)})
-        self.agents.append(proc)
-        return proc
-
-    def wait(self, bound=None):
-        """Wait for every agent; returns [(returncode, stdout, stderr)] and the elapsed seconds."""
-        bound = bound or BOUND[self.topology]
-        results = []
-        for proc in self.agents:
-            left = max(1.0, self.start + bound + 15 - time.monotonic())
-            try:
-                out, err = proc.communicate(timeout=left)
-            except Exception:
-                for p in self.agents:
-                    p.kill()
-                outs = [p.communicate() for p in self.agents]
-                pytest.fail(f"job did not end within {bound + 15}s\n" + "\n".join(o[1][-3000:] for o in outs))
-            results.append((proc.returncode, out, err))
-        return results, time.monotonic() - self.start
-
-    def events(self):
-        return read_events(self.logs)
-
-    def final(self):
-        return read_json(self.ckpt / "final.json")
-
-
-def _listening(port):
-    import socket
-
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-# ---- the reference: a fault-free run per topology, once per module --------------------------
-class References:
-    def __init__(self, tmp_path_factory):
-        self.factory = tmp_path_factory
-        self.cache = {}
-
-    def checksum(self, topology):
-        if topology not in self.cache:
-            import uuid
-
-            token = uuid.uuid4().hex
-            root = self.factory.mktemp(f"reference_{topology}")
-            helper = Launcher(token, root)
-            try:
-                job = Job(helper, root, topology).launch()
-                results, _ = job.wait(bound=120)
-                assert all(code == 0 for code, _, _ in results), results[0][2][-3000:]
-                final = job.final()
-                assert final["step"] == STEPS and final["world_size"] == job.world and final["cycle"] == 0
-                self.cache[topology] = final["checksum"]
-            finally:
-                helper.cleanup()
-                left = wait_until_gone(token, timeout=5)
-                for proc in left:
-                    proc.kill()
-            assert not left, f"reference run left processes: {left}"
-        return self.cache[topology]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return References(tmp_path_factory)
+MATRIX_TOPOLOGIES = ("1x2", "2x2")
 
 
 # ---- the matrix ------------------------------------------------------------------------------
@@ -199,15 +63,11 @@ def _cases():
         for phase in PHASES:
             if fault in ("monitor_killed", "agent_killed") and phase != "step":
                 continue
-            for topology in TOPOLOGIES:
+            for topology in MATRIX_TOPOLOGIES:
                 if fault == "agent_killed" and topology == "1x2":
                     continue
                 marks = () if (fault, phase, topology) in DEFAULT else (pytest.mark.slow,)
                 yield pytest.param(fault, phase, topology, marks=marks, id=f"{fault}-{phase}-{topology}")
-
-
-def fault_rank(topology):
-    return 1 if topology == "1x2" else 3   # on the last node: not the store host
 
 
 @pytest.mark.parametrize("fault,phase,topology", list(_cases()))
@@ -246,19 +106,8 @@ def test_fault_matrix(launcher, tmp_path, reference, fault, phase, topology):
     assert final["step"] == STEPS and final["world_size"] == job.world
     assert final["checksum"] == expected_checksum, "resumed run differs from the fault-free run"
     evs = job.events()
-    _check_restarts(evs, job)
+    check_one_restart(evs, job)
     _check_events(evs, fault, phase, rank, job)
-
-
-def _check_restarts(evs, job):
-    """Exactly one restart, job-wide: every node restarted once, into cycle 1, and completed."""
-    restarts = [e for e in evs if e["kind"] == "restart"]
-    assert restarts and {e["detail"]["restarts_used"] for e in restarts} == {1}, restarts
-    assert {e["detail"]["next_cycle"] for e in restarts} == {1}
-    assert len(restarts) == len({e["node"] for e in restarts}), "a node restarted twice"
-    assert not [e for e in evs if e["kind"] == "cycle_start" and e["cycle"] > 1]
-    assert [e for e in evs if e["kind"] == "job_complete"]
-    assert job.final()["cycle"] == 1
 
 
 def _check_events(evs, fault, phase, rank, job):

@@ -2,7 +2,6 @@
 
 The GPU paths skip on a machine without a usable CUDA GPU, with a one-line reason; everything
 here that a CPU machine can check runs everywhere."""
-import json
 import os
 import subprocess
 import sys
@@ -14,15 +13,11 @@ import torch
 from ft_launcher.agent.ranks import gpu_memory
 from ft_launcher.agent.recovery.health_checks import HealthChecks
 from conftest import EXAMPLE, SCRIPTS, read_events
+from harness import read_json
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
-
-
-def read_json(path):
-    with open(path) as fh:
-        return json.load(fh)
 
 
 @needs_cuda

@@ -5,7 +5,7 @@ its shard reduce_scatter, its shard peer waits in that reduce_scatter and its re
 replicate all_reduce: the flight recorder's sequence numbers, compared within each process group,
 name rank 3 alone, and the victims keep their live state (slow).
 
-examples/ddp_train.py under `ft.restartable`, real agents, monitors and ranks (test_fault_matrix's
+examples/ddp_train.py under `ft.restartable`, real agents, monitors and ranks (tests/harness.py's
 Job). The hang: rank `--fail-rank` sleeps for an hour in a phase (ddp_train --hang-in), or the
 test SIGSTOPs it while it steps. Then:
 - the job ends with exactly the model of a fault-free run, after one in-place restart;
@@ -14,22 +14,19 @@ test SIGSTOPs it while it steps. Then:
 - one `hang_blame` event names the culprit, the victims and the evidence that decided;
 - the failure line, and the report's incident, name the culprit and say the others were waiting on it.
 """
+import contextlib
 import os
 import signal
+import subprocess
+import time
 
 import pytest
 
-from conftest import ROOT, read_events, wait_for
-from test_fault_matrix import HOLD_STEP, Job, References, progress
-from test_inprocess_restart import started
+from conftest import ROOT, SCRIPTS, wait_for
+from harness import HOLD_STEP, Job, monitored_ranks, progress, started
 
 T = 3.0
 TIMEOUTS = ["--ft-rank-section-timeouts", f"setup:15,step:{T:g},checkpointing:{T:g}"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return References(tmp_path_factory)
 
 
 def run_hang(launcher, tmp_path, topology, how, phase, env=None):
@@ -161,80 +158,45 @@ def test_an_hsdp_hang_in_the_shard_group_blames_the_rank_that_hung_and_the_victi
 
 
 # ---- the monitor's hold, without an agent's verdict ------------------------------------------
+@contextlib.contextmanager
 def _held_rank(launcher, tmp_path, monkeypatch):
     """A monitor with hang blame on (no agent: the test holds its channel) and a rank that hangs in
-    'step' (1 s timeout): returns (handle, rank process, monotonic time of the hang report)."""
-    import subprocess
-    import sys
-    import time
-
-    from conftest import ROOT, SCRIPTS
+    'step' (1 s timeout): yields (handle, rank process, monotonic time of the hang report)."""
     from ft_launcher.rank_monitor.config import FaultToleranceConfig
-    from ft_launcher.rank_monitor.agent_side.monitor_handle import MonitorHandle
     from ft_launcher.rank_monitor.monitor_side.server import ENV_HANG_VERDICT
 
     monkeypatch.setenv(ENV_HANG_VERDICT, "1")
-    monkeypatch.setenv("FT_TEST_TOKEN", launcher.token)   # the fixture finds anything left behind
     cfg = FaultToleranceConfig()
     cfg.rank_section_timeouts = {"setup": 20.0, "step": 1.0, "checkpointing": 20.0}
-    handle = MonitorHandle.start(0, cfg, str(tmp_path / "run"))
     (tmp_path / "out").mkdir()
-    env = launcher.env(dict(handle.rank_env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                                           TORCHELASTIC_RESTART_COUNT="0"))
-    rank = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "monitored_rank.py"), str(tmp_path / "out"),
-                             "--fault", "step", "--rank", "0"], env=env, cwd=ROOT, start_new_session=True)
-    handle.rank_started(rank.pid, 0, 0, time.monotonic_ns())
-    reports = []
-    try:
+    hangs = [os.path.join(SCRIPTS, "monitored_rank.py"), tmp_path / "out", "--fault", "step", "--rank", "0"]
+    with monitored_ranks(launcher, tmp_path / "run", [hangs], cfg) as ([handle], [rank]):
+        reports = []
         wait_for(lambda: reports.extend(handle.read_reports()) or any(r.get("kind") == "hang" for r in reports),
                  30, "the hang report", interval=0.005)
-    except BaseException:
-        rank.kill()
-        rank.wait()
-        handle.stop()
-        raise
-    return handle, rank, time.monotonic()
+        yield handle, rank.proc, time.monotonic()
 
 
 def test_a_held_rank_is_stopped_when_no_verdict_comes(launcher, tmp_path, monkeypatch):
-    import time
-
     from ft_launcher.rank_monitor.monitor_side.server import VERDICT_HOLD
 
-    handle, rank, reported = _held_rank(launcher, tmp_path, monkeypatch)
-    try:
+    with _held_rank(launcher, tmp_path, monkeypatch) as (handle, rank, reported):
         rank.wait(timeout=10)
         held = time.monotonic() - reported
         assert VERDICT_HOLD - 0.2 <= held <= VERDICT_HOLD + 0.5, held   # held for a verdict, then stopped
-    finally:
-        rank.kill()
-        rank.wait()
-        handle.stop()
 
 
 def test_a_released_rank_is_left_alone_and_an_agent_gone_stops_a_held_one(launcher, tmp_path, monkeypatch):
-    import subprocess
-    import time
-
-    handle, rank, _ = _held_rank(launcher, tmp_path, monkeypatch)
-    try:
+    with _held_rank(launcher, tmp_path, monkeypatch) as (handle, rank, _):
         handle.hang_verdict(rank.pid, kill=False)
         with pytest.raises(subprocess.TimeoutExpired):
             rank.wait(timeout=2.5)   # well past the hold: released, the monitor does not stop it
-    finally:
-        rank.kill()
-        rank.wait()
-        handle.stop()
     # a monitor whose agent is gone stops the rank it holds at once, verdict or not
     (tmp_path / "b").mkdir()
-    handle, rank, reported = _held_rank(launcher, tmp_path / "b", monkeypatch)
-    try:
+    with _held_rank(launcher, tmp_path / "b", monkeypatch) as (handle, rank, reported):
         handle.stop()
         rank.wait(timeout=5)
         assert time.monotonic() - reported < 0.6
-    finally:
-        rank.kill()
-        rank.wait()
 
 
 # ---- the evidence, as pure functions ---------------------------------------------------------

@@ -10,8 +10,9 @@ import os
 import pytest
 
 from conftest import SCRIPTS
-from test_config import write
-from ft_launcher.cli import UsageError, launch_config, parse_nproc
+from harness import write
+from ft_launcher.cli import UsageError, launch_config
+from ft_launcher.flag_values import parse_nproc
 from ft_launcher.rank_monitor.config import ConfigError, FaultToleranceConfig, MB_IGNORED, megatron_bridge_aliases
 
 ENV_DUMP = f"{SCRIPTS}/env_dump.py"

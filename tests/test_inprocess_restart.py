@@ -1,7 +1,7 @@
 """In-process restart end to end: examples/ddp_train.py under `ft.restartable` (--restartable), real
-agents, monitors and ranks (test_fault_matrix's Job: 1 agent x 2 ranks or 2 agents x 2 ranks).
+agents, monitors and ranks (tests/harness.py's Job: 1 agent x 2 ranks or 2 agents x 2 ranks).
 
-A fault lands in a phase that every rank holds for HOLD s (ddp_train --hold): the test SIGKILLs
+A fault lands in a phase that every rank holds for IN_PLACE_HOLD s (ddp_train --hold): the test SIGKILLs
 the rank (killed) or SIGSTOPs it so that its monitor finds the hang and kills it (hung) once the
 agent's status file shows the rank in that phase; or the rank raises once its hold is over (raise).
 Then:
@@ -14,80 +14,20 @@ Also: node granularity (the failed node's ranks are all replaced, the other node
 processes), a warm reserve node taking over with active_world_size, and 50 in-place restarts in a
 row with a healthy rank's RSS, file descriptors and threads flat.
 """
-import glob
-import json
 import os
 import signal
 import subprocess
-import time
 
-import psutil
 import pytest
 
 from conftest import LAUNCHER, ROOT, SCRIPTS, node_tree, read_events, wait_for
-from test_fault_matrix import HOLD_STEP, Job, References, progress
+from harness import RESTARTABLE, Job, check_flat, in_phase, run_faulty, sample_each_cycle, started
 
-HOLD = 4.0
-RESTARTABLE = ["--restartable"]
-# The hold is inside its section: the faulted phase's timeout leaves room for it (a SIGSTOPped rank
-# is caught 7 s into step or checkpointing). Setup's is longer: after the restart the healthy ranks
-# wait in setup (init_process_group) for the failed slot's new process, which may start cold.
-TIMEOUTS = ["--ft-rank-section-timeouts", f"setup:20,step:{HOLD + 3:g},checkpointing:{HOLD + 3:g}"]
 PHASES = ("setup", "step", "checkpointing")
 FAULTS = ("killed", "hung", "raise")
 # By default: a raise here; a kill in place on 2x2 runs by default in tests/test_live_state.py (the
 # same in-place path, plus live state) and a hang in place on 1x2 in tests/test_hang_blame.py
 DEFAULT = {("raise", "step", "1x2")}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return References(tmp_path_factory)
-
-
-def status_rows(job):
-    rows = []
-    for path in glob.glob(str(job.logs / "status" / "*.json")):
-        try:
-            with open(path) as fh:
-                rows += json.load(fh).get("ranks") or []
-        except (OSError, ValueError):
-            continue
-    return rows
-
-
-def in_phase(job, rank, phase):
-    """The pid of `rank` while it is in `phase` of cycle 0 (its agent's status file), else None."""
-    if phase == "step":   # the held step: the rank finished the one before it
-        if not any(c == 0 and s == HOLD_STEP - 1 for c, s, _ in progress(job.prog, rank)):
-            return None
-    if phase == "checkpointing" and not any(c == 0 and s == HOLD_STEP for c, s, _ in progress(job.prog, rank)):
-        return None
-    for row in status_rows(job):
-        if row["rank"] == rank and row.get("section") == phase and not row.get("in_place"):
-            return row["pid"]
-    return None
-
-
-def started(evs, cycle):
-    """rank -> (pid, in place) from the ranks_started events of `cycle` (every node's)."""
-    out = {}
-    for e in evs:
-        if e["kind"] == "ranks_started" and e["cycle"] == cycle:
-            for r in e["detail"]["ranks"]:
-                out[r["rank"]] = (r["pid"], r.get("in_place", False))
-    return out
-
-
-def run_faulty(launcher, tmp_path, topology, fault, phase, rank, ft_args=(), job_args=()):
-    job_args = list(RESTARTABLE) + ["--hold", f"{phase}:{HOLD}"] + list(job_args)
-    if fault == "raise":
-        job_args += ["--raise-in", phase, "--fail-rank", rank]
-    job = Job(launcher, tmp_path, topology, TIMEOUTS + list(ft_args), job_args).launch()
-    if fault in ("killed", "hung"):
-        pid = wait_for(lambda: in_phase(job, rank, phase), 60, f"rank {rank} in {phase}", interval=0.02)
-        os.kill(pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
-    return job
 
 
 def check_in_place(job, reference, healthy, replaced):
@@ -209,34 +149,13 @@ def test_fifty_in_place_restarts_leave_a_healthy_rank_flat(launcher, tmp_path):
     proc = launcher.start(args)
     logs = str(tmp_path / "logs")
     first = wait_for(lambda: started(read_events(logs), 0), 60, "cycle 0")
-    healthy = psutil.Process(first[0][0])
-    samples, seen = {}, 0
-    deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline:
-        evs = read_events(logs, "ranks_started")
-        if len(evs) > seen:
-            seen = len(evs)
-            cycle = evs[-1]["cycle"]
-            try:
-                samples[cycle] = (healthy.memory_info().rss, healthy.num_fds(), healthy.num_threads())
-            except psutil.NoSuchProcess:
-                break
-        time.sleep(0.05)
+    samples = sample_each_cycle(proc, logs, first[0][0], timeout=600)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
     evs = read_events(logs)
     last = started(evs, restarts)
-    assert last[0] == (healthy.pid, True), "rank 0 did not keep its process to the end"
-    print("\ncycle  rss_MB  fds  threads")
-    for cycle in sorted(samples):
-        if cycle % 5 == 0 or cycle == max(samples):
-            rss, fds, threads = samples[cycle]
-            print(f"{cycle:5d}  {rss / 2**20:6.1f}  {fds:3d}  {threads:7d}")
-    early = samples[min(c for c in samples if c >= 5)]
-    late = samples[max(samples)]
-    assert late[1] <= early[1] + 2, f"file descriptors grew: {early[1]} -> {late[1]}"
-    assert late[2] <= early[2] + 2, f"threads grew: {early[2]} -> {late[2]}"
-    assert late[0] <= early[0] * 1.10 + 20 * 2**20, f"RSS grew: {early[0] / 2**20:.1f} -> {late[0] / 2**20:.1f} MB"
+    assert last[0] == (first[0][0], True), "rank 0 did not keep its process to the end"
+    check_flat(samples, settled=5)
 
 
 def test_restartable_outside_the_launcher_only_calls_the_function(tmp_path):

@@ -26,9 +26,8 @@ from kubeflow_trainer_api.models import JobsetV1alpha2JobSet
 
 from conftest import ROOT, read_events, wait_for
 from ft_launcher.cli import launch_config
-from test_env_flags import first_agent_line
-from test_fault_matrix import (DELAY, HANG_TIMEOUTS, HOLD, HOLD_STEP, STEPS, Job, _check_restarts,  # noqa: F401
-                               fault_rank, progress, reference)
+from harness import (DELAY, HANG_TIMEOUTS, HOLD, HOLD_STEP, STEPS, Job, check_one_restart, fault_rank,
+                     first_agent_line, progress)
 
 K8S = os.path.join(ROOT, "examples", "k8s")
 
@@ -192,7 +191,7 @@ def test_pods_run_the_fault_tolerant_job_from_pet_variables(monkeypatch, name, e
 
 # ---- what Kubernetes does to the pods, with ft_launcher in them ----------------------------------
 # Two or three agents on this machine stand for the pods, configured by PET_* variables alone as
-# the training operator configures them (the fault matrix's Job with pet=True).
+# the training operator configures them (tests/harness.py's Job with pet=True).
 def _in_held_step(job, rank):
     return any(s == HOLD_STEP - 1 for _, s, _ in progress(job.prog, rank))
 
@@ -221,7 +220,7 @@ def test_job_from_pet_variables_alone_trains_survives_a_killed_rank_and_ends_exa
     assert final["step"] == STEPS and final["world_size"] == 4
     assert final["checksum"] == expected, "resumed run differs from the fault-free run"
     evs = job.events()
-    _check_restarts(evs, job)
+    check_one_restart(evs, job)
     injected = [e for e in evs if e["kind"] == "fault_injected"]
     assert [(e["rank"], e["detail"]["fault"]) for e in injected] == [(rank, "rank_killed")]
     first = next(e for e in evs if e["kind"] == "failure")

@@ -1,5 +1,4 @@
 """The launcher end to end: real agents, a real rendezvous, real ranks, real signals."""
-import json
 import os
 import re
 import signal
@@ -9,15 +8,11 @@ import psutil
 import pytest
 
 from conftest import EXAMPLE, SCRIPTS, free_port, read_events, tagged, wait_for
+from harness import read_json
 
 ENV_DUMP = os.path.join(SCRIPTS, "env_dump.py")
 FAIL_RANK = os.path.join(SCRIPTS, "fail_rank.py")
 SLEEPER = os.path.join(SCRIPTS, "sleeper.py")
-
-
-def read_json(path):
-    with open(path) as fh:
-        return json.load(fh)
 
 
 def wait_for_files(paths, timeout=60):

@@ -6,9 +6,9 @@ import sys
 import pytest
 
 from conftest import ROOT
+from harness import bench_module
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import live_recovery  # noqa: E402
+live_recovery = bench_module("live_recovery")
 
 
 def test_flags():

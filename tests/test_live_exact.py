@@ -22,19 +22,17 @@ import os
 
 import pytest
 
-from conftest import ROOT, node_tree, read_events, wait_for
+from conftest import EXAMPLE as DDP_EXAMPLE, ROOT, node_tree, read_events, wait_for
+from harness import JOB, TOPOLOGIES, Job, progress
 from ft_launcher.agent.recovery.live_recovery import per_rank
-from test_fault_matrix import BOUND, EXAMPLE as DDP_EXAMPLE, JOB, TOPOLOGIES, Job, _listening, progress
 
 LIVE_EXAMPLE = os.path.join(ROOT, "examples", "live_train.py")
 STEPS, FAULT = 150, 137
 BASE = ["--steps", STEPS, "--ckpt-every", 50]
-TOPOLOGIES.setdefault("2x1", (2, 1))
-BOUND.setdefault("2x1", 120)
 
 
 class LiveJob(Job):
-    """A Job of test_fault_matrix running examples/live_train.py instead of ddp_train.py."""
+    """A Job (tests/harness.py) running examples/live_train.py instead of ddp_train.py."""
 
     def __init__(self, launcher, root, topology, ft_args=(), job_args=(), max_restarts=1):
         root.mkdir(parents=True, exist_ok=True)
@@ -252,12 +250,8 @@ class HsdpReserveJob(Job):
         self.args[self.args.index("--nnodes") + 1] = 3
         self.nodes = 3
 
-    def launch_agent(self, node):
-        if node > 0:
-            wait_for(lambda: _listening(self.port), 30, "the store host to listen")
-        proc = self.launcher.start(self.args, extra_env={"GROUP_RANK": str(self.ORDER[node])})
-        self.agents.append(proc)
-        return proc
+    def group_rank(self, node):
+        return self.ORDER[node]
 
 
 def hsdp_final(out):

@@ -19,16 +19,13 @@ in-place restarts, end to end with real agents, monitors and ranks, and the reco
 """
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
-import psutil
 import pytest
 
-from conftest import EXAMPLE, LAUNCHER, ROOT, SCRIPTS, Launcher, read_events, wait_for, wait_until_gone
-from test_fault_matrix import Job, progress
+from conftest import EXAMPLE, LAUNCHER, ROOT, SCRIPTS, free_port, read_events, wait_for
+from harness import Job, check_flat, progress, sample_each_cycle, started
 from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer, plan_recovery
 from ft_launcher.agent.recovery.live_recovery import per_rank
 
@@ -338,37 +335,6 @@ def test_outside_the_launcher_restore_is_none_and_commit_runs_its_body():
 
 
 # ---- end to end ------------------------------------------------------------------------------------
-class LiveReference:
-    """The fault-free 2x2 run of LIVE_JOB (its final checksum), once per module."""
-
-    def __init__(self, factory):
-        self.factory, self.value = factory, None
-
-    def checksum(self):
-        if self.value is None:
-            import uuid
-
-            token = uuid.uuid4().hex
-            root = self.factory.mktemp("live_reference")
-            helper = Launcher(token, root)
-            try:
-                job = Job(helper, root, "2x2", job_args=LIVE_JOB).launch()
-                results, _ = job.wait(bound=120)
-                assert all(code == 0 for code, _, _ in results), results[0][2][-3000:]
-                self.value = job.final()["checksum"]
-            finally:
-                helper.cleanup()
-                left = wait_until_gone(token, timeout=5)
-                for proc in left:
-                    proc.kill()
-        return self.value
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return LiveReference(tmp_path_factory)
-
-
 def steps_by_cycle(job, rank):
     out = {}
     for cycle, step, _ in progress(job.prog, rank):
@@ -379,7 +345,7 @@ def steps_by_cycle(job, rank):
 def check_live(job, reference, fault_rank, resume):
     results, elapsed = job.wait()
     assert all(code == 0 for code, _, _ in results), "\n".join(r[2][-3000:] for r in results)
-    assert job.final()["checksum"] == reference.checksum(), "live recovery changed the model"
+    assert job.final()["checksum"] == reference.checksum(job.topology, LIVE_JOB), "live recovery changed the model"
     evs = job.events()
     restarts = [e["detail"] for e in evs if e["kind"] == "restart"]   # one per agent
     assert {(r["rung"], r["next_cycle"]) for r in restarts} == {("in_process", 1)}, restarts
@@ -435,8 +401,6 @@ def test_a_hang_keeps_its_victims_state_and_the_rank_that_hung_heals_from_a_peer
     rank 3 hung and the others waiting on it: they restart in place with their state at step 137,
     rank 3 is replaced and receives that state from a peer; the job ends exactly as a fault-free
     run, no completed step trained twice."""
-    from test_inprocess_restart import started
-
     job = Job(launcher, tmp_path, "2x2", ["--ft-rank-section-timeouts", "setup:30,step:3,checkpointing:30"],
               job_args=["--live"] + LIVE_JOB + ["--hang-in", "step", "--hold-step", FAULT_STEP, "--fail-rank", 3]
               ).launch()
@@ -542,21 +506,8 @@ def test_twenty_live_recoveries_leave_the_model_exact_and_a_healthy_rank_flat(la
                            "--ft-max-no-progress-cycles", 0, "--ft-warm-reserves", 2, EXAMPLE, "--live", "--steps", 8,
                            "--ckpt-every", 100, "--fail-at-step", 5, "--fail-rank", 1, "--fail-cycles", restarts,
                            "--seed", 9, "--ckpt-dir", tmp_path / "ckpt"])
-    from test_inprocess_restart import started
-
     first = wait_for(lambda: started(read_events(logs), 0), 60, "cycle 0")
-    healthy = psutil.Process(first[0][0])
-    samples, seen = {}, 0
-    deadline = time.monotonic() + 400
-    while proc.poll() is None and time.monotonic() < deadline:
-        evs = read_events(logs, "ranks_started")
-        if len(evs) > seen:
-            seen = len(evs)
-            try:
-                samples[evs[-1]["cycle"]] = (healthy.memory_info().rss, healthy.num_fds(), healthy.num_threads())
-            except psutil.NoSuchProcess:
-                break
-        time.sleep(0.05)
+    samples = sample_each_cycle(proc, logs, first[0][0], timeout=400)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
     final = json.loads((tmp_path / "ckpt" / "final.json").read_text())
@@ -565,21 +516,8 @@ def test_twenty_live_recoveries_leave_the_model_exact_and_a_healthy_rank_flat(la
     told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
     assert len(told) == restarts and all(t["resume_step"] == 4 and per_rank(t["sources"]) == {"0": "kept", "1": "peer 0"}
                                          for t in told), told
-    assert started(evs, restarts)[0] == (healthy.pid, True)
-    print("\ncycle  rss_MB  fds  threads")
-    for cycle in sorted(samples):
-        rss, fds, threads = samples[cycle]
-        print(f"{cycle:5d}  {rss / 2**20:6.1f}  {fds:3d}  {threads:7d}")
-    early, late = samples[min(c for c in samples if c >= 3)], samples[max(samples)]
-    assert late[1] <= early[1] + 2, f"file descriptors grew: {early[1]} -> {late[1]}"
-    assert late[2] <= early[2] + 2, f"threads grew: {early[2]} -> {late[2]}"
-    assert late[0] <= early[0] * 1.10 + 20 * 2**20, f"RSS grew: {early[0] / 2**20:.1f} -> {late[0] / 2**20:.1f} MB"
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    assert started(evs, restarts)[0] == (first[0][0], True)
+    check_flat(samples, settled=3)
 
 
 @pytest.mark.slow   # 26 s; outside the launcher restore() is None: test_outside_the_launcher_restore_is_none...
@@ -590,7 +528,7 @@ def test_without_ft_launcher_live_is_the_checkpoint_path(tmp_path):
     env["PYTHONPATH"] = ROOT
 
     def plain(flags, ckpt, steps):
-        e = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        e = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         res = subprocess.run([sys.executable, EXAMPLE, "--steps", str(steps), "--ckpt-every", "5", "--ckpt-dir", str(ckpt)]
                              + flags, env=e, capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr[-3000:]

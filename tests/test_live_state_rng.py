@@ -18,8 +18,7 @@ import os
 import pytest
 
 from conftest import ROOT, read_events
-from test_fault_matrix import Job
-from test_inprocess_restart import started
+from harness import Job, started
 from ft_launcher.agent.recovery.live_recovery import per_rank
 
 RNG_JOB = ["--live-rng", "--noise", 0.1, "--steps", 30, "--ckpt-every", 10, "--step-time", 0, "--seed", 11]

@@ -530,7 +530,7 @@ def test_the_client_runs_nvrx07_keyword_calls_outside_the_launcher(monkeypatch):
 def test_a_rank_restarted_in_place_goes_on_in_the_next_cycles_applog(launcher, tmp_path):
     """ft.restartable, rank 1 raises in step: both ranks restart in their own processes, and what
     they print from then on goes to job_cycle1.log (agent.ranks.rank_output's redirect)."""
-    from test_inprocess_restart import run_faulty, started
+    from harness import run_faulty, started
 
     applog = tmp_path / "app" / "job.log"
     job = run_faulty(launcher, tmp_path, "1x2", "raise", "step", 1,

@@ -16,6 +16,7 @@ import signal
 import pytest
 
 from conftest import ROOT, SCRIPTS, free_port, read_events, wait_for
+from harness import listening
 
 pytest.importorskip("nvidia_resiliency_ext.fault_tolerance", reason="pip install -e '.[test]' installs it")
 
@@ -135,14 +136,6 @@ PREVIOUS_RUN = {"current_timeouts": {"section": {
     "calculated_sections": ["setup"], "is_out_of_section_calculated": False}}}
 
 
-def listening(port):
-    import socket
-
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def steps_done(out, rank):
     path = out / f"rank_{rank}.txt"
     rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
@@ -250,7 +243,7 @@ def test_with_both_packages_installed_in_either_order_the_documented_command_run
     import sys
 
     from ft_launcher import __version__
-    from ft_launcher.cli import command_owner
+    from ft_launcher.flags import command_owner
 
     ours, nvrx = wheels
     venv = tmp_path / "venv"

@@ -5,7 +5,6 @@ Real agents, a real rendezvous, real ranks and real signals."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,10 @@ import time
 import pytest
 
 from conftest import ROOT, SCRIPTS, free_port, read_events, wait_for
+from harness import listening
 
 OPS = os.path.join(SCRIPTS, "ops_rank.py")
 QUIET = ["--ft-warm-reserves", "0"]   # nothing here needs warm interpreters: spare the shared CPU
-
-
-def _listening(port):
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def two_agents(launcher, tmp_path, nnodes, script_args, extra=(), extra_first=(), extra_second=()):
@@ -34,7 +28,7 @@ def two_agents(launcher, tmp_path, nnodes, script_args, extra=(), extra_first=()
               "--log-dir", logs, *QUIET, *extra]
     first = launcher.start(common + list(extra_first) + [OPS, tmp_path / "out", *script_args],
                            extra_env={"GROUP_RANK": "1"})
-    wait_for(lambda: _listening(port) or first.poll() is not None, 30, "the store host to listen")
+    wait_for(lambda: listening(port) or first.poll() is not None, 30, "the store host to listen")
     second = launcher.start(common + list(extra_second) + [OPS, tmp_path / "out", *script_args],
                             extra_env={"GROUP_RANK": "0"})
     return first, second, logs
@@ -102,7 +96,7 @@ def test_a_straggling_node_is_left_out_at_the_next_restart_when_a_spare_exists(l
               OPS, tmp_path / "out", "--steps", 80, "--step-time", 0.05, "--slow-rank", 1, "--slow-time", 0.15,
               "--fail-rank", 0, "--fail-at-step", 60, "--fail-cycles", 1]
     spare = launcher.start(common, extra_env={"GROUP_RANK": "2"})
-    wait_for(lambda: _listening(port) or spare.poll() is not None, 30, "the store host to listen")
+    wait_for(lambda: listening(port) or spare.poll() is not None, 30, "the store host to listen")
     node0 = launcher.start(common, extra_env={"GROUP_RANK": "0"})
     node1 = launcher.start(common, extra_env={"GROUP_RANK": "1"})
     (rc0, _, err0), (rc1, _, err1), (rcs, _, errs) = finish(node0, node1, spare, timeout=150)
@@ -177,7 +171,7 @@ def test_exclude_this_node_hands_the_job_to_the_spare_while_the_excluded_store_h
               "--max-restarts", 1, "--log-dir", logs, *QUIET, OPS, tmp_path / "out", "--steps", 30,
               "--request", "ExcludeThisNode", "--request-rank", 0, "--request-at", 3]
     trainer = launcher.start(common, extra_env={"GROUP_RANK": "0"})
-    wait_for(lambda: _listening(port) or trainer.poll() is not None, 30, "the store host to listen")
+    wait_for(lambda: listening(port) or trainer.poll() is not None, 30, "the store host to listen")
     spare = launcher.start(common, extra_env={"GROUP_RANK": "1"})
     (rc_s, _, err_s), (rc_t, _, err_t) = finish(spare, trainer)
     assert rc_s == 0, err_s

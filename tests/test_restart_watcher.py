@@ -22,10 +22,10 @@ import types
 import pytest
 
 from conftest import ROOT, SCRIPTS, wait_for
+from harness import bench_module
 from ft_launcher.rank_monitor import shm_layout as L
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from gpu_live_checks import RankRecord  # noqa: E402  (the agent's view of one rank's record)
+RankRecord = bench_module("gpu_live_checks").RankRecord   # the agent's view of one rank's record
 
 BLOCKED = os.path.join(SCRIPTS, "blocked_rank.py")
 BLOCK_S = 1.5

@@ -8,28 +8,18 @@ this machine, ranks that do not import torch (tests/scripts/cycle_sleeper.py).
   (its connections reset) and run cycle 1 on the successor store within FAILOVER_BOUND.
 """
 import os
-import signal
 import time
 
-import psutil
-
 from conftest import SCRIPTS, free_port, node_tree, read_events, wait_for
-from test_store_failover import _sleepers_with_spare
+from harness import listening, paused, sleepers_with_spare
 
 PAUSE = 8.0
 FAILOVER_BOUND = 6.0   # store host SIGKILL -> both ranks of cycle 1 started on the successor
 
 
 def _pause(pid, seconds):
-    procs = node_tree(pid)
-    for proc in procs:
-        proc.send_signal(signal.SIGSTOP)
-    time.sleep(seconds)   # the pause itself is the fault: nothing to await
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGCONT)
-        except psutil.NoSuchProcess:
-            pass
+    with paused(node_tree(pid)):
+        time.sleep(seconds)   # the pause itself is the fault: nothing to await
 
 
 def test_a_paused_store_host_and_a_paused_agent_lose_no_node(launcher, tmp_path):
@@ -39,8 +29,7 @@ def test_a_paused_store_host_and_a_paused_agent_lose_no_node(launcher, tmp_path)
             "--rdzv-id", f"slow{port}", "--ft-warm-reserves", 0, "--log-dir", logs,
             os.path.join(SCRIPTS, "cycle_sleeper.py"), out, 2 * PAUSE + 12]
     host = launcher.start(args, extra_env={"GROUP_RANK": "0"})
-    from test_fault_matrix import _listening
-    wait_for(lambda: _listening(port), 30, "the store host to listen")
+    wait_for(lambda: listening(port), 30, "the store host to listen")
     other = launcher.start(args, extra_env={"GROUP_RANK": "1"})
     wait_for(lambda: all((out / f"rank_{r}.txt").exists() for r in (0, 1)), 60, "both ranks to start")
     _pause(host.pid, PAUSE)
@@ -56,7 +45,7 @@ def test_a_paused_store_host_and_a_paused_agent_lose_no_node(launcher, tmp_path)
 
 
 def test_a_killed_store_host_is_failed_over_within_its_bound(launcher, tmp_path):
-    job = _sleepers_with_spare(launcher, tmp_path)
+    job = sleepers_with_spare(launcher, tmp_path)
     killed_at = time.time()
     for proc in node_tree(job.agents[0].pid):
         proc.kill()

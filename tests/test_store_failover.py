@@ -6,30 +6,24 @@ By default, with a rank that does not import torch (tests/scripts/cycle_sleeper.
   SIGKILLed with its whole process tree. The survivor and the spare fail over to the successor
   store (the survivor, first in order, on rdzv port + 1) and finish cycle 1: exit 0.
 - 2 agents, --nnodes 2: the survivor cannot go on; it exits 1 within a bound with one line.
-Slow (the example DDP job, test_fault_matrix's Job, checked against a fault-free run):
+Slow (the example DDP job, tests/harness.py's Job, checked against a fault-free run):
 - the same SIGKILL mid-training ends with exactly the model of a fault-free run; the time from
   the kill to every rank stepping again is printed;
 - split brain: the store host and its ranks are paused (SIGSTOP) instead; the others fail over,
   and when the old host resumes it finds the successor and stops its ranks (exit 1).
 """
-import os
 import signal
 import time
 
 import psutil
 import pytest
 
-from conftest import SCRIPTS, free_port, node_tree, read_events, wait_for
-from test_fault_matrix import HOLD_STEP, STEPS, Job, References, progress
+from conftest import node_tree, read_events, wait_for
+from harness import HOLD_STEP, STEPS, Job, SleeperJob, await_spare, paused, progress, sleepers_with_spare
 
 FAILOVER_TO_STEPPING = 6.0  # goal: store host SIGKILL -> every remaining rank stepping again
 HOLD = 40.0                 # cycle 0 holds step HOLD_STEP this long: the faults land inside it
 TIMEOUTS = ["--ft-rank-section-timeouts", f"setup:60,step:{HOLD + 10:g},checkpointing:60"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return References(tmp_path_factory)
 
 
 _tree = node_tree   # a node's processes, its orphan watchdog spared (conftest)
@@ -43,9 +37,7 @@ def _with_spare(launcher, tmp_path, script_args=()):
     wait_for(lambda: all(any(s == HOLD_STEP - 1 for c, s, _ in progress(job.prog, r)) for r in range(4)),
              60, "two nodes to train")
     job.launch_agent(2)
-    wait_for(lambda: read_events(job.logs, "spare_waiting"), 30, "the third agent to wait as a spare")
-    # the trainers learn of it from their keep-alive tick: a failover must count it
-    wait_for(lambda: len(read_events(job.logs, "spare_joined")) == 2, 10, "the trainers to see the spare")
+    await_spare(job.logs)
     return job
 
 
@@ -67,46 +59,8 @@ def _reserves_ready(job):
     return all(len({e["detail"]["local_rank"] for e in ready if e["node"] == node}) == 2 for node in (1, spare))
 
 
-class SleeperJob:
-    """Agents of one job whose ranks run cycle_sleeper.py (no torch): quick to start."""
-
-    def __init__(self, launcher, tmp_path, nnodes, max_restarts=1):
-        self.launcher = launcher
-        self.port = free_port()
-        self.logs, self.out = tmp_path / "logs", tmp_path / "ranks"
-        self.args = ["--nnodes", nnodes, "--nproc-per-node", 1, "--max-restarts", max_restarts,
-                     "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"fo{self.port}",
-                     "--rdzv-conf", "join_timeout=30,last_call_timeout=1", "--ft-warm-reserves", 0,
-                     "--log-dir", self.logs, os.path.join(SCRIPTS, "cycle_sleeper.py"), self.out, 60]
-        self.agents = []
-
-    def start(self, order):
-        if order:
-            from test_fault_matrix import _listening
-            wait_for(lambda: _listening(self.port), 30, "the store host to listen")
-        self.agents.append(self.launcher.start(self.args, extra_env={"GROUP_RANK": str(order)}))
-
-    def rows(self, rank):
-        path = self.out / f"rank_{rank}.txt"
-        if not path.exists():
-            return []
-        return [(int(c), float(t)) for c, _, t in (line.split() for line in path.read_text().splitlines())]
-
-
-def _sleepers_with_spare(launcher, tmp_path):
-    """Two trainers running cycle_sleeper.py and a hot spare; agent 0 hosts the store."""
-    job = SleeperJob(launcher, tmp_path, "2:3")
-    job.start(0)
-    job.start(1)
-    wait_for(lambda: job.rows(0) and job.rows(1), 60, "two nodes to run their ranks")
-    job.start(2)
-    wait_for(lambda: read_events(job.logs, "spare_waiting"), 30, "the third agent to wait as a spare")
-    wait_for(lambda: len(read_events(job.logs, "spare_joined")) == 2, 10, "the trainers to see the spare")
-    return job
-
-
 def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_path):
-    job = _sleepers_with_spare(launcher, tmp_path)
+    job = sleepers_with_spare(launcher, tmp_path)
     killed_at = time.time()
     for proc in _tree(job.agents[0].pid):
         proc.kill()
@@ -130,9 +84,9 @@ def test_store_host_paused_for_good_the_survivors_end_with_their_own_code(launch
     and finish. Their first watcher is still inside a torch store call to the paused host, which
     never returns; the agent used to abort at interpreter exit (SIGABRT, 'terminate called
     without an active exception') instead of exiting 0."""
-    job = _sleepers_with_spare(launcher, tmp_path)
-    paused = _tree(job.agents[0].pid)
-    for proc in paused:
+    job = sleepers_with_spare(launcher, tmp_path)
+    host = _tree(job.agents[0].pid)
+    for proc in host:
         proc.send_signal(signal.SIGSTOP)
     try:
         outs = []
@@ -140,7 +94,7 @@ def test_store_host_paused_for_good_the_survivors_end_with_their_own_code(launch
             _, err = proc.communicate(timeout=60)
             outs.append(err)
     finally:
-        for proc in paused:
+        for proc in host:
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
@@ -211,20 +165,11 @@ def test_paused_store_host_finds_it_was_replaced_and_stops_its_ranks(launcher, t
     # store when the old host resumes and looks for it (a finished job's store is gone)
     job = _with_spare(launcher, tmp_path, ["--step-time", "0.5"])
     old = job.agents[0]
-    paused = _tree(old.pid)
-    old_ranks = [p.pid for p in paused[1:] if any(a.endswith("ddp_train.py") for a in p.cmdline()[:3])]
-    assert len(old_ranks) == 2, [p.cmdline() for p in paused]
-    for proc in paused:
-        proc.send_signal(signal.SIGSTOP)
-    try:
-        # the others notice the silent host, fail over and train again without it
+    host = _tree(old.pid)
+    old_ranks = [p.pid for p in host[1:] if any(a.endswith("ddp_train.py") for a in p.cmdline()[:3])]
+    assert len(old_ranks) == 2, [p.cmdline() for p in host]
+    with paused(host):   # the others notice the silent host, fail over and train again without it
         wait_for(lambda: _stepping_again(job, 0), 60, "the survivor and the spare to step again")
-    finally:
-        for proc in paused:
-            try:
-                proc.send_signal(signal.SIGCONT)
-            except psutil.NoSuchProcess:
-                pass
     _, err = old.communicate(timeout=30)
     assert old.returncode == 1, err[-3000:]
     assert "moved the job to generation 1 of the store" in err, err[-3000:]

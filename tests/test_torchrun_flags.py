@@ -13,6 +13,7 @@ import pytest
 
 from conftest import ROOT
 from ft_launcher import cli
+from ft_launcher.flag_notes import TORCHRUN_NOTES
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +75,7 @@ def _check(action, flag, cfg, error, err):
     notes = [l for l in err if l.startswith("ft_launcher: note:")]
     if dest == "virtual_local_rank":  # the one torchrun flag we refuse, in one line saying what we do
         assert error and error.startswith("--virtual-local-rank is not supported: every rank sees every GPU"), error
-    elif dest in cli.TORCHRUN_NOTES:  # accepted; one line says what ft_launcher does instead
+    elif dest in TORCHRUN_NOTES:  # accepted; one line says what ft_launcher does instead
         assert error is None and len(notes) == 1 and f"--{dest.replace('_', '-')}:" in notes[0], (flag, err)
     else:
         assert error is None and not notes, (flag, error, err)

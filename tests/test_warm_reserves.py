@@ -14,7 +14,8 @@ import time
 import psutil
 import pytest
 
-from conftest import EXAMPLE, ROOT, SCRIPTS, read_events, wait_for
+from conftest import EXAMPLE, ROOT, SCRIPTS, free_port, node_tree, read_events, wait_for
+from harness import listening, ranks_started
 
 PROBE = os.path.join(SCRIPTS, "reserve_probe.py")
 WARM_LIB = os.path.join(ROOT, "tests", "warm_lib")
@@ -24,11 +25,6 @@ READY_WITHIN = 90  # a reserve warms at low priority: slow on a loaded 2-core ma
 def ready_pids(logs, local_rank, cycle=None):
     return [e["detail"]["pid"] for e in read_events(logs, "reserve_ready")
             if e["detail"]["local_rank"] == local_rank and (cycle is None or e["cycle"] == cycle)]
-
-
-def started(logs, cycle):
-    return {r["rank"]: r for e in read_events(logs, "ranks_started") if e["cycle"] == cycle
-            for r in e["detail"]["ranks"]}
 
 
 def identity(out, rank, cycle):
@@ -57,12 +53,12 @@ def test_restart_activates_a_warm_reserve_that_runs_the_script_as_a_cold_rank_wo
     first_reserve = min(e["time"] for e in read_events(logs, "reserve_started"))
     assert first_reserve > max(e["time"] for e in read_events(logs, "ranks_started"))
     go.touch()
-    wait_for(lambda: len(started(logs, 1)) == 2 or proc.poll() is not None, 60, "cycle 1")
-    cycle1 = started(logs, 1)
+    wait_for(lambda: len(ranks_started(logs, 1)) == 2 or proc.poll() is not None, 60, "cycle 1")
+    cycle1 = ranks_started(logs, 1)
     for rank in (0, 1):
         assert cycle1[rank]["warm"], cycle1
         assert cycle1[rank]["pid"] in ready_pids(logs, rank), "activated a reserve that never said it was ready"
-        assert not started(logs, 0)[rank]["warm"]
+        assert not ranks_started(logs, 0)[rank]["warm"]
     # the reserves used are replaced: new ones warm up while cycle 1 runs
     for local_rank in (0, 1):
         wait_for(lambda: ready_pids(logs, local_rank, cycle=1) or proc.poll() is not None, READY_WITHIN,
@@ -109,14 +105,14 @@ def test_example_resumes_exactly_from_warm_reserves(launcher, tmp_path):
                 wait_for(lambda: ready_pids(logs, local_rank) or proc.poll() is not None, READY_WITHIN,
                          "a warm reserve")
             wait_for(lambda: (ckpt / "ckpt.pt").exists() or proc.poll() is not None, 60, "a checkpoint")
-            os.kill(started(logs, 0)[1]["pid"], signal.SIGKILL)
+            os.kill(ranks_started(logs, 0)[1]["pid"], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr[-3000:]
         with open(ckpt / "final.json") as fh:
             return json.load(fh), logs
     clean, _ = run("clean", kill=False)
     final, logs = run("faulty", kill=True)
-    assert final["cycle"] == 1 and all(r["warm"] for r in started(logs, 1).values())
+    assert final["cycle"] == 1 and all(r["warm"] for r in ranks_started(logs, 1).values())
     assert final["checksum"] == clean["checksum"]
 
 
@@ -147,7 +143,7 @@ def test_reserve_killed_or_stalled_while_warming_is_never_used_and_the_restart_g
     go.touch()
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-3000:]
-    used = started(logs, 1)
+    used = ranks_started(logs, 1)
     assert not any(r["warm"] for r in used.values()), used
     assert not {r["pid"] for r in used.values()} & (set(lost()) | set(stalled) | set(started_reserves()))
     assert f"warm reserve for local rank 1 (pid {victim}) died while waiting" in stderr
@@ -188,7 +184,7 @@ def test_a_reserve_stuck_warming_is_not_taken_by_an_early_restart(launcher, tmp_
     go.touch()
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-3000:]
-    assert not any(r["warm"] for r in started(logs, 1).values()), started(logs, 1)
+    assert not any(r["warm"] for r in ranks_started(logs, 1).values()), ranks_started(logs, 1)
     assert not read_events(logs, "reserve_taken_warming") and not read_events(logs, "reserve_ready")
     lost = {e["detail"]["pid"]: e["detail"]["why"] for e in read_events(logs, "reserve_lost")}
     for e in reserves:
@@ -222,7 +218,7 @@ def test_a_reserve_starved_of_cpu_is_taken_not_called_stuck(launcher, tmp_path):
     assert proc.returncode == 0, stderr[-3000:]
     assert not read_events(logs, "reserve_lost"), read_events(logs, "reserve_lost")
     assert len(read_events(logs, "reserve_taken_warming")) == 2, stderr[-3000:]
-    used = started(logs, 1)
+    used = ranks_started(logs, 1)
     assert all(r["warm"] for r in used.values()) and {r["pid"] for r in used.values()} == {
         e["detail"]["pid"] for e in reserves}, used
 
@@ -237,7 +233,7 @@ def test_warm_reserves_0_starts_every_rank_cold(launcher, tmp_path):
     go.touch()
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-3000:]
-    assert not any(r["warm"] for r in started(logs, 1).values())
+    assert not any(r["warm"] for r in ranks_started(logs, 1).values())
     assert not [e for e in read_events(logs) if e["kind"].startswith("reserve_")]
 
 
@@ -254,9 +250,6 @@ def test_no_python_has_no_reserves_and_says_so(launcher, tmp_path):
 def test_a_hot_spare_node_keeps_warm_reserves_and_takes_over_with_them(launcher, tmp_path):
     """--nnodes 1:2: the spare parks with warm reserves; when the training node dies, the spare's
     ranks start from them."""
-    from test_fault_matrix import _listening
-    from conftest import free_port, node_tree
-
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     port = free_port()
     args = ["--nnodes", "1:2", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
@@ -264,7 +257,7 @@ def test_a_hot_spare_node_keeps_warm_reserves_and_takes_over_with_them(launcher,
             "--rdzv-conf", "join_timeout=30,last_call_timeout=20",  # closes once both joined
             EXAMPLE, "--steps", 400, "--ckpt-every", 5, "--step-time", 0.05, "--ckpt-dir", ckpt]
     spare = launcher.start(args, extra_env={"GROUP_RANK": "1"})  # hosts the store; second in order
-    wait_for(lambda: _listening(port), 30, "the store host to listen")
+    wait_for(lambda: listening(port), 30, "the store host to listen")
     trainer = launcher.start(args, extra_env={"GROUP_RANK": "0"})
     wait_for(lambda: read_events(logs, "spare_waiting") or spare.poll() is not None, 60, "the spare parking")
     # at once: a spare has no launch to leave the CPU to
@@ -277,8 +270,8 @@ def test_a_hot_spare_node_keeps_warm_reserves_and_takes_over_with_them(launcher,
     for p in node_tree(trainer.pid):
         p.kill()  # the training node is lost: agent, monitors, ranks, reserves
     trainer.communicate()
-    wait_for(lambda: len(started(logs, 1)) == 2 or spare.poll() is not None, 60, "the spare training")
-    assert all(r["warm"] for r in started(logs, 1).values()), started(logs, 1)
+    wait_for(lambda: len(ranks_started(logs, 1)) == 2 or spare.poll() is not None, 60, "the spare training")
+    assert all(r["warm"] for r in ranks_started(logs, 1).values()), ranks_started(logs, 1)
     log = logs / "cycle_1" / "rank_0.log"
     wait_for(lambda: "resumed from step" in log.read_text() or spare.poll() is not None, 60, "the resume")
     spare.send_signal(signal.SIGTERM)

@@ -71,8 +71,8 @@ def peers_lost(dead: list) -> Failure:
 
 
 def rank_request(rank: int, node: str, node_id: str, request: dict) -> Optional[Failure]:
-    """Global rank `rank` on `node` sent `request` ({action, description}, rank_monitor.rank_side.client's
-    WorkloadControlRequest); None for Continue (nothing to do: the caller says so)."""
+    """Global rank `rank` on `node` sent `request` ({action, description}, rank_monitor.workload_requests'
+    WorkloadControlRequest, from rank_side.nvrx_api); None for Continue (nothing to do: the caller says so)."""
     action, asked = request_words(rank, node, request)
     fields = {"rank": rank, "action": action, "description": request["description"]}
     if action == "ShutdownWorkload":

@@ -17,7 +17,7 @@ PROG = "ft_launcher report"
 
 
 def main(argv: Sequence[str]) -> int:
-    from ft_launcher.cli import UsageError, _Parser
+    from ft_launcher.flags import UsageError, _Parser
 
     parser = _Parser(prog=PROG, description="An HTML report (timeline, goodput, incidents, timeout changes) "
                      "of a job from its log dirs, and a summary on the console.")

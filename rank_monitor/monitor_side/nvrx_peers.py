@@ -10,7 +10,7 @@ its cause and logged in one line, and nothing of it is acted on.
 
 A connection that sends InitMsg becomes the rank's client session (one from a new incarnation
 replaces it). From then on the monitor writes the record's client words as the rank's own client
-would, with the same section objects (rank_side.client.bound_section): a SectionMsg opens or
+would, with the same section objects (rank_side.sections.bound_section): a SectionMsg opens or
 closes its section the moment it arrives, a HeartbeatMsg is a heartbeat, and an UpdateConfigMsg's
 calculated timeouts become the record's overrides, enforced no lower than calc_timeout_floor (as
 our client's computed ones). So hang detection, the statistics behind computed timeouts and
@@ -28,7 +28,7 @@ connector: the request goes into the record's request words, where the agent rea
 own client (agent.recovery.supervisor), and is answered b"ok".
 
 When the rank's own client already writes the record, an NVRx session is answered but not
-monitored (one line); when an NVRx session does, our client is a no-op (rank_side.client says so).
+monitored (one line); when an NVRx session does, our client is a no-op (rank_side.shm_attachment says so).
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ from typing import Dict, List, Optional
 
 from ft_launcher.rank_monitor import nvrx_wire as W
 from ft_launcher.rank_monitor import shm_layout as L
-from ft_launcher.rank_monitor.rank_side.client import _beat, _pid_alive, bound_section
+from ft_launcher.rank_monitor.rank_side.sections import _beat, bound_section
+from ft_launcher.rank_monitor.rank_side.shm_attachment import _pid_alive
 from ft_launcher.rank_monitor.workload_requests import WorkloadAction
 
 log = logging.getLogger("rank_monitor")

@@ -35,7 +35,7 @@ def report(exc: BaseException) -> bool:
     """Put `exc` in the rank's record and wake the agent; False outside ft_launcher."""
     from ft_launcher.rank_monitor.rank_side import inprocess
     from ft_launcher.rank_monitor import shm_layout as L
-    from ft_launcher.rank_monitor.rank_side.client import _ATT
+    from ft_launcher.rank_monitor.rank_side.shm_attachment import _ATT
 
     if _ATT.mode == "attached":
         mm, words = _ATT.mm, _ATT.words

@@ -104,7 +104,7 @@ def on_teardown(fn: Callable[[], None]) -> None:
 
 def _record():
     """(mm, words) of the rank's record, or None outside ft_launcher."""
-    from ft_launcher.rank_monitor.rank_side.client import _ATT
+    from ft_launcher.rank_monitor.rank_side.shm_attachment import _ATT
 
     if not _ATT.ensure():
         return None
@@ -224,7 +224,7 @@ class _Run:
         if rec is None or threading.current_thread() is not threading.main_thread() or not _install():
             return self.fn(*self.args, **self.kwargs)
         mm, words = rec
-        from ft_launcher.rank_monitor.rank_side.client import _ATT
+        from ft_launcher.rank_monitor.rank_side.shm_attachment import _ATT
 
         restart_watcher.start()
         exit_settle.install()   # the rank's end: torch's threads finish with Python before it finalizes

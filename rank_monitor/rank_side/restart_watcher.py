@@ -93,7 +93,7 @@ def last_act() -> dict:
 
 
 def _serve(fd: int) -> None:
-    from ft_launcher.rank_monitor.rank_side.client import DUMP_SIGNAL
+    from ft_launcher.rank_monitor.rank_side.shm_attachment import DUMP_SIGNAL
     from ft_launcher.rank_monitor.rank_side.inprocess import IN_PLACE_SIGNAL
 
     # The main thread must take these: the restart signal interrupts its blocked system calls, and

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -140,6 +141,10 @@ for step in range(start, args.steps):
     if fault_here(args.exclude, step):
         client.send_workload_control_request(
             WorkloadControlRequest(WorkloadAction.ExcludeThisNode, "test: this node's NIC is failing"))
+        # held here until its agent stops it: a rank that trained on could write a checkpoint and
+        # ft_state.json first (a race), and the spare's run would then depend on who won it
+        while True:
+            time.sleep(1)
     g = torch.Generator().manual_seed(step * 10 + rank)
     loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
     opt.zero_grad()
