@@ -11,9 +11,10 @@ has already dropped a tensor the collective holds (`DTensor.full_tensor()`'s all
 torch keeps that tensor's Python object alive from C++, so the worker takes the GIL to free it
 (`~AsyncAllgatherCoalescedWork` -> `TensorImpl::decref_pyobject`). When the script's last
 collective completes a few milliseconds (CPython's switch interval) before the interpreter's end,
-the worker asks for the GIL as the main thread starts to finalize. On this 2-core host that is
-about 1 rank exit in 25 (bench/exit_race.py), and a kept rank of an in-place restart was lost so
-in 1 run of 3 of tests/test_buddy_copy.py's two-node case: the job then ended with exit 1.
+the worker asks for the GIL as the main thread starts to finalize. On this 2-core host that was
+3 of 160 gloo FSDP rank exits (bench/exit_race.py; none of 160 with the settle), and a kept rank of
+an in-place restart was lost so in 1 run of 3 of tests/test_buddy_copy.py's two-node case: the job
+then ended with exit 1.
 
 What it does (`install()`, once per process; rank_side.inprocess and the client's attach call it):
 an atexit handler, which runs after the script's own code and before finalization, first runs the
