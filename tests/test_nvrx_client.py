@@ -54,27 +54,50 @@ def close(a, b):
 
 
 # ---- NVRx 0.4.1's own examples ------------------------------------------------------------------
-# Each epoch must outlast the examples' fault delay (the given one plus up to 4 s, unseeded), so
-# the fault always lands in the epoch after the one that arms it and the run after the restart
-# (one epoch left) finishes before its own fault fires.
+# How the examples simulate a fault (_setup_simulated_fault): at the end of an epoch (the sections
+# example's first; the heartbeats example's first once its heartbeat timeouts are computed, at
+# epoch 1's second step) the example arms a thread that sleeps `delay + 4 * random()` seconds
+# (unseeded) and then sends SIGSTOP (rank_hung) or SIGKILL (rank_killed) to a random rank; when
+# training ends first, the fault is cancelled and the job simply completes. The restarted run arms
+# again after its first epoch. So, with `--epochs` one more than the arming epoch:
+# - the epoch after the arming one must outlast FAULT_DELAY + 4 s on any machine that runs this:
+#   the train sets make each epoch about 10 s on this project's 2 cores (2.3 times the longest delay;
+#   a single run, unloaded: 3.1 ms a heartbeats step, 3.8 ms a sections step, 4 samples a rank);
+# - the restarted run has that one epoch left, arms after it and cancels at once: FAULT_DELAY > 0
+#   keeps its thread asleep until then.
 EXAMPLE_ARGS = ["--device", "cpu", "--hidden", "32", "--batch", "4", "--val_dataset_size", "16",
-                "--logging_interval", "100000"]
+                "--logging_interval", "100000", "--log_all_ranks"]   # all ranks: the armed rank says so
+FAULT_DELAY = 0.25
+SECTIONS_TRAIN_SET, HEARTBEATS_TRAIN_SET = 21000, 26000   # samples: 2 ranks x 4 a step
 
 
 def run_example(launcher, tmp_path, script, yaml, fault, epochs, dataset, out, name, extra=()):
     logs = tmp_path / f"logs_{name}"
+    simulated = ["--simulated_fault", f"{fault},{FAULT_DELAY}"] if fault else []
     res = launcher.run(["--standalone", "--nproc-per-node", 2, "--max-restarts", 3, "--log-dir", logs,
                         "--ft-cfg-path", os.path.join(EXAMPLES, yaml), "--ft-calc-timeout-floor", 2,
                         os.path.join(EXAMPLES, script), *EXAMPLE_ARGS, "--epochs", epochs,
-                        "--train_dataset_size", dataset, "--output_dir", out, "--simulated_fault", f"{fault},0",
-                        *extra], timeout=200)
+                        "--train_dataset_size", dataset, "--output_dir", out, *simulated, *extra], timeout=200)
     assert res.returncode == 0, res.stderr[-4000:]
     return res, logs
 
 
+def armed_faults(stderr):
+    """[(fault, target rank, delay s)] as the examples' rank that is to fail logs them."""
+    return [(m.group(1), int(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"Selected fault=(\w+); target rank=(\d+); delay=([0-9.]+)", stderr)]
+
+
 def assert_caught_and_recovered(res, logs, fault):
+    """The fault armed in cycle 0 fired in training, our monitors caught it through NVRx's
+    client, and the restarted job completed; returns the hang or failure event."""
     said = res.stderr[-3000:]
+    armed = armed_faults(res.stderr)
+    assert armed and armed[0][0] == fault, said
+    _, target, delay = armed[0]
     starts = read_events(logs, "cycle_start")
+    assert len(starts) != 1, (f"the example's {fault} (rank {target}, {delay:.2f} s after it was armed) was "
+                              f"cancelled: training ended first; its epochs are too short on this machine\n{said}")
     assert len(starts) == 2 and read_events(logs)[-1]["kind"] == "job_complete", said
     if fault == "rank_hung":
         hangs = read_events(logs, "hang")
@@ -82,14 +105,15 @@ def assert_caught_and_recovered(res, logs, fault):
         return hangs[0]
     failure = read_events(logs, "failure")[0]
     assert failure["cycle"] == 0 and failure["detail"]["exitcode"] == -signal.SIGKILL, (failure, said)
+    assert failure["rank"] == target, (failure, armed, said)   # the rank the example killed
     assert not read_events(logs, "hang"), said
     return failure
 
 
-def test_nvrx_sections_example_through_a_hang_then_a_kill_with_its_timeouts_kept(launcher, tmp_path):
+def test_nvrx_sections_example_through_a_hang_with_its_timeouts_kept(launcher, tmp_path):
     out = tmp_path / "out"
     res, logs = run_example(launcher, tmp_path, "train_ddp_sections_api.py", "fault_tol_cfg_sections.yaml",
-                            "rank_hung", 2, 4000, out, "hung")
+                            "rank_hung", 2, SECTIONS_TRAIN_SET, out, "hung")
     hang = assert_caught_and_recovered(res, logs, "rank_hung")
     # caught by a timeout NVRx's client computed in cycle 0 and sent to our monitor (the YAML's
     # 'step' is 10 s, 'checkpoint' 30 s, out of section 30 s), enforced no lower than the floor (2 s)
@@ -103,11 +127,12 @@ def test_nvrx_sections_example_through_a_hang_then_a_kill_with_its_timeouts_kept
     sent = set_timeouts_lines(res.stderr)
     assert {rank for rank, _ in sent} == {0, 1}
 
-    # the next run (a fresh checkpoint, the same ft_state.json): NVRx's client loads the timeouts
-    # back, and the first thing each rank sends our monitor is exactly what the file holds
+    # the next run (a fresh checkpoint, the same ft_state.json; no fault, so short epochs do):
+    # NVRx's client loads the timeouts back, and the first thing each rank sends our monitor is
+    # exactly what the file holds
     res, logs = run_example(launcher, tmp_path, "train_ddp_sections_api.py", "fault_tol_cfg_sections.yaml",
-                            "rank_killed", 2, 4000, out, "killed", extra=["--checkpoint_fname", "second.pt"])
-    assert_caught_and_recovered(res, logs, "rank_killed")
+                            None, 2, 800, out, "next", extra=["--checkpoint_fname", "second.pt"])
+    assert len(read_events(logs, "cycle_start")) == 1 and read_events(logs)[-1]["kind"] == "job_complete"
     first = {rank: values for rank, values in reversed(set_timeouts_lines(res.stderr))}
     expected = calculated(state)
     for rank in (0, 1):
@@ -116,14 +141,22 @@ def test_nvrx_sections_example_through_a_hang_then_a_kill_with_its_timeouts_kept
 
 
 @pytest.mark.slow
+def test_nvrx_sections_example_through_a_kill(launcher, tmp_path):
+    res, logs = run_example(launcher, tmp_path, "train_ddp_sections_api.py", "fault_tol_cfg_sections.yaml",
+                            "rank_killed", 2, SECTIONS_TRAIN_SET, tmp_path / "out", "killed")
+    assert_caught_and_recovered(res, logs, "rank_killed")
+
+
+@pytest.mark.slow
 def test_nvrx_heartbeats_example_through_a_hang_and_a_kill(launcher, tmp_path):
     out = tmp_path / "out"
     res, logs = run_example(launcher, tmp_path, "train_ddp_heartbeats_api.py", "fault_tol_cfg_heartbeats.yaml",
-                            "rank_hung", 3, 6000, out, "hung")
+                            "rank_hung", 3, HEARTBEATS_TRAIN_SET, out, "hung")
     hang = assert_caught_and_recovered(res, logs, "rank_hung")
     assert hang["detail"]["reason"] == "heartbeat" and 2.0 <= hang["detail"]["timeout"] < 30, hang
     res, logs = run_example(launcher, tmp_path, "train_ddp_heartbeats_api.py", "fault_tol_cfg_heartbeats.yaml",
-                            "rank_killed", 3, 6000, out, "killed", extra=["--checkpoint_fname", "second.pt"])
+                            "rank_killed", 3, HEARTBEATS_TRAIN_SET, out, "killed",
+                            extra=["--checkpoint_fname", "second.pt"])
     assert_caught_and_recovered(res, logs, "rank_killed")
     # the restarted ranks restored the computed heartbeat timeouts from the example's checkpoint
     restored = [values for _, values in set_timeouts_lines(res.stderr) if {"initial", "subsequent"} <= set(values)]
@@ -235,10 +268,12 @@ def wheels(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("last", ["ours", "nvrx"])
-def test_with_both_packages_installed_in_either_order_the_documented_command_runs_ours(tmp_path, wheels, last):
-    """docs/migrating-from-nvrx.md: `ft_launcher` is ours when ft_launcher is installed after
-    NVRx; `ftrun` and `python -m ft_launcher` are ours in either order, and `--version` says
-    when `ft_launcher` on PATH is NVRx's."""
+def test_with_both_packages_installed_in_either_order_the_command_says_which_runs(tmp_path, wheels, last):
+    """docs/migrating-from-nvrx.md, as pip does it: both wheels carry a console script named
+    `ft_launcher`; pip writes the later one over the earlier one without a warning, so the package
+    installed last owns the name. `ftrun` and `python -m ft_launcher` are ours in either order;
+    ours says, in `--version`, when `ft_launcher` on PATH is NVRx's (whose launcher has no
+    `--version`); `pip install --force-reinstall --no-deps ft_launcher` takes the name back."""
     import subprocess
     import sys
 
@@ -247,32 +282,61 @@ def test_with_both_packages_installed_in_either_order_the_documented_command_run
 
     ours, nvrx = wheels
     venv = tmp_path / "venv"
+    # the venv sees this machine's site-packages (torch and the rest, for `--version`)
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], check=True,
                    timeout=120)
     py, bin_dir = venv / "bin" / "python", venv / "bin"
+
+    def install(wheel, *how):
+        res = subprocess.run([sys.executable, "-m", "pip", "--python", py, "--disable-pip-version-check", "install",
+                              "-q", "--no-deps", "--no-index", *how, wheel], capture_output=True, text=True,
+                             timeout=180)
+        assert res.returncode == 0 and "warn" not in res.stderr.lower(), res.stderr
+        assert (venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+                / wheel.name.split("-")[0]).is_dir(), f"{wheel.name} was not installed into the venv"
+
+    # --ignore-installed: installs each wheel into the venv as into a clean environment. Without
+    # it pip skips a wheel whose version the outer site-packages already holds ("already installed
+    # with the same version"), writing no script; NVRx 0.4.1 is installed on the machines that run
+    # this suite, so NVRx's `ft_launcher` would never reach the venv (ours would, as an editable
+    # install always gets reinstalled).
     for wheel in ((nvrx, ours) if last == "ours" else (ours, nvrx)):
-        res = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "--no-index",
-                              wheel], capture_output=True, text=True, timeout=180)
-        assert res.returncode == 0, res.stderr
+        install(wheel, "--ignore-installed")
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     env.pop("PYTHONPATH", None)
 
-    def version(*cmd):
-        res = subprocess.run(list(cmd) + ["--version"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                             timeout=120)
-        assert res.returncode == 0, res.stderr
-        return res.stdout.strip().splitlines()
+    def run(*cmd):
+        return subprocess.run(list(cmd) + ["--version"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
 
-    owner = command_owner(str(bin_dir / "ft_launcher"))
-    assert owner == ("ft_launcher" if last == "ours" else "nvidia-resiliency-ext")
-    for cmd in (["ftrun"], [str(py), "-m", "ft_launcher"]) + ((["ft_launcher"],) if last == "ours" else ()):
-        lines = version(*cmd)
-        assert lines[0] == f"ft_launcher {__version__}"
-        if last == "nvrx":   # says which one `ft_launcher` runs, and how to get ours
-            assert lines[1].startswith(f"note: the `ft_launcher` command on PATH ({bin_dir / 'ft_launcher'}) is "
-                                       "nvidia-resiliency-ext's launcher")
+    def ours_says(*cmd, note):
+        res = run(*cmd)
+        assert res.returncode == 0, res.stderr
+        lines = res.stdout.strip().splitlines()
+        assert lines[0] == f"ft_launcher {__version__}", (cmd, lines)
+        if note:   # says which one `ft_launcher` runs, and how to get ours
+            assert len(lines) == 2 and lines[1].startswith(
+                f"note: the `ft_launcher` command on PATH ({bin_dir / 'ft_launcher'}) is nvidia-resiliency-ext's "
+                "launcher"), lines
         else:
-            assert len(lines) == 1
+            assert len(lines) == 1, lines
+
+    script = bin_dir / "ft_launcher"
+    assert command_owner(str(script)) == ("ft_launcher" if last == "ours" else "nvidia-resiliency-ext")
+    for cmd in (["ftrun"], [str(py), "-m", "ft_launcher"]):
+        ours_says(*cmd, note=last == "nvrx")
+    if last == "ours":
+        ours_says("ft_launcher", note=False)
+        return
+    # NVRx's launcher runs: it has no --version, and answers with its usage (exit 2)
+    res = run("ft_launcher")
+    assert res.returncode == 2 and f"ft_launcher {__version__}" not in res.stdout, (res.stdout, res.stderr)
+    assert res.stderr.strip().splitlines()[-1] == (
+        "ft_launcher: error: the following arguments are required: training_script, training_script_args"), res.stderr
+    # the migration page's way to take the name back
+    install(ours, "--force-reinstall")
+    assert command_owner(str(script)) == "ft_launcher"
+    ours_says("ft_launcher", note=False)
 
 
 def test_version_says_when_ft_launcher_on_path_is_nvrx(tmp_path):
