@@ -371,14 +371,28 @@ class BuddyCopy:
     def close(self, join_for: float = 0.0) -> None:
         """The cycle ends (a restart's teardown or the job's end): the exchange in flight, if any,
         is left to fail with the group (at most `join_for` s waited for); the mappings go with
-        the thread's end."""
+        the thread's end. One still running is kept in LEFT: the rank's end waits for it (join_left)."""
         ex, self.pending = self.pending, None
         self.on = False
         if ex is not None:
             ex.join(join_for)
             if ex.is_alive():
+                LEFT.append(ex)
                 return   # its slots stay mapped until the process ends (never unmapped under a copy)
         self.slots.close()
+
+
+LEFT: List[_Exchange] = []   # exchanges a cycle's end left running (close): their threads are inside torch
+
+
+def join_left(timeout: float) -> None:
+    """Wait, at most `timeout` s in all, for the exchanges a cycle's end left running."""
+    deadline = time.monotonic() + timeout
+    while LEFT:
+        LEFT[0].join(max(0.0, deadline - time.monotonic()))
+        if LEFT[0].is_alive():
+            return
+        LEFT.pop(0)
 
 
 def _older(slots) -> S.Slot:

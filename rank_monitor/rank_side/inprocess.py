@@ -36,6 +36,10 @@ step), the restart signal waits: the handler only notes it (and NCCL's abort wai
 the commit's end acts on it, so a step is either wholly done or not begun. A rank whose function
 raised by itself (IP_FAILED) is marked suspect for the next call's `LiveState.restore`.
 
+At the rank's end (the function returned, the script goes on to exit) rank_side.exit_settle lets
+torch's threads finish what still needs Python before the interpreter finalizes: a gloo worker that
+frees a finished collective's tensors then would abort a rank whose training completed.
+
 Outside ft_launcher, or when the launcher's restart granularity is `job`, it only calls the function.
 SystemExit and KeyboardInterrupt pass through; so does an exception when no in-process restart can
 follow (the agent then ends the rank and restarts it the usual way).
@@ -54,7 +58,7 @@ import traceback
 from typing import Callable, Optional
 
 from ft_launcher.rank_monitor import peer_sockets
-from ft_launcher.rank_monitor.rank_side import dtensor_cycle, restart_watcher
+from ft_launcher.rank_monitor.rank_side import dtensor_cycle, exit_settle, restart_watcher
 from ft_launcher.rank_monitor import shm_layout as L
 
 ENV_WAKE_FD = "FT_LAUNCHER_WAKE_FD"            # the agent's wake pipe (write end), inherited
@@ -224,6 +228,7 @@ class _Run:
         from ft_launcher.rank_monitor.rank_side.shm_attachment import _ATT
 
         restart_watcher.start()
+        exit_settle.install()   # the rank's end: torch's threads finish with Python before it finalizes
 
         # What exists before the first call (torch, every import) leaves the garbage collector's
         # view, as in a warm reserve: the full collection at each restart then costs ~1 ms instead

@@ -59,7 +59,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ft_launcher.rank_monitor.rank_side import buddy_copy, comm_backend, gpu_commit, inprocess
+from ft_launcher.rank_monitor.rank_side import buddy_copy, comm_backend, exit_settle, gpu_commit, inprocess
 from ft_launcher.rank_monitor.rank_side import live_objects as O
 from ft_launcher.rank_monitor.rank_side import live_wire as W
 from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer, Plan, plan_recovery
@@ -68,6 +68,7 @@ from ft_launcher.rank_monitor import shm_layout as L
 
 NOT_HELD = -1
 RNG = "_rng"
+EXIT_JOIN_S = 10.0   # seconds the rank's end waits for a buddy exchange still in flight
 
 # Why a rank offers nothing in the step exchange (column STATUS of _Row).
 HOLDS, NEW, NONE, SUSPECT, REFUSED = 0, 1, 2, 3, 4
@@ -276,6 +277,7 @@ class LiveState:
         self._buddy = _REG.buddy = buddy_copy.BuddyCopy(self._buddy_every, self._buddy_limit, prefix)
         self._buddy.setup(cycle)
         _drain_before_destroy()
+        exit_settle.before_exit(_drain_at_exit)
         return self._buddy
 
     def _completed(self, step: int) -> None:
@@ -611,6 +613,15 @@ def _drain_before_destroy() -> None:
     destroy_process_group._ft_drains = True
     destroy_process_group.__wrapped__ = original
     dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
+
+
+def _drain_at_exit() -> None:
+    """The rank's end (rank_side.exit_settle), for a script that never destroys its process group:
+    the buddy exchange in flight, and any a restart left running, end first. Their threads wait
+    inside torch with the GIL released; one that returned while the interpreter finalizes would
+    abort the process."""
+    teardown_buddy(join_for=EXIT_JOIN_S)
+    buddy_copy.join_left(EXIT_JOIN_S)
 
 
 def teardown_buddy(join_for: float = 0.0) -> None:

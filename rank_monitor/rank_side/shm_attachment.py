@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 from ft_launcher.rank_monitor import flight_recorder
 from ft_launcher.rank_monitor import shm_layout as L
-from ft_launcher.rank_monitor.rank_side import import_record
+from ft_launcher.rank_monitor.rank_side import exit_settle, import_record
 from ft_launcher.rank_monitor.rank_side.warn_once import _warn
 
 if TYPE_CHECKING:
@@ -101,6 +101,7 @@ class _Attachment:
         words[L.H_CLIENT_STATE] = 1
         self.mode = "attached"
         flight_recorder.start_from_env(block=(DUMP_SIGNAL,))   # the job-wide flight-recorder dump on a hang
+        exit_settle.install()   # the rank's end: torch's threads finish with Python before it finalizes
         for sec in self.sections.values():   # objects made before attaching (none usually)
             sec._bind(self)
         os.register_at_fork(after_in_child=_after_fork_in_child)
