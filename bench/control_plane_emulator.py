@@ -17,6 +17,9 @@ it sent and received; the host's CPU from /proc):
                     one reports it, the policy decides, the bell wakes everybody, all rejoin)
   store host lost   the store's process is SIGKILLed -> every survivor knows its ranks on the
                     successor store (failover, a new store, a new round)
+and for each phase the CPU every process of the emulation used (the store's and the agents'),
+per agent and as a share of this machine's cores over the phase: near 100 % the phase's time is
+this machine's CPU, not the protocol (a cluster runs each agent on its own node).
 With --torch it runs the same round with torch's c10d rendezvous (DynamicRendezvousHandler on
 C10dRendezvousBackend, one handler and one TCPStore client per agent, threads of the same
 processes): round 0 (last join -> every agent's next_rendezvous returned; its store calls and
@@ -419,6 +422,16 @@ class Run:
                                                                "again": "ok", "exit": "bye"}[cmd])))
         return out
 
+    def cpu(self) -> float:
+        """CPU seconds used so far by every process of the run (the store host's and the agents')."""
+        total = 0.0
+        for p, _ in self.children + ([(self.host, None)] if self.kind == "torch" else []):
+            try:
+                total += _cpu(p.pid)
+            except (OSError, ValueError):
+                pass
+        return total
+
     def go(self):
         for p, c in self.children:
             c.send(("go", None))
@@ -474,13 +487,23 @@ class _PhaseFailed(Exception):
     pass
 
 
+def _busy(run: Run, res: dict, name: str, cpu0: float, t0: float, t1: float, n: int) -> None:
+    """The CPU all the run's processes used from t0 (wall) to now: per agent, and as a share of the
+    machine's cores over [t0, t1]."""
+    used = run.cpu() - cpu0
+    res[name + "_cpu_per_agent_ms"] = 1000 * used / n
+    res[name + "_cores_busy"] = used / max(1e-6, (t1 - t0) * (os.cpu_count() or 1))
+
+
 def _round0(run: Run, res: dict, n: int) -> None:
     cpu0, before = _cpu(run.host.pid), run.stats()
+    all0, t0 = run.cpu(), time.time()
     run.go()
     rows, errors = run.wait_round(0, n)
     if errors:
         raise _PhaseFailed(errors[0])
     res["join_to_known"] = max(k for _, k in rows) - max(j for j, _ in rows)
+    _busy(run, res, "round0", all0, t0, max(k for _, k in rows), n)
     time.sleep(0.5)
     res["round_calls"], res["round_bytes"] = _diff(run.stats(), before)
     res["round_host_cpu"] = _cpu(run.host.pid) - cpu0
@@ -498,6 +521,7 @@ def _idle(run: Run, res: dict, n: int, seconds: float) -> None:
 def _node_lost(run: Run, res: dict, n: int, again: bool) -> None:
     """The last agent in order dies (a worker process's); the survivors' next round."""
     before, cpu0 = run.stats(), _cpu(run.host.pid)
+    all0 = run.cpu()
     t_kill = min(t for t in run.ask("kill", n - 1) if t)
     if again:   # torch: the survivors' ranks failed with it: every handler rendezvouses again
         run.ask("again")
@@ -505,6 +529,7 @@ def _node_lost(run: Run, res: dict, n: int, again: bool) -> None:
     if errors:
         raise _PhaseFailed(errors[0])
     res["node_lost_to_round"] = max(k for _, k in rows) - t_kill
+    _busy(run, res, "node_lost", all0, t_kill, max(k for _, k in rows), n)
     steps = {}
     for part in run.ask("marks", 1):
         for name, (lo, hi) in part.get("steps", {}).items():
@@ -518,12 +543,14 @@ def _node_lost(run: Run, res: dict, n: int, again: bool) -> None:
 
 def _store_lost(run: Run, res: dict, n: int) -> None:
     before = run.stats(skip_host=True)
+    all0 = run.cpu()
     t_kill = time.time()
     os.kill(run.host.pid, signal.SIGKILL)
     rows, errors = run.wait_round(2, n - 2, skip_host=True)
     if errors:
         raise _PhaseFailed(errors[0])
     res["store_lost_to_round"] = max(k for _, k in rows) - t_kill
+    _busy(run, res, "store_lost", all0, t_kill, max(k for _, k in rows), n)
     res["failover_calls"], res["failover_bytes"] = _diff(run.stats(skip_host=True), before)
 
 
@@ -553,6 +580,10 @@ def line(r: dict) -> str:
             f" {f('node_round_calls', '{:d}')} calls, {mb('node_round_bytes')}, host cpu {f('node_round_host_cpu')}s")
     if r["kind"] == "ours":
         text += f" | store lost->successor round {f('store_lost_to_round')}s, {mb('failover_bytes')}"
+    busy = [f"{phase} {r[phase + '_cores_busy']:.0%} ({r[phase + '_cpu_per_agent_ms']:.2f} ms/agent)"
+            for phase in ("round0", "node_lost", "store_lost") if phase + "_cores_busy" in r]
+    if busy:
+        text += " | cores busy: " + ", ".join(busy)
     if "error" in r:
         text += f"  ERROR: {r['error'][:300]}"
     return text

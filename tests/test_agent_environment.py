@@ -166,6 +166,7 @@ def _frozen(pid):
         os.rmdir(group)
 
 
+@pytest.mark.slow   # long (10-40 s); the default suite keeps a shorter test of the same path
 def test_a_rank_sigkill_cannot_end_makes_its_node_leave_in_one_line(launcher, tmp_path):
     if not os.access(os.path.join(FREEZER, "cgroup.procs"), os.W_OK):
         pytest.skip("needs a writable cgroup-v1 freezer hierarchy (root)")

@@ -253,6 +253,7 @@ def _example(launcher, tmp_path, name, *fault):
     return json.loads(state.read_text()), res.stderr
 
 
+@pytest.mark.slow   # long (10-40 s); the default suite keeps a shorter test of the same path
 def test_a_caught_hang_teaches_the_timeouts_nothing(launcher, tmp_path):
     """The hung occurrence (here a rank that SIGSTOPs itself inside step 60, as a simulated rank_hung
     does, resumed by its monitor for the stack dump, so that it does close the section), and what

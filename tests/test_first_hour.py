@@ -79,6 +79,7 @@ def _readme_command(marker, doc="docs/simulated-faults.md"):
     return shlex.split(line)[1:]
 
 
+@pytest.mark.slow   # long (10-40 s); the default suite keeps a shorter test of the same path
 def test_readme_rank_hung_example_fires_is_caught_and_resumes(launcher, tmp_path):
     args = _readme_command("rank_hung")
     script = args.index("examples/ddp_train.py")

@@ -378,7 +378,8 @@ def check_live(job, reference, fault_rank, resume):
     return live
 
 
-@pytest.mark.parametrize("fault_rank", [pytest.param(3, marks=pytest.mark.slow), 0], ids=["rank3", "rank0"])
+@pytest.mark.parametrize("fault_rank", [pytest.param(3, marks=pytest.mark.slow), pytest.param(0, marks=pytest.mark.slow)],
+                         ids=["rank3", "rank0"])   # by default: test_live_exact's killed rank 0
 def test_a_killed_rank_heals_from_a_peer_and_the_job_loses_no_step(launcher, tmp_path, reference, fault_rank):
     job = Job(launcher, tmp_path, "2x2", job_args=["--live"] + LIVE_JOB + [
         "--fail-at-step", FAULT_STEP, "--fail-rank", fault_rank]).launch()

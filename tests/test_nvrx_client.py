@@ -110,6 +110,7 @@ def assert_caught_and_recovered(res, logs, fault):
     return failure
 
 
+@pytest.mark.slow   # long (10-40 s); the default suite keeps a shorter test of the same path
 def test_nvrx_sections_example_through_a_hang_with_its_timeouts_kept(launcher, tmp_path):
     out = tmp_path / "out"
     res, logs = run_example(launcher, tmp_path, "train_ddp_sections_api.py", "fault_tol_cfg_sections.yaml",

@@ -296,6 +296,7 @@ def test_nvrx_sections_script_keeps_its_computed_timeouts_through_a_hang_and_a_k
     assert err.count(") sent Continue (done): nothing to do") == 2
 
 
+@pytest.mark.slow   # long (10-40 s); the default suite keeps a shorter test of the same path
 def test_nvrx_heartbeat_script_keeps_its_computed_timeouts_through_a_hang_and_a_kill(launcher, tmp_path):
     logs, out, hang, err = run_through_hang_and_kill(launcher, tmp_path, "nvrx_heartbeat_train.py", HEARTBEAT_YAML)
     assert hang["detail"]["reason"] == "heartbeat" and hang["detail"]["timeout"] < 30

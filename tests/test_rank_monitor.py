@@ -230,6 +230,7 @@ def test_a_rank_warning_is_said_once_per_agent_not_per_cycle(launcher, tmp_path)
     assert len([l for l in said if "'checkpointing'" in l]) == 1, said
 
 
+@pytest.mark.slow   # long (10-40 s); the default suite keeps a shorter test of the same path
 def test_section_timeouts_for_a_script_without_sections_are_said_to_protect_nothing(launcher, tmp_path):
     """A script that never enters a section, under --ft-rank-section-timeouts step:2: one line
     (per agent, not per rank) says that the section timeouts do nothing for it."""

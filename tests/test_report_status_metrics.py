@@ -513,6 +513,7 @@ def test_goodput_counts_only_steps_never_redone(launcher, tmp_path):
     assert f"goodput {job.goodput * 100:.1f}%" in res.stdout and f"{redone} steps (" in res.stdout, res.stdout
 
 
+@pytest.mark.slow   # long (10-40 s); the default suite keeps a shorter test of the same path
 def test_incident_of_a_simulated_hang_says_what_the_console_says(launcher, tmp_path):
     """A rank SIGSTOPped in step 60 (as a simulated rank_hung: placed by step, since a fault timed from
     the start landed in setup on a busy machine): the incident names the rank the agent blamed on its

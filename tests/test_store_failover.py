@@ -79,6 +79,7 @@ def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_pat
     assert "(restart 1/1)" in outs[1], outs[1][-3000:]
 
 
+@pytest.mark.slow   # long (10-40 s); the default suite keeps a shorter test of the same path
 def test_store_host_paused_for_good_the_survivors_end_with_their_own_code(launcher, tmp_path):
     """The store host is paused (SIGSTOP) and stays paused: the survivor and the spare fail over
     and finish. Their first watcher is still inside a torch store call to the paused host, which

@@ -116,6 +116,7 @@ def test_example_resumes_exactly_from_warm_reserves(launcher, tmp_path):
     assert final["checksum"] == clean["checksum"]
 
 
+@pytest.mark.slow   # long (10-40 s); the default suite keeps a shorter test of the same path
 def test_reserve_killed_or_stalled_while_warming_is_never_used_and_the_restart_goes_cold(launcher, tmp_path):
     """The ranks import a library (tests/warm_lib/slowwarm) that takes 600 s to import in a
     reserve: every reserve is stuck warming. One is SIGKILLed, the next ones stall past
