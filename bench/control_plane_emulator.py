@@ -487,12 +487,12 @@ class _PhaseFailed(Exception):
     pass
 
 
-def _busy(run: Run, res: dict, name: str, cpu0: float, t0: float, t1: float, n: int) -> None:
-    """The CPU all the run's processes used from t0 (wall) to now: per agent, and as a share of the
-    machine's cores over [t0, t1]."""
-    used = run.cpu() - cpu0
+def _busy(run: Run, res: dict, name: str, cpu0: float, t0: float, n: int) -> None:
+    """The CPU all the run's processes used from t0 (wall) to now (a phase and the fraction of a
+    second its end took to be seen): per agent, and as a share of the machine's cores."""
+    used, now = run.cpu() - cpu0, time.time()
     res[name + "_cpu_per_agent_ms"] = 1000 * used / n
-    res[name + "_cores_busy"] = used / max(1e-6, (t1 - t0) * (os.cpu_count() or 1))
+    res[name + "_cores_busy"] = used / max(1e-6, (now - t0) * (os.cpu_count() or 1))
 
 
 def _round0(run: Run, res: dict, n: int) -> None:
@@ -503,7 +503,7 @@ def _round0(run: Run, res: dict, n: int) -> None:
     if errors:
         raise _PhaseFailed(errors[0])
     res["join_to_known"] = max(k for _, k in rows) - max(j for j, _ in rows)
-    _busy(run, res, "round0", all0, t0, max(k for _, k in rows), n)
+    _busy(run, res, "round0", all0, t0, n)
     time.sleep(0.5)
     res["round_calls"], res["round_bytes"] = _diff(run.stats(), before)
     res["round_host_cpu"] = _cpu(run.host.pid) - cpu0
@@ -529,7 +529,7 @@ def _node_lost(run: Run, res: dict, n: int, again: bool) -> None:
     if errors:
         raise _PhaseFailed(errors[0])
     res["node_lost_to_round"] = max(k for _, k in rows) - t_kill
-    _busy(run, res, "node_lost", all0, t_kill, max(k for _, k in rows), n)
+    _busy(run, res, "node_lost", all0, t_kill, n)
     steps = {}
     for part in run.ask("marks", 1):
         for name, (lo, hi) in part.get("steps", {}).items():
@@ -550,7 +550,7 @@ def _store_lost(run: Run, res: dict, n: int) -> None:
     if errors:
         raise _PhaseFailed(errors[0])
     res["store_lost_to_round"] = max(k for _, k in rows) - t_kill
-    _busy(run, res, "store_lost", all0, t_kill, max(k for _, k in rows), n)
+    _busy(run, res, "store_lost", all0, t_kill, n)
     res["failover_calls"], res["failover_bytes"] = _diff(run.stats(skip_host=True), before)
 
 
