@@ -449,6 +449,7 @@ def _progress_steps(progress_dir):
     return out
 
 
+@pytest.mark.slow   # long (16 s); by default test_steps_redone_follow_the_checkpoint_resumed_from_on_every_restart_path counts the same steps
 def test_goodput_counts_only_steps_never_redone(launcher, tmp_path):
     """Goodput = seconds in completed `step` sections never redone / (ranks x wall time). A fault-free
     job: its whole time in step. A job whose rank 0 dies in step 137 (checkpoint every 50): the 36
