@@ -294,6 +294,11 @@ class NodeAgent:
             except Stopped:  # a signal during one of the round's store waits
                 self._check_signal(rnd)  # tells the other nodes, stops the ranks, raises Shutdown
                 raise
+            except (StoreLost, StoreReplaced):
+                raise
+            except RendezvousError:   # the round ends without a verdict (one that never came): a store
+                self._leave(rnd)      # host stays up until the others have ended theirs the same way
+                raise
             self.life.to(NodeState.RESTARTING if verdict.restart else NodeState.STOPPING, verdict.kind)
             if not verdict.restart:
                 self._leave(rnd)

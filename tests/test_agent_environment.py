@@ -192,7 +192,10 @@ def test_a_rank_sigkill_cannot_end_makes_its_node_leave_in_one_line(launcher, tm
 def test_a_verdict_that_never_comes_ends_the_wait_after_close_timeout(launcher, tmp_path):
     """The deciding node won the round's interrupt and died before writing the verdict (here:
     the test writes the interrupt of a node that does not exist). Each agent waits close_timeout,
-    not a hard-coded 60 s, and exits 1 with one line naming the node."""
+    not a hard-coded 60 s, and exits 1 with one line naming the node. The other node hears of the
+    interrupt 1.5 s later than the store host (it is paused meanwhile): the store host, whose wait
+    ends first, keeps the store up until the other has ended its own, so that one says the same
+    line instead of losing the store."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -208,9 +211,14 @@ def test_a_verdict_that_never_comes_ends_the_wait_after_close_timeout(launcher, 
     agents.append(launcher.start(args, extra_env={"GROUP_RANK": "1"}))
     wait_for(lambda: all((out / f"rank_{r}.txt").exists() for r in (0, 1)), 60, "both nodes to run their ranks")
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-    store.compare_set("ft/vd/r0/interrupt", "",
-                      json.dumps({"kind": "failure", "what": "a fault", "node_id": "gone-node", "reporter": "x"}))
-    started = time.monotonic()
+    os.kill(agents[1].pid, signal.SIGSTOP)
+    try:
+        store.compare_set("ft/vd/r0/interrupt", "",
+                          json.dumps({"kind": "failure", "what": "a fault", "node_id": "gone-node", "reporter": "x"}))
+        started = time.monotonic()
+        time.sleep(1.5)   # the fault: the other node is paused this long
+    finally:
+        os.kill(agents[1].pid, signal.SIGCONT)
     errs = [_finish(agent, 20, "an agent still waits for the verdict") for agent in agents]
     del store
     assert time.monotonic() - started < 15
