@@ -188,6 +188,8 @@ class StoreClient:
         self._expect: List[str] = []        # answers due in order after a get_async ("get", "pong")
         self._tick: Optional[Callable[[], None]] = None   # called between a wait's slices
         self._said_slow = False
+        self._owed: List[Callable[[], object]] = []   # answers of calls a stop ended, still to come
+        self._journal: Optional[bytearray] = None     # what an answer being read has taken so far
         self.last_heard = time.monotonic()  # when the store last sent us a byte (or we connected)
         self._sent_at = 0.0                 # when we last sent it a request
 
@@ -315,7 +317,7 @@ class StoreClient:
                 pass
             except OSError as exc:
                 raise self._lost(f"the store's connection failed: {exc.strerror or exc}", _how(exc)) from None
-            if self.stop is not None:
+            if self.stop is not None and len(view) == len(data):   # never a request half sent
                 self.stop()
             if time.monotonic() - since > self.unresponsive:
                 raise self._lost(f"the store has not taken our {what} for {self.unresponsive:g}s", "unresponsive")
@@ -366,6 +368,8 @@ class StoreClient:
         self._need(n, what)
         out = bytes(self._buf[:n])
         del self._buf[:n]
+        if self._journal is not None:
+            self._journal += out
         return out
 
     def _take_vec(self, what: str) -> bytes:
@@ -388,6 +392,7 @@ class StoreClient:
             self._check_usable()
             if self._waiting:
                 raise StoreError("a wait is outstanding on this connection")
+            self._settle_owed()
             self._drain_pings(method)
             self._send(request, method)
             nbytes = len(request)
@@ -395,9 +400,33 @@ class StoreClient:
                 self._count_msg(method, nbytes)
                 return None
             before = self._rx - len(self._buf)
-            result = read()
+            result = self._answer(read)
             self._count_msg(method, nbytes + self._rx - len(self._buf) - before)
             return result
+
+    def _answer(self, read: Callable[[], object], front: bool = False):
+        """`read()` the answer of a request sent. A stop (a signal) that ends it midway puts back
+        what it had taken and leaves the answer owed: the next call reads it first, so that it
+        never takes another call's answer for its own (the signal still ends this call at once)."""
+        self._journal = bytearray()
+        try:
+            return read()
+        except StoreUnreachable:
+            raise
+        except BaseException:
+            self._buf[:0] = self._journal
+            if front:
+                self._owed.insert(0, read)
+            else:
+                self._owed.append(read)
+            raise
+        finally:
+            self._journal = None
+
+    def _settle_owed(self) -> None:
+        """Read (and drop) the answers of calls a stop ended, oldest first."""
+        while self._owed:
+            self._answer(self._owed.pop(0), front=True)
 
     # ---- torch's TCPStore API --------------------------------------------------------------
     def set(self, key: str, value) -> None:
@@ -481,6 +510,7 @@ class StoreClient:
         request = bytes([WAIT]) + _Q.pack(len(keys)) + b"".join(_key(k) for k in keys)
         with self._lock:
             self._check_usable()
+            self._settle_owed()
             self._drain_pings("wait")
             self._send(request, "wait")
             nbytes = len(request) + 1
@@ -584,6 +614,7 @@ class StoreClient:
         call until then, except `ping_async`."""
         with self._lock:
             self._check_usable()
+            self._settle_owed()
             self._drain_pings("wait")
             request = bytes([WAIT]) + _Q.pack(len(keys)) + b"".join(_key(k) for k in keys)
             self._send(request, "wait")
@@ -617,6 +648,7 @@ class StoreClient:
             self._check_usable()
             if self._waiting:
                 raise StoreError("a wait is outstanding on this connection")
+            self._settle_owed()
             request = bytes([GET]) + _key(key)
             self._send(request, "get")
             self._count_msg("get", len(request))
