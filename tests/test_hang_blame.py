@@ -336,7 +336,8 @@ def test_the_report_names_the_rank_that_hung_even_when_a_victims_monitor_fired_f
                   ev(3.8, "cycle_start", cycle=1, world_size=2), ev(4.0, "stepping", cycle=1)]
         inc = report.analyse(["x"], sorted(events, key=lambda e: e["time"]), [], []).incidents[0]
         assert inc.rank == 1, inc
-        assert inc.what == what + "; rank 0 was waiting on it (by their stacks: inside a collective)", inc.what
+        assert inc.what == what + ("; rank 0 was waiting on it (stack dumps: the waiting ranks are inside a collective, "
+                                   "the hung are not)"), inc.what
     # the verdict without evidence blames nobody: the first hang, as before
     nobody = ev(3.5, "hang_blame", culprits=[], victims=[], evidence="none")
     events = [ev(0, "cycle_start", world_size=2), hang0, nobody,

@@ -7,12 +7,13 @@ and the granularity allows it); a rank that fails again at once in the same slot
 node where failures keep beginning leaves when a spare can take its place; a straggler leaves when
 a spare can take its place; a node's leaving is an exclusion, or a stop when too few can remain; a
 failure after too many cycles without progress stops the job; the restart budget; the verdict's
-JSON round trip.
+JSON round trip. And a hang inside a cycle (`judge_hang`): which hung ranks are culprits and which
+only waited on them, from the flight recorder or the stacks, and when it is worth waiting.
 """
 import pytest
 
-from ft_launcher.agent.recovery.restart_policy import (NODE_FAILURE_LIMIT, PolicyInputs, RestartPolicy, RoundFacts,
-                                                       Verdict)
+from ft_launcher.agent.recovery.restart_policy import (NODE_FAILURE_LIMIT, HangEvidence, PolicyInputs, RestartPolicy,
+                                                       RoundFacts, Verdict, judge_hang, waiting_words)
 
 NODES = ["node-a", "node-b", "node-c"]
 
@@ -176,3 +177,46 @@ def test_the_same_error_again_before_any_progress_stops_the_job_with_the_budget_
     assert again.detail["failure"] == failure(1)["what"]
     assert decide(RestartPolicy(5, identical_failure_limit=3), 1, 1, PolicyInputs(repeats=[0])).restart
     assert decide(RestartPolicy(5), 1, 1, PolicyInputs(repeats=[0])).restart   # 0: off
+
+
+FR = {"evidence": "flight recorder", "culprits": [1], "victims": [0, 2, 3], "collective": "allreduce", "sequence": 7}
+
+
+def test_a_hang_is_judged_from_the_flight_recorder_first_then_the_stacks():
+    # a cycle that cannot restart in place: every hung rank stops, nothing to tell
+    verdict, quiet = judge_hang(HangEvidence(world=4, late=False, in_place=False))
+    assert quiet and verdict["culprits"] == [] and "does not restart in place" in verdict["why"]
+    # the flight recorder, complete: culprit 1 reported its hang, victims released at once
+    verdict, quiet = judge_hang(HangEvidence(world=4, late=False, in_place=True, hung={0, 1}, flight_recorder=True,
+                                             fr=dict(FR), fr_complete=True))
+    assert not quiet and (verdict["culprits"], verdict["victims"]) == ([1], [0, 2, 3])
+    assert waiting_words(verdict) == ("; ranks 0, 2, 3 were waiting on it (flight recorder: the hung never joined "
+                                      "allreduce (sequence 7))")
+    # the dumps on their way: wait; incomplete dumps blaming a rank that did not report: not sure
+    assert judge_hang(HangEvidence(world=4, late=False, in_place=True, hung={0}, flight_recorder=True)) is None
+    ev = HangEvidence(world=2, late=True, in_place=True, hung={0}, flight_recorder=True, fr=dict(FR),
+                      stacks={0: "wait"})
+    verdict, _ = judge_hang(ev)
+    assert verdict["culprits"] == [] and verdict["why"].startswith("the flight recorder found no collective")
+    # the stacks: a rank running outside a collective hung, the waiting one is its victim
+    stacks = {0: "wait", 1: "run"}
+    assert judge_hang(HangEvidence(world=3, late=False, in_place=True, hung={0, 1}, stacks=stacks)) is None  # rank 2?
+    verdict, _ = judge_hang(HangEvidence(world=2, late=False, in_place=True, hung={0, 1}, stacks=stacks))
+    assert (verdict["evidence"], verdict["culprits"], verdict["victims"]) == ("stacks", [1], [0])
+    # every stack waits (or none does): no evidence, every hung rank is stopped
+    verdict, _ = judge_hang(HangEvidence(world=2, late=True, in_place=True, hung={0, 1}, stacks={0: "wait", 1: "wait"}))
+    assert verdict["culprits"] == [] and verdict["why"] == "every hung rank's stack waits inside a collective"
+
+
+def test_victims_are_released_only_when_every_culprit_will_be_stopped():
+    # culprit 3 did not report a hang and is not on the deciding node: wait, then stop everyone
+    ev = HangEvidence(world=4, late=False, in_place=True, mine={0, 1}, hung={0, 2}, flight_recorder=True,
+                      fr=dict(FR, culprits=[3], victims=[0, 1, 2]), fr_complete=True)
+    assert judge_hang(ev) is None
+    ev.late = True
+    verdict, _ = judge_hang(ev)
+    assert verdict["culprits"] == [] and "blames rank(s) 3, whose monitor did not report a hang in time" in verdict["why"]
+    # ... unless the culprit is on the deciding node, which kills it
+    ev.mine = {2, 3}
+    verdict, _ = judge_hang(ev)
+    assert verdict["culprits"] == [3] and verdict["victims"] == [0, 1, 2]

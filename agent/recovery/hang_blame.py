@@ -15,8 +15,10 @@ regardless; also when its agent is gone). The agents decide from evidence, in th
    backward pass, where DDP's reducer waits for its all-reduce) is a victim, any other a culprit;
 3. else (no evidence, or it blames nobody): every rank whose monitor fired is stopped, as before.
 
-One agent decides per cycle: the first to report a hang claims `r<c>/blame/decider`, decides
-within BLAME_WAIT seconds of its report (at once when the evidence is complete) and writes
+The judgement is the restart policy's (agent.recovery.restart_policy.judge_hang: pure, tested
+without a store); this module gathers its evidence and carries it out. One agent runs it per
+cycle: the first to report a hang claims `r<c>/blame/decider`, asks it until it answers (at the
+latest BLAME_WAIT seconds after its report; at once when the evidence is complete) and writes
 `r<c>/blame/verdict`; every agent with a hung rank reads it and tells its monitors: stop the
 culprits, release the victims (they then restart in place like the healthy ranks of a kill, and
 their monitors leave them alone). A culprit whose own monitor has not fired yet is killed by its
@@ -38,6 +40,7 @@ import signal
 import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
+from ft_launcher.agent.recovery.restart_policy import HangEvidence, evidence_words, judge_hang, waiting_words
 from ft_launcher.rank_monitor import flight_recorder as FR
 
 BLAME_WAIT = 0.6    # seconds after the deciding agent's first hang report until it decides regardless
@@ -198,6 +201,7 @@ class HangBlame:
         self.stacks: Dict[int, Optional[bool]] = {}   # global rank -> stack_waits (this node's)
         self.killed: Set[int] = set()            # local ranks this agent killed as culprits
         self.fr: Optional[dict] = None           # the flight recorder's finding, {} when undecided
+        self.fr_complete = False                 # every rank's dump was in when it was read
 
     def end_cycle(self) -> None:
         self.number = None
@@ -301,61 +305,35 @@ class HangBlame:
     def words(self, rank: int) -> str:
         """For the culprit's failure line: who waited on it, and the evidence."""
         v = self.verdict if self.number is not None else None
-        if not v or rank not in v.get("culprits", []) or not v.get("victims"):
+        if not v or rank not in v.get("culprits", []):
             return ""
-        victims = v["victims"]
-        return (f"; rank{'s' if len(victims) > 1 else ''} {', '.join(map(str, victims))} "
-                f"{'were' if len(victims) > 1 else 'was'} waiting on it ({_evidence(v)})")
+        return waiting_words(v)
 
     # ---- the deciding agent -------------------------------------------------------------------
     def _decide(self, final: bool) -> None:
-        late = final or time.monotonic() >= self.first + BLAME_WAIT
-        c = self.store.client
-        if not self.in_place_possible():
-            return self._publish({"evidence": "none", "why": "the cycle does not restart in place",
-                                  "culprits": [], "victims": []}, quiet=True)
-        hung = {int(x) for x in _items(c.get(self._k("hung")) if c.check([self._k("hung")]) else b"")}
-        if self.flight_recorder and self.fr is None:
-            fr_key = self.store.key(f"r{self.number}/fr/")
-            if c.check([fr_key + "all_done"]) or late:
-                dumps = {r: c.get(f"{fr_key}dump/{r}") for r in range(self.world)
-                         if c.check([f"{fr_key}dump/{r}"])}
-                self.fr = (from_flight_recorder(dumps, self.world) or {}) if dumps else {}
-                if not c.check([fr_key + "all_done"]) and self.fr:   # incomplete: only where it is sure
-                    self.fr = self.fr if set(self.fr["culprits"]) <= hung else {}
-        if self.fr:
-            return self._publish_if_stoppable(dict(self.fr), hung, late)
-        if self.flight_recorder and self.fr is None and not late:
-            return   # the dumps are on their way
-        stacks = {}
-        for item in _items(c.get(self._k("stacks")) if c.check([self._k("stacks")]) else b""):
-            rank, _, how = item.partition(":")
-            stacks[int(rank)] = how
-        known = [r for r in hung if r in stacks]
-        if not late and (len(known) < self.world):
-            return
-        culprits = sorted(r for r in known if stacks[r] != "wait")
-        victims = sorted(r for r in known if stacks[r] == "wait")
-        if culprits and victims:
-            return self._publish_if_stoppable({"evidence": "stacks", "culprits": culprits, "victims": victims},
-                                              hung, late)
-        why = ("every hung rank's stack waits inside a collective" if victims else
-               "no hung rank's stack waits inside a collective" if culprits else "no stack dump")
-        if self.flight_recorder:
-            why = "the flight recorder found no collective some ranks never joined; " + why
-        self._publish({"evidence": "none", "why": why, "culprits": [], "victims": []})
-
-    def _publish_if_stoppable(self, verdict: dict, hung: Set[int], late: bool) -> None:
-        """Release victims only when every culprit will be stopped: it reported its hang, or it
-        is on this node (killed here)."""
-        mine = set(self.local_ranks())
-        unstopped = [r for r in verdict["culprits"] if r not in hung and r not in mine]
-        if not unstopped:
-            return self._publish(verdict)
-        if late:
-            self._publish({"evidence": "none", "culprits": [], "victims": [],
-                           "why": f"{_evidence(verdict)} blames rank(s) {', '.join(map(str, unstopped))}, "
-                                  f"whose monitor did not report a hang in time"})
+        """Gather the evidence from the store and ask the policy's judgement (judge_hang)."""
+        ev = HangEvidence(world=self.world, late=final or time.monotonic() >= self.first + BLAME_WAIT,
+                          in_place=self.in_place_possible(), mine=set(self.local_ranks()),
+                          flight_recorder=self.flight_recorder)
+        if ev.in_place:
+            c = self.store.client
+            ev.hung = {int(x) for x in _items(c.get(self._k("hung")) if c.check([self._k("hung")]) else b"")}
+            if self.flight_recorder and self.fr is None:
+                fr_key = self.store.key(f"r{self.number}/fr/")
+                complete = bool(c.check([fr_key + "all_done"]))
+                if complete or ev.late:
+                    dumps = {r: c.get(f"{fr_key}dump/{r}") for r in range(self.world)
+                             if c.check([f"{fr_key}dump/{r}"])}
+                    self.fr = (from_flight_recorder(dumps, self.world) or {}) if dumps else {}
+                    self.fr_complete = complete
+            ev.fr, ev.fr_complete = self.fr, self.fr_complete
+            if not (ev.fr and (ev.fr_complete or set(ev.fr["culprits"]) <= ev.hung)):   # judge_hang's test
+                for item in _items(c.get(self._k("stacks")) if c.check([self._k("stacks")]) else b""):
+                    rank, _, how = item.partition(":")
+                    ev.stacks[int(rank)] = how
+        judged = judge_hang(ev)
+        if judged is not None:
+            self._publish(*judged)
 
     def _publish(self, verdict: dict, quiet: bool = False) -> None:
         verdict["decided_after"] = round(time.monotonic() - self.first, 3)
@@ -366,7 +344,7 @@ class HangBlame:
         if quiet:   # a full restart follows whoever hung: nothing to tell
             return
         if v.get("culprits"):
-            message = (f"hang blame ({_evidence(v)}): rank{'s' if len(v['culprits']) > 1 else ''} "
+            message = (f"hang blame ({evidence_words(v)}): rank{'s' if len(v['culprits']) > 1 else ''} "
                        f"{', '.join(map(str, v['culprits']))} hung; "
                        + (f"rank{'s' if len(v['victims']) > 1 else ''} {', '.join(map(str, v['victims']))} "
                           f"only waited on it and restart{'' if len(v['victims']) > 1 else 's'} in place"
@@ -374,11 +352,3 @@ class HangBlame:
         else:
             message = f"hang blame: no evidence tells culprit from victim ({v.get('why')}): every hung rank is stopped"
         self.events.event("hang_blame", message, cycle=self.number, **{k: x for k, x in v.items()})
-
-
-def _evidence(v: dict) -> str:
-    if v.get("evidence") == "flight recorder":
-        return f"flight recorder: the hung never joined {v.get('collective')} (sequence {v.get('sequence')})"
-    if v.get("evidence") == "stacks":
-        return "stack dumps: the waiting ranks are inside a collective, the hung are not"
-    return v.get("evidence", "?")

@@ -38,6 +38,11 @@ R's failure began), `r<R>/progress` / `r<R>/progress_unknown` (agent.recovery.pr
 `slow/<node>` (agent.observation.stragglers). The same policy says whether a failure could restart
 in place now (`in_place_possible`, asked by the hang blame) and whether too few nodes can remain
 (`too_few_left`: a joining node's check, a leaving node's).
+
+A hang inside a cycle is judged here too: `judge_hang(evidence)` says which hung ranks are the
+culprits (stopped) and which only waited on them (victims, released to restart in place), from
+the flight recorder's finding or the stack dumps (agent.recovery.hang_blame gathers the evidence
+in the store, runs the judgement on the node that claimed the cycle's blame, and writes it).
 """
 from __future__ import annotations
 
@@ -176,6 +181,80 @@ class PolicyInputs:
     def progressed(self, back: int) -> bool:
         """Did round (this one - back) make progress?"""
         return back < len(self.progress) and self.progress[back] == "progress"
+
+
+@dataclasses.dataclass
+class HangEvidence:
+    """What the hang blame knows when it asks `judge_hang` (agent.recovery.hang_blame)."""
+
+    world: int                         # the cycle's ranks
+    late: bool                         # the blame's wait is over (or the cycle ends): decide with what is known
+    in_place: bool                     # a failure of this cycle would restart in place
+    mine: Set[int] = dataclasses.field(default_factory=set)        # the deciding node's ranks (it kills its culprits)
+    hung: Set[int] = dataclasses.field(default_factory=set)        # ranks whose monitor reported a hang
+    stacks: Dict[int, str] = dataclasses.field(default_factory=dict)   # rank -> "wait" | "run" | "?" (stack dumps)
+    flight_recorder: bool = False      # the job gathers flight-recorder dumps
+    fr: Optional[dict] = None          # their finding (culprits, victims, ...); {} none; None not read yet
+    fr_complete: bool = False          # every rank's dump was in when it was read
+
+
+def judge_hang(ev: HangEvidence) -> Optional[Tuple[dict, bool]]:
+    """The hang blame's verdict, (verdict, quiet), or None while more evidence is worth waiting
+    for. The verdict names `culprits` (stopped) and `victims` (released: they restart in place);
+    both empty means every hung rank is stopped, with the `why`. `quiet`: nothing to tell (a
+    full restart follows whoever hung). Victims are released only when every culprit will be
+    stopped: it reported its hang, or it is on the deciding node (killed there)."""
+    if not ev.in_place:
+        return {"evidence": "none", "why": "the cycle does not restart in place", "culprits": [], "victims": []}, True
+    fr = ev.fr
+    if fr and not ev.fr_complete and not set(fr["culprits"]) <= ev.hung:
+        fr = {}   # incomplete dumps decide only where they are sure
+    if fr:
+        return _if_stoppable(dict(fr), ev)
+    if ev.flight_recorder and ev.fr is None and not ev.late:
+        return None   # the dumps are on their way
+    known = [r for r in ev.hung if r in ev.stacks]
+    if not ev.late and len(known) < ev.world:
+        return None
+    culprits = sorted(r for r in known if ev.stacks[r] != "wait")
+    victims = sorted(r for r in known if ev.stacks[r] == "wait")
+    if culprits and victims:
+        return _if_stoppable({"evidence": "stacks", "culprits": culprits, "victims": victims}, ev)
+    why = ("every hung rank's stack waits inside a collective" if victims else
+           "no hung rank's stack waits inside a collective" if culprits else "no stack dump")
+    if ev.flight_recorder:
+        why = "the flight recorder found no collective some ranks never joined; " + why
+    return {"evidence": "none", "why": why, "culprits": [], "victims": []}, False
+
+
+def _if_stoppable(verdict: dict, ev: HangEvidence) -> Optional[Tuple[dict, bool]]:
+    unstopped = [r for r in verdict["culprits"] if r not in ev.hung and r not in ev.mine]
+    if not unstopped:
+        return verdict, False
+    if not ev.late:
+        return None
+    return {"evidence": "none", "culprits": [], "victims": [],
+            "why": f"{evidence_words(verdict)} blames rank(s) {', '.join(map(str, unstopped))}, "
+                   f"whose monitor did not report a hang in time"}, False
+
+
+def evidence_words(v: dict) -> str:
+    """What decided a hang verdict, in words."""
+    if v.get("evidence") == "flight recorder":
+        return f"flight recorder: the hung never joined {v.get('collective')} (sequence {v.get('sequence')})"
+    if v.get("evidence") == "stacks":
+        return "stack dumps: the waiting ranks are inside a collective, the hung are not"
+    return v.get("evidence", "?")
+
+
+def waiting_words(verdict: dict) -> str:
+    """'; rank 0 was waiting on it (evidence)': a hang verdict's victims and what decided, for the
+    culprit's failure line and the report's incident (one wording for both)."""
+    victims = verdict.get("victims") or []
+    if not victims:
+        return ""
+    return (f"; rank{'s' if len(victims) > 1 else ''} {', '.join(map(str, victims))} "
+            f"{'were' if len(victims) > 1 else 'was'} waiting on it ({evidence_words(verdict)})")
 
 
 class RestartPolicy:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Tuple
 
 from ft_launcher.agent.recovery.failure_cause import hang_place
-from ft_launcher.agent.recovery.restart_policy import rung_words
+from ft_launcher.agent.recovery.restart_policy import rung_words, waiting_words  # noqa: F401 - one wording
 
 if TYPE_CHECKING:
     from ft_launcher.report.analysis import Incident, Job
@@ -30,19 +30,6 @@ def live_words(live: dict) -> str:
     rate = f" at {live['mb_per_s']:g} MB/s" if live.get("mb_per_s") else ""
     return (f"live state: resumed at step {live['resume_step']}, {live.get('steps_redone', 0)} completed "
             f"step(s) redone; {sources or 'every rank kept its state'}{rate}")
-
-
-def waiting_words(blame: dict) -> str:
-    """'; rank 0 was waiting on it (...)': the victims of a hang blame verdict, and its evidence."""
-    victims = blame.get("victims") or []
-    if not victims:
-        return ""
-    how = ("the flight recorder: they had entered " + str(blame.get("collective", "a collective"))
-           if blame.get("evidence") == "flight recorder" else
-           "their stacks: inside a collective" if blame.get("evidence") == "stacks" else str(blame.get("evidence")))
-    many = len(victims) > 1
-    return (f"; rank{'s' if many else ''} {', '.join(map(str, victims))} {'were' if many else 'was'} waiting on it "
-            f"(by {how})")
 
 
 def hang_words(hang: dict) -> Tuple[str, str]:

@@ -59,10 +59,6 @@ def boolean(key: str, value: Any, source: str) -> bool:
     raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
 
 
-FAULT_TYPES = ("rank_hung", "rank_killed", "random")
-RESTART_GRANULARITIES = ("auto", "rank", "node", "job")
-
-
 def _choice(key: str, value: Any, source: str, choices) -> str:
     text = str(value).strip()
     if text not in choices:
