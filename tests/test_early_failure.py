@@ -7,10 +7,13 @@ is not taken: the restart starts cold) is in test_warm_reserves.
 import os
 import signal
 
+import pytest
+
 from conftest import read_events, wait_for
 from harness import Job, progress, ranks_started
 
 
+@pytest.mark.slow   # the early-failure rung's other tests and the starved-reserve test (test_warm_reserves) take a warming reserve
 def test_an_early_kill_takes_the_reserve_still_warming(launcher, tmp_path, reference):
     job = Job(launcher, tmp_path, "1x2", ["--ft-rank-section-timeouts", "setup:60,step:30,checkpointing:30"]).launch()
     # rank 1 has stepped and its slot's reserve has started, but it is not ready yet

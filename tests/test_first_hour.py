@@ -104,6 +104,7 @@ def test_a_fault_planned_after_the_end_of_the_job_says_so(launcher, tmp_path):
     assert [e["kind"] for e in read_events(tmp_path / "logs")][-1] == "fault_not_injected"
 
 
+@pytest.mark.slow   # CI's first command runs the README's job
 def test_readme_first_command_is_quiet_and_a_rerun_says_the_run_is_finished(launcher, tmp_path):
     """The README's first command shows the point: rank 1 hangs in a step, its monitor finds it,
     dumps its stack, and the job resumes from its checkpoint and finishes, in well under a minute."""

@@ -62,6 +62,7 @@ def test_without_a_log_dir_the_line_names_dumps_that_outlive_the_launcher(launch
         shutil.rmtree(run_dir, ignore_errors=True)   # what the operator would read, then remove
 
 
+@pytest.mark.slow   # test_hang_dumps_every_rank_and_names_the_collective_never_joined gathers through the store
 def test_two_agents_gather_every_nodes_dump_through_the_store(launcher, tmp_path):
     logs = tmp_path / "logs"   # one log dir for both agents, as on a shared filesystem
     port = free_port()

@@ -96,6 +96,7 @@ def test_in_place_restart(launcher, tmp_path, reference, fault, phase, topology)
         assert "(an exception); noticed by the rank itself" in incident[0], res.stdout
 
 
+@pytest.mark.slow   # the policy's granularity rules: tests/test_restart_policy.py
 def test_node_granularity_replaces_the_failed_node_and_keeps_the_other(launcher, tmp_path, reference):
     job = run_faulty(launcher, tmp_path, "2x2", "killed", "step", 3, ft_args=["--ft-restart-granularity", "node"])
     evs = check_in_place(job, reference, healthy=[0, 1], replaced=[2, 3])

@@ -43,12 +43,16 @@ def run(job):
 
 @pytest.mark.parametrize("fault", ["killed", pytest.param("raised", marks=pytest.mark.slow)])
 def test_rng_state_is_kept_and_a_replaced_rank_receives_it_from_its_peer(launcher, tmp_path, fault):
-    """killed: rank 0 dies at the start of step 17; the job resumes at 16, rank 0 is a new process
-    and receives model, optimizer and RNG state from rank 1. raised: rank 1 raises at the end of
+    """killed: rank 0 dies at the start of step 17 (every rank held 0.5 s after step 16's
+    commit); the job resumes at 16, rank 0 is a new process and receives model, optimizer and RNG state from rank 1. raised: rank 1 raises at the end of
     step 17 (after its commit; every rank holds 0.5 s there first, as in test_live_state); its
     state is suspect, the job resumes at 17 and rank 1 receives it from rank 0."""
     if fault == "killed":
-        fault_rank, resume, args = 0, FAULT_STEP - 1, ["--fail-at-step", FAULT_STEP, "--fail-rank", 0]
+        # every rank holds 0.5 s after its commit of step 16: rank 1 has committed it when rank 0
+        # dies (on a busy machine it was once still before that commit: the job then rightly
+        # resumed at 15, exact all the same, and this test's resume step raced)
+        fault_rank, resume = 0, FAULT_STEP - 1
+        args = ["--fail-at-step", FAULT_STEP, "--fail-rank", 0, "--hold", "step:0.5", "--hold-step", FAULT_STEP - 1]
     else:
         fault_rank, resume = 1, FAULT_STEP
         args = ["--raise-in", "step", "--hold", "step:0.5", "--hold-step", FAULT_STEP, "--fail-rank", 1]

@@ -65,6 +65,7 @@ def test_bad_operations_settings_are_one_line_errors(launcher, tmp_path, flag, v
 STRAGGLER = ["--ft-straggler-window", "0.5", "--ft-straggler-windows", "2"]
 
 
+@pytest.mark.slow   # the detection itself: tests/test_stragglers.py
 def test_a_slow_rank_is_reported_as_a_straggler_naming_rank_node_and_ratio(launcher, tmp_path):
     first, second, logs = two_agents(launcher, tmp_path, "2", ["--steps", 40, "--step-time", 0.05,
                                                                "--slow-rank", 1, "--slow-time", 0.15],

@@ -190,6 +190,7 @@ def test_without_the_launcher_every_call_is_a_no_op_after_one_warning(tmp_path):
     assert len(progress(tmp_path, 0)) == 20
 
 
+@pytest.mark.slow   # a killed monitor's replacement runs by default
 def test_a_stalled_monitor_is_replaced_and_its_rank_restarted(launcher, tmp_path):
     """A SIGSTOPped monitor is alive but protects nothing: the agent must notice it stopped
     ticking, replace it and restart the rank it was guarding."""

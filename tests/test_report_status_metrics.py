@@ -244,6 +244,7 @@ def _events(dirs, kind):
     return [e for d in dirs for e in read_events(d, kind)]
 
 
+@pytest.mark.slow   # status, metrics and report each have a shorter default test
 def test_status_metrics_and_report_of_a_running_2x2_job(launcher, tmp_path):
     """2 agents x 2 ranks, one log dir per agent (as under SLURM without a shared dir), computed
     timeouts on, a simulated kill of rank 3 (node 1): status and /metrics read while the job runs

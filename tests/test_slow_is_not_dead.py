@@ -10,6 +10,8 @@ this machine, ranks that do not import torch (tests/scripts/cycle_sleeper.py).
 import os
 import time
 
+import pytest
+
 from conftest import SCRIPTS, free_port, node_tree, read_events, wait_for
 from harness import listening, paused, sleepers_with_spare
 
@@ -22,6 +24,7 @@ def _pause(pid, seconds):
         time.sleep(seconds)   # the pause itself is the fault: nothing to await
 
 
+@pytest.mark.slow   # a paused store told from a dead one: tests/test_store_client.py
 def test_a_paused_store_host_and_a_paused_agent_lose_no_node(launcher, tmp_path):
     port = free_port()
     logs, out = tmp_path / "logs", tmp_path / "ranks"

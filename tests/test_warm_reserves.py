@@ -248,6 +248,7 @@ def test_no_python_has_no_reserves_and_says_so(launcher, tmp_path):
     assert "program rank 1" in result.stdout
 
 
+@pytest.mark.slow   # a spare taking over runs by default (test_operations)
 def test_a_hot_spare_node_keeps_warm_reserves_and_takes_over_with_them(launcher, tmp_path):
     """--nnodes 1:2: the spare parks with warm reserves; when the training node dies, the spare's
     ranks start from them."""
