@@ -17,6 +17,7 @@ behind) are tests/harness.py's.
 import io
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -92,8 +93,36 @@ def node_tree(pid):
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def _ephemeral_range():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low, high = map(int, fh.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(following: int = 3) -> int:
+    """A free port P whose next `following` ports are free too (a store failover hosts on P+1,
+    P+2, ...), below the kernel's ephemeral range: no outgoing connection takes P+k as its local
+    port while the test runs (one did in CI, and the successor could not host)."""
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low - following)
+        socks = []
+        try:
+            for p in range(port, port + following + 1):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    with socket.socket() as s:   # no luck below the range: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -13,6 +13,7 @@ Slow (the example DDP job, tests/harness.py's Job, checked against a fault-free 
   and when the old host resumes it finds the successor and stops its ranks (exit 1).
 """
 import signal
+import socket
 import time
 
 import psutil
@@ -57,6 +58,31 @@ def _reserves_ready(job):
     ready = read_events(job.logs, "reserve_ready")
     spare = read_events(job.logs, "spare_waiting")[0]["node"]
     return all(len({e["detail"]["local_rank"] for e in ready if e["node"] == node}) == 2 for node in (1, spare))
+
+
+def test_a_successor_that_cannot_host_is_skipped_and_everyone_reaches_the_next(launcher, tmp_path):
+    # The first successor's port (rdzv port + 1) is the local port of another connection: it
+    # cannot host, and moves on at once. The spare, next in order, waits its window for it, then
+    # hosts on port + 2; the first successor must still be waiting for the spare then (CI: it gave
+    # up on the spare exactly when the spare started hosting, and both exited 1).
+    job = sleepers_with_spare(launcher, tmp_path)
+    with socket.socket() as listener, socket.socket() as taken:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        taken.bind(("127.0.0.1", job.port + 1))
+        taken.connect(listener.getsockname())
+        for proc in _tree(job.agents[0].pid):
+            proc.kill()
+        outs = []
+        for proc in job.agents[1:]:
+            _, err = proc.communicate(timeout=60)
+            outs.append(err)
+    job.agents[0].communicate()
+    assert [p.returncode for p in job.agents[1:]] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert f"cannot host the successor store on port {job.port + 1}" in outs[0], outs[0][-3000:]
+    failovers = read_events(job.logs, "store_failover")
+    assert {(e["detail"]["port"], e["detail"]["generation"]) for e in failovers} == {(job.port + 2, 2)}, failovers
+    assert sorted(e["detail"]["hosted_here"] for e in failovers) == [False, True], failovers
 
 
 def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_path):

@@ -15,7 +15,10 @@ port is P uses P, then P+1 after the first failover, P+2 after a second (or when
 successor is unreachable): open P to P+F on every node, F the failovers to survive.
 
 Each survivor goes down the list: the candidate that is itself hosts at once; any other it tries
-to reach for at most REACH_WITHIN seconds before it takes the next one. The successor seeds the
+to reach until (k + 1) x reach_within seconds after it saw the loss, k the candidate's place, then
+takes the next one. The deadlines are the same for every survivor however fast it came down the
+list: a candidate that cannot host (its port taken) moves on at once, and still waits for the next
+candidate as long as that one waits for it. The successor seeds the
 new store (round, restarts used + 1, faults fired, timeouts version) and everybody joins the
 next round there, expecting the other survivors: the round closes as soon as they are all back,
 the spares take the lost node's place, and the ranks restart from their checkpoint. When fewer
@@ -150,6 +153,7 @@ class StoreFailover:
         old = f"{self.store.host}:{self.store.port}"
         self.say(f"{lost}: failing over (successors in order: "
                  f"{', '.join(n.label() for n in cands)})")
+        start, window = time.monotonic(), reach_within(self.cfg)
         for k, cand in enumerate(cands):
             generation = mem.generation + 1 + k
             port = self.port(generation)
@@ -161,10 +165,13 @@ class StoreFailover:
                 self.me.hosts_store = True
                 self._seed(number, used, generation, cand)
             else:
-                client = self._reach(cand.host, port, reach_within(self.cfg))
+                # candidate k is waited for until (k + 1) windows after the loss, whenever this
+                # agent came to it: one that skipped a candidate quickly (its own port taken, say)
+                # still waits for the next as long as that candidate waits for the one before it
+                client = self._reach(cand.host, port, start + (k + 1) * window)
                 if client is None:
                     self.say(f"successor {cand.label()} did not answer at {cand.host}:{port} within "
-                             f"{reach_within(self.cfg):g}s; trying the next")
+                             f"{time.monotonic() - start:.0f}s of the loss; trying the next")
                     continue
                 self.store.adopt(cand.host, port, None, client)
                 self.me.hosts_store = False
@@ -197,9 +204,9 @@ class StoreFailover:
         proto.put("generation", str(generation))
         proto.put("round", str(number))
 
-    def _reach(self, host: str, port: int, within: float) -> Optional[StoreClient]:
-        """A client of the store at host:port once something listens there, or None after `within` s."""
-        deadline = time.monotonic() + within
+    def _reach(self, host: str, port: int, deadline: float) -> Optional[StoreClient]:
+        """A client of the store at host:port once something listens there, or None at `deadline`
+        (time.monotonic())."""
         while time.monotonic() < deadline:
             self.store.check_stop()
             try:
