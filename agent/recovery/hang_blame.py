@@ -327,7 +327,7 @@ class HangBlame:
                     self.fr = (from_flight_recorder(dumps, self.world) or {}) if dumps else {}
                     self.fr_complete = complete
             ev.fr, ev.fr_complete = self.fr, self.fr_complete
-            if not (ev.fr and (ev.fr_complete or set(ev.fr["culprits"]) <= ev.hung)):   # judge_hang's test
+            if not ev.sure_fr():   # the stacks are read only where the flight recorder cannot decide
                 for item in _items(c.get(self._k("stacks")) if c.check([self._k("stacks")]) else b""):
                     rank, _, how = item.partition(":")
                     ev.stacks[int(rank)] = how

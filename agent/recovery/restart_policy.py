@@ -197,6 +197,12 @@ class HangEvidence:
     fr: Optional[dict] = None          # their finding (culprits, victims, ...); {} none; None not read yet
     fr_complete: bool = False          # every rank's dump was in when it was read
 
+    def sure_fr(self) -> dict:
+        """The flight recorder's finding where it can decide: from every rank's dump, or from
+        some when every culprit it names reported its hang; else {}."""
+        fr = self.fr or {}
+        return fr if fr and (self.fr_complete or set(fr["culprits"]) <= self.hung) else {}
+
 
 def judge_hang(ev: HangEvidence) -> Optional[Tuple[dict, bool]]:
     """The hang blame's verdict, (verdict, quiet), or None while more evidence is worth waiting
@@ -206,9 +212,7 @@ def judge_hang(ev: HangEvidence) -> Optional[Tuple[dict, bool]]:
     stopped: it reported its hang, or it is on the deciding node (killed there)."""
     if not ev.in_place:
         return {"evidence": "none", "why": "the cycle does not restart in place", "culprits": [], "victims": []}, True
-    fr = ev.fr
-    if fr and not ev.fr_complete and not set(fr["culprits"]) <= ev.hung:
-        fr = {}   # incomplete dumps decide only where they are sure
+    fr = ev.sure_fr()
     if fr:
         return _if_stoppable(dict(fr), ev)
     if ev.flight_recorder and ev.fr is None and not ev.late:
