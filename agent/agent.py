@@ -50,7 +50,6 @@ from typing import List, Optional
 from ft_launcher.rank_monitor import buddy_store, shm_layout
 from ft_launcher.rank_monitor.agent_side.monitor_handle import MonitorHandle, MonitorStartError
 from ft_launcher.rank_monitor.peer_sockets import ENV_JOB_ADDRS
-from ft_launcher.rank_monitor.monitor_side.server import ENV_HANG_VERDICT
 
 from ft_launcher.agent.observation.events import EventLog
 from ft_launcher.agent.recovery.failure_cause import Failure
@@ -172,7 +171,7 @@ class NodeAgent:
         self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog,  # before monitors, reserves
                                      keep_dir=self._run_dir)
         self.blame = HangBlame(self.events)
-        os.environ[ENV_HANG_VERDICT] = "1"   # our monitors hold a hung rank for the blame verdict
+        os.environ[shm_layout.ENV_HANG_VERDICT] = "1"   # our monitors hold a hung rank for the blame verdict
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         self.ranks.open_monitors(self._run_dir, pool)
         marks["monitors_started"] = time.time()

@@ -29,6 +29,8 @@ ENV_STACK_FILE = "FT_RANK_MONITOR_STACK_FILE"  # stack-dump file template, "{pid
 ENV_CONFIG = "FT_RANK_MONITOR_CONFIG"          # JSON: timeouts the rank was started with
 ENV_LOCAL_RANK = "FT_RANK_MONITOR_LOCAL_RANK"
 ENV_WARNED = "FT_LAUNCHER_WARNED"              # path prefix of the agent's said-once markers
+# ---- environment passed to the rank monitor -------------------------------------------------------
+ENV_HANG_VERDICT = "FT_LAUNCHER_HANG_VERDICT"  # "1": hold a hung rank for the agent's hang-blame verdict
 
 
 def warned_prefix(agent_pid: int) -> str:

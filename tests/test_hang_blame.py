@@ -163,7 +163,7 @@ def _held_rank(launcher, tmp_path, monkeypatch):
     """A monitor with hang blame on (no agent: the test holds its channel) and a rank that hangs in
     'step' (1 s timeout): yields (handle, rank process, monotonic time of the hang report)."""
     from ft_launcher.rank_monitor.config import FaultToleranceConfig
-    from ft_launcher.rank_monitor.monitor_side.server import ENV_HANG_VERDICT
+    from ft_launcher.rank_monitor.shm_layout import ENV_HANG_VERDICT
 
     monkeypatch.setenv(ENV_HANG_VERDICT, "1")
     cfg = FaultToleranceConfig()

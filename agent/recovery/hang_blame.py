@@ -1,7 +1,7 @@
 """Hang blame: which rank hung (the culprit) and which only waited on it (the victims).
 
 When one rank hangs inside a step, its peers block in the same collective and their monitors'
-timers run out too. With hang blame on (the agent sets rank_monitor.monitor_side.server.ENV_HANG_VERDICT for
+timers run out too. With hang blame on (the agent sets rank_monitor.shm_layout.ENV_HANG_VERDICT for
 its monitors), a monitor that finds a hang reports it, dumps the stack and holds the rank for a
 verdict (at most rank_monitor.monitor_side.server.VERDICT_HOLD seconds after the hang, then it stops the rank
 regardless; also when its agent is gone). The agents decide from evidence, in this order:

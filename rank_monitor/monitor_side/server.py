@@ -57,7 +57,6 @@ _mono = time.monotonic_ns
 log = logging.getLogger("rank_monitor")
 
 STACK_TEXT_LIMIT = 64 * 1024
-ENV_HANG_VERDICT = "FT_LAUNCHER_HANG_VERDICT"
 # Seconds after a hang is found until a monitor holding the rank for the agent's verdict stops it
 # regardless (the agent decides within agent.recovery.hang_blame.BLAME_WAIT, well inside this).
 VERDICT_HOLD = 1.0
@@ -125,7 +124,7 @@ class Incident:
         self.deadline = 0
         self.found_ns = _mono()
         self.verdict: Optional[bool] = None   # the agent's: True stop the rank, False release it
-        self.hold = os.environ.get(ENV_HANG_VERDICT) == "1"
+        self.hold = os.environ.get(L.ENV_HANG_VERDICT) == "1"
         self.last_size = -1
         self.stable_since = 0
         self.baseline = 0
