@@ -14,7 +14,7 @@ exactly the model of a run without them. Rank 0 prints `FINAL step=<n> loss=<l> 
 writes final.json into --ckpt-dir; every rank writes final_rank_<r>.json (its replica's checksum).
 
 The test hooks below the loop (cycle 0 only unless said): --fail-at-step (exit at the top of the
-step), --raise-at-step / --hang-at-step (after the step's commit, every rank first holding --hold
+step, every rank first holding --hold seconds after the previous step's commit), --raise-at-step / --hang-at-step (after the step's commit, every rank first holding --hold
 seconds), --die-in-restore R (cycle 1: rank R dies inside restore(), while its objects load),
 --unsendable-scheduler (a schedule that holds a lambda in its state: LiveState refuses it at the
 first commit), --fsdp (the model under torch's fully_shard over every rank, no replicas, without
@@ -233,7 +233,8 @@ class Hooks:
             os._exit(1)
 
     def after_commit(self, step):
-        if self.cycle != 0 or step not in (self.args.raise_at_step, self.args.hang_at_step):
+        before_kill = self.args.fail_at_step is not None and step == self.args.fail_at_step - 1
+        if self.cycle != 0 or (step not in (self.args.raise_at_step, self.args.hang_at_step) and not before_kill):
             return
         end = time.monotonic() + self.args.hold   # every rank completes this step's commit first
         while time.monotonic() < end:

@@ -103,8 +103,9 @@ def check_exact(job, ref, fault_rank, resume, source=None):
 
 # ---- 1. the torchdata loop, each fault at step 137 ---------------------------------------------------
 def test_killed_rank_0_heals_from_its_peer_and_the_loader_continues_exactly(launcher, tmp_path, references):
-    """1 agent x 2 ranks, rank 0 killed at the top of step 137 (its batch not yet drawn; rank 1 has
-    drawn its batch 137 and waits in the all-reduce): rank 1 rolls its loader back to the commit of
+    """1 agent x 2 ranks, rank 0 killed at the top of step 137 (its batch not yet drawn; every rank
+    held 0.5 s after step 136's commit, so rank 1 has committed it: on a busy machine it once had
+    not, and the job rightly resumed at 135; rank 1 has drawn its batch 137 and waits in the all-reduce): rank 1 rolls its loader back to the commit of
     136, rank 0 (a new process) receives model, optimizer, scheduler, loader position and RNG."""
     ref = references.get(launcher, "1x2", [])
     job = LiveJob(launcher, tmp_path, "1x2", job_args=BASE + ["--fail-at-step", FAULT, "--fail-rank", 0])

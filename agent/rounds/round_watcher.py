@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import selectors
 import socket
+import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -34,7 +35,7 @@ from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.rounds import store_threads
 from ft_launcher.agent.rounds.keepalive import AliveListener, watch_connection
 from ft_launcher.agent.rounds.rendezvous import JobStore, _node, gone_after, ping_every
-from ft_launcher.agent.rounds.round_types import NodeInfo, Round
+from ft_launcher.agent.rounds.round_types import NodeInfo, RendezvousError, Round
 from ft_launcher.agent.rounds.store_client import StoreUnreachable
 
 
@@ -52,6 +53,7 @@ class WatchLoop:
         self.watchers: List["RoundWatcher"] = []
         self.halt = False
         self.gap_limit = 3.0
+        self._said: set = set()   # the unexpected errors said once (_guarded)
         self.thread = store_threads.track(threading.Thread(target=self.run, name=name, daemon=True))
 
     def start(self) -> None:
@@ -85,7 +87,7 @@ class WatchLoop:
                 with self._lock:
                     todo, self._todo = self._todo, []
                 for fn in todo:
-                    fn()
+                    self._guarded(fn)
                 for key, mask in events:
                     if key.data is None:
                         try:
@@ -93,9 +95,9 @@ class WatchLoop:
                         except (BlockingIOError, OSError):
                             pass
                     else:
-                        key.data(mask)
+                        self._guarded(key.data, mask)
                 for w in list(self.watchers):
-                    w.tick(time.monotonic())
+                    self._guarded(w.tick, time.monotonic())
         finally:
             for w in list(self.watchers):
                 w._detach()
@@ -105,6 +107,23 @@ class WatchLoop:
                 os.close(self._w)
             except OSError:
                 pass
+
+    def _guarded(self, fn: Callable, *args) -> None:
+        """Run one handler; an error it did not expect is said (once per kind) and the loop goes
+        on: a watcher thread that died would leave its agent deaf to a lost store or peer."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            kind = f"{type(exc).__name__}: {exc}"
+            if kind in self._said:
+                return
+            self._said.add(kind)
+            say = self.watchers[0].store.say if self.watchers else None
+            line = f"the round watcher hit an unexpected error and goes on watching: {kind}"
+            if say is not None:
+                say(line)
+            else:
+                print(f"ft_launcher: {line}", file=sys.stderr, flush=True)
 
     def register(self, fileobj, events: int, handler) -> None:
         try:
@@ -132,6 +151,7 @@ class RoundWatcher:
                  listener: Optional[AliveListener] = None, loop: Optional[WatchLoop] = None):
         self.s = store.new_client(label="watcher", stop=False)
         self.news = None        # the head's connection for late joiners (opened when at the head)
+        self._at_head = False   # this node is at the head of the watched round's order
         self._late_seen = 0
         self._next_news = 0.0
         self.news_every = cfg.conf("keep_alive_interval")
@@ -224,16 +244,17 @@ class RoundWatcher:
         oldest = self.s.oldest_ping
         due = [oldest + self.ping_every, oldest + self.unresponsive] if oldest is not None else \
             [self.s.last_heard + self.ping_every]
-        if self.news is not None:
+        if self._at_head:
             due.append(self._next_news)
         return max(0.0, min(due) - now)
 
     def tick(self, now: float) -> None:
         if self._lost or self._halted:
             return
-        if self.news is not None and now >= self._next_news:
+        if self._at_head and now >= self._next_news:
             self._next_news = now + self.news_every
-            self._read_late()
+            if self.news is not None or self._open_news():
+                self._read_late()
         oldest = self.s.oldest_ping
         try:
             if oldest is None:
@@ -289,9 +310,6 @@ class RoundWatcher:
             self._watching = rnd
             if rnd is None:
                 return
-            if self.news is None and any(n.node_id == self.me.node_id for n in rnd.head):
-                self.news = self.store.new_client(label="news", stop=False)   # the head counts late joiners
-                self.news.unresponsive = 2 * self.news_every   # its reads never hold the loop for long
             self._late_seen = 0
             for peer in rnd.peers:
                 if peer.alive_port and peer.node_id != self.me.node_id:
@@ -302,6 +320,19 @@ class RoundWatcher:
             self.s.begin_wait([self.store.key(f"r{rnd.number}/interrupt")])
         except StoreUnreachable as exc:
             self._store_lost(f"lost the rendezvous store at {self.store.host}:{self.store.port} ({exc})")
+            return
+        self._at_head = any(n.node_id == self.me.node_id for n in rnd.head)   # the head counts late joiners
+
+    def _open_news(self) -> bool:
+        """The head's connection for late joiners; False when it cannot be had now (tried again
+        every keep_alive_interval: the watcher's own connection says what a lost store means)."""
+        try:
+            self.news = self.store.new_client(label="news", stop=False)
+        except (RendezvousError, StoreUnreachable, OSError):
+            self.news = None
+            return False
+        self.news.unresponsive = 2 * self.news_every   # its reads never hold the loop for long
+        return True
 
     def _read_late(self) -> None:
         """At the head: the nodes that joined the watched round after it closed (once each)."""
