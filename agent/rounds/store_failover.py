@@ -275,9 +275,12 @@ def _load_torch_soon() -> None:
     def load():
         import warnings
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import torch.distributed  # noqa: F401
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                import torch.distributed  # noqa: F401
+        except Exception:  # noqa: BLE001 - only a head start: host_store imports it again and says why
+            pass
     threading.Thread(target=load, name="ft-load-torch", daemon=True).start()
 
 
