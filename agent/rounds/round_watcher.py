@@ -253,7 +253,9 @@ class RoundWatcher:
             return
         if self._at_head and now >= self._next_news:
             self._next_news = now + self.news_every
-            if self.news is not None or self._open_news():
+            # (re)opened only while the store answers the watcher, and briefly: the loop never
+            # waits on a slow store for it
+            if self.news is not None or (self.s.oldest_ping is None and self._open_news()):
                 self._read_late()
         oldest = self.s.oldest_ping
         try:
@@ -327,7 +329,7 @@ class RoundWatcher:
         """The head's connection for late joiners; False when it cannot be had now (tried again
         every keep_alive_interval: the watcher's own connection says what a lost store means)."""
         try:
-            self.news = self.store.new_client(label="news", stop=False)
+            self.news = self.store.new_client(label="news", within=2 * self.news_every, stop=False)
         except (RendezvousError, StoreUnreachable, OSError):
             self.news = None
             return False
