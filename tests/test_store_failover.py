@@ -60,6 +60,18 @@ def _reserves_ready(job):
     return all(len({e["detail"]["local_rank"] for e in ready if e["node"] == node}) == 2 for node in (1, spare))
 
 
+def _kill_the_host_and_wait_for_the_others(job):
+    """SIGKILL agent 0 (the store host) with its processes; the other agents' stderr once they end."""
+    for proc in _tree(job.agents[0].pid):
+        proc.kill()
+    outs = []
+    for proc in job.agents[1:]:
+        _, err = proc.communicate(timeout=60)
+        outs.append(err)
+    job.agents[0].communicate()
+    return outs
+
+
 def test_a_successor_that_cannot_host_is_skipped_and_everyone_reaches_the_next(launcher, tmp_path):
     # The first successor's port (rdzv port + 1) is the local port of another connection: it
     # cannot host, and moves on at once. The spare, next in order, waits its window for it, then
@@ -71,13 +83,7 @@ def test_a_successor_that_cannot_host_is_skipped_and_everyone_reaches_the_next(l
         listener.listen()
         taken.bind(("127.0.0.1", job.port + 1))
         taken.connect(listener.getsockname())
-        for proc in _tree(job.agents[0].pid):
-            proc.kill()
-        outs = []
-        for proc in job.agents[1:]:
-            _, err = proc.communicate(timeout=60)
-            outs.append(err)
-    job.agents[0].communicate()
+        outs = _kill_the_host_and_wait_for_the_others(job)
     assert [p.returncode for p in job.agents[1:]] == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert f"cannot host the successor store on port {job.port + 1}" in outs[0], outs[0][-3000:]
     failovers = read_events(job.logs, "store_failover")
@@ -88,13 +94,7 @@ def test_a_successor_that_cannot_host_is_skipped_and_everyone_reaches_the_next(l
 def test_store_host_sigkilled_the_survivor_and_the_spare_go_on(launcher, tmp_path):
     job = sleepers_with_spare(launcher, tmp_path)
     killed_at = time.time()
-    for proc in _tree(job.agents[0].pid):
-        proc.kill()
-    outs = []
-    for proc in job.agents[1:]:
-        _, err = proc.communicate(timeout=60)
-        outs.append(err)
-    job.agents[0].communicate()
+    outs = _kill_the_host_and_wait_for_the_others(job)
     assert [p.returncode for p in job.agents[1:]] == [0, 0], "\n".join(o[-3000:] for o in outs)
     restarted = [min(t for c, t in job.rows(rank) if c == 1) for rank in (0, 1)]
     print(f"\nstore host SIGKILL -> both ranks of cycle 1 started: {max(restarted) - killed_at:.2f}s")

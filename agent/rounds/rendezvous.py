@@ -692,6 +692,13 @@ class RoundProtocol:
         """Stop joining round `number`: record a shutdown there so that the other joiners stop
         too; if this agent hosts the store, keep it up (at most 1 s) until they have read it."""
         reason = {"kind": "shutdown", "signal": sig, "node_id": self.me.node_id}
+        try:   # a fresh connection: the signal ended a wait on the old one, whose state is suspect
+            fresh = self.store.new_client("main", within=5.0, stop=False)
+        except RendezvousError:
+            fresh = None
+        if fresh is not None:
+            self.store.client.close()
+            self.store.client = fresh
         client = self.s
         stop, client.stop = client.stop, None   # the signal being acted on ends none of these calls
         try:
