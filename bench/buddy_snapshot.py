@@ -1,5 +1,5 @@
 """The buddy copy's in-step cost alone: one process copies a model + AdamW state into a slot file in
-/dev/shm (rank_monitor.rank_side.buddy_copy.write_snapshot, what `LiveState.commit` does every K
+/dev/shm (rank_monitor.rank_side.live.buddy_copy.write_snapshot, what `LiveState.commit` does every K
 steps with `buddy_every=K`) and loads it back into the same objects (what a restore from a host
 copy does), on the CPU or a GPU; it prints the seconds and GB/s of each, median of --reps.
 
@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     import torch.nn as nn
 
     from ft_launcher.rank_monitor import buddy_store as S
-    from ft_launcher.rank_monitor.rank_side import buddy_copy, live_objects
+    from ft_launcher.rank_monitor.rank_side.live import buddy_copy, live_objects
 
     dev = torch.device(args.device)
     layers = [nn.Linear(256, args.width)] + [nn.Linear(args.width, args.width) for _ in range(args.layers)]

@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn as nn
 
-from ft_launcher.rank_monitor.rank_side import live_objects as O
-from ft_launcher.rank_monitor.rank_side import live_wire as W
+from ft_launcher.rank_monitor.rank_side.live import live_objects as O
+from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 
 
 def sync(device):

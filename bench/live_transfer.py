@@ -38,7 +38,7 @@ def rank_main(rank, port, args):
     sys.path.insert(0, ROOT)
     import torch
     import torch.distributed as dist
-    from ft_launcher.rank_monitor.rank_side import live_objects, live_wire
+    from ft_launcher.rank_monitor.rank_side.live import live_objects, live_wire
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

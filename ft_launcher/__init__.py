@@ -62,7 +62,7 @@ _LAZY.update({"WorkloadAction": "ft_launcher.rank_monitor.workload_requests",
               "WorkloadControlRequest": "ft_launcher.rank_monitor.workload_requests",
               "RestartInPlace": "ft_launcher.rank_monitor.rank_side.inprocess",
               "restartable": "ft_launcher.rank_monitor.rank_side.inprocess",
-              "LiveState": "ft_launcher.rank_monitor.rank_side.live_state",
+              "LiveState": "ft_launcher.rank_monitor.rank_side.live.live_state",
               "FaultToleranceConfig": "ft_launcher.rank_monitor.config",
               "HeartbeatTimeouts": "ft_launcher.rank_monitor.nvrx_types",
               "SectionTimeouts": "ft_launcher.rank_monitor.nvrx_types"})

@@ -10,7 +10,7 @@ orphan watchdog when it is killed (the pattern of its monitor records, `ft_launc
     <prefix>_in0,  <prefix>_in1    its buddy's state (another rank's, on another node), the two newest
 
 A slot file is a header page of int64 words (below) and a payload: the snapshot as
-rank_monitor.rank_side.buddy_copy writes it (each object's state as live_wire sends it to a peer,
+rank_monitor.rank_side.live.buddy_copy writes it (each object's state as live_wire sends it to a peer,
 message after message, each at a 64-byte boundary). A
 writer marks the slot WRITING first and COMPLETE last, after every other word: a slot torn by a
 death in the middle is never read as a copy. The payload's pages are reserved with
@@ -36,7 +36,7 @@ HEADER_BYTES = 4096
 GROW = 1 << 20               # capacities are rounded up to this
 
 # header words: the copy's step, the shard identity and layout digests of the state it is of
-# (rank_side.live_state: what the step exchange compares), the world size and the rank it was taken on
+# (rank_side.live.live_state: what the step exchange compares), the world size and the rank it was taken on
 W_MAGIC, W_STATE, W_STEP, W_IDENTITY, W_LAYOUT, W_WORLD, W_ORIGIN, W_CYCLE, W_NBYTES, W_CAPACITY = range(10)
 EMPTY, WRITING, COMPLETE = 0, 1, 2
 

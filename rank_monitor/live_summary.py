@@ -1,5 +1,5 @@
 """The live-recovery summary: what global rank 0's `LiveState.restore()` says about a cycle's
-recovery (rank_monitor.rank_side.live_state), as it goes through its shared-memory record to the
+recovery (rank_monitor.rank_side.live.live_state), as it goes through its shared-memory record to the
 agent (agent.recovery.live_recovery), at any world size.
 
     {"cycle": 3, "resume_step": 136, "steps_redone": 0, "world": 512,

@@ -10,7 +10,7 @@ liveness tick, which the agent watches) and, before it terminates a hung rank, t
 the agent writes only H_STOP_REASON / H_STOP_DEADLINE_NS, just before it signals the rank to stop
 (what ft_launcher.preempted() reads), and, for an in-process restart, H_IP_REQUEST / H_IP_GO (the
 rank's words are H_IP_STATE, H_IP_SEEN, H_IP_FAIL_NS and the exception's text in the area after
-the request's). Live state (rank_monitor.rank_side.live_state) is the rank's H_LIVE_* words and,
+the request's). Live state (rank_monitor.rank_side.live.live_state) is the rank's H_LIVE_* words and,
 on global rank 0, its recovery summary in the live text area. A rank's workload control request
 (NVRx's WorkloadControlRequest) is H_REQUEST_* plus its description in the request area after the
 names. Word writes are single aligned 8-byte stores; readers tolerate torn multi-word views by
@@ -81,7 +81,7 @@ H_IP_GO = 33            # agent: run the function again as this cycle (its envir
 H_IP_TEXT_LEN = 34      # bytes of the exception's one-line summary in the text area
 H_FROZEN_NS = 35        # monitor: when it found this incarnation hung; its statistics are then those
                         # copied into the frozen area at that moment (0: live)
-# Live state (rank_monitor.rank_side.live_state), written by the rank only:
+# Live state (rank_monitor.rank_side.live.live_state), written by the rank only:
 H_LIVE_STEP = 36        # the last completed step + 1 (0: none): `LiveState.commit` on exit, no syscall
 H_LIVE_CYCLE = 37       # the cycle whose `restore()` wrote the words below (0: none); written last
 H_LIVE_RESUME = 38      # that restore's resume step + 1 (0: no live state, the script's checkpoint)
@@ -128,7 +128,7 @@ IP_WORDS = (H_IP_STATE, H_IP_SEEN, H_IP_FAIL_NS, H_IP_REQUEST, H_IP_GO, H_IP_TEX
 LIVE_DISK = 0           # H_LIVE_SOURCE: no live state (the checkpoint on disk, or a first start)
 LIVE_KEPT = 1           # kept in this process's memory
 LIVE_PEER = 2           # + N: received from global rank N
-LIVE_HOST_COPY = -1     # loaded from its own copy in this node's host memory (rank_side.buddy_copy)
+LIVE_HOST_COPY = -1     # loaded from its own copy in this node's host memory (rank_side.live.buddy_copy)
 LIVE_BUDDY = -2         # - N: received the copy global rank N held in its node's host memory
 
 STOP_SHUTDOWN = 1       # the job is stopping (preemption, a signal to the launcher)
@@ -353,7 +353,7 @@ def read_live(mm: mmap.mmap, words: memoryview) -> Optional[dict]:
     section's closes and total seconds when it last closed normally and how long that took, or
     None; "open": whether it is open now; "raised": {"steps", "step_total", "took"} when its latest
     occurrence ended in an exception, else None; "live_step": the last step committed
-    under live state (rank_monitor.rank_side.live_state), -1 when none.
+    under live state (rank_monitor.rank_side.live.live_state), -1 when none.
     None while no incarnation's data is current (see read_stats)."""
     start = words[H_START_NS]
     if not start or words[H_ATTACH_NS] < start:

@@ -1,4 +1,4 @@
-"""Buddy copies (ft.LiveState(buddy_every=K), rank_monitor/rank_side/buddy_copy.py, rank_monitor/buddy_store.py):
+"""Buddy copies (ft.LiveState(buddy_every=K), rank_monitor/rank_side/live/buddy_copy.py, rank_monitor/buddy_store.py):
 each rank's committed state also lives in host memory, its own node's and a buddy's on another node,
 so pure FSDP jobs and lost nodes resume from memory instead of the checkpoint.
 
@@ -36,7 +36,7 @@ STEPS, FAULT, CKPT = 150, 137, 50
 
 # ---- placement and plan (no process) ---------------------------------------------------------------
 def test_buddies_sit_on_the_next_node_and_on_one_node_the_next_local_rank():
-    from ft_launcher.rank_monitor.rank_side.buddy_copy import place
+    from ft_launcher.rank_monitor.rank_side.live.buddy_copy import place
 
     assert place([0, 0, 1, 1], [0, 1, 0, 1]) == [2, 3, 0, 1]          # 2 nodes x 2: the other node
     assert place([0, 1, 2], [0, 0, 0]) == [1, 2, 0]                   # 3 nodes x 1: a ring over the nodes
@@ -52,8 +52,8 @@ def _plan(steps, copies, shards=(0, 1, 2, 3)):
     """live_plan over live offers (a rank's committed step, -1: none) and buddy-copy offers
     (per rank: (slot, step, shard)); identities are the shards, one layout. -> (resume, sources as
     'kept' / ('peer', N) / ('host', slot) / ('buddy', N, slot), reason)."""
-    from ft_launcher.rank_monitor.rank_side import buddy_copy
-    from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer, plan_recovery
+    from ft_launcher.rank_monitor.rank_side.live import buddy_copy
+    from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer, plan_recovery
 
     offers = [Offer(r, s, shards[r], 7) for r, s in enumerate(steps) if s >= 0]
     rows = []
@@ -97,8 +97,8 @@ def test_plan_takes_the_newest_step_every_shard_has_from_the_cheapest_source():
 
 
 def test_plan_when_a_node_and_its_buddys_node_are_both_lost_says_so():
-    from ft_launcher.rank_monitor.rank_side import buddy_copy
-    from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer
+    from ft_launcher.rank_monitor.rank_side.live import buddy_copy
+    from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer
 
     # 3 nodes x 1 rank (buddies 0 -> 1 -> 2 -> 0); nodes 1 and 2 lost: rank 1's state lived on both
     resume, sources, _ = _plan([90, -1, -1], [[(0, 90, 0), (1, 89, 0), (2, 90, 2)], [], []], shards=(0, 1, 2))
@@ -143,8 +143,8 @@ def test_a_snapshot_in_a_slot_file_reads_back_into_fresh_objects_bit_exactly(tmp
     import torch
 
     from ft_launcher.rank_monitor import buddy_store as S
-    from ft_launcher.rank_monitor.rank_side import buddy_copy
-    from ft_launcher.rank_monitor.rank_side import live_wire as W
+    from ft_launcher.rank_monitor.rank_side.live import buddy_copy
+    from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 
     monkeypatch.setattr(S.shm_layout, "default_shm_dir", lambda: str(tmp_path))
     prefix = S.prefix_for(1, 0)

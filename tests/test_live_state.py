@@ -1,4 +1,4 @@
-"""Live state (ft.LiveState, rank_monitor/rank_side.live_state.py; agent/recovery.live_recovery.py): zero-rollback
+"""Live state (ft.LiveState, rank_monitor/rank_side.live.live_state.py; agent/recovery.live_recovery.py): zero-rollback
 in-place restarts, end to end with real agents, monitors and ranks, and the recovery plan alone.
 
 - examples/ddp_train.py --live on 2 agents x 2 ranks, checkpoint every 50 steps, a fault at step
@@ -26,7 +26,7 @@ import pytest
 
 from conftest import EXAMPLE, LAUNCHER, ROOT, SCRIPTS, free_port, read_events, wait_for
 from harness import Job, check_flat, progress, sample_each_cycle, started
-from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer, plan_recovery
+from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer, plan_recovery
 from ft_launcher.agent.recovery.live_recovery import per_rank
 
 STEPS, CKPT, FAULT_STEP = 150, 50, 137
@@ -99,7 +99,7 @@ def test_state_moves_into_fresh_objects_in_place():
     import torch
     import torch.nn as nn
 
-    from ft_launcher.rank_monitor.rank_side import live_objects, live_wire
+    from ft_launcher.rank_monitor.rank_side.live import live_objects, live_wire
 
     torch.manual_seed(0)
     old = nn.Linear(4, 3)
@@ -131,7 +131,7 @@ def test_a_module_keeps_its_buffers_as_of_the_commit():
     import torch
     import torch.nn as nn
 
-    from ft_launcher.rank_monitor.rank_side import live_objects
+    from ft_launcher.rank_monitor.rank_side.live import live_objects
 
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     tracked = live_objects.Tracked("model", model)
@@ -156,7 +156,7 @@ def test_the_wire_packs_small_tensors_and_lands_every_byte_in_the_receivers_own_
     import torch
     import torch.nn as nn
 
-    from ft_launcher.rank_monitor.rank_side import live_objects, live_wire
+    from ft_launcher.rank_monitor.rank_side.live import live_objects, live_wire
 
     if cap is not None:
         monkeypatch.setattr(live_wire, "_CHUNK_BYTES", cap)
@@ -264,7 +264,7 @@ def test_nothing_from_a_peer_runs_code_and_nothing_lands_in_a_tensor_of_another_
 
     import torch
 
-    from ft_launcher.rank_monitor.rank_side import live_objects, live_wire
+    from ft_launcher.rank_monitor.rank_side.live import live_objects, live_wire
 
     class Evil:
         def __reduce__(self):
@@ -305,7 +305,7 @@ def test_nothing_from_a_peer_runs_code_and_nothing_lands_in_a_tensor_of_another_
 def test_the_digest_tells_replicas_apart_and_ignores_set_order():
     import torch
 
-    from ft_launcher.rank_monitor.rank_side import live_wire
+    from ft_launcher.rank_monitor.rank_side.live import live_wire
 
     state = {"w": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16),
              "odd": torch.ones(5, dtype=torch.uint8)[1:], "tags": {"a", "b", "c"}, "lr": 0.1}
@@ -573,13 +573,13 @@ def test_hsdp_a_killed_rank_heals_from_its_shard_in_the_other_replica(launcher, 
     assert per_rank(told[0]["sources"]) == {"0": "kept", "1": "kept", "2": "kept", "3": "peer 1"}, told
 
 
-# ---- DTensor across an in-place restart (rank_side.dtensor_cycle; live_objects.Tracked.bind) --------------
+# ---- DTensor across an in-place restart (rank_side.live.dtensor_cycle; live_objects.Tracked.bind) --------------
 _MESH_CYCLES = r"""
 import os, sys, tempfile
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from ft_launcher.rank_monitor.rank_side import dtensor_cycle, live_objects as O
+from ft_launcher.rank_monitor.rank_side.live import dtensor_cycle, live_objects as O
 
 class Holder:   # a user's object whose state is one DTensor
     def __init__(self, t): self.t = t
@@ -634,7 +634,7 @@ import os, tempfile
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from ft_launcher.rank_monitor.rank_side import live_objects as O
+from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 
 dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))

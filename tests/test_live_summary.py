@@ -17,7 +17,7 @@ from ft_launcher.agent.observation.events import EventLog
 from ft_launcher.agent.recovery import live_recovery
 from ft_launcher.rank_monitor import live_summary as S
 from ft_launcher.rank_monitor import shm_layout as L
-from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer, plan_recovery
+from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer, plan_recovery
 
 
 class _Rank0Record:

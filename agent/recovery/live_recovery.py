@@ -1,4 +1,4 @@
-"""Live recovery, the agent side: what a cycle's `LiveState.restore()` did (rank_monitor.rank_side.live_state),
+"""Live recovery, the agent side: what a cycle's `LiveState.restore()` did (rank_monitor.rank_side.live.live_state),
 read from the ranks' records (shm_layout H_LIVE_*), told once per incident.
 
 Every rank writes its resume step and source; global rank 0 also writes the whole job's summary

@@ -24,14 +24,14 @@ How it talks to the agent: the words H_IP_* of the rank's shared-memory record (
   nodes (rank_monitor.peer_sockets: a DDP reducer keeps a gloo group's sockets open, and a peer
   waiting for this rank's data learns that it is gone only when they close), then settles the
   GPU and aborts NCCL unless the watcher did (restart_watcher.act), destroys the process group,
-  clears torch's DTensor caches that hold the group's DeviceMesh (rank_side.dtensor_cycle), frees what the failed call held (a full garbage collection, cheap because what existed before
+  clears torch's DTensor caches that hold the group's DeviceMesh (rank_side.live.dtensor_cycle), frees what the failed call held (a full garbage collection, cheap because what existed before
   the first call was frozen out of the collector's view, gc.freeze, as in a warm reserve),
   empties the CUDA cache (empty_cuda_cache), sets IP_READY and waits for H_IP_GO; the
   agent kills a rank that does not get there within inprocess_timeout and replaces it.
 - On H_IP_GO it reads the environment the agent wrote (shm_layout.env_file), updates os.environ,
   starts a new incarnation of its monitor record (new sections, heartbeats) and calls the function.
 
-Live state (rank_monitor.rank_side.live_state): while a rank is inside `LiveState.commit` (its optimizer
+Live state (rank_monitor.rank_side.live.live_state): while a rank is inside `LiveState.commit` (its optimizer
 step), the restart signal waits: the handler only notes it (and NCCL's abort waits with it), and
 the commit's end acts on it, so a step is either wholly done or not begun. A rank whose function
 raised by itself (IP_FAILED) is marked suspect for the next call's `LiveState.restore`.
@@ -58,7 +58,8 @@ import traceback
 from typing import Callable, Optional
 
 from ft_launcher.rank_monitor import peer_sockets
-from ft_launcher.rank_monitor.rank_side import dtensor_cycle, exit_settle, restart_watcher
+from ft_launcher.rank_monitor.rank_side import exit_settle, restart_watcher
+from ft_launcher.rank_monitor.rank_side.live import dtensor_cycle
 from ft_launcher.rank_monitor import shm_layout as L
 
 ENV_WAKE_FD = "FT_LAUNCHER_WAKE_FD"            # the agent's wake pipe (write end), inherited
@@ -157,7 +158,7 @@ def _install() -> bool:
 
 def _teardown() -> None:
     """Leave nothing of the failed cycle that holds the process group or memory."""
-    live_state = sys.modules.get("ft_launcher.rank_monitor.rank_side.live_state")
+    live_state = sys.modules.get("ft_launcher.rank_monitor.rank_side.live.live_state")
     if live_state is not None:   # a buddy exchange in flight fails with its peers' connections: let it end
         live_state.teardown_buddy(join_for=2.0)
     dist = sys.modules.get("torch.distributed")

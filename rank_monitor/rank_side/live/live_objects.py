@@ -32,7 +32,7 @@ import collections
 import sys
 from typing import Any, List, Optional, Tuple
 
-from ft_launcher.rank_monitor.rank_side import live_wire as W
+from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 
 MODULE, OPTIMIZER, SNAPSHOT = "module", "optimizer", "snapshot"
 
@@ -52,7 +52,7 @@ def _is_dtensor(t) -> bool:
 def _coordinate(mesh) -> list:
     """This rank's coordinate on `mesh`: where this process's rank in the current process group sits
     in the mesh's rank map (not the mesh's own coordinate, which is the rank of the process that made
-    it: a mesh from a previous call, as torch's caches handed out before rank_side.dtensor_cycle,
+    it: a mesh from a previous call, as torch's caches handed out before rank_side.live.dtensor_cycle,
     would name the shard this process held then)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():

@@ -59,10 +59,11 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ft_launcher.rank_monitor.rank_side import buddy_copy, comm_backend, exit_settle, gpu_commit, inprocess
-from ft_launcher.rank_monitor.rank_side import live_objects as O
-from ft_launcher.rank_monitor.rank_side import live_wire as W
-from ft_launcher.rank_monitor.rank_side.live_plan import Need, Offer, Plan, plan_recovery
+from ft_launcher.rank_monitor.rank_side import comm_backend, exit_settle, inprocess
+from ft_launcher.rank_monitor.rank_side.live import buddy_copy, gpu_commit
+from ft_launcher.rank_monitor.rank_side.live import live_objects as O
+from ft_launcher.rank_monitor.rank_side.live import live_wire as W
+from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer, Plan, plan_recovery
 from ft_launcher.rank_monitor import buddy_store, live_summary
 from ft_launcher.rank_monitor import shm_layout as L
 
@@ -108,7 +109,7 @@ class _Registry:
         self.suspect = False                          # the previous call raised by itself after a commit
         self.depth = 0                                # nested commits (the restart signal waits for all)
         self.said_job = False                         # the granularity-job line was said
-        self.buddy = None                             # this cycle's buddy copies (rank_side.buddy_copy), if on
+        self.buddy = None                             # this cycle's buddy copies (rank_side.live.buddy_copy), if on
 
 
 _REG = _Registry()
@@ -159,7 +160,7 @@ class LiveState:
     - `verify` (default True): after a live recovery in which a rank healed from a peer, the
       replicas of its shard compare a digest of their restored state; a mismatch falls back.
     - `buddy_every`: every that many steps, also copy the committed state into host memory, this
-      node's and a buddy rank's on another node (rank_side.buddy_copy), so a rank without a live
+      node's and a buddy rank's on another node (rank_side.live.buddy_copy), so a rank without a live
       replica and a lost node resume from memory; 0 (default): off. One LiveState per process.
     - `buddy_memory_limit_mb`: the most host memory the buddy copies of one node may take
       (default: 80 % of what it has available); above it, buddy copies are off, said in one line.
@@ -202,7 +203,7 @@ class LiveState:
         cycle = _cycle()
         if _REG.cycle != cycle:   # the first LiveState of this call
             # suspect: the previous call raised by itself after a commit, or a committed step's GPU
-            # work had not completed when the restart aborted the communicators (rank_side.gpu_commit)
+            # work had not completed when the restart aborted the communicators (rank_side.live.gpu_commit)
             gpu_clean = gpu_commit.COMMITS.finish()
             _REG.suspect = (inprocess._STATE.failed_last and _REG.trained) or not gpu_clean
             _REG.cycle, _REG.current, _REG.trained = cycle, {}, False
@@ -251,7 +252,7 @@ class LiveState:
             self._buddy.after_commit(self, self._pending)   # every K steps: the copy (it may wait for the last)
         return False
 
-    # ---- buddy copies (rank_side.buddy_copy) ----------------------------------------------------------
+    # ---- buddy copies (rank_side.live.buddy_copy) ----------------------------------------------------------
     def committed_states(self) -> Dict[str, dict]:
         """Every object's state dict as of the last commit (what a buddy copy holds)."""
         return {name: t.committed() for name, t in self.tracked.items()}
@@ -304,7 +305,7 @@ class LiveState:
         held = _REG.held.get(self.name)
         if held is None or held.live is not self:
             held = _REG.held[self.name] = _Held(self, step)
-        # the step counts once its GPU work is done (at once without CUDA): rank_side.gpu_commit
+        # the step counts once its GPU work is done (at once without CUDA): rank_side.live.gpu_commit
         gpu_commit.COMMITS.committed(step, self._counted)
         self.stats["first_commit_s" if first else "snapshot_s"] += time.perf_counter() - t0
         self.stats["commits"] += 1

@@ -1,12 +1,12 @@
 """Live recovery's plan: from what every rank offers and needs, the step the job resumes at and
 where each rank's state comes from. Pure (no torch, no I/O): the step exchange of
-`LiveState.restore()` (rank_monitor.rank_side.live_state) gathers its inputs.
+`LiveState.restore()` (rank_monitor.rank_side.live.live_state) gathers its inputs.
 
 - An `Offer` is a state some rank can give: its completed `step`, the shard `identity` it is of
   (which part of a sharded state, under which world size), and the `layout` of the objects it was
   made by (names, shapes, dtypes), both as digests; `holder` is the rank that sends it and `kind`
   where it holds it ("own": its committed state in its process; "slot<i>": a copy in its node's
-  host memory, rank_side.buddy_copy: its own state's or its buddy's).
+  host memory, rank_side.live.buddy_copy: its own state's or its buddy's).
 - A `Need` is what a rank's new objects take: the identity and layout it has now.
 - The job resumes at the highest step at which every rank's need is met by an offer of that step
   with the same identity and layout (identity before data: a rank never loads another shard's or

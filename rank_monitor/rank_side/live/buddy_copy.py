@@ -48,7 +48,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ft_launcher.rank_monitor import buddy_store as S
-from ft_launcher.rank_monitor.rank_side import live_wire as W
+from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 
 _ALIGN = 64
 HEADER_WORDS = 8   # what an exchange says before the payload (see _Exchange)
@@ -430,7 +430,7 @@ def holdings(slots: S.SlotSet, world: int) -> List[int]:
 
 def offers(rows: List[List[int]]) -> list:
     """The copies every rank holds, as offers to the plan (live_plan.Offer of kind 'slot<i>')."""
-    from ft_launcher.rank_monitor.rank_side.live_plan import Offer
+    from ft_launcher.rank_monitor.rank_side.live.live_plan import Offer
 
     out = []
     for r, row in enumerate(rows):
