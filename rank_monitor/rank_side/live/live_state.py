@@ -384,6 +384,15 @@ class LiveState:
 
         words, cycle = self._words, _cycle()
         words[L.H_LIVE_STEP] = 0
+        if cycle == 0:   # a first start: nothing to exchange, and nothing read: a fresh optimizer's
+            # state_dict() through DCP's get_state_dict would make its state by a step at lr 0 (AdamW's
+            # step count 1), so a job with a LiveState would train differently from one without. Its
+            # state is checked at the first commit instead.
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                self._start_buddy(cycle)
+            return None
         fresh = mine = None
         failed = ""   # what failed on this rank while it restores (_failure), "" while nothing
         if self.refused is None:
@@ -399,13 +408,6 @@ class LiveState:
                 failed, fresh = _failure(name, "state_dict()", exc), None
         import torch.distributed as dist
 
-        if cycle == 0:   # a first start: nothing to exchange
-            if failed:
-                print(f"ft_launcher: LiveState '{self.name}' on rank {os.environ.get('RANK', '0')}: {failed}; it is "
-                      f"read again at the first commit", file=sys.stderr, flush=True)
-            if dist.is_available() and dist.is_initialized():
-                self._start_buddy(cycle)
-            return None
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("LiveState.restore() exchanges state over the process group: call it after "
                                "init_process_group (and before DDP is constructed)")
