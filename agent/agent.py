@@ -47,6 +47,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
+from ft_launcher.agent.rounds import store_keys
 from ft_launcher.rank_monitor import buddy_store, shm_layout
 from ft_launcher.rank_monitor.agent_side.monitor_handle import MonitorHandle, MonitorStartError
 from ft_launcher.rank_monitor.peer_sockets import ENV_JOB_ADDRS
@@ -317,7 +318,7 @@ class NodeAgent:
                     **dict(verdict.event_fields(), restarts_used=used))
                 return EXIT_FAILED
             if self._excluded or self.me.node_id in verdict.exclude:
-                slow = f"slow/{self.me.node_id}"
+                slow = store_keys.slow(self.me.node_id)
                 self._leave_job(self._excluded or (f"excluded as a straggler: {self.proto.get(slow)}"
                                                    if self.proto.exists(slow) else verdict.what))
             target = None   # the next round's target: in the store, with the verdict (RoundProtocol.interrupt)

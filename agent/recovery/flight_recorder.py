@@ -43,6 +43,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ft_launcher.agent.rounds import store_keys
 from ft_launcher.rank_monitor import flight_recorder as FR
 from ft_launcher.rank_monitor.flight_recorder import read_trace
 
@@ -221,7 +222,7 @@ class _Cycle(threading.Thread):
         self.halt = threading.Event()
 
     def k(self, name: str) -> str:
-        return self.store.key(f"r{self.number}/fr/{name}")
+        return self.store.key(store_keys.flight(self.number, name))
 
     def request(self, report: dict) -> None:
         value = json.dumps({"node": self.node_id, "rank": report.get("rank"), "time": time.time(),
@@ -284,9 +285,9 @@ class _Cycle(threading.Thread):
                 pass
         dumps, skipped = self._dump_local()
         for rank, data in dumps.items():
-            self.s.set(self.k(f"dump/{rank}"), data)
+            self.s.set(self.store.key(store_keys.flight_dump(self.number, rank)), data)
         for rank, why in skipped.items():
-            self.s.set(self.k(f"skipped/{rank}"), why)
+            self.s.set(self.store.key(store_keys.flight_skipped(self.number, rank)), why)
         if int(self.s.add(self.k("nodes_done"), 1)) >= self.nodes:
             self.s.set(self.k("all_done"), "1")
         left = started + JOB_WAIT - time.monotonic()
@@ -305,16 +306,16 @@ class _Cycle(threading.Thread):
             return
         dumps, skipped = {}, {}
         for rank in range(self.world):
-            if self.s.check([self.k(f"dump/{rank}")]):
-                data = self.s.get(self.k(f"dump/{rank}"))
+            if self.s.check([self.store.key(store_keys.flight_dump(self.number, rank))]):
+                data = self.s.get(self.store.key(store_keys.flight_dump(self.number, rank)))
                 trace, why = read_trace(data)
                 if trace is None:
                     skipped[rank] = f"its dump in the store was not read: {why}"
                 else:
                     dumps[rank] = data
-            elif self.s.check([self.k(f"skipped/{rank}")]):
-                skipped[rank] = (self.s.get(self.k(f"skipped/{rank}")).decode("utf-8", "replace").splitlines()
-                                 or ["no reason given"])[0]
+            elif self.s.check([self.store.key(store_keys.flight_skipped(self.number, rank))]):
+                why = self.s.get(self.store.key(store_keys.flight_skipped(self.number, rank)))
+                skipped[rank] = (why.decode("utf-8", "replace").splitlines() or ["no reason given"])[0]
             else:
                 skipped[rank] = f"its node did not answer within {JOB_WAIT:g}s"
         self.owner._analyze_later(self.number, dumps, skipped, self.world, request)
