@@ -55,7 +55,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_jobs import Job, bench_env, read_progress  # noqa: E402
-from ft_launcher.agent.recovery.live_recovery import per_rank  # noqa: E402
+from ft_launcher.agent.observation.live_recovery import per_rank  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "live_train.py")

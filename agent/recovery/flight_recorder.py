@@ -2,8 +2,8 @@
 the dumps are gathered into the cycle's log dir, and torch's own analyzer names the collective
 that did not complete and the ranks that never joined it.
 
-- The ranks record: `TORCH_FR_BUFFER_SIZE` (`FR_BUFFER_DEFAULT` entries) unless the user set it or
-  its older name `TORCH_NCCL_TRACE_BUFFER_SIZE`; set to 0, the whole dump path is off (one line).
+- The ranks record: `TORCH_FR_BUFFER_SIZE` (`FR_BUFFER_DEFAULT` entries, rank_monitor.flight_recorder)
+  unless the user set it or its older name `TORCH_NCCL_TRACE_BUFFER_SIZE`; set to 0, the whole dump path is off (one line).
   Gloo records too (torch 2.13), so the path below runs and is tested on CPU.
 - Each agent owns a local directory (`FT_LAUNCHER_FR_DIR`, inherited by its monitors and ranks)
   holding each slot's pipe and dumps (rank_monitor.flight_recorder).
@@ -45,33 +45,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ft_launcher.agent.rounds import store_keys
 from ft_launcher.rank_monitor import flight_recorder as FR
-from ft_launcher.rank_monitor.flight_recorder import read_trace
+from ft_launcher.rank_monitor.flight_recorder import buffer_size, read_trace
 
-FR_BUFFER_DEFAULT = 2000     # entries per rank; torch's docs suggest 2000
 RANK_WAIT = 1.0              # seconds a rank gets to dump
 JOB_WAIT = 2.0               # seconds after the request until the monitors go on regardless
 ANALYZER_TIMEOUT = 60.0
 WAIT_SLICE = 5.0             # seconds per store wait for a request: a paused store host never answers
 CLOSED = "closed"            # the request key's value once a cycle is over without a request
-
-
-def buffer_size(env: Dict[str, str]) -> int:
-    """The flight-recorder buffer the ranks get from `env` (the user's, or ours)."""
-    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        value = env.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                return FR_BUFFER_DEFAULT   # torch ignores a bad value too; ours then applies
-    return FR_BUFFER_DEFAULT
-
-
-def recorder_env(env: Dict[str, str]) -> Dict[str, str]:
-    """What a rank gets for the recorder: our buffer size unless the user set one (either name)."""
-    if env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        return {}
-    return {"TORCH_FR_BUFFER_SIZE": str(FR_BUFFER_DEFAULT)}
 
 
 class FlightRecorder:

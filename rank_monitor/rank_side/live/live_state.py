@@ -46,7 +46,7 @@ The parts:
      and takes that state as its committed state;
   8. a second all_gather collects bytes, transfer time and each rank's restore time; global rank 0
      writes the summary (JSON) for the agent, which says it as one `live_recovery` event and console
-     line (agent.recovery.live_recovery).
+     line (agent.observation.live_recovery).
 - Outside ft_launcher, under torchrun or plain python, outside `ft.restartable`, or with
   `--restart-granularity job`: `restore()` returns None and `commit` only runs its body.
 """
