@@ -14,6 +14,7 @@ from conftest import ROOT, free_port
 
 from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.recovery.no_restart import mark_excluded
+from ft_launcher.agent.recovery.round_end import RoundEnd
 from ft_launcher.agent.rounds import store_keys
 from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
 from ft_launcher.agent.rounds.round_types import NodeInfo, Round, StoreLost
@@ -142,6 +143,7 @@ def test_a_failover_carries_exactly_the_keys_marked_carried():
     store = JobStore(cfg, lambda line: None)
     proto = RoundProtocol(store, cfg, nodes[1])
     failover = StoreFailover(cfg, store, proto, nodes[1], lambda line: None)
+    round_end = failover.round_end = RoundEnd(proto, cfg)
     before = dict(zip(written, old.get_raw(list(written))))   # (each agent drew its order from `agents`)
     try:
         failover.remember(Round(3, nodes[1], nodes[:2], nodes[2:]))
@@ -157,7 +159,7 @@ def test_a_failover_carries_exactly_the_keys_marked_carried():
         assert json.loads(proto.get(store_keys.interrupt(3)))["kind"] == "store_lost"
         # the policy's inputs on the successor: the node that left is still gone
         assert proto.exists(store_keys.excluded_node("node-c")) and mark_excluded(proto, "node-c") == 7
-        assert proto.policy.too_few_left(proto.count(store_keys.excluded()))
+        assert round_end.policy.too_few_left(proto.count(store_keys.excluded()))
     finally:
         for s in (store, host):
             s.client.close()

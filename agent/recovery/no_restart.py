@@ -17,15 +17,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ft_launcher.agent.rounds import store_keys
-
-
-class NoRestart(Exception):
-    """The job (or this node's part in it) ends here: exit with the no-restart code."""
-
-    def __init__(self, reason: str, node_only: bool = False):
-        super().__init__(reason)
-        self.reason = reason
-        self.node_only = node_only   # only this node leaves; the job may go on without it
+from ft_launcher.agent.rounds.round_types import NoRestart  # noqa: F401 - this rung's exception
 
 
 def mark_excluded(proto, node_id: str) -> int:

@@ -53,11 +53,8 @@ from ft_launcher.agent.rounds import segments, store_client, store_keys
 from ft_launcher.agent.rounds.keepalive import probe
 from ft_launcher.agent.rounds.store_client import NotAStore, StoreClient, StoreTimeout, StoreUnreachable
 from ft_launcher.agent.launch_config import LaunchConfig
-from ft_launcher.agent.recovery.no_restart import NoRestart
-from ft_launcher.agent.recovery.progress import ProgressTracker
-from ft_launcher.agent.recovery.restart_policy import NODE_FAILURE_LIMIT, PolicyInputs, RestartPolicy, RoundFacts, Verdict
-from ft_launcher.agent.rounds.round_types import (HEAD, NodeInfo, RendezvousError, Round, Stopped, StoreLost,
-                                                  StoreReplaced)
+from ft_launcher.agent.rounds.round_types import (HEAD, NodeInfo, NoRestart, RendezvousError, Round, Stopped,
+                                                  StoreLost, StoreReplaced, Verdict)
 
 LINGER_POLL = 0.02   # seconds between looks while a leaving store host keeps the store up
 WAIT_SLICE = store_client.SLICE   # seconds: the longest a wait goes without looking for a signal
@@ -408,15 +405,9 @@ class RoundProtocol:
         self.cfg = cfg
         self.me = me
         self._last_call = cfg.conf("last_call_timeout")
-        ft = cfg.ft
-        self.policy = RestartPolicy(cfg.max_restarts, ft.restart_granularity, ft.straggler_exclude,
-                                    (cfg.min_nodes, cfg.max_nodes), ft.max_no_progress_cycles,
-                                    ft.min_progress_iterations, ft.checkpoint_iteration_file,
-                                    ft.max_identical_failures)
-        # this node's progress (agent.recovery.progress): its agent polls it; when this node decides
-        # a verdict, it judges the cycle and reads the history the policy counts
-        self.progress = ProgressTracker(ft.max_no_progress_cycles, ft.min_progress_iterations,
-                                        ft.checkpoint_iteration_file)
+        # why too few nodes can remain once `excluded` have left, or None: the restart policy's,
+        # set by the round's end (agent.recovery.round_end); a joiner asks it
+        self.too_few_left: Callable[[int], Optional[str]] = lambda excluded: None
         self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
         self._members: tuple = (None, None)   # (round, its member lists) once read
         if not me.stable:
@@ -602,9 +593,9 @@ class RoundProtocol:
     def abandon_with(self, number: int, reason: dict) -> None:
         """End round `number` before it trains: `reason` as its interrupt and verdict, and the
         joiners woken."""
-        text = json.dumps(dict(reason, reporter=self.token), sort_keys=True)
-        if self._call(self.s.compare_set, self.k(store_keys.interrupt(number)), "", text).decode() == text:
-            verdict = self.policy.decide(reason, RoundFacts(number, [], [], {}), PolicyInputs())
+        if self.claim_interrupt(number, reason) is not None:
+            verdict = Verdict.from_report(reason)   # a shutdown or a stop: no decision to make
+            verdict.next_round = number + 1
             self._call(self.s.set, self.k(store_keys.verdict(number)), verdict.to_json())
         self._call(self.s.set, self.k(store_keys.assigned(number)), "abandoned")
 
@@ -667,7 +658,7 @@ class RoundProtocol:
 
     def _check_join_stop(self, number: int) -> None:
         """Stopped if another joiner's signal abandoned the round; NoRestart if too few nodes can remain."""
-        short = self.policy.too_few_left(self.count(store_keys.excluded()))
+        short = self.too_few_left(self.count(store_keys.excluded()))
         if short:
             raise NoRestart(f"the job cannot go on: {short}")
         if self._call(self.s.check, [self.k(store_keys.interrupt(number))]):
@@ -734,107 +725,19 @@ class RoundProtocol:
         host, _, port = self._call(self.s.get_now, key).decode().rpartition(":")
         return host, int(port)
 
-    # -- ending a round ----------------------------------------------------------------------
-    def facts(self, number: int) -> RoundFacts:
-        """What the decider of round `number`'s verdict knows (reads the member list)."""
-        active, spares = self.members(number)
-        return RoundFacts(number, [n.node_id for n in active], [n.node_id for n in spares],
-                          {n.node_id: n.nproc for n in active}, {n.node_id: n.host for n in active})
-
-    def interrupt(self, number: int, reason: dict, facts=None) -> Verdict:
-        """Report a failure, shutdown, stop or completion of round `number`. The first reporter's
-        policy decides the verdict (agent.recovery.restart_policy); returns it, whoever decided it.
-        `facts`: RoundFacts, or a callable that makes them (only the decider needs them)."""
-        # The reporter's token makes the text unique: two agents with the same report (the same
-        # silent peer) must not both think they won.
-        text = json.dumps(dict(reason, reporter=self.token), sort_keys=True)
-        winner = self._call(self.s.compare_set, self.k(store_keys.interrupt(number)), "", text)
-        if winner.decode() == text:
-            if callable(facts):
-                facts = facts()
-            facts = facts or RoundFacts(number, [], [], {})
-            report = dict(reason, reporter=self.token)
-            inputs = self.policy_inputs(report, facts)
-            verdict = self.policy.decide(report, facts, inputs)
-            if verdict.restarts_used > inputs.restarts_used:   # the budget this restart spends
-                self.count(store_keys.restarts_used(), verdict.restarts_used - inputs.restarts_used)
-            if verdict.origin is not None:
-                self.put(store_keys.origin(number), json.dumps(verdict.origin))
-            if verdict.restart:
-                self._publish_target(number, verdict, facts)
-            self._call(self.s.set, self.k(store_keys.verdict(number)), verdict.to_json())
-            if verdict.restart:
-                self._call(self.s.set, self.k(store_keys.next_round()), str(number + 1))
-        return self.verdict(number)
-
-    def policy_inputs(self, report: dict, facts: RoundFacts) -> PolicyInputs:
-        """What the restart policy decides a failure of round `facts.number` from (the store's
-        side of it; agent.recovery.restart_policy.PolicyInputs). Other reports need none."""
-        if report.get("kind") != "failure":
-            return PolicyInputs()
-        number = facts.number
-        self.progress.judge(self, number)   # checkpoint_iteration_file: this cycle's progress, by the file
-        origins = {}
-        for k in range(number - 1, max(-1, number - NODE_FAILURE_LIMIT), -1):
-            if self.exists(store_keys.origin(k)):
-                origins[k] = json.loads(self.get(store_keys.origin(k)))
-        slow = []
-        if self.policy.straggler_exclude and facts.spares:   # one read for all of them
-            marks = self._call(self.s.multi_get_now, [self.k(store_keys.slow(n)) for n in facts.active])
-            slow = [n for n, mark in zip(facts.active, marks) if mark]
-        return PolicyInputs(restarts_used=self.count(store_keys.restarts_used()),
-                            excluded=self.count(store_keys.excluded()),
-                            restartable=self.count(store_keys.restartable(number)),
-                            progress=self.progress.history(self, number), origins=origins, slow=slow,
-                            last_iteration=self.progress.last, repeats=self._same_error_before(number, report))
-
-    def _same_error_before(self, number: int, reason: dict) -> List[int]:
-        """The rounds just before `number` whose failure had the same traceback as `reason`'s
-        (its `error` signature, agent.ranks.rank_output), in a row, none with progress (the
-        restart policy's `repeats`). After ProgressTracker.judge: this round's progress is known."""
-        signature = (reason.get("error") or {}).get("signature")
-        if not signature or self.exists(store_keys.progress(number)):
-            return []
-        same: List[int] = []
-        for k in range(number - 1, -1, -1):
-            if not self.exists(store_keys.interrupt(k)):
-                break
-            try:
-                before = json.loads(self.get(store_keys.interrupt(k)))
-            except ValueError:
-                break
-            if before.get("kind") == "store_lost" and not self.exists(store_keys.progress(k)):
-                continue   # a round a store failover ended: no failure of the script's, passed over
-            if (before.get("error") or {}).get("signature") != signature or self.exists(store_keys.progress(k)):
-                break
-            same.insert(0, k)
-        return same
+    # -- ending a round (the decision: agent.recovery.round_end) ----------------------------
+    def claim_interrupt(self, number: int, reason: dict) -> Optional[dict]:
+        """Report the end of round `number` (compare-and-set on its interrupt: the first report
+        wins); the report as written when this one won, else None. The reporter's token makes the
+        text unique: two agents with the same report (the same silent peer) must not both win."""
+        report = dict(reason, reporter=self.token)
+        text = json.dumps(report, sort_keys=True)
+        won = self._call(self.s.compare_set, self.k(store_keys.interrupt(number)), "", text).decode() == text
+        return report if won else None
 
     def declare_restartable(self, number: int) -> None:
         """This node's ranks all run under ft.restartable in round `number` (once per node)."""
         self.count(store_keys.restartable(number), 1)
-
-    def in_place_possible(self, facts: RoundFacts) -> bool:
-        """Would a failure of round `facts.number` restart in place now (agent.recovery.hang_blame asks)?"""
-        return self.policy.in_place_possible(facts, self.count(store_keys.restartable(facts.number)))
-
-    def _publish_target(self, number: int, verdict: Verdict, facts: RoundFacts) -> None:
-        """The nodes round `number + 1` expects back: the round's members and late joiners,
-        less the dead, the excluded and those that left the job."""
-        if not facts.active:
-            return
-        try:
-            active, spares = self.members(number)
-        except RendezvousError:
-            return
-        nodes = active + spares + self.late_joiners(number)
-        gone = {n["node_id"] for n in verdict.dead_nodes} | set(verdict.exclude)
-        left = self._call(self.s.multi_get_now, [self.k(store_keys.excluded_node(n.node_id)) for n in nodes])
-        expected = [n for n, out in zip(nodes, left) if n.node_id not in gone and not out]
-        self._call(self.s.multi_set, [self.k(store_keys.expect(number + 1)), self.k(store_keys.target(number + 1))],
-                   [json.dumps([dataclasses.asdict(n) for n in expected], separators=(",", ":")),
-                    str(len(expected))])
-
 
     def verdict(self, number: int) -> Verdict:
         """The verdict of interrupted round `number`. Its decider writes it just after winning

@@ -22,9 +22,10 @@ takes the next one. The deadlines are the same for every survivor however fast i
 list: a candidate that cannot host (its port taken) moves on at once, and still waits for the next
 candidate as long as that one waits for it. The successor seeds the
 new store (round, restarts used + 1, faults fired, timeouts version, generation: the SEEDED keys),
-writes the history it read (the CARRIED keys) and ends the lost round as a store loss (its
-`interrupt`: the same-error rule of the restart policy passes over it, the no-progress rule counts
-it like any round without progress); each survivor adds its own progress in that round. What was
+writes the history it read (the CARRIED keys); the round's end (agent.recovery.round_end, which
+the agent hands this failover) ends the lost round there as a store loss (its `interrupt`: the
+same-error rule of the restart policy passes over it, the no-progress rule counts it like any
+round without progress), and each survivor adds its own progress in that round. What was
 written after the round began and is not one survivor's own (a straggler marked, a node excluded
 during the lost round) is lost with the store. Everybody joins the
 next round there, expecting the other survivors: the round closes as soon as they are all back,
@@ -50,7 +51,6 @@ from ft_launcher.agent.rounds import store_keys
 from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol, gone_after, host_store
 from ft_launcher.agent.rounds.round_types import NodeInfo, Round, StoreLost, StoreReplaced
 from ft_launcher.agent.rounds.store_client import StoreClient, StoreError
-from ft_launcher.agent.recovery.restart_policy import NODE_FAILURE_LIMIT
 
 FENCE_PROBES = 4  # successors a returning host probes for a store that took over
 
@@ -105,6 +105,9 @@ class StoreFailover:
         self.say = say
         self.learner = learner
         self.memory = JobMemory()
+        # the round's end (agent.recovery.round_end.RoundEnd, set by the agent): how far back the
+        # policy reads, and what the lost round's end writes on the new store
+        self.round_end = None
         self._marked = 0  # the generation whose take-over this agent has recorded
 
     @property
@@ -140,8 +143,8 @@ class StoreFailover:
         """Read what a failover carries while round `number` runs (one read): the job-wide keys,
         those of the round's members, those of the rounds the policy looks back on and of the last
         round with progress."""
-        mem, ft = self.memory, self.cfg.ft
-        rounds = store_keys.carry_rounds(NODE_FAILURE_LIMIT, ft.max_identical_failures, ft.max_no_progress_cycles)
+        mem = self.memory
+        rounds = self.round_end.history_rounds() if self.round_end is not None else store_keys.carry_rounds(0)
         also = [mem.last_progress] if mem.last_progress is not None else []
         names = store_keys.carried_names(number, [n.node_id for n in mem.everyone], rounds, also)
         mem.carried = {name: value for name, value in zip(names, self.proto.get_raw(names)) if value}
@@ -191,7 +194,7 @@ class StoreFailover:
                     continue
                 self.store.adopt(cand.host, port, server)
                 self.me.hosts_store = True
-                self._seed(number, used, generation, cand, lost)
+                self._seed(number, used, generation, cand)
             else:
                 # candidate k is waited for until (k + 1) windows after the loss, whenever this
                 # agent came to it: one that skipped a candidate quickly (its own port taken, say)
@@ -204,8 +207,8 @@ class StoreFailover:
                 self.store.adopt(cand.host, port, None, client)
                 self.me.hosts_store = False
             mem.generation = generation
-            if self.proto.progress.reported(mem.round.number):   # what this agent knows of the lost round
-                self.proto.put(store_keys.progress(mem.round.number), "1")
+            if self.round_end is not None:   # the lost round's end, and this node's progress in it
+                self.round_end.end_lost_round(mem.round.number, cand.node_id == self.me.node_id)
             self.say(f"store failover: generation {generation} of the store at {cand.host}:{port}"
                      f"{' (hosted here)' if self.store.is_host else ''} replaces {old}; restarting in "
                      f"cycle {number} (restart {used}/{self.cfg.max_restarts})")
@@ -220,17 +223,12 @@ class StoreFailover:
             self.say(f"cannot host the successor store on port {port}: {str(exc).splitlines()[0]}")
             return None
 
-    def _seed(self, number: int, used: int, generation: int, me: NodeInfo, lost: StoreLost) -> None:
-        """The successor's first writes: the keys a failover seeds, the ones it carries
-        (agent.rounds.store_keys), and the lost round's end: a store loss, judged like a failure
-        for its progress, which the same-error history passes over."""
+    def _seed(self, number: int, used: int, generation: int, me: NodeInfo) -> None:
+        """The successor's first writes: the keys a failover seeds and the ones it carries
+        (agent.rounds.store_keys); the lost round's end follows (agent.recovery.round_end)."""
         proto, mem = self.proto, self.memory
         if mem.carried:
             proto.put_raw(list(mem.carried), list(mem.carried.values()))
-        ended = mem.round.number
-        proto.put(store_keys.interrupt(ended), json.dumps({"kind": "store_lost", "what": str(lost),
-                                                            "node_id": me.node_id}, sort_keys=True))
-        proto.progress.judge(proto, ended)   # checkpoint_iteration_file: the lost round's progress, by the file
         if mem.everyone:   # who the first joiner checks for when the round does not fill
             expect = [dataclasses.replace(n, hosts_store=n.node_id == me.node_id) for n in mem.everyone + mem.late
                       if not n.hosts_store]
