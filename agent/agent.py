@@ -441,7 +441,7 @@ class NodeAgent:
         self.flight.start_cycle(self.store, rnd, self.me.node_id,
                                 lambda: [(r.local_rank, r.rank) for r in self.group.ranks])
         self.blame.start_cycle(self.store, rnd.number, rnd.world_size, self.me.node_id, self.flight.enabled,
-                               lambda: self.round_end.in_place_possible(rnd.number),
+                               lambda: self.round_end.in_place_possible(rnd),
                                lambda: [r.rank for r in self.group.ranks])
         self._apply_timeouts(self.learner.load())
         self.learner.begin_cycle(rnd.number)
@@ -610,7 +610,7 @@ class NodeAgent:
         error = self.output.error(rnd.number, reason["rank"]) if reason.get("rank") is not None else None
         if error:   # its traceback: the same one again before any progress stops the job (restart_policy)
             reason["error"] = {"signature": hashlib.sha1(error[0].encode()).hexdigest()[:16], "exception": error[1]}
-        verdict = self.round_end.interrupt(rnd.number, reason)
+        verdict = self.round_end.interrupt(rnd.number, reason, rnd=rnd)
         ours = verdict.detail.get("reporter") == self.proto.token   # decided from this report (agent.recovery.restart_policy)
         if ours and verdict.kind == "stop":   # restarting is pointless: the stop's own line follows
             line = reason["what"]
@@ -638,7 +638,7 @@ class NodeAgent:
         if reason.get("leaving"):
             self._excluded = reason["what"]   # leaves even if another node's report won the round
             mark_excluded(self.proto, self.me.node_id)
-        verdict = self.round_end.interrupt(rnd.number, reason)
+        verdict = self.round_end.interrupt(rnd.number, reason, rnd=rnd)
         ours = verdict.detail.get("reporter") == self.proto.token
         self.events.event("workload_request", f"{verdict.what if ours else reason['what']} -> stopping all ranks",
                           rank=reason["rank"], action=reason["action"], description=reason["description"])
@@ -738,7 +738,7 @@ class NodeAgent:
                     reason = dict(failure_cause.peers_lost(self.watcher.dead_peers).report, node_id=self.me.node_id)
                     self.events.event("failure", f"{reason['what']} -> the hot spare asks for a new round",
                                       what=reason["what"])
-                    verdict = self.round_end.interrupt(rnd.number, reason)
+                    verdict = self.round_end.interrupt(rnd.number, reason, rnd=rnd)
                     return self._announce(rnd, verdict)
         finally:
             sel.close()

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from ft_launcher.agent.recovery.progress import ProgressTracker
 from ft_launcher.agent.recovery.restart_policy import (NODE_FAILURE_LIMIT, PolicyInputs, RestartPolicy, RoundFacts,
                                                        Verdict)
 from ft_launcher.agent.rounds import store_keys
-from ft_launcher.agent.rounds.round_types import RendezvousError
+from ft_launcher.agent.rounds.round_types import RendezvousError, Round
 
 
 class RoundEnd:
@@ -50,21 +50,28 @@ class RoundEnd:
         policy = self.policy
         return store_keys.carry_rounds(NODE_FAILURE_LIMIT, policy.identical_failure_limit, policy.no_progress_limit)
 
-    def facts(self, number: int) -> RoundFacts:
-        """What the decider of round `number`'s verdict knows (reads the member list once)."""
-        active, spares = self.proto.members(number)
+    def facts(self, rnd: Union[Round, int]) -> RoundFacts:
+        """What the decider of a round's verdict knows: from this agent's Round (its member lists,
+        read from the store once, with itself among the spares when it joined late), or from the
+        store's member list of round number `rnd`."""
+        if isinstance(rnd, Round):
+            number, active, spares = rnd.number, rnd.active, rnd.spares
+        else:
+            number, (active, spares) = rnd, self.proto.members(rnd)
         return RoundFacts(number, [n.node_id for n in active], [n.node_id for n in spares],
                           {n.node_id: n.nproc for n in active}, {n.node_id: n.host for n in active})
 
-    def interrupt(self, number: int, reason: dict, facts: Optional[RoundFacts] = None) -> Verdict:
-        """Report a failure, shutdown, stop or completion of round `number`. The first reporter
-        decides and publishes the verdict; returns it, whoever decided it. `facts`: the round's, when
-        the caller knows them (else read from the store, by the decider of a failure only)."""
+    def interrupt(self, number: int, reason: dict, facts: Optional[RoundFacts] = None,
+                  rnd: Optional[Round] = None) -> Verdict:
+        """Report a failure, shutdown, stop or completion of round `number` (`rnd`: this agent's
+        Round, when it has one). The first reporter decides and publishes the verdict; returns it,
+        whoever decided it. `facts`: the round's, when the caller knows them (else built here, by
+        the decider of a failure only)."""
         proto = self.proto
         report = proto.claim_interrupt(number, reason)
         if report is not None:
             if facts is None:
-                facts = self.facts(number) if report.get("kind") == "failure" else RoundFacts(number, [], [], {})
+                facts = self.facts(rnd or number) if report.get("kind") == "failure" else RoundFacts(number, [], [], {})
             inputs = self.policy_inputs(report, facts)
             verdict = self.policy.decide(report, facts, inputs)
             if verdict.restarts_used > inputs.restarts_used:   # the budget this restart spends
@@ -122,10 +129,10 @@ class RoundEnd:
             same.insert(0, k)
         return same
 
-    def in_place_possible(self, number: int, facts: Optional[RoundFacts] = None) -> bool:
-        """Would a failure of round `number` restart in place now (agent.recovery.hang_blame asks)?"""
-        return self.policy.in_place_possible(facts or self.facts(number),
-                                             self.proto.count(store_keys.restartable(number)))
+    def in_place_possible(self, rnd: Union[Round, int], facts: Optional[RoundFacts] = None) -> bool:
+        """Would a failure of round `rnd` restart in place now (agent.recovery.hang_blame asks)?"""
+        facts = facts or self.facts(rnd)
+        return self.policy.in_place_possible(facts, self.proto.count(store_keys.restartable(facts.number)))
 
     def end_lost_round(self, number: int, successor: bool) -> None:
         """Round `number` ended with its store (agent.rounds.store_failover), on the new store: this
