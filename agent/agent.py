@@ -2,7 +2,7 @@
 starting -> joining -> running or spare -> restarting -> joining ... -> stopping -> finished), the
 loop over rounds and the exit codes; every other job is a named part's:
 
-The agent holds three bundles of parts and a few deciders:
+The agent holds three bundles of parts, the round's end and the parts that say what ended a cycle:
 - agent.rounds.job_rounds (JobRounds): this node's side of the job's rounds: its liveness port, its
   identity, the job's store, the round protocol on it (agent.rounds.rendezvous: join, close,
   interrupt), the round watcher, and the failover to a successor store (agent.rounds.store_failover).
@@ -15,14 +15,16 @@ The agent holds three bundles of parts and a few deciders:
   lines and events.jsonl.
 - agent.recovery.supervisor: watches a cycle and returns, typed, what ended it; agent.recovery.failure_cause says
   what a failure is, for the operator and for the verdict.
-- agent.recovery.restart_policy: the verdict, decided once per round by its first reporter: restart (in
-  place or all ranks), exclude, stop, or not at all; Verdict.stays names the ranks it keeps in place.
+- agent.recovery.round_end (RoundEnd): the one executor from a report to the verdict: the first
+  reporter of a round's end gathers the policy's inputs, runs agent.recovery.restart_policy (restart
+  in place or all ranks, exclude, stop, or not at all) and publishes the verdict; Verdict.stays
+  names the ranks it keeps in place.
 - agent.recovery.hang_blame and agent.recovery.flight_recorder: who hung, and where.
 Signals take one path (_check_signal -> _shut_down: ranks signalled, round told, Shutdown).
 
 A killed rank's walk: its pidfd wakes the supervisor's selector -> Supervisor.outcome reaps it and
-failure_cause.rank_ended says why -> the agent reports the Failure (_fail) -> RoundProtocol.interrupt
--> RestartPolicy.decide writes the Verdict -> at the cycle's end the hang blame settles who was
+failure_cause.rank_ended says why -> the agent reports the Failure (_fail) -> RoundEnd.interrupt
+-> RestartPolicy.decide, and the Verdict is written -> at the cycle's end the hang blame settles who was
 stopped as hung, the carrier asks the ranks the verdict keeps (Verdict.stays) to leave their step
 (rung in_process) and workers stop the rest -> restarting -> the next round:
 the carrier adopts the ranks at their restart point, the dead slot gets a warm reserve
@@ -47,6 +49,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
+from ft_launcher.agent.rounds import store_keys
 from ft_launcher.rank_monitor import buddy_store, shm_layout
 from ft_launcher.rank_monitor.agent_side.monitor_handle import MonitorHandle, MonitorStartError
 from ft_launcher.rank_monitor.peer_sockets import ENV_JOB_ADDRS
@@ -64,7 +67,8 @@ from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.ranks.node_ranks import NodeRanks, Unkillable
 from ft_launcher.agent.recovery import failure_cause
 from ft_launcher.agent.rounds.job_rounds import JobRounds
-from ft_launcher.agent.recovery.restart_policy import RoundFacts, Verdict
+from ft_launcher.agent.recovery.restart_policy import Verdict
+from ft_launcher.agent.recovery.round_end import RoundEnd
 from ft_launcher.agent.rounds.round_types import RendezvousError, Round, Stopped, StoreLost, StoreReplaced
 from ft_launcher.agent.recovery.supervisor import Finished, Interrupted, Supervisor
 
@@ -185,6 +189,8 @@ class NodeAgent:
         try:
             try:
                 self.rounds.reach(self.learner)
+                self.round_end = RoundEnd(self.proto, self.cfg)   # the verdicts this node decides
+                self.failover.round_end = self.round_end
                 self.injector = FaultInjector(self.cfg.ft, self.proto.claim_fault, self.proto.faults_fired,
                                               self.events)
                 self.flight.on_request = lambda cycle: self.learner.freeze(self.monitors, cycle)
@@ -193,7 +199,7 @@ class NodeAgent:
                 if self.ranks.heartbeat_warning():
                     self.say(self.ranks.heartbeat_warning())
                 self.carrier.proto = self.proto
-                self.progress = self.proto.progress   # one tracker: this node's polls, the policy's inputs
+                self.progress = self.round_end.progress   # one tracker: this node's polls, the policy's inputs
                 self.health = HealthChecks(self.cfg.ft, self.cfg.log_dir, self.say)
                 mark("store")
                 self.rounds.start_watcher()
@@ -317,10 +323,10 @@ class NodeAgent:
                     **dict(verdict.event_fields(), restarts_used=used))
                 return EXIT_FAILED
             if self._excluded or self.me.node_id in verdict.exclude:
-                slow = f"slow/{self.me.node_id}"
+                slow = store_keys.slow(self.me.node_id)
                 self._leave_job(self._excluded or (f"excluded as a straggler: {self.proto.get(slow)}"
                                                    if self.proto.exists(slow) else verdict.what))
-            target = None   # the next round's target: in the store, with the verdict (RoundProtocol.interrupt)
+            target = None   # the next round's target: in the store, with the verdict (RoundEnd.interrupt)
             number = verdict.next_round
 
     def _check_signal(self, rnd: Optional[Round]) -> None:
@@ -333,7 +339,7 @@ class NodeAgent:
                           f"(SIGKILL after {self.cfg.term_timeout:g}s) and stopping the job", signal=sig)
         if rnd is not None:
             try:
-                self.proto.interrupt(rnd.number, {"kind": "shutdown", "signal": sig, "node_id": self.me.node_id})
+                self.round_end.interrupt(rnd.number, {"kind": "shutdown", "signal": sig, "node_id": self.me.node_id})
             except RendezvousError:
                 pass
         self._shut_down(rnd, sig)
@@ -403,7 +409,7 @@ class NodeAgent:
         """This node leaves the job (ExcludeThisNode, a failed health check): mark it, keep the store
         up if it lives here, then end with the no-restart code."""
         left = mark_excluded(self.proto, self.me.node_id)
-        short = self.proto.policy.too_few_left(left)   # the policy says whether the job goes on without it
+        short = self.round_end.policy.too_few_left(left)   # the policy says whether the job goes on without it
         if short and self.cfg.max_nodes > 1:   # (a one-node job obviously stops)
             reason += f"; {short}: the job stops"
         self._excluded = reason
@@ -435,7 +441,7 @@ class NodeAgent:
         self.flight.start_cycle(self.store, rnd, self.me.node_id,
                                 lambda: [(r.local_rank, r.rank) for r in self.group.ranks])
         self.blame.start_cycle(self.store, rnd.number, rnd.world_size, self.me.node_id, self.flight.enabled,
-                               lambda: self.proto.in_place_possible(self._facts(rnd)),
+                               lambda: self.round_end.in_place_possible(rnd),
                                lambda: [r.rank for r in self.group.ranks])
         self._apply_timeouts(self.learner.load())
         self.learner.begin_cycle(rnd.number)
@@ -497,10 +503,6 @@ class NodeAgent:
         self.health.dead_pids = [r.pid for r in self.group.ranks if id(r) not in kept]
         self.watcher.watch(None)
 
-    def _facts(self, rnd: Round) -> RoundFacts:
-        return RoundFacts(rnd.number, [n.node_id for n in rnd.active], [n.node_id for n in rnd.spares],
-                          {n.node_id: n.nproc for n in rnd.active}, {n.node_id: n.host for n in rnd.active})
-
     def _supervise(self, rnd: Round) -> Verdict:
         """Watch the cycle (agent.recovery.supervisor) until it ends; the verdict."""
         sup = Supervisor(rnd, self.group, self.monitor_set, self.watcher, self.carrier, self.blame, self.events,
@@ -547,7 +549,7 @@ class NodeAgent:
         if self.learner.enabled:
             self.learner.publish(self.proto, self.monitors)
         if self.proto.mark_done(rnd.number) >= rnd.nnodes:
-            self.proto.interrupt(rnd.number, {"kind": "complete"})
+            self.round_end.interrupt(rnd.number, {"kind": "complete"})
         else:
             self.say("all local ranks finished; waiting for the other nodes")
 
@@ -608,7 +610,7 @@ class NodeAgent:
         error = self.output.error(rnd.number, reason["rank"]) if reason.get("rank") is not None else None
         if error:   # its traceback: the same one again before any progress stops the job (restart_policy)
             reason["error"] = {"signature": hashlib.sha1(error[0].encode()).hexdigest()[:16], "exception": error[1]}
-        verdict = self.proto.interrupt(rnd.number, reason, lambda: self._facts(rnd))
+        verdict = self.round_end.interrupt(rnd.number, reason, rnd=rnd)
         ours = verdict.detail.get("reporter") == self.proto.token   # decided from this report (agent.recovery.restart_policy)
         if ours and verdict.kind == "stop":   # restarting is pointless: the stop's own line follows
             line = reason["what"]
@@ -636,7 +638,7 @@ class NodeAgent:
         if reason.get("leaving"):
             self._excluded = reason["what"]   # leaves even if another node's report won the round
             mark_excluded(self.proto, self.me.node_id)
-        verdict = self.proto.interrupt(rnd.number, reason, lambda: self._facts(rnd))
+        verdict = self.round_end.interrupt(rnd.number, reason, rnd=rnd)
         ours = verdict.detail.get("reporter") == self.proto.token
         self.events.event("workload_request", f"{verdict.what if ours else reason['what']} -> stopping all ranks",
                           rank=reason["rank"], action=reason["action"], description=reason["description"])
@@ -736,7 +738,7 @@ class NodeAgent:
                     reason = dict(failure_cause.peers_lost(self.watcher.dead_peers).report, node_id=self.me.node_id)
                     self.events.event("failure", f"{reason['what']} -> the hot spare asks for a new round",
                                       what=reason["what"])
-                    verdict = self.proto.interrupt(rnd.number, reason, lambda: self._facts(rnd))
+                    verdict = self.round_end.interrupt(rnd.number, reason, rnd=rnd)
                     return self._announce(rnd, verdict)
         finally:
             sel.close()

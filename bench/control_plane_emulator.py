@@ -76,6 +76,7 @@ class ThinAgent:
         from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
         from ft_launcher.agent.rounds.round_types import NodeInfo
         from ft_launcher.agent.rounds.store_failover import StoreFailover
+        from ft_launcher.agent.recovery.round_end import RoundEnd
 
         self.cfg, self.order, self.loop, self.marks = cfg, order, loop, marks
         self.alive = AliveListener("127.0.0.1")
@@ -84,6 +85,7 @@ class ThinAgent:
                            alive_port=self.alive.port, hosts_store=self.store.is_host)
         self.proto = RoundProtocol(self.store, cfg, self.me)
         self.failover = StoreFailover(cfg, self.store, self.proto, self.me, _quiet)
+        self.round_end = self.failover.round_end = RoundEnd(self.proto, cfg)
         self.woken = threading.Event()
         self.dead = False
         self.error = None
@@ -126,7 +128,7 @@ class ThinAgent:
                     verdict = self.proto.verdict(rnd.number)
                 else:
                     report = dict(failure_cause.peers_lost(self.watcher.dead_peers).report, node_id=self.me.node_id)
-                    verdict = self.proto.interrupt(rnd.number, report, lambda: self.proto.facts(rnd.number))
+                    verdict = self.round_end.interrupt(rnd.number, report)
                 self.marks.setdefault(("verdict", number), []).append(time.time())
                 self.watcher.watch(None)
                 if not verdict.restart:

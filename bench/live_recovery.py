@@ -55,7 +55,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_jobs import Job, bench_env, read_progress  # noqa: E402
-from ft_launcher.agent.recovery.live_recovery import per_rank  # noqa: E402
+from ft_launcher.agent.observation.live_recovery import per_rank  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "live_train.py")
@@ -345,7 +345,7 @@ def result(args, contender: str, job, kill: bool) -> dict:
         out["transfer_mbs"] = rec["bytes"] / 1e6 / rec["seconds"]
     evs = events(job.dir) if contender != "torchft" else []
     told = [e["detail"] for e in evs if e.get("kind") == "live_recovery"]
-    if told:   # the launcher's own account of the incident (agent/recovery.live_recovery.py) wins
+    if told:   # the launcher's own account of the incident (agent/observation/live_recovery.py) wins
         d = told[-1]
         out["event"] = {k: d.get(k) for k in ("resume_step", "steps_redone", "sources", "bytes", "transfer_s",
                                                "mb_per_s", "restore_s", "check", "reason")}

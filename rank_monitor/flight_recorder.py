@@ -35,7 +35,7 @@ import pickle
 import signal
 import sys
 import threading
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from ft_launcher.rank_monitor import atomic_file, safe_pickle
 
@@ -43,6 +43,28 @@ ENV_FR_DIR = "FT_LAUNCHER_FR_DIR"
 # A monitor holds a hung rank at most this long for the job's flight-recorder dump (the agent's
 # own bounds, a second per rank and two for the whole job, fit well inside it).
 HOLD_SECONDS = 3.0
+
+
+FR_BUFFER_DEFAULT = 2000     # entries per rank; torch's docs suggest 2000
+
+
+def buffer_size(env: Dict[str, str]) -> int:
+    """The flight-recorder buffer the ranks get from `env` (the user's, or ours)."""
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                return FR_BUFFER_DEFAULT   # torch ignores a bad value too; ours then applies
+    return FR_BUFFER_DEFAULT
+
+
+def recorder_env(env: Dict[str, str]) -> Dict[str, str]:
+    """What a rank gets for the recorder: our buffer size unless the user set one (either name)."""
+    if env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        return {}
+    return {"TORCH_FR_BUFFER_SIZE": str(FR_BUFFER_DEFAULT)}
 
 
 def pipe_path(fr_dir: str, local_rank: int) -> str:

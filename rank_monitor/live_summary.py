@@ -1,6 +1,6 @@
 """The live-recovery summary: what global rank 0's `LiveState.restore()` says about a cycle's
 recovery (rank_monitor.rank_side.live.live_state), as it goes through its shared-memory record to the
-agent (agent.recovery.live_recovery), at any world size.
+agent (agent.observation.live_recovery), at any world size.
 
     {"cycle": 3, "resume_step": 136, "steps_redone": 0, "world": 512,
      "sources": {"kept": "0-255,257-511", "peer 0": "256"},     # where each rank's state came from

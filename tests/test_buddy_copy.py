@@ -27,7 +27,7 @@ import pytest
 
 from conftest import ROOT, node_tree, wait_for
 from harness import ExampleAgents, own_launcher, progress, started
-from ft_launcher.agent.recovery.live_recovery import per_rank
+from ft_launcher.agent.observation.live_recovery import per_rank
 
 EXAMPLE = os.path.join(ROOT, "examples", "hsdp_train.py")
 STEPS, FAULT, CKPT = 150, 137, 50
@@ -109,7 +109,7 @@ def test_plan_when_a_node_and_its_buddys_node_are_both_lost_says_so():
 
 
 def test_the_line_names_the_buddy_and_the_step():
-    from ft_launcher.agent.recovery.live_recovery import line, source_words
+    from ft_launcher.agent.observation.live_recovery import line, source_words
 
     told = {"resume_step": 135, "steps_redone": 1, "sources": {"host copy": "0", "kept": "1", "buddy 0": "2",
                                                                "buddy 1": "3"},

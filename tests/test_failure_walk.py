@@ -13,10 +13,10 @@ from conftest import ROOT, SCRIPTS, read_events
 WALK = [   # the step, and the call that makes it
     ("the death is classified", "failure_cause.rank_ended"),
     ("this node reports it", "agent.NodeAgent._fail"),
-    ("to the round", "rendezvous.RoundProtocol.interrupt"),
+    ("to the round's end", "round_end.RoundEnd.interrupt"),
     ("the verdict is decided", "restart_policy.RestartPolicy.decide"),
     ("the verdict is applied on this node", "in_place_carrier.InPlaceCarrier.ask"),
-    ("the healthy rank is kept by the verdict", "restart_policy.Verdict.stays"),
+    ("the healthy rank is kept by the verdict", "round_types.Verdict.stays"),
     ("the rest are stopped", "workers.WorkerGroup.stop"),
     ("the next round is joined", "rendezvous.RoundProtocol.join"),
     ("the carried rank is adopted", "in_place_carrier.InPlaceCarrier.adopt"),
@@ -51,5 +51,5 @@ def test_a_killed_rank_walks_through_each_part_once(launcher, tmp_path):
     running = calls.index("supervisor.Supervisor.__init__")
     classified = [i for i, c in enumerate(calls) if c.startswith("failure_cause.") and i > running]
     assert classified and all(begin <= i < report for i in classified), [calls[i] for i in classified]
-    assert calls.count("restart_policy.RestartPolicy.decide") == calls.count("rendezvous.RoundProtocol.interrupt") == 2
+    assert calls.count("restart_policy.RestartPolicy.decide") == calls.count("round_end.RoundEnd.interrupt") == 2
     assert window.count("workers.WorkerGroup.adopt") == 1   # rank 0, in its own process

@@ -151,7 +151,7 @@ def test_an_hsdp_hang_in_the_shard_group_blames_the_rank_that_hung_and_the_victi
         assert after[rank] == (before[rank][0], True), f"victim {rank} did not keep its process: {before} -> {after}"
     told = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
     assert len(told) == 1 and told[0]["resume_step"] == 16, told
-    from ft_launcher.agent.recovery.live_recovery import per_rank
+    from ft_launcher.agent.observation.live_recovery import per_rank
 
     assert per_rank(told[0]["sources"]) == {"0": "kept", "1": "kept", "2": "kept", "3": "peer 1"}, told
     print(f"\nHSDP 2x2: {blame[0]}; {elapsed:.1f}s")

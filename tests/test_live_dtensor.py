@@ -30,7 +30,7 @@ import pytest
 
 from conftest import ROOT, node_tree, read_events, wait_for
 from harness import ExampleAgents, progress
-from ft_launcher.agent.recovery.live_recovery import per_rank
+from ft_launcher.agent.observation.live_recovery import per_rank
 
 EXAMPLE = os.path.join(ROOT, "examples", "hsdp_train.py")
 

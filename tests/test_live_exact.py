@@ -24,7 +24,7 @@ import pytest
 
 from conftest import EXAMPLE as DDP_EXAMPLE, ROOT, node_tree, read_events, wait_for
 from harness import JOB, TOPOLOGIES, Job, progress
-from ft_launcher.agent.recovery.live_recovery import per_rank
+from ft_launcher.agent.observation.live_recovery import per_rank
 
 LIVE_EXAMPLE = os.path.join(ROOT, "examples", "live_train.py")
 STEPS, FAULT = 150, 137

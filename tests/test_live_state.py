@@ -1,4 +1,4 @@
-"""Live state (ft.LiveState, rank_monitor/rank_side.live.live_state.py; agent/recovery.live_recovery.py): zero-rollback
+"""Live state (ft.LiveState, rank_monitor/rank_side.live.live_state.py; agent/observation/live_recovery.py): zero-rollback
 in-place restarts, end to end with real agents, monitors and ranks, and the recovery plan alone.
 
 - examples/ddp_train.py --live on 2 agents x 2 ranks, checkpoint every 50 steps, a fault at step
@@ -27,7 +27,7 @@ import pytest
 from conftest import EXAMPLE, LAUNCHER, ROOT, SCRIPTS, free_port, read_events, wait_for
 from harness import Job, check_flat, progress, sample_each_cycle, started
 from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer, plan_recovery
-from ft_launcher.agent.recovery.live_recovery import per_rank
+from ft_launcher.agent.observation.live_recovery import per_rank
 
 STEPS, CKPT, FAULT_STEP = 150, 50, 137
 LIVE_JOB = ["--steps", STEPS, "--ckpt-every", CKPT, "--step-time", 0, "--seed", 11]

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import ROOT, read_events
 from harness import Job, started
-from ft_launcher.agent.recovery.live_recovery import per_rank
+from ft_launcher.agent.observation.live_recovery import per_rank
 
 RNG_JOB = ["--live-rng", "--noise", 0.1, "--steps", 30, "--ckpt-every", 10, "--step-time", 0, "--seed", 11]
 FAULT_STEP = 17

@@ -1,4 +1,4 @@
-"""The live-recovery summary at any world size (rank_monitor/live_summary.py, agent/recovery/live_recovery.py).
+"""The live-recovery summary at any world size (rank_monitor/live_summary.py, agent/observation/live_recovery.py).
 
 512 simulated ranks through the real path: the recovery plan (live_plan.plan_recovery), global
 rank 0's summary (live_summary.build, written by live_summary.write into a real shared-memory
@@ -14,7 +14,7 @@ import random
 import pytest
 
 from ft_launcher.agent.observation.events import EventLog
-from ft_launcher.agent.recovery import live_recovery
+from ft_launcher.agent.observation import live_recovery
 from ft_launcher.rank_monitor import live_summary as S
 from ft_launcher.rank_monitor import shm_layout as L
 from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer, plan_recovery

@@ -1,4 +1,4 @@
-"""The round protocol's side of a verdict (agent/rounds/rendezvous.py, RoundProtocol.interrupt) on a
+"""The round's end (agent/recovery/round_end.py, RoundEnd.interrupt on agent/rounds/rendezvous.py's protocol) on a
 real TCPStore: reporters racing in threads (each with its own store connection, as agents have) get
 one verdict; what the protocol reads for the policy (PolicyInputs: restartable nodes, origins and
 progress of earlier rounds, stragglers, exclusions, the budget) and what it writes after (the
@@ -12,6 +12,7 @@ import pytest
 
 from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.recovery.no_restart import mark_excluded
+from ft_launcher.agent.recovery.round_end import RoundEnd
 from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
 from ft_launcher.agent.recovery.restart_policy import NODE_FAILURE_LIMIT, RoundFacts
 from ft_launcher.agent.rounds.round_types import NodeInfo
@@ -59,8 +60,8 @@ class Job:
 
     def fail(self, number, rank, proto=None):
         proto = proto or self.proto()
-        return proto.interrupt(number, {"kind": "failure", "what": f"rank {rank} died", "rank": rank,
-                                        "node_id": self.nodes[rank // 2]}, self.facts(number))
+        report = {"kind": "failure", "what": f"rank {rank} died", "rank": rank, "node_id": self.nodes[rank // 2]}
+        return RoundEnd(proto, self.cfg).interrupt(number, report, self.facts(number))
 
 
 def test_racing_reporters_get_one_verdict_and_spend_one_restart():
@@ -89,10 +90,10 @@ def test_the_protocol_reads_which_nodes_declared_their_ranks_restartable():
     assert job.fail(0, 1, proto).rung == "job"              # nobody declared
     proto.declare_restartable(1)                            # one node of two
     assert job.fail(1, 0, proto).rung == "job"
-    assert not proto.in_place_possible(job.facts(1))
+    assert not RoundEnd(proto, job.cfg).in_place_possible(1, job.facts(1))
     proto.declare_restartable(2)
     job.proto("node-b").declare_restartable(2)
-    assert proto.in_place_possible(job.facts(2))
+    assert RoundEnd(proto, job.cfg).in_place_possible(2, job.facts(2))
     assert job.fail(2, 1, proto).rung == "in_process"
 
 
@@ -119,10 +120,10 @@ def test_stragglers_exclusions_and_no_progress_come_from_the_store():
     proto.put("r0/progress", "1")
     assert job.fail(0, 0, proto).exclude == ["node-b"]
     mark_excluded(proto, "node-b")                          # what an asking agent records first
-    verdict = proto.interrupt(1, {"kind": "failure", "what": "rank 2 sent ExcludeThisNode", "rank": 2,
-                                  "node_id": "node-b", "leaving": "node-b"}, job.facts(1))
+    verdict = RoundEnd(proto, job.cfg).interrupt(1, {"kind": "failure", "what": "rank 2 sent ExcludeThisNode",
+                                                     "rank": 2, "node_id": "node-b", "leaving": "node-b"}, job.facts(1))
     assert verdict.restart and verdict.exclude == ["node-b"]
-    assert proto.policy.too_few_left(proto.count("excluded")) is None
+    assert RoundEnd(proto, job.cfg).policy.too_few_left(proto.count("excluded")) is None
     stop = job.fail(2, 0, proto)                             # rounds 1 and 2 without progress
     assert stop.kind == "stop" and stop.what.startswith("no progress: 2 cycles") and proto.restarts_used() == 2
 
@@ -133,6 +134,7 @@ def test_reports_that_never_restart_spend_no_budget():
     assert job.fail(0, 0, proto).restart
     assert not job.fail(1, 0, proto).restart
     for number, kind in ((2, "complete"), (3, "stop"), (4, "shutdown")):
-        verdict = proto.interrupt(number, {"kind": kind, "what": kind, "signal": 15}, job.facts(number))
+        verdict = RoundEnd(proto, job.cfg).interrupt(number, {"kind": kind, "what": kind, "signal": 15},
+                                                     job.facts(number))
         assert verdict.kind == kind and not verdict.restart and verdict.next_round == number + 1
     assert proto.restarts_used() == 2

@@ -6,12 +6,16 @@ By default, with a rank that does not import torch (tests/scripts/cycle_sleeper.
   SIGKILLed with its whole process tree. The survivor and the spare fail over to the successor
   store (the survivor, first in order, on rdzv port + 1) and finish cycle 1: exit 0.
 - 2 agents, --nnodes 2: the survivor cannot go on; it exits 1 within a bound with one line.
+- the policy's history outlives the store host (ranks of tests/scripts/cycle_plan.py): a job that
+  failed the same way twice before the loss stops at the same failure after it (93); slow: the
+  same for cycles without progress. Exactly what a failover carries: tests/test_store_keys.py.
 Slow (the example DDP job, tests/harness.py's Job, checked against a fault-free run):
 - the same SIGKILL mid-training ends with exactly the model of a fault-free run; the time from
   the kill to every rank stepping again is printed;
 - split brain: the store host and its ranks are paused (SIGSTOP) instead; the others fail over,
   and when the old host resumes it finds the successor and stops its ranks (exit 1).
 """
+import os
 import signal
 import socket
 import time
@@ -19,7 +23,7 @@ import time
 import psutil
 import pytest
 
-from conftest import node_tree, read_events, wait_for
+from conftest import SCRIPTS, node_tree, read_events, wait_for
 from harness import HOLD_STEP, STEPS, Job, SleeperJob, await_spare, paused, progress, sleepers_with_spare
 
 FAILOVER_TO_STEPPING = 6.0  # goal: store host SIGKILL -> every remaining rank stepping again
@@ -207,3 +211,48 @@ def test_paused_store_host_finds_it_was_replaced_and_stops_its_ranks(launcher, t
     final = job.final()
     assert final["step"] == STEPS and final["checksum"] == expected, final
     assert any(e["kind"] == "store_replaced" for e in job.events())
+
+
+# ---- the policy's history outlives the store host -----------------------------------------------
+def _planned_job_loses_its_host_in_cycle_2(launcher, tmp_path, plan, ft_flags):
+    """Three agents (--nnodes 2:3: two train, one waits as a spare) whose ranks follow `plan`
+    (tests/scripts/cycle_plan.py), cycle 2 held; once both ranks of cycle 2 run, the store host
+    (agent 0) is SIGKILLed with its processes. The survivors' (returncode, stderr)."""
+    job = SleeperJob(launcher, tmp_path, "2:3", max_restarts=6)
+    script = job.args.index(os.path.join(SCRIPTS, "cycle_sleeper.py"))
+    job.args[script:] = [*ft_flags, os.path.join(SCRIPTS, "cycle_plan.py"), job.out, plan]
+    for order in range(3):
+        job.start(order)
+    wait_for(lambda: all(any(c == 2 for c, _ in job.rows(r)) for r in (0, 1)), 60, "both ranks in cycle 2")
+    outs = _kill_the_host_and_wait_for_the_others(job)
+    return [p.returncode for p in job.agents[1:]], outs, job
+
+
+def test_identical_failures_before_and_after_a_store_failover_stop_the_job(launcher, tmp_path):
+    # The same error in cycles 0 and 1, the store host lost in cycle 2, the same error in cycle 3:
+    # the third identical failure in a row stops the job (93), as it would have without the
+    # failover (the failover's own cycle is no failure of the script: it neither counts nor
+    # breaks the row). A successor that forgot cycles 0 and 1 restarted twice more.
+    codes, outs, job = _planned_job_loses_its_host_in_cycle_2(
+        launcher, tmp_path, "fail,fail,hold,fail", ["--ft-max-identical-failures", "3"])
+    assert codes == [93, 93], "\n".join(o[-3000:] for o in outs)
+    assert len(read_events(job.logs, "store_failover")) == 2
+    last = outs[0].strip().splitlines()[-1]
+    assert "the same error as in cycle 0, 3 failures in a row before any progress (max_identical_failures=3)" \
+        in last and "exiting 93" in last, outs[0][-3000:]
+    assert max(c for r in (0, 1) for c, _ in job.rows(r)) == 3
+
+
+@pytest.mark.slow   # the identical-failure test above covers the same failover path by default
+def test_cycles_without_progress_before_and_after_a_store_failover_stop_the_job(launcher, tmp_path):
+    # A step in cycle 0, none in cycles 1 to 3 (the store host lost in cycle 2): the failure of
+    # cycle 3 ends the third cycle in a row without progress, and the job stops (93), as it would
+    # have without the failover. A successor that forgot cycle 0's progress never stops (a job
+    # that never stepped is never stopped for it) and spends its budget.
+    codes, outs, job = _planned_job_loses_its_host_in_cycle_2(
+        launcher, tmp_path, "step,fail,hold,fail", ["--ft-max-identical-failures", "0",
+                                                    "--ft-max-no-progress-cycles", "3"])
+    assert codes == [93, 93], "\n".join(o[-3000:] for o in outs)
+    last = outs[0].strip().splitlines()[-1]
+    assert "no progress: 3 cycles in a row ended without a completed 'step' section" in last, outs[0][-3000:]
+    assert max(c for r in (0, 1) for c, _ in job.rows(r)) == 3

@@ -32,7 +32,7 @@ restart (or ending a failed or stopped job) keeps only the steps done before the
 resumes from (resume_point: the last `checkpointing` section a rank completed, or one a rank other
 than the failure's had done its part of and was waiting in for its peers), since the job redoes
 the rest; unless the
-next cycle resumed from live state (agent.recovery.live_recovery): then it keeps every step up to the resume
+next cycle resumed from live state (agent.observation.live_recovery): then it keeps every step up to the resume
 step (`live_step` in `cycle_summary`: each rank's last completed step under ft.LiveState). Hung
 time, restarts and start-up never count (no `step` closes then).
 """

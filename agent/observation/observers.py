@@ -2,7 +2,7 @@
 
 It holds each observer (they keep their own jobs) and calls them at a cycle's phases:
 - `status` (agent.observation.job_status): the status file, stepping and cycle summaries;
-- `live_news` (agent.recovery.live_recovery): what the ranks' `LiveState.restore()` did;
+- `live_news` (agent.observation.live_recovery): what the ranks' `LiveState.restore()` did;
 - `section_use` (agent.observation.section_use): sections the script never uses;
 - `stragglers` (agent.observation.stragglers): slow ranks and nodes;
 - `learner` (agent.observation.timeout_learning): computed timeouts and ft_state.json;
@@ -18,7 +18,7 @@ from ft_launcher.agent.observation.job_status import JobStatus
 from ft_launcher.agent.observation.section_use import SectionUse
 from ft_launcher.agent.observation.stragglers import StragglerWatch
 from ft_launcher.agent.observation.timeout_learning import TimeoutLearner, default_state_path
-from ft_launcher.agent.recovery import live_recovery
+from ft_launcher.agent.observation import live_recovery
 
 
 class Observers:

@@ -21,6 +21,8 @@ import statistics
 import time
 from typing import Dict, Optional, Tuple
 
+from ft_launcher.agent.rounds import store_keys
+
 
 def mean_over_window(prev: Optional[Tuple[int, float]], now: Tuple[int, float]) -> Optional[float]:
     """Mean section time between two (count, total seconds) snapshots of one rank."""
@@ -76,7 +78,7 @@ class StragglerWatch:
             self._snap[rank.rank] = snap
             if mean is not None:
                 means[str(rank.rank)] = round(mean, 6)
-        proto.put(f"r{rnd.number}/strag/{rnd.group_rank}", json.dumps(
+        proto.put(store_keys.straggler_window(rnd.number, rnd.group_rank), json.dumps(
             {"time": time.time(), "node": rnd.me.host, "means": means}))
         if rnd.group_rank == 0:
             self._judge(proto, rnd)
@@ -86,7 +88,7 @@ class StragglerWatch:
         means: Dict[int, float] = {}
         node_of: Dict[int, Tuple[int, str]] = {}
         for g in range(rnd.nnodes):
-            key = f"r{rnd.number}/strag/{g}"
+            key = store_keys.straggler_window(rnd.number, g)
             if not proto.exists(key):
                 continue
             record = json.loads(proto.get(key))
@@ -107,7 +109,7 @@ class StragglerWatch:
             what = (f"rank {rank} on node {group_rank} ({host}) is {ratio:.2f}x slower than the median of the "
                     f"other ranks in section '{self.ft.straggler_section}'")
             if self.ft.straggler_exclude:
-                proto.put(f"slow/{rnd.active[group_rank].node_id}", what)
+                proto.put(store_keys.slow(rnd.active[group_rank].node_id), what)
             self.events.event(
                 "straggler",
                 f"warning: straggler: rank {rank} on node {group_rank} ({host}) is {ratio:.2f}x slower than the "

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+from ft_launcher.agent.rounds import store_keys
 from ft_launcher.rank_monitor import ft_state_file
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 from ft_launcher.rank_monitor.timeout_calc import (HB_INITIAL, HB_SUBSEQUENT, OUT_OF_SECTION, Observation, apply, combine_all,
@@ -127,7 +128,8 @@ class TimeoutLearner:
     def publish(self, proto, monitors: list) -> None:
         self._next_publish = time.monotonic() + PUBLISH_EVERY
         obs = self.local_observations(monitors)
-        proto.put(f"obs/{proto.me.node_id}", json.dumps({k: [o.count, o.max, o.when] for k, o in obs.items()}))
+        proto.put(store_keys.observations(proto.me.node_id),
+                  json.dumps({k: [o.count, o.max, o.when] for k, o in obs.items()}))
 
     def end_of_cycle(self, monitors: list) -> None:
         """Fold this cycle's observations in before the monitors serve new incarnations."""
@@ -137,7 +139,7 @@ class TimeoutLearner:
             self.cycle, self._frozen = None, None
 
     def compute_as_writer(self, proto, node_ids: List[str], ranks: int) -> None:
-        raw = proto.get_many([f"obs/{n}" for n in node_ids if proto.exists(f"obs/{n}")])
+        raw = proto.get_many([store_keys.observations(n) for n in node_ids if proto.exists(store_keys.observations(n))])
         parts = [{k: Observation(*v) for k, v in json.loads(r).items()} for r in raw]
         observations = combine_all(parts)
         current = self.ft.timeout_keys()
@@ -162,16 +164,16 @@ class TimeoutLearner:
         except OSError as exc:  # the job's outcome never depends on this file
             self.events.event("ft_state_unwritable", f"warning: cannot write {self.path}: {exc}; the computed "
                               f"timeouts apply to this job but are not kept", path=self.path, error=str(exc))
-        proto.put("timeouts", json.dumps(timeouts))
-        proto.count("timeouts_version", 1)
+        proto.put(store_keys.timeouts(), json.dumps(timeouts))
+        proto.count(store_keys.timeouts_version(), 1)
 
     def poll(self, proto) -> Optional[FaultToleranceConfig]:
         """A newer job-wide set of timeouts, if the writer published one since we last looked."""
-        version = proto.count("timeouts_version")
+        version = proto.count(store_keys.timeouts_version())
         if version <= self.version_seen:
             return None
         self.version_seen = version
-        timeouts = json.loads(proto.get("timeouts"))
+        timeouts = json.loads(proto.get(store_keys.timeouts()))
         self.ft = apply(self.ft, timeouts)
         return self.ft
 

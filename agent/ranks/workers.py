@@ -21,8 +21,8 @@ from ft_launcher.rank_monitor.rank_side import inprocess
 
 from ft_launcher.rank_monitor import buddy_store, shm_layout
 from ft_launcher.rank_monitor.pdeathsig import set_pdeathsig
+from ft_launcher.rank_monitor.flight_recorder import recorder_env
 
-from ft_launcher.agent.recovery.flight_recorder import recorder_env
 from ft_launcher.agent.ranks.gpu_env import nccl_env
 from ft_launcher.agent.ranks import numa_bind
 from ft_launcher.agent.observation import nvrx_cycle_info, nvrx_logs

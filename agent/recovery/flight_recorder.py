@@ -2,8 +2,8 @@
 the dumps are gathered into the cycle's log dir, and torch's own analyzer names the collective
 that did not complete and the ranks that never joined it.
 
-- The ranks record: `TORCH_FR_BUFFER_SIZE` (`FR_BUFFER_DEFAULT` entries) unless the user set it or
-  its older name `TORCH_NCCL_TRACE_BUFFER_SIZE`; set to 0, the whole dump path is off (one line).
+- The ranks record: `TORCH_FR_BUFFER_SIZE` (`FR_BUFFER_DEFAULT` entries, rank_monitor.flight_recorder)
+  unless the user set it or its older name `TORCH_NCCL_TRACE_BUFFER_SIZE`; set to 0, the whole dump path is off (one line).
   Gloo records too (torch 2.13), so the path below runs and is tested on CPU.
 - Each agent owns a local directory (`FT_LAUNCHER_FR_DIR`, inherited by its monitors and ranks)
   holding each slot's pipe and dumps (rank_monitor.flight_recorder).
@@ -43,34 +43,15 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+from ft_launcher.agent.rounds import store_keys
 from ft_launcher.rank_monitor import flight_recorder as FR
-from ft_launcher.rank_monitor.flight_recorder import read_trace
+from ft_launcher.rank_monitor.flight_recorder import buffer_size, read_trace
 
-FR_BUFFER_DEFAULT = 2000     # entries per rank; torch's docs suggest 2000
 RANK_WAIT = 1.0              # seconds a rank gets to dump
 JOB_WAIT = 2.0               # seconds after the request until the monitors go on regardless
 ANALYZER_TIMEOUT = 60.0
 WAIT_SLICE = 5.0             # seconds per store wait for a request: a paused store host never answers
 CLOSED = "closed"            # the request key's value once a cycle is over without a request
-
-
-def buffer_size(env: Dict[str, str]) -> int:
-    """The flight-recorder buffer the ranks get from `env` (the user's, or ours)."""
-    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        value = env.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                return FR_BUFFER_DEFAULT   # torch ignores a bad value too; ours then applies
-    return FR_BUFFER_DEFAULT
-
-
-def recorder_env(env: Dict[str, str]) -> Dict[str, str]:
-    """What a rank gets for the recorder: our buffer size unless the user set one (either name)."""
-    if env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
-        return {}
-    return {"TORCH_FR_BUFFER_SIZE": str(FR_BUFFER_DEFAULT)}
 
 
 class FlightRecorder:
@@ -221,7 +202,7 @@ class _Cycle(threading.Thread):
         self.halt = threading.Event()
 
     def k(self, name: str) -> str:
-        return self.store.key(f"r{self.number}/fr/{name}")
+        return self.store.key(store_keys.flight(self.number, name))
 
     def request(self, report: dict) -> None:
         value = json.dumps({"node": self.node_id, "rank": report.get("rank"), "time": time.time(),
@@ -284,9 +265,9 @@ class _Cycle(threading.Thread):
                 pass
         dumps, skipped = self._dump_local()
         for rank, data in dumps.items():
-            self.s.set(self.k(f"dump/{rank}"), data)
+            self.s.set(self.store.key(store_keys.flight_dump(self.number, rank)), data)
         for rank, why in skipped.items():
-            self.s.set(self.k(f"skipped/{rank}"), why)
+            self.s.set(self.store.key(store_keys.flight_skipped(self.number, rank)), why)
         if int(self.s.add(self.k("nodes_done"), 1)) >= self.nodes:
             self.s.set(self.k("all_done"), "1")
         left = started + JOB_WAIT - time.monotonic()
@@ -305,16 +286,16 @@ class _Cycle(threading.Thread):
             return
         dumps, skipped = {}, {}
         for rank in range(self.world):
-            if self.s.check([self.k(f"dump/{rank}")]):
-                data = self.s.get(self.k(f"dump/{rank}"))
+            if self.s.check([self.store.key(store_keys.flight_dump(self.number, rank))]):
+                data = self.s.get(self.store.key(store_keys.flight_dump(self.number, rank)))
                 trace, why = read_trace(data)
                 if trace is None:
                     skipped[rank] = f"its dump in the store was not read: {why}"
                 else:
                     dumps[rank] = data
-            elif self.s.check([self.k(f"skipped/{rank}")]):
-                skipped[rank] = (self.s.get(self.k(f"skipped/{rank}")).decode("utf-8", "replace").splitlines()
-                                 or ["no reason given"])[0]
+            elif self.s.check([self.store.key(store_keys.flight_skipped(self.number, rank))]):
+                why = self.s.get(self.store.key(store_keys.flight_skipped(self.number, rank)))
+                skipped[rank] = (why.decode("utf-8", "replace").splitlines() or ["no reason given"])[0]
             else:
                 skipped[rank] = f"its node did not answer within {JOB_WAIT:g}s"
         self.owner._analyze_later(self.number, dumps, skipped, self.world, request)

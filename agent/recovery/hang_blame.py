@@ -40,6 +40,7 @@ import signal
 import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
+from ft_launcher.agent.rounds import store_keys
 from ft_launcher.agent.recovery.restart_policy import HangEvidence, evidence_words, judge_hang, waiting_words
 from ft_launcher.rank_monitor import flight_recorder as FR
 
@@ -208,7 +209,7 @@ class HangBlame:
 
     # ---- evidence from this node's monitors ---------------------------------------------------
     def _k(self, name: str) -> str:
-        return self.store.key(f"r{self.number}/blame/{name}")
+        return self.store.key(store_keys.blame(self.number, name))
 
     def on_hang(self, local_rank: int, report: dict) -> None:
         if self.number is None or report.get("cycle") != self.number or local_rank in self.hung:
@@ -319,11 +320,10 @@ class HangBlame:
             c = self.store.client
             ev.hung = {int(x) for x in _items(c.get(self._k("hung")) if c.check([self._k("hung")]) else b"")}
             if self.flight_recorder and self.fr is None:
-                fr_key = self.store.key(f"r{self.number}/fr/")
-                complete = bool(c.check([fr_key + "all_done"]))
+                complete = bool(c.check([self.store.key(store_keys.flight(self.number, "all_done"))]))
                 if complete or ev.late:
-                    dumps = {r: c.get(f"{fr_key}dump/{r}") for r in range(self.world)
-                             if c.check([f"{fr_key}dump/{r}"])}
+                    dump = {r: self.store.key(store_keys.flight_dump(self.number, r)) for r in range(self.world)}
+                    dumps = {r: c.get(dump[r]) for r in range(self.world) if c.check([dump[r]])}
                     self.fr = (from_flight_recorder(dumps, self.world) or {}) if dumps else {}
                     self.fr_complete = complete
             ev.fr, ev.fr_complete = self.fr, self.fr_complete

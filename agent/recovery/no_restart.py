@@ -16,26 +16,20 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-
-class NoRestart(Exception):
-    """The job (or this node's part in it) ends here: exit with the no-restart code."""
-
-    def __init__(self, reason: str, node_only: bool = False):
-        super().__init__(reason)
-        self.reason = reason
-        self.node_only = node_only   # only this node leaves; the job may go on without it
+from ft_launcher.agent.rounds import store_keys
+from ft_launcher.agent.rounds.round_types import NoRestart  # noqa: F401 - this rung's exception
 
 
 def mark_excluded(proto, node_id: str) -> int:
     """Record that `node_id` leaves the job; returns how many nodes have left."""
-    if proto.exists(f"excluded/{node_id}"):
-        return proto.count("excluded")
-    proto.put(f"excluded/{node_id}", "1")
-    return proto.count("excluded", 1)
+    if proto.exists(store_keys.excluded_node(node_id)):
+        return proto.count(store_keys.excluded())
+    proto.put(store_keys.excluded_node(node_id), "1")
+    return proto.count(store_keys.excluded(), 1)
 
 
 def is_excluded(proto, node_id: str) -> bool:
-    return proto.exists(f"excluded/{node_id}")
+    return proto.exists(store_keys.excluded_node(node_id))
 
 
 def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callable[[], Optional[int]],
@@ -47,7 +41,7 @@ def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callabl
 
     def everyone_gone() -> bool:
         try:
-            number = int(proto.get("round"))
+            number = int(proto.get(store_keys.next_round()))
             nodes = {}
             for k in (number, number - 1):
                 if k >= 0:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from ft_launcher.agent.rounds import store_keys
+
 STEP = "step"
 
 
@@ -71,7 +73,11 @@ class ProgressTracker:
         counts = _counts(monitors)
         if counts and max(counts) >= self.min_iterations:
             self._flagged = cycle
-            proto.put(f"r{cycle}/progress", "1")
+            proto.put(store_keys.progress(cycle), "1")
+
+    def reported(self, cycle: int) -> bool:
+        """Has this node reported progress in cycle `cycle` (steps mode)?"""
+        return self._flagged == cycle
 
     def judge(self, proto, cycle: int) -> None:
         """The deciding node, when cycle `cycle` failed: with checkpoint_iteration_file, NVRx's rule
@@ -81,9 +87,9 @@ class ProgressTracker:
         now = read_iteration(self.iteration_file)
         base = (self._base or 0) if self._base_cycle == cycle else None
         if now is None or base is None or (base == 0 and now == 0):
-            proto.put(f"r{cycle}/progress_unknown", "1")
+            proto.put(store_keys.progress_unknown(cycle), "1")
         elif now - base >= self.min_iterations:
-            proto.put(f"r{cycle}/progress", str(now))
+            proto.put(store_keys.progress(cycle), str(now))
         self.last = now
 
     def history(self, proto, cycle: int) -> List[str]:
@@ -92,9 +98,9 @@ class ProgressTracker:
         agent.recovery.restart_policy.PolicyInputs.progress)."""
         out = []
         for k in range(cycle, -1, -1):
-            if proto.exists(f"r{k}/progress"):
+            if proto.exists(store_keys.progress(k)):
                 out.append("progress")
                 break
-            unknown = self.iteration_file and proto.exists(f"r{k}/progress_unknown")
+            unknown = self.iteration_file and proto.exists(store_keys.progress_unknown(k))
             out.append("unknown" if unknown else "none")
         return out

@@ -2,7 +2,7 @@
 
 A round ends early when an agent reports a failure (a rank died, hung, raised, a node went
 silent), a shutdown (a signal), a stop (a rank asked, no progress) or the job's completion. The
-first report wins (compare-and-set on `r<R>/interrupt`, agent.rounds.rendezvous); its reporter runs
+first report wins (compare-and-set on `r<R>/interrupt`, agent.recovery.round_end); its reporter runs
 `RestartPolicy.decide` and writes the resulting `Verdict` to `r<R>/verdict`, which every agent
 then reads and applies. Nothing else decides: the agent only carries out a verdict.
 
@@ -28,8 +28,8 @@ A failure climbs the ladder only as far as it must (docs/architecture.md, docs/r
   failure in a row with the same traceback and no progress between (`PolicyInputs.repeats`):
   restarting is pointless, and the failure becomes a stop (its line kept in `detail["failure"]`).
 
-The policy is pure: `decide(report, facts, inputs)` reads and writes nothing. The round protocol
-(agent.rounds.rendezvous) gathers its inputs (`PolicyInputs`: the budget spent, the nodes excluded
+The policy is pure: `decide(report, facts, inputs)` reads and writes nothing. The round's end
+(agent.recovery.round_end) gathers its inputs (`PolicyInputs`: the budget spent, the nodes excluded
 and declared restartable, the progress and failure origins of recent rounds, the stragglers) and
 carries out what the verdict implies (the budget, `r<R>/origin`). Store keys behind the inputs
 (under the run's prefix): `restarts_used`, `excluded`, `r<R>/restartable` (nodes whose ranks all
@@ -50,94 +50,10 @@ import dataclasses
 import json
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from ft_launcher.agent.rounds.round_types import Verdict, rung_words  # noqa: F401 - the policy's verdict
 from ft_launcher.rank_monitor.config import RESTART_GRANULARITIES
 
 NODE_FAILURE_LIMIT = 3   # failures in a row that began on one node (no progress between) -> it leaves
-
-
-@dataclasses.dataclass
-class Verdict:
-    """What every agent does after round `next_round - 1` ended early."""
-
-    kind: str                               # failure | complete | shutdown | stop
-    what: str = ""                          # one line for the operator
-    restart: bool = False
-    next_round: int = 0
-    restarts_used: int = 0
-    rung: str = "job"                       # in_process | job: how the healthy ranks restart
-    replace_ranks: List[int] = dataclasses.field(default_factory=list)
-    replace_nodes: List[str] = dataclasses.field(default_factory=list)
-    exclude: List[str] = dataclasses.field(default_factory=list)
-    dead_nodes: List[dict] = dataclasses.field(default_factory=list)
-    node_id: Optional[str] = None           # the reporting node
-    rank: Optional[int] = None              # the rank where the failure began, when known
-    signal: Optional[int] = None            # kind shutdown: the signal
-    origin: Optional[dict] = None           # where the failure began ({rank, node_id}), kept for later rounds
-    detail: Dict[str, Any] = dataclasses.field(default_factory=dict)  # the rest of the report
-
-    _FIELDS = ("kind", "what", "rank", "node_id", "exclude", "dead_nodes", "signal")
-
-    @classmethod
-    def from_report(cls, report: dict) -> "Verdict":
-        """A verdict that says what `report` says, not yet decided (no restart)."""
-        known = {k: report[k] for k in cls._FIELDS if k in report}
-        detail = {k: v for k, v in report.items() if k not in cls._FIELDS}
-        return cls(**known, detail=detail)
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text) -> "Verdict":
-        data = json.loads(text)
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-    def event_fields(self) -> dict:
-        """The verdict as event fields (events.jsonl)."""
-        out = dict(self.detail)
-        out.update({k: v for k, v in dataclasses.asdict(self).items() if k != "detail" and v not in (None, [], {})})
-        return out
-
-    @property
-    def in_process(self) -> bool:
-        return self.restart and self.rung == "in_process"
-
-    def keeps(self, global_rank: int, node_id: str) -> bool:
-        """Does the healthy rank `global_rank` on node `node_id` restart in its own process?"""
-        return (self.in_process and global_rank not in self.replace_ranks
-                and node_id not in self.replace_nodes and node_id not in self.exclude)
-
-    def stays(self, ranks, node_id: str, stopped_as_hung: Set[int]) -> list:
-        """This node's ranks that restart in their own process: alive, kept by the verdict, and not
-        stopped as hung (agent.recovery.hang_blame.settle). The in-place carrier asks these."""
-        if not self.in_process:
-            return []
-        return [rank for rank in ranks if rank.exitcode is None and rank.local_rank not in stopped_as_hung
-                and self.keeps(rank.rank, node_id)]
-
-    def rung_words(self) -> str:
-        """How the restart happens, for the operator's line."""
-        return rung_words(self.restart, self.rung, self.replace_nodes, self.replace_ranks)
-
-
-def rung_words(restart: bool, rung: str, replace_nodes=(), replace_ranks=(), done: bool = False) -> str:
-    """How a verdict restarts the job, in the words of the console's line (`done`: as the report
-    tells it afterwards)."""
-    if not restart:
-        return "no restart"
-    if rung != "in_process":
-        return "restarted every rank" if done else "restarting all ranks"
-    parts = ["healthy ranks kept their processes" if done else "healthy ranks restart in place"]
-    if replace_nodes:
-        many = len(replace_nodes) > 1
-        parts.append(f"node{'s' if many else ''} " + ", ".join(map(str, replace_nodes))
-                     + (" restarted all their ranks" if done and many else " restarted all its ranks" if done
-                        else f" restart{'' if many else 's'} all ranks"))
-    if replace_ranks:
-        parts.append("rank " + ", ".join(map(str, replace_ranks))
-                     + (" replaced after failing again at once" if done else " replaced (failed again at once)"))
-    return f"restarted in place ({'; '.join(parts)})" if done else "; ".join(parts)
 
 
 @dataclasses.dataclass

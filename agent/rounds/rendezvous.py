@@ -3,30 +3,12 @@
 One agent hosts torch's `TCPStore` (libuv backend) at the rendezvous endpoint; every agent talks
 to it through its own client of that wire protocol (agent.rounds.store_client: no torch in a
 non-host agent, slow told from dead). All keys live under `ft/<run_id>/`. A *round* is one
-training cycle; what it costs the store host is O(N) bytes in all (O(1) per agent):
-
-    r<R>/records           every joiner's NodeInfo, one JSON line each (append)
-    r<R>/joined            counter; each agent's `add` gives it a join sequence number
-    r<R>/target            how many nodes a restart round expects back (written with the verdict
-                           of round R-1; a failover's survivors know it themselves)
-    r<R>/closed            "<count>:<token>" of the closer (compare_set: one closer per round)
-    r<R>/at/<node_id>      the closer's assignment for that node: its node rank (or spare), rank
-                           offset, and the WATCHED_PEERS nodes it watches
-    r<R>/info              the round's shape: world size, nodes, spares, the head of the order
-    r<R>/members           all members in order (JSON), read only where a part needs the list
-    r<R>/assigned          set last by the closer (or "abandoned" by a joiner's signal): the one
-                           key every joiner waits on, blocking in the store
-    r<R>/late, r<R>/nlate  records (and count) of nodes that joined after the round closed
-                           (spares); the watchers at the head of the order read them
-    r<R>/worker_store      "addr:port" of the fresh store the workers of this round use
-    r<R>/interrupt         why the round ends early: a failure or a shutdown (first writer wins)
-    r<R>/verdict           what the job does next (restart or stop), written by that first writer
-    r<R>/done, r<R>/left   barrier counters for a round that succeeds
-    restarts_used          the job-wide restart budget spent so far
-    excluded, excluded/<id>  nodes that left the job (agent.recovery.no_restart)
-    r<R>/progress, r<R>/strag/<g>  a step completed in round R (agent.recovery.progress); node g's
-                           straggler window (agent.observation.stragglers)
-    generation, took_over  which store this is (0: the first; a failover's successor: 1, 2, ...)
+training cycle; what it costs the store host is O(N) bytes in all (O(1) per agent). Every key,
+its shape, writer and readers, and what a store failover does with it, is declared in
+agent.rounds.store_keys; a round's are `r<R>/...`: the joiners' records and sequence numbers
+(`records`, `joined`), the closer's assignments (`closed`, `at/<node>`, `info`, `members`,
+`assigned`), late joiners (`late`, `nlate`), the workers' store, the round's end (`interrupt`,
+`verdict`, `origin`, `target`, `expect`) and its barriers (`done`, `left`).
 
 Joining: an agent appends its record, adds 1 to `joined` (one round trip: append has no answer)
 and, when its number completes the round (the maximum, or the target of a restart round), closes
@@ -67,15 +49,12 @@ import time
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
-from ft_launcher.agent.rounds import segments, store_client
+from ft_launcher.agent.rounds import segments, store_client, store_keys
 from ft_launcher.agent.rounds.keepalive import probe
 from ft_launcher.agent.rounds.store_client import NotAStore, StoreClient, StoreTimeout, StoreUnreachable
 from ft_launcher.agent.launch_config import LaunchConfig
-from ft_launcher.agent.recovery.no_restart import NoRestart
-from ft_launcher.agent.recovery.progress import ProgressTracker
-from ft_launcher.agent.recovery.restart_policy import NODE_FAILURE_LIMIT, PolicyInputs, RestartPolicy, RoundFacts, Verdict
-from ft_launcher.agent.rounds.round_types import (HEAD, NodeInfo, RendezvousError, Round, Stopped, StoreLost,
-                                                  StoreReplaced)
+from ft_launcher.agent.rounds.round_types import (HEAD, NodeInfo, NoRestart, RendezvousError, Round, Stopped,
+                                                  StoreLost, StoreReplaced, Verdict)
 
 LINGER_POLL = 0.02   # seconds between looks while a leaving store host keeps the store up
 WAIT_SLICE = store_client.SLICE   # seconds: the longest a wait goes without looking for a signal
@@ -426,19 +405,13 @@ class RoundProtocol:
         self.cfg = cfg
         self.me = me
         self._last_call = cfg.conf("last_call_timeout")
-        ft = cfg.ft
-        self.policy = RestartPolicy(cfg.max_restarts, ft.restart_granularity, ft.straggler_exclude,
-                                    (cfg.min_nodes, cfg.max_nodes), ft.max_no_progress_cycles,
-                                    ft.min_progress_iterations, ft.checkpoint_iteration_file,
-                                    ft.max_identical_failures)
-        # this node's progress (agent.recovery.progress): its agent polls it; when this node decides
-        # a verdict, it judges the cycle and reads the history the policy counts
-        self.progress = ProgressTracker(ft.max_no_progress_cycles, ft.min_progress_iterations,
-                                        ft.checkpoint_iteration_file)
+        # why too few nodes can remain once `excluded` have left, or None: the restart policy's,
+        # set by the round's end (agent.recovery.round_end); a joiner asks it
+        self.too_few_left: Callable[[int], Optional[str]] = lambda excluded: None
         self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
         self._members: tuple = (None, None)   # (round, its member lists) once read
         if not me.stable:
-            me.stable = self._call(self.s.add, self.k("agents"), 1)
+            me.stable = self._call(self.s.add, self.k(store_keys.agents()), 1)
 
     @property
     def s(self) -> StoreClient:
@@ -467,6 +440,15 @@ class RoundProtocol:
             raise RendezvousError(f"the store has no {name!r} after read_timeout="
                                   f"{self.cfg.conf('read_timeout'):g}s") from None
 
+    def get_raw(self, names: List[str]) -> List[bytes]:
+        """The values of `names` as stored, b"" for those that do not exist (one read)."""
+        return self._call(self.s.multi_get_now, [self.k(n) for n in names]) if names else []
+
+    def put_raw(self, names: List[str], values: List[bytes]) -> None:
+        """Set every name to its value (one write)."""
+        if names:
+            self._call(self.s.multi_set, [self.k(n) for n in names], values)
+
     def get_many(self, names: List[str]) -> List[str]:
         return [v.decode() for v in self._call(self.s.multi_get_now, [self.k(n) for n in names])] if names else []
 
@@ -477,7 +459,7 @@ class RoundProtocol:
         return int(self._call(self.s.add, self.k(name), increment))
 
     def current_round(self) -> int:
-        value = self._call(self.s.compare_set, self.k("round"), "", "0")
+        value = self._call(self.s.compare_set, self.k(store_keys.next_round()), "", "0")
         return int(value)
 
     # -- joining -----------------------------------------------------------------------------
@@ -486,9 +468,8 @@ class RoundProtocol:
         `target`: how many nodes a restart round expects back (a failover's survivors); else the
         target the verdict of the previous round left in the store, if any."""
         me = dataclasses.replace(self.me)
-        r = f"r{number}/"
-        me.seq, raw = self._call(self.s.join_step, self.k(r + "records"), _record(me) + "\n", self.k(r + "joined"),
-                                 self.k(r + "target"))   # one round trip
+        me.seq, raw = self._call(self.s.join_step, self.k(store_keys.records(number)), _record(me) + "\n",
+                                 self.k(store_keys.joined(number)), self.k(store_keys.target(number)))   # one round trip
         _mark("joined_at")
         if target is None:
             target = int(raw) if raw else None
@@ -501,7 +482,7 @@ class RoundProtocol:
             timer = start + self._last_call
         next_progress = start + 1.0  # the first line soon, then every PROGRESS_EVERY s
         join_timeout = self.cfg.conf("join_timeout")
-        assigned = self.k(r + "assigned")
+        assigned = self.k(store_keys.assigned(number))
         closed_seen = False
         # at scale only the first joiner reads who joined for its lines; the others say theirs
         # between the slices of one wait, without a store call
@@ -527,13 +508,13 @@ class RoundProtocol:
             now = time.monotonic()
             if timer is not None and now >= timer:
                 timer = None
-                self._close(number, self._call(self.s.add, self.k(r + "joined"), 0))
+                self._close(number, self._call(self.s.add, self.k(store_keys.joined(number)), 0))
                 continue
             if reads and now >= next_progress:
                 next_progress = now + PROGRESS_EVERY
-                joined = self._call(self.s.add, self.k(r + "joined"), 0)
+                joined = self._call(self.s.add, self.k(store_keys.joined(number)), 0)
                 self._check_join_stop(number)
-                if self._call(self.s.check, [self.k(r + "closed")]):
+                if self._call(self.s.check, [self.k(store_keys.closed(number))]):
                     if closed_seen:   # closed a tick ago and still not published: its closer died
                         self._publish(number)
                         continue
@@ -543,7 +524,7 @@ class RoundProtocol:
                     self._close(number, joined)
                     continue
             if now - start > join_timeout:
-                joined = self._call(self.s.add, self.k(r + "joined"), 0)
+                joined = self._call(self.s.add, self.k(store_keys.joined(number)), 0)
                 nodes = self._records(number) if joined <= NAMES_UP_TO else []
                 names = f" ({', '.join(n.label() for n in nodes)})" if nodes else ""
                 raise RendezvousError(
@@ -564,14 +545,14 @@ class RoundProtocol:
         return waited > 2 * self._last_call + PROGRESS_EVERY
 
     def _expected(self, number: int) -> List[NodeInfo]:
-        raw = self._call(self.s.get_now, self.k(f"r{number}/expect"))
+        raw = self._call(self.s.get_now, self.k(store_keys.expect(number)))
         return [_node(d) for d in json.loads(raw)] if raw else []
 
     def _close(self, number: int, count: int) -> bool:
         """Close round `number` with `count` joiners (first closer wins) and publish every
         assignment. True when this agent closed it."""
         mine = f"{count}:{self.token}"
-        if self._call(self.s.compare_set, self.k(f"r{number}/closed"), "", mine).decode() != mine:
+        if self._call(self.s.compare_set, self.k(store_keys.closed(number)), "", mine).decode() != mine:
             return False
         self._publish(number)
         return True
@@ -579,7 +560,6 @@ class RoundProtocol:
     def _publish(self, number: int) -> None:
         """Every assignment of closed round `number`, then `assigned` (idempotent: a closer that
         died before publishing is stood in for by whoever notices, from the same records)."""
-        r = f"r{number}/"
         nodes = order(self._records(number))
         train = self.training_nodes
         active, spares = nodes[:train], nodes[train:]
@@ -600,30 +580,30 @@ class RoundProtocol:
             place = {"g": i if i < len(active) else None, "o": offset, "p": peers}
             if i < len(active):
                 offset += node.nproc
-            keys.append(self.k(f"{r}at/{node.node_id}"))
+            keys.append(self.k(store_keys.place(number, node.node_id)))
             values.append(json.dumps(place, separators=(",", ":")))
         info = {"world": sum(n.nproc for n in active), "nnodes": len(active), "nspares": len(spares),
                 "head": records[:HEAD]}
-        keys += [self.k(r + "info"), self.k(r + "members")]
+        keys += [self.k(store_keys.info(number)), self.k(store_keys.members(number))]
         values += [json.dumps(info, separators=(",", ":")),
                    json.dumps({"active": records[:len(active)], "spares": records[len(active):]}, separators=(",", ":"))]
         self._call(self.s.multi_set, keys, values)
-        self._call(self.s.set, self.k(r + "assigned"), "ok")
+        self._call(self.s.set, self.k(store_keys.assigned(number)), "ok")
 
     def abandon_with(self, number: int, reason: dict) -> None:
         """End round `number` before it trains: `reason` as its interrupt and verdict, and the
         joiners woken."""
-        text = json.dumps(dict(reason, reporter=self.token), sort_keys=True)
-        if self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text).decode() == text:
-            verdict = self.policy.decide(reason, RoundFacts(number, [], [], {}), PolicyInputs())
-            self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
-        self._call(self.s.set, self.k(f"r{number}/assigned"), "abandoned")
+        if self.claim_interrupt(number, reason) is not None:
+            verdict = Verdict.from_report(reason)   # a shutdown or a stop: no decision to make
+            verdict.next_round = number + 1
+            self._call(self.s.set, self.k(store_keys.verdict(number)), verdict.to_json())
+        self._call(self.s.set, self.k(store_keys.assigned(number)), "abandoned")
 
     def _my_round(self, number: int, me: NodeInfo) -> Round:
         """This agent's place in closed round `number`: one read of its assignment and the shape."""
-        r = f"r{number}/"
-        state, place, info = self._call(self.s.multi_get_now, [self.k(r + "assigned"), self.k(f"{r}at/{me.node_id}"),
-                                                               self.k(r + "info")])
+        state, place, info = self._call(self.s.multi_get_now, [self.k(store_keys.assigned(number)),
+                                                               self.k(store_keys.place(number, me.node_id)),
+                                                               self.k(store_keys.info(number))])
         if state == b"abandoned":
             self._check_join_stop(number)
             raise RendezvousError(f"rendezvous round {number} was abandoned")
@@ -634,8 +614,8 @@ class RoundProtocol:
             return self.members(number)
 
         if not place:   # joined after the round closed: a spare until the next round; the others hear of it
-            self._call(self.s.append, self.k(r + "late"), _record(me) + "\n")
-            self._call(self.s.add, self.k(r + "nlate"), 1)   # the head's watchers hear of it
+            self._call(self.s.append, self.k(store_keys.late(number)), _record(me) + "\n")
+            self._call(self.s.add, self.k(store_keys.nlate(number)), 1)   # the head's watchers hear of it
             rnd = Round.assigned(number, me, None, 0, info["world"], info["nnodes"], info["nspares"],
                                  head[:WATCHED_PEERS], head, loader)
             rnd.late = True
@@ -650,7 +630,8 @@ class RoundProtocol:
         """Round `number`'s trainers and spares, in order (O(N): where a part needs the list; read
         once per round)."""
         if self._members[0] != number:
-            raw = self._call(self.s.get_now, self.k(f"r{number}/members"))   # published before anyone knows its place
+            # published before anyone knows its place
+            raw = self._call(self.s.get_now, self.k(store_keys.members(number)))
             if not raw:
                 raise RendezvousError(f"round {number} has no member list in the store")
             data = json.loads(raw)
@@ -659,10 +640,10 @@ class RoundProtocol:
         return list(active), list(spares)
 
     def late_joiners(self, number: int) -> List[NodeInfo]:
-        return _lines(self._call(self.s.get_now, self.k(f"r{number}/late")))
+        return _lines(self._call(self.s.get_now, self.k(store_keys.late(number))))
 
     def _records(self, number: int) -> List[NodeInfo]:
-        return _lines(self._call(self.s.get_now, self.k(f"r{number}/records")))
+        return _lines(self._call(self.s.get_now, self.k(store_keys.records(number))))
 
     def _nodes(self, number: int, count: int = 0) -> List[NodeInfo]:
         """The nodes that joined round `number` (agent.recovery.no_restart)."""
@@ -677,10 +658,10 @@ class RoundProtocol:
 
     def _check_join_stop(self, number: int) -> None:
         """Stopped if another joiner's signal abandoned the round; NoRestart if too few nodes can remain."""
-        short = self.policy.too_few_left(self.count("excluded"))
+        short = self.too_few_left(self.count(store_keys.excluded()))
         if short:
             raise NoRestart(f"the job cannot go on: {short}")
-        if self._call(self.s.check, [self.k(f"r{number}/interrupt")]):
+        if self._call(self.s.check, [self.k(store_keys.interrupt(number))]):
             verdict = self.verdict(number)
             if verdict.kind == "shutdown":
                 self.mark_left(number)
@@ -704,7 +685,7 @@ class RoundProtocol:
         try:
             self.abandon_with(number, reason)
             self.mark_left(number)
-            self.store.linger(lambda: self.left_count(number) >= self.count(f"r{number}/joined"), 1.0)
+            self.store.linger(lambda: self.left_count(number) >= self.count(store_keys.joined(number)), 1.0)
         except (RendezvousError, Stopped):
             pass
         finally:
@@ -735,127 +716,41 @@ class RoundProtocol:
 
     # -- the workers' store address --------------------------------------------------------
     def publish_worker_store(self, number: int, addr: str, port: int) -> None:
-        self._call(self.s.set, self.k(f"r{number}/worker_store"), f"{addr}:{port}")
+        self._call(self.s.set, self.k(store_keys.worker_store(number)), f"{addr}:{port}")
 
     def worker_store(self, number: int) -> tuple:
-        key = self.k(f"r{number}/worker_store")
+        key = self.k(store_keys.worker_store(number))
         if not self.store.wait_key(self.s, key, self.cfg.conf("read_timeout")):
             raise RendezvousError(f"round {number}: node 0 never published the workers' store")
         host, _, port = self._call(self.s.get_now, key).decode().rpartition(":")
         return host, int(port)
 
-    # -- ending a round ----------------------------------------------------------------------
-    def facts(self, number: int) -> RoundFacts:
-        """What the decider of round `number`'s verdict knows (reads the member list)."""
-        active, spares = self.members(number)
-        return RoundFacts(number, [n.node_id for n in active], [n.node_id for n in spares],
-                          {n.node_id: n.nproc for n in active}, {n.node_id: n.host for n in active})
-
-    def interrupt(self, number: int, reason: dict, facts=None) -> Verdict:
-        """Report a failure, shutdown, stop or completion of round `number`. The first reporter's
-        policy decides the verdict (agent.recovery.restart_policy); returns it, whoever decided it.
-        `facts`: RoundFacts, or a callable that makes them (only the decider needs them)."""
-        # The reporter's token makes the text unique: two agents with the same report (the same
-        # silent peer) must not both think they won.
-        text = json.dumps(dict(reason, reporter=self.token), sort_keys=True)
-        winner = self._call(self.s.compare_set, self.k(f"r{number}/interrupt"), "", text)
-        if winner.decode() == text:
-            if callable(facts):
-                facts = facts()
-            facts = facts or RoundFacts(number, [], [], {})
-            report = dict(reason, reporter=self.token)
-            inputs = self.policy_inputs(report, facts)
-            verdict = self.policy.decide(report, facts, inputs)
-            if verdict.restarts_used > inputs.restarts_used:   # the budget this restart spends
-                self.count("restarts_used", verdict.restarts_used - inputs.restarts_used)
-            if verdict.origin is not None:
-                self.put(f"r{number}/origin", json.dumps(verdict.origin))
-            if verdict.restart:
-                self._publish_target(number, verdict, facts)
-            self._call(self.s.set, self.k(f"r{number}/verdict"), verdict.to_json())
-            if verdict.restart:
-                self._call(self.s.set, self.k("round"), str(number + 1))
-        return self.verdict(number)
-
-    def policy_inputs(self, report: dict, facts: RoundFacts) -> PolicyInputs:
-        """What the restart policy decides a failure of round `facts.number` from (the store's
-        side of it; agent.recovery.restart_policy.PolicyInputs). Other reports need none."""
-        if report.get("kind") != "failure":
-            return PolicyInputs()
-        number = facts.number
-        self.progress.judge(self, number)   # checkpoint_iteration_file: this cycle's progress, by the file
-        origins = {}
-        for k in range(number - 1, max(-1, number - NODE_FAILURE_LIMIT), -1):
-            if self.exists(f"r{k}/origin"):
-                origins[k] = json.loads(self.get(f"r{k}/origin"))
-        slow = []
-        if self.policy.straggler_exclude and facts.spares:   # one read for all of them
-            marks = self._call(self.s.multi_get_now, [self.k(f"slow/{n}") for n in facts.active])
-            slow = [n for n, mark in zip(facts.active, marks) if mark]
-        return PolicyInputs(restarts_used=self.count("restarts_used"), excluded=self.count("excluded"),
-                            restartable=self.count(f"r{number}/restartable"),
-                            progress=self.progress.history(self, number), origins=origins, slow=slow,
-                            last_iteration=self.progress.last, repeats=self._same_error_before(number, report))
-
-    def _same_error_before(self, number: int, reason: dict) -> List[int]:
-        """The rounds just before `number` whose failure had the same traceback as `reason`'s
-        (its `error` signature, agent.ranks.rank_output), in a row, none with progress (the
-        restart policy's `repeats`). After ProgressTracker.judge: this round's progress is known."""
-        signature = (reason.get("error") or {}).get("signature")
-        if not signature or self.exists(f"r{number}/progress"):
-            return []
-        same: List[int] = []
-        for k in range(number - 1, -1, -1):
-            if not self.exists(f"r{k}/interrupt"):
-                break
-            try:
-                before = json.loads(self.get(f"r{k}/interrupt"))
-            except ValueError:
-                break
-            if (before.get("error") or {}).get("signature") != signature or self.exists(f"r{k}/progress"):
-                break
-            same.insert(0, k)
-        return same
+    # -- ending a round (the decision: agent.recovery.round_end) ----------------------------
+    def claim_interrupt(self, number: int, reason: dict) -> Optional[dict]:
+        """Report the end of round `number` (compare-and-set on its interrupt: the first report
+        wins); the report as written when this one won, else None. The reporter's token makes the
+        text unique: two agents with the same report (the same silent peer) must not both win."""
+        report = dict(reason, reporter=self.token)
+        text = json.dumps(report, sort_keys=True)
+        won = self._call(self.s.compare_set, self.k(store_keys.interrupt(number)), "", text).decode() == text
+        return report if won else None
 
     def declare_restartable(self, number: int) -> None:
         """This node's ranks all run under ft.restartable in round `number` (once per node)."""
-        self.count(f"r{number}/restartable", 1)
-
-    def in_place_possible(self, facts: RoundFacts) -> bool:
-        """Would a failure of round `facts.number` restart in place now (agent.recovery.hang_blame asks)?"""
-        return self.policy.in_place_possible(facts, self.count(f"r{facts.number}/restartable"))
-
-    def _publish_target(self, number: int, verdict: Verdict, facts: RoundFacts) -> None:
-        """The nodes round `number + 1` expects back: the round's members and late joiners,
-        less the dead, the excluded and those that left the job."""
-        if not facts.active:
-            return
-        try:
-            active, spares = self.members(number)
-        except RendezvousError:
-            return
-        nodes = active + spares + self.late_joiners(number)
-        gone = {n["node_id"] for n in verdict.dead_nodes} | set(verdict.exclude)
-        left = self._call(self.s.multi_get_now, [self.k(f"excluded/{n.node_id}") for n in nodes])
-        expected = [n for n, out in zip(nodes, left) if n.node_id not in gone and not out]
-        nxt = f"r{number + 1}/"
-        self._call(self.s.multi_set, [self.k(nxt + "expect"), self.k(nxt + "target")],
-                   [json.dumps([dataclasses.asdict(n) for n in expected], separators=(",", ":")),
-                    str(len(expected))])
-
+        self.count(store_keys.restartable(number), 1)
 
     def verdict(self, number: int) -> Verdict:
         """The verdict of interrupted round `number`. Its decider writes it just after winning
         the interrupt; if that node dies in between, the wait ends after close_timeout with one
         line naming it (RendezvousError: exit 1)."""
-        key = self.k(f"r{number}/verdict")
+        key = self.k(store_keys.verdict(number))
         timeout = self.cfg.conf("close_timeout")
         known = self._call(self.s.get_now, key)   # there already, when the interrupt woke us
         if known:
             return Verdict.from_json(known)
         if not self.store.wait_key(self.s, key, timeout):
             try:
-                who = json.loads(self._call(self.s.get_now, self.k(f"r{number}/interrupt"))).get("node_id") \
+                who = json.loads(self._call(self.s.get_now, self.k(store_keys.interrupt(number)))).get("node_id") \
                     or "another node"
             except (RendezvousError, ValueError, AttributeError):
                 who = "another node"
@@ -865,26 +760,26 @@ class RoundProtocol:
         return Verdict.from_json(self._call(self.s.get_now, key))
 
     def interrupted(self, number: int) -> bool:
-        return bool(self._call(self.s.check, [self.k(f"r{number}/interrupt")]))
+        return bool(self._call(self.s.check, [self.k(store_keys.interrupt(number))]))
 
     def claim_fault(self) -> int:
         """Count one more simulated fault for the job; returns the new total."""
-        return self.count("faults_fired", 1)
+        return self.count(store_keys.faults_fired(), 1)
 
     def faults_fired(self) -> int:
-        return self.count("faults_fired")
+        return self.count(store_keys.faults_fired())
 
     def restarts_used(self) -> int:
-        return self.count("restarts_used")
+        return self.count(store_keys.restarts_used())
 
     def mark_done(self, number: int) -> int:
-        return self.count(f"r{number}/done", 1)
+        return self.count(store_keys.done(number), 1)
 
     def mark_left(self, number: int) -> int:
-        return self.count(f"r{number}/left", 1)
+        return self.count(store_keys.left(number), 1)
 
     def left_count(self, number: int) -> int:
-        return self.count(f"r{number}/left")
+        return self.count(store_keys.left(number))
 
 
 class _Liveness:

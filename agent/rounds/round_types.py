@@ -1,5 +1,6 @@
-"""What a round is and how a rendezvous fails: the node records, the round's membership and
-rank layout, and the errors. Free of torch.
+"""What a round is and how it ends: the node records, the round's membership and rank layout, the
+Verdict every agent applies when a round ends early (decided by agent.recovery.restart_policy,
+published by agent.recovery.round_end), and the errors. Free of torch.
 
 A Round carries what this agent needs, O(1) in the job's size: its node rank, rank offset, the
 world size, how many nodes train and wait, the few peers it watches and the head of the member
@@ -9,7 +10,8 @@ store only where a part needs them (`loader`: the decider of a verdict, node 0's
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Tuple
+import json
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 
 class RendezvousError(RuntimeError):
@@ -24,6 +26,16 @@ class StoreLost(RendezvousError):
 class StoreReplaced(RendezvousError):
     """This agent hosted the store, was unreachable for a while, and the other agents have
     moved the job to a successor store: it must stop its ranks and end (no split brain)."""
+
+
+class NoRestart(Exception):
+    """The job (or this node's part in it) ends here: exit with the no-restart code
+    (agent.recovery.no_restart)."""
+
+    def __init__(self, reason: str, node_only: bool = False):
+        super().__init__(reason)
+        self.reason = reason
+        self.node_only = node_only   # only this node leaves; the job may go on without it
 
 
 class Stopped(Exception):
@@ -121,3 +133,88 @@ class Round:
 
 
 HEAD = 5   # members at the head of the order every agent knows: the store host and its next successors
+
+
+@dataclasses.dataclass
+class Verdict:
+    """What every agent does after round `next_round - 1` ended early."""
+
+    kind: str                               # failure | complete | shutdown | stop
+    what: str = ""                          # one line for the operator
+    restart: bool = False
+    next_round: int = 0
+    restarts_used: int = 0
+    rung: str = "job"                       # in_process | job: how the healthy ranks restart
+    replace_ranks: List[int] = dataclasses.field(default_factory=list)
+    replace_nodes: List[str] = dataclasses.field(default_factory=list)
+    exclude: List[str] = dataclasses.field(default_factory=list)
+    dead_nodes: List[dict] = dataclasses.field(default_factory=list)
+    node_id: Optional[str] = None           # the reporting node
+    rank: Optional[int] = None              # the rank where the failure began, when known
+    signal: Optional[int] = None            # kind shutdown: the signal
+    origin: Optional[dict] = None           # where the failure began ({rank, node_id}), kept for later rounds
+    detail: Dict[str, Any] = dataclasses.field(default_factory=dict)  # the rest of the report
+
+    _FIELDS = ("kind", "what", "rank", "node_id", "exclude", "dead_nodes", "signal")
+
+    @classmethod
+    def from_report(cls, report: dict) -> "Verdict":
+        """A verdict that says what `report` says, not yet decided (no restart)."""
+        known = {k: report[k] for k in cls._FIELDS if k in report}
+        detail = {k: v for k, v in report.items() if k not in cls._FIELDS}
+        return cls(**known, detail=detail)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text) -> "Verdict":
+        data = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def event_fields(self) -> dict:
+        """The verdict as event fields (events.jsonl)."""
+        out = dict(self.detail)
+        out.update({k: v for k, v in dataclasses.asdict(self).items() if k != "detail" and v not in (None, [], {})})
+        return out
+
+    @property
+    def in_process(self) -> bool:
+        return self.restart and self.rung == "in_process"
+
+    def keeps(self, global_rank: int, node_id: str) -> bool:
+        """Does the healthy rank `global_rank` on node `node_id` restart in its own process?"""
+        return (self.in_process and global_rank not in self.replace_ranks
+                and node_id not in self.replace_nodes and node_id not in self.exclude)
+
+    def stays(self, ranks, node_id: str, stopped_as_hung: Set[int]) -> list:
+        """This node's ranks that restart in their own process: alive, kept by the verdict, and not
+        stopped as hung (agent.recovery.hang_blame.settle). The in-place carrier asks these."""
+        if not self.in_process:
+            return []
+        return [rank for rank in ranks if rank.exitcode is None and rank.local_rank not in stopped_as_hung
+                and self.keeps(rank.rank, node_id)]
+
+    def rung_words(self) -> str:
+        """How the restart happens, for the operator's line."""
+        return rung_words(self.restart, self.rung, self.replace_nodes, self.replace_ranks)
+
+
+def rung_words(restart: bool, rung: str, replace_nodes=(), replace_ranks=(), done: bool = False) -> str:
+    """How a verdict restarts the job, in the words of the console's line (`done`: as the report
+    tells it afterwards)."""
+    if not restart:
+        return "no restart"
+    if rung != "in_process":
+        return "restarted every rank" if done else "restarting all ranks"
+    parts = ["healthy ranks kept their processes" if done else "healthy ranks restart in place"]
+    if replace_nodes:
+        many = len(replace_nodes) > 1
+        parts.append(f"node{'s' if many else ''} " + ", ".join(map(str, replace_nodes))
+                     + (" restarted all their ranks" if done and many else " restarted all its ranks" if done
+                        else f" restart{'' if many else 's'} all ranks"))
+    if replace_ranks:
+        parts.append("rank " + ", ".join(map(str, replace_ranks))
+                     + (" replaced after failing again at once" if done else " replaced (failed again at once)"))
+    return f"restarted in place ({'; '.join(parts)})" if done else "; ".join(parts)

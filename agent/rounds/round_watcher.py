@@ -32,7 +32,7 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from ft_launcher.agent.launch_config import LaunchConfig
-from ft_launcher.agent.rounds import store_threads
+from ft_launcher.agent.rounds import store_keys, store_threads
 from ft_launcher.agent.rounds.keepalive import AliveListener, watch_connection
 from ft_launcher.agent.rounds.rendezvous import JobStore, _node, gone_after, ping_every
 from ft_launcher.agent.rounds.round_types import NodeInfo, RendezvousError, Round
@@ -319,7 +319,7 @@ class RoundWatcher:
                     self._peers[sock] = peer
                     self.loop.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE,
                                        lambda mask, s=sock: self._on_peer(s, mask))
-            self.s.begin_wait([self.store.key(f"r{rnd.number}/interrupt")])
+            self.s.begin_wait([self.store.key(store_keys.interrupt(rnd.number))])
         except StoreUnreachable as exc:
             self._store_lost(f"lost the rendezvous store at {self.store.host}:{self.store.port} ({exc})")
             return
@@ -342,10 +342,10 @@ class RoundWatcher:
         if rnd is None:
             return
         try:
-            count = self.news.add(self.store.key(f"r{rnd.number}/nlate"), 0)
+            count = self.news.add(self.store.key(store_keys.nlate(rnd.number)), 0)
             if count <= self._late_seen:
                 return
-            raw = self.news.get_now(self.store.key(f"r{rnd.number}/late"))
+            raw = self.news.get_now(self.store.key(store_keys.late(rnd.number)))
         except StoreUnreachable:   # the watcher's own connection says what the store's loss means
             self.news.close()
             self.news = None

@@ -4,8 +4,10 @@ Every agent remembers, refreshed at each round it joins, what the job needs to g
 store: the head of the round's member order (trainers, then spares: the store host and the next
 HEAD - 1 nodes, agent.rounds.round_types) and how many members the round had, the nodes that
 joined it late, the round number, the restarts used, the simulated faults fired, the version of
-the computed timeouts (the timeouts themselves are already applied to this agent's monitors) and
-the store's generation. The nodes at the head also keep the whole member list, to seed it.
+the computed timeouts and the store's generation. The nodes at the head also keep the whole member
+list, and read, in one call, the policy's history as it stands when the round begins: every key
+agent.rounds.store_keys marks CARRIED (the computed timeouts, the nodes excluded, the stragglers,
+the recent rounds' interrupts, origins and progress, and the last round with progress).
 
 When the store is lost (RoundWatcher, or any store call failing), every survivor computes alone,
 from that memory, the same list of successors: the head of the last round's order and its late
@@ -19,7 +21,13 @@ to reach until (k + 1) x reach_within seconds after it saw the loss, k the candi
 takes the next one. The deadlines are the same for every survivor however fast it came down the
 list: a candidate that cannot host (its port taken) moves on at once, and still waits for the next
 candidate as long as that one waits for it. The successor seeds the
-new store (round, restarts used + 1, faults fired, timeouts version) and everybody joins the
+new store (round, restarts used + 1, faults fired, timeouts version, generation: the SEEDED keys),
+writes the history it read (the CARRIED keys); the round's end (agent.recovery.round_end, which
+the agent hands this failover) ends the lost round there as a store loss (its `interrupt`: the
+same-error rule of the restart policy passes over it, the no-progress rule counts it like any
+round without progress), and each survivor adds its own progress in that round. What was
+written after the round began and is not one survivor's own (a straggler marked, a node excluded
+during the lost round) is lost with the store. Everybody joins the
 next round there, expecting the other survivors: the round closes as soon as they are all back,
 the spares take the lost node's place, and the ranks restart from their checkpoint. When fewer
 survivors remain than --nnodes MIN, or the failover would exceed the restart budget, every
@@ -36,9 +44,10 @@ import dataclasses
 import json
 import socket
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from ft_launcher.agent.launch_config import LaunchConfig
+from ft_launcher.agent.rounds import store_keys
 from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol, gone_after, host_store
 from ft_launcher.agent.rounds.round_types import NodeInfo, Round, StoreLost, StoreReplaced
 from ft_launcher.agent.rounds.store_client import StoreClient, StoreError
@@ -62,6 +71,9 @@ class JobMemory:
     faults_fired: int = 0
     timeouts_version: int = 0
     everyone: List[NodeInfo] = dataclasses.field(default_factory=list)  # all members: kept at the head only
+    # the policy's history as it stood when the round began (store_keys.CARRIED): kept at the head only
+    carried: Dict[str, bytes] = dataclasses.field(default_factory=dict)
+    last_progress: Optional[int] = None   # the last round known to have made progress
 
     def members(self) -> List[NodeInfo]:
         """The head of the round's order (trainers, then spares), then every node that joined it
@@ -93,6 +105,9 @@ class StoreFailover:
         self.say = say
         self.learner = learner
         self.memory = JobMemory()
+        # the round's end (agent.recovery.round_end.RoundEnd, set by the agent): how far back the
+        # policy reads, and what the lost round's end writes on the new store
+        self.round_end = None
         self._marked = 0  # the generation whose take-over this agent has recorded
 
     @property
@@ -104,13 +119,15 @@ class StoreFailover:
 
     # ---- memory ---------------------------------------------------------------------------
     def remember(self, rnd: Round) -> List[NodeInfo]:
-        """Refresh the memory from the round just joined; returns the head of its order. After a
-        failover, records on the new store that it has taken the job over."""
+        """Refresh the memory from the round just joined (at the head of its order: the member
+        list and what a failover carries); returns the head of its order. After a failover,
+        records on the new store that it has taken the job over."""
         mem = self.memory
         mem.round = rnd
         mem.late.clear()
         if self.enabled and any(n.node_id == self.me.node_id for n in rnd.head):   # a successor: seeds the list
             mem.everyone = list(rnd.active) + list(rnd.spares)
+            self._read_carried(rnd.number)
             _load_torch_soon()   # a successor hosts torch's store: not seconds of import after the loss
         mem.restarts_used = self.proto.restarts_used()
         if self.cfg.ft.simulate_fault:
@@ -118,9 +135,23 @@ class StoreFailover:
         if self.learner is not None:
             mem.timeouts_version = max(mem.timeouts_version, getattr(self.learner, "version_seen", 0))
         if mem.generation > self._marked:
-            self.proto.put("took_over", str(mem.generation))
+            self.proto.put(store_keys.took_over(), str(mem.generation))
             self._marked = mem.generation
         return mem.members()
+
+    def _read_carried(self, number: int) -> None:
+        """Read what a failover carries while round `number` runs (one read): the job-wide keys,
+        those of the round's members, those of the rounds the policy looks back on and of the last
+        round with progress."""
+        mem = self.memory
+        rounds = self.round_end.history_rounds() if self.round_end is not None else store_keys.carry_rounds(0)
+        also = [mem.last_progress] if mem.last_progress is not None else []
+        names = store_keys.carried_names(number, [n.node_id for n in mem.everyone], rounds, also)
+        mem.carried = {name: value for name, value in zip(names, self.proto.get_raw(names)) if value}
+        progressed = [r for r in range(number - 1, max(-1, number - rounds - 1), -1)
+                      if store_keys.progress(r) in mem.carried]
+        if progressed:
+            mem.last_progress = progressed[0]
 
     def successors(self) -> List[NodeInfo]:
         """The candidates in order: the last round's members without the store host."""
@@ -176,6 +207,8 @@ class StoreFailover:
                 self.store.adopt(cand.host, port, None, client)
                 self.me.hosts_store = False
             mem.generation = generation
+            if self.round_end is not None:   # the lost round's end, and this node's progress in it
+                self.round_end.end_lost_round(mem.round.number, cand.node_id == self.me.node_id)
             self.say(f"store failover: generation {generation} of the store at {cand.host}:{port}"
                      f"{' (hosted here)' if self.store.is_host else ''} replaces {old}; restarting in "
                      f"cycle {number} (restart {used}/{self.cfg.max_restarts})")
@@ -191,18 +224,22 @@ class StoreFailover:
             return None
 
     def _seed(self, number: int, used: int, generation: int, me: NodeInfo) -> None:
+        """The successor's first writes: the keys a failover seeds and the ones it carries
+        (agent.rounds.store_keys); the lost round's end follows (agent.recovery.round_end)."""
         proto, mem = self.proto, self.memory
+        if mem.carried:
+            proto.put_raw(list(mem.carried), list(mem.carried.values()))
         if mem.everyone:   # who the first joiner checks for when the round does not fill
             expect = [dataclasses.replace(n, hosts_store=n.node_id == me.node_id) for n in mem.everyone + mem.late
                       if not n.hosts_store]
-            proto.put(f"r{number}/expect", json.dumps([dataclasses.asdict(n) for n in expect]))
-        proto.count("restarts_used", used)
+            proto.put(store_keys.expect(number), json.dumps([dataclasses.asdict(n) for n in expect]))
+        proto.count(store_keys.restarts_used(), used)
         if mem.faults_fired:
-            proto.count("faults_fired", mem.faults_fired)
+            proto.count(store_keys.faults_fired(), mem.faults_fired)
         if mem.timeouts_version:
-            proto.count("timeouts_version", mem.timeouts_version)
-        proto.put("generation", str(generation))
-        proto.put("round", str(number))
+            proto.count(store_keys.timeouts_version(), mem.timeouts_version)
+        proto.put(store_keys.generation(), str(generation))
+        proto.put(store_keys.next_round(), str(number))
 
     def _reach(self, host: str, port: int, deadline: float) -> Optional[StoreClient]:
         """A client of the store at host:port once something listens there, or None at `deadline`
@@ -238,7 +275,7 @@ class StoreFailover:
             if client is None:
                 continue
             try:
-                if client.check([prefix + "took_over"]):
+                if client.check([prefix + store_keys.took_over()]):
                     return (f"this node hosted the rendezvous store but was unreachable, and the other "
                             f"nodes moved the job to generation {generation} of the store at "
                             f"{cand.host}:{port}: stopping this node's ranks -> exiting 1")

@@ -252,7 +252,7 @@ def _goodput_parts(events: List[dict], statuses: List[dict], cycles: Dict[int, d
             per_cycle.setdefault(s["cycle"], {})[row["rank"]] = {
                 "steps": int(step.get("count", 0)), "step_total": float(step.get("total", 0.0)), "at_checkpoint": None}
     last = max(list(cycles) + list(per_cycle), default=None)
-    # a cycle resumed from live state (agent.recovery.live_recovery): the one before keeps its steps up to there
+    # a cycle resumed from live state (agent.observation.live_recovery): the one before keeps its steps up to there
     live = {e["cycle"]: e["detail"].get("resume_step") for e in _by_kind(events, "live_recovery")}
     step_seconds: Dict[int, float] = {}
     useful: Dict[int, float] = {}

@@ -24,7 +24,7 @@ def live_words(live: dict) -> str:
     """A live_recovery event in words: where the job resumed and where each rank's state came from."""
     if live.get("resume_step") is None:
         return f"no live state ({live.get('reason')}): every rank loaded its checkpoint"
-    from ft_launcher.agent.recovery.live_recovery import source_words
+    from ft_launcher.agent.observation.live_recovery import source_words
 
     sources = source_words(live.get("sources"), kept=False)
     rate = f" at {live['mb_per_s']:g} MB/s" if live.get("mb_per_s") else ""

@@ -46,7 +46,7 @@ The parts:
      and takes that state as its committed state;
   8. a second all_gather collects bytes, transfer time and each rank's restore time; global rank 0
      writes the summary (JSON) for the agent, which says it as one `live_recovery` event and console
-     line (agent.recovery.live_recovery).
+     line (agent.observation.live_recovery).
 - Never worse than without it: whatever fails on a rank while it restores (an object's
   state_dict() or load_state_dict() raising, a state that does not fit, a DTensor's mesh that this
   call lacks, a digest it cannot take) is a flag in the next of the collectives above (the step
