@@ -3,7 +3,8 @@
     python bench/recovery.py [--reps 3] [--nproc 2]
 
 Measures, on the example DDP job (gloo, checkpoint every 5 steps, 50 ms per step):
-  launch      launcher start -> every rank has made its first step
+  launch      launcher start -> every rank has made its first step (every run measures it;
+              `--only torchrun:launch,ft_launcher:launch` measures only that, alternating)
   kill        SIGKILL to rank 1 -> every rank stepping again in the next cycle
   hang        SIGSTOP to rank 1 inside 'step' (timeout 2 s) -> every rank stepping again;
               torchrun has no hang detection, so it has no figure here
@@ -78,7 +79,7 @@ def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, s
     try:
         first = job.wait_for(lambda: job.all_stepping(nproc, 0), 120, "the first step")
         launch = first - job.started
-        if fault == "none":
+        if fault in ("none", "launch"):
             ok = True
             return launch, None
         if fault == "early":   # before any reserve is ready: SIGKILL rank 1 EARLY_S after the first step
@@ -137,7 +138,8 @@ def main() -> None:
             ("ft_launcher", "kill-cold", False), ("ft_launcher", "hang-cold", False),
             ("ft_launcher", "kill-inplace", True), ("ft_launcher", "hang-inplace", True),
             ("ft_launcher", "raise-inplace", True), ("torchrun", "early", True), ("ft_launcher", "early", True))
-    if args.only:
+    if args.only:   # launch-only runs exist only where asked for
+        runs += (("torchrun", "launch", True), ("ft_launcher", "launch", True))
         wanted = set(args.only.split(","))
         runs = tuple(r for r in runs if f"{r[0]}:{r[1]}" in wanted)
     results = repeat(runs, args.reps, lambda run: launch_and_fault(

@@ -10,14 +10,21 @@ running, it reads the current dir as a log dir.
 
 Prints the job (nodes, ranks, cycle, restarts used of the budget, timeouts in effect) and one line
 per rank: node, host, pid, its innermost open section and the time in it, the time since its last
-heartbeat, steps completed in this cycle. Exit 0 when a job was shown (running or finished), 1
-when the dirs hold no status file (no job with a --log-dir there), 2 for a missing dir.
+heartbeat, steps completed in this cycle. An agent that did not finish but whose process is gone
+(its host is this one and its pid runs no more, or runs a process started after the agent: the
+pid was reused) is shown as gone, with when it was last heard from, in its rows and in one line
+each; a job whose unfinished agents are all gone is not called running. An agent on another
+host cannot be checked: past STALE_AFTER seconds without an update it is marked as silent, and a
+job whose unfinished agents are all silent says it was not heard from. Exit 0 when a job was
+shown (running, finished or gone), 1 when the dirs hold no status file (no job with a --log-dir
+there), 2 for a missing dir.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+import socket
 import sys
 import time
 from typing import List, Optional, Sequence
@@ -88,6 +95,34 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _started_at(pid: int) -> Optional[float]:
+    """When process `pid` started (epoch seconds, from /proc), or None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            ticks = int(fh.read().rpartition(")")[2].split()[19])   # field 22, starttime
+        with open("/proc/stat") as fh:
+            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def agent_gone(a: dict, here: str) -> bool:
+    """The agent of status `a` did not finish and its process is known to be gone: it ran on this
+    host (`here`) and its pid runs no more, or runs a process started after the agent (reused)."""
+    pid = a.get("pid")
+    if a.get("state") == "finished" or a.get("host") != here or not isinstance(pid, int):
+        return False
+    if not _alive(pid):
+        return True
+    started = _started_at(pid)
+    return started is not None and started > float(a.get("started") or 0) + 1.0
+
+
+def _heard(a: dict, now: float) -> str:
+    return f"last heard from {now - a['time']:.0f}s ago, at {time.strftime('%H:%M:%S', time.localtime(a['time']))}"
+
+
 def _secs(value) -> str:
     if value is None:
         return "-"
@@ -101,11 +136,19 @@ def _timeout(value) -> str:
 def render(agents: List[dict], now: Optional[float] = None) -> str:
     now = time.time() if now is None else now
     agents = sorted(agents, key=lambda a: (a.get("node") is None, a.get("node") or 0, a.get("host", "")))
-    lead = next((a for a in agents if a.get("state") == "running"), agents[0])
+    here = socket.gethostname()
+    gone = [a for a in agents if agent_gone(a, here)]
+    lead = next((a for a in agents if a.get("state") == "running" and a not in gone), agents[0])
     ranks = sum(len(a.get("ranks") or []) for a in agents)
-    running = [a for a in agents if a.get("state") not in ("finished",)]
-    if running:
+    running = [a for a in agents if a.get("state") not in ("finished",) and a not in gone]
+    if running and all(now - a["time"] > STALE_AFTER for a in running):
+        state = f"not heard from for {min(now - a['time'] for a in running):.0f}s (its agents may be gone)"
+    elif running:
         state = "running"
+    elif gone:
+        state = (f"gone: its agent{'s' if len(gone) > 1 else ''} ended without finishing; "
+                 f"{_heard(max(gone, key=lambda a: a['time']), now)}")
+        running = gone   # the header of a job that was running: its cycle, goodput so far
     else:
         codes = sorted({a.get("exit_code") for a in agents}, key=str)
         state = "finished (exit code " + ", ".join(str(c) for c in codes) + ")"
@@ -118,6 +161,9 @@ def render(agents: List[dict], now: Optional[float] = None) -> str:
            f"job {lead.get('rdzv_id')!r}: {state}; {len(agents)} agent(s); last cycle "
            f"{', '.join(map(str, cycles)) or '-'}; restarts used {max(a.get('restarts_used', 0) for a in agents)}/"
            f"{lead.get('max_restarts')}"]
+    for a in gone:
+        out.append(f"agent gone: node {a.get('node', '-')} on {a.get('host')} (pid {a.get('pid')} no longer runs); "
+                   f"{_heard(a, now)}")
     t = lead.get("timeouts") or {}
     sections = ", ".join(f"{k} {_timeout(v)}" for k, v in (t.get("sections") or {}).items()) or "none"
     out.append(f"timeouts: sections {sections}; out of section {_timeout(t.get('out_of_section'))}; "
@@ -128,7 +174,8 @@ def render(agents: List[dict], now: Optional[float] = None) -> str:
         node = "spare" if a.get("state") == "spare" else ("-" if a.get("node") is None else str(a["node"]))
         who = f"{a.get('host')} ({a.get('pid')})"
         age = now - a["time"]
-        agent_state = a.get("state", "?") + (f", silent {age:.0f}s" if age > STALE_AFTER and a.get("state") != "finished" else "")
+        agent_state = (f"gone, last heard {age:.0f}s ago" if a in gone else a.get("state", "?")
+                       + (f", silent {age:.0f}s" if age > STALE_AFTER and a.get("state") != "finished" else ""))
         rows = a.get("ranks") or []
         if not rows:
             out.append(f"{node:<5} {who:<28} {agent_state:<10}")

@@ -43,8 +43,6 @@ import os
 import time
 from typing import Callable, Dict, Optional
 
-from filelock import FileLock
-
 from ft_launcher.rank_monitor import atomic_file
 
 from ft_launcher.rank_monitor.timeout_calc import HB_INITIAL, HB_SUBSEQUENT, OUT_OF_SECTION, Observation, section_key
@@ -201,6 +199,8 @@ def load(path: str, warn: Callable[[str], None]) -> Optional[FtState]:
     """The state in `path`, or None (missing, or set aside as unreadable with one warning).
     Unreadable is anything but a valid state: bytes that are not UTF-8, JSON that is truncated or
     nested beyond the parser's depth, a value of the wrong type anywhere."""
+    from filelock import FileLock   # here, not at the top: a job that learns no timeouts never loads it
+
     try:
         with FileLock(path + ".lock", timeout=30):
             try:
@@ -235,5 +235,7 @@ def save(path: str, state: FtState) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     data = json.dumps(state.to_json(), indent=2, sort_keys=True) + "\n"
+    from filelock import FileLock
+
     with FileLock(path + ".lock", timeout=30):
         atomic_file.write(path, data, durable=True)

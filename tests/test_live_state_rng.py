@@ -114,3 +114,24 @@ def test_hsdp_a_rank_killed_inside_the_fsdp_forward_heals_from_the_other_replica
     before, after = started(evs, 0), started(evs, 1)
     assert all(after[r] == (before[r][0], True) for r in (1, 2, 3)), (before, after)
     assert after[0][0] != before[0][0], (before, after)
+
+
+def test_three_replicas_of_a_script_that_seeds_torch_only_heal_exactly(launcher, tmp_path):
+    """examples/ddp_train.py --live-rng without --noise seeds torch only and never touches Python's
+    `random`: each rank's stream is its own, from os.urandom, and nothing draws from it. 1 agent x
+    3 ranks, rank 0 killed at step 17: rank 0 heals from a peer, and the three replicas' differing,
+    unused Python streams neither make the job fall back to its checkpoint nor reach the healed
+    rank; the job ends with exactly the model of a fault-free run."""
+    job_args = ["--live-rng", "--steps", 30, "--ckpt-every", 10, "--step-time", 0, "--seed", 11]
+    (tmp_path / "ref").mkdir()
+    ref = Job(launcher, tmp_path / "ref", "1x3", job_args=job_args).launch()
+    run(ref)
+    (tmp_path / "fault").mkdir()
+    job = Job(launcher, tmp_path / "fault", "1x3", job_args=job_args + [
+        "--fail-at-step", FAULT_STEP, "--fail-rank", 0, "--hold", "step:0.5", "--hold-step", FAULT_STEP - 1]).launch()
+    out, _ = run(job)
+    told = [e["detail"] for e in job.events() if e["kind"] == "live_recovery"]
+    assert len(told) == 1 and told[0]["resume_step"] == FAULT_STEP - 1 and told[0]["steps_redone"] == 0, (told, out[-3000:])
+    assert per_rank(told[0]["sources"])["0"].startswith("peer "), told
+    assert "differ in '_rng'" not in out, out[-3000:]
+    assert job.final()["checksum"] == ref.final()["checksum"] and job.final()["cycle"] == 1

@@ -664,3 +664,28 @@ def test_a_script_without_a_step_section_gets_a_reason_for_its_zero_goodput(laun
     assert line == ("goodput 0.0% (no rank ever completed a `step` section: goodput counts the time in completed "
                     "`step` sections; mark the training step with `with ft.section(\"step\"):` (or NVRx's client's "
                     "start_section(\"step\")))"), line
+
+
+def test_status_of_a_killed_agent_says_it_is_gone(launcher, tmp_path):
+    """The agent SIGKILLed (its ranks die with it, by the orphan watchdog): `ft_launcher status
+    LOGDIR` no longer calls the job running; it says the agent is gone and when it was last heard
+    from, in the job's line, one line for the agent and its rank's row."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    proc = launcher.start(["--standalone", "--nproc-per-node", 1, "--rdzv-id", "killed", "--log-dir", logs,
+                           os.path.join(SCRIPTS, "cycle_sleeper.py"), out, 600])
+    wait_for(lambda: (out / "rank_0.txt").exists() and any(
+        json.load(open(logs / "status" / f)).get("ranks") for f in os.listdir(logs / "status")),
+        60, "the rank running and in the status file")
+    res = run_cli(["status", logs], cwd=tmp_path)
+    assert res.returncode == 0 and "job 'killed': running; 1 agent(s)" in res.stdout, res.stdout
+    proc.kill()
+    proc.communicate(timeout=30)
+    res = run_cli(["status", logs], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert re.match(r"job 'killed': gone: its agent ended without finishing; last heard from \d+s ago, at "
+                    r"\d\d:\d\d:\d\d; 1 agent\(s\)", lines[0]), res.stdout
+    assert re.match(rf"agent gone: node 0 on {re.escape(socket.gethostname())} \(pid {proc.pid} no longer runs\); "
+                    r"last heard from \d+s ago", lines[1]), res.stdout
+    (row,) = [line for line in lines if f"({proc.pid})" in line and "agent gone" not in line]
+    assert "gone, last heard" in row and "running" not in res.stdout and "silent" not in res.stdout, res.stdout

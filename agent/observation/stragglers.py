@@ -17,7 +17,6 @@ rank's own work (data loading, forward) and name it in `straggler_section`.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from typing import Dict, Optional, Tuple
 
@@ -37,6 +36,8 @@ def slow_ranks(means: Dict[int, float], threshold: float) -> Dict[int, Tuple[flo
     out: Dict[int, Tuple[float, float]] = {}
     if len(means) < 2:
         return out
+    import statistics   # here: a job without stragglers to judge never loads it (fractions, decimal)
+
     for rank, mean in means.items():
         others = [m for r, m in means.items() if r != rank]
         median = statistics.median(others)

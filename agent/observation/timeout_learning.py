@@ -27,7 +27,6 @@ import time
 from typing import Dict, List, Optional
 
 from ft_launcher.agent.rounds import store_keys
-from ft_launcher.rank_monitor import ft_state_file
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 from ft_launcher.rank_monitor.timeout_calc import (HB_INITIAL, HB_SUBSEQUENT, OUT_OF_SECTION, Observation, apply, combine_all,
                                        compute, section_key)
@@ -79,6 +78,8 @@ class TimeoutLearner:
         ft_state.json in the working directory must not change a job that asked for neither."""
         if not (self.enabled or self.ft.ft_state_path):
             return self.ft
+        from ft_launcher.rank_monitor import ft_state_file   # here: a job that learns no timeouts never loads it
+
         state = ft_state_file.load(self.path, warn=lambda m: self.events.event("ft_state_unreadable", f"warning: {m}"))
         if state is None:
             return self.ft
@@ -154,6 +155,8 @@ class TimeoutLearner:
         for change in changes:
             self.computed[change.key] = change.new
             self.evidence[change.key] = change.observation
+        from ft_launcher.rank_monitor import ft_state_file
+
         state = ft_state_file.FtState(
             dict(self.computed), dict(self.evidence),
             {"safety_factor": self.ft.safety_factor, "calc_min_observations": self.ft.calc_min_observations,

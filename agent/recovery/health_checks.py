@@ -4,13 +4,13 @@
   device answers (handle, memory info), none has retired pages pending or uncorrectable volatile
   ECC errors. Without NVML (no driver, no package: a CPU node) the check is skipped, and the agent
   says so once.
-- The log directory and the checkpoint directory (`checkpoint_dir`) take a new file. The
-  checkpoint directory must have `min_free_disk_gb` GB free (a checkpoint is large). The log
-  directory only needs room for logs (megabytes): below `min_free_disk_gb` the job goes on and one
-  warning line per check says how much room is left; only below LOG_ROOM_MB, where the logs no
-  longer fit, does the check fail (and the node leave, with the no-restart code where too few
-  remain). Each path of `storage_healthcheck_path` (NVRx 0.7's key, comma-separated) exists and
-  is readable.
+- The checkpoint directory (`checkpoint_dir`) takes a new file and has `min_free_disk_gb` GB free
+  (a checkpoint is large). The log directory is not the job: it never fails the check. Below
+  `min_free_disk_gb` one warning line says how much room is left; below LOG_ROOM_MB (the logs no
+  longer fit: a full disk) or unwritable, one warning line says that what cannot be written there
+  is lost and the node trains on (agent.observation.events: what a failed write costs). Each is
+  said when the directory's state changes (fine, low, no room, unwritable), not at every check.
+  Each path of `storage_healthcheck_path` (NVRx 0.7's key, comma-separated) exists and is readable.
 
 - NIC link state (NVRx 0.7's enable_nic_healthcheck, on by default as in NVRx): when the agent
   starts it reads the state of each RDMA NIC's port, `link_state_path_template` with `{nic}` for
@@ -39,7 +39,7 @@ from typing import List, Optional, Tuple
 
 from ft_launcher.agent.ranks import gpu_memory
 
-LOG_ROOM_MB = 8.0   # free MB below which a log directory fails the check: a cycle's logs would not fit
+LOG_ROOM_MB = 8.0   # free MB below which a cycle's logs would not fit in the log directory (a warning)
 
 
 def check_gpus() -> Tuple[Optional[str], Optional[str]]:
@@ -98,20 +98,21 @@ def check_directory(what: str, path: str, min_free_gb: float) -> Optional[str]:
     return None
 
 
-def check_log_directory(path: str, min_free_gb: float) -> Tuple[Optional[str], Optional[str]]:
-    """(failure, warning) for the log directory: a failure when it cannot take a file or has less
-    than LOG_ROOM_MB free (the logs no longer fit); a warning when it has less than
-    `min_free_gb` GB free but the logs fit (the job goes on)."""
+def check_log_directory(path: str, min_free_gb: float) -> Tuple[str, Optional[str]]:
+    """(state, warning) of the log directory, never a failure: logs are not the job. The state is
+    "fine", "low" (less than `min_free_gb` GB free, the logs fit), "no room" (less than LOG_ROOM_MB:
+    a full disk) or "unwritable"; the warning says what it costs (nothing while "fine")."""
     failure, free = _writable_room("log directory", path)
+    lost = "output and events that cannot be written there are lost; this node trains on"
     if failure:
-        return failure, None
+        return "unwritable", f"{failure}: {lost}"
     if free < LOG_ROOM_MB * 1e6:
-        return (f"log directory {path} has {_room(free)} free: too little for the job's logs (it needs at least "
-                f"{LOG_ROOM_MB:g} MB)"), None
+        return "no room", (f"log directory {path} has {_room(free)} free, too little for the job's logs (they need "
+                           f"{LOG_ROOM_MB:g} MB): {lost}")
     if free < min_free_gb * 1e9:
-        return None, (f"log directory {path} has {_room(free)} free, less than min_free_disk_gb={min_free_gb:g}: "
-                      f"the job goes on while its logs fit (it stops below {LOG_ROOM_MB:g} MB)")
-    return None, None
+        return "low", (f"log directory {path} has {_room(free)} free, less than min_free_disk_gb={min_free_gb:g}: "
+                       f"the job goes on")
+    return "fine", None
 
 
 def _writable_room(what: str, path: str) -> Tuple[Optional[str], float]:
@@ -134,6 +135,7 @@ class HealthChecks:
         self.log_dir = log_dir
         self.say = say
         self._told: set = set()
+        self._log_state = "fine"   # the log directory's, as last said (check_log_directory)
         self.dead_pids: List[int] = []    # the last cycle's rank processes (set by the agent)
         self.release_wait = ft.gpu_memory_reclaim_timeout   # NVRx 0.7's keys (agent.ranks.gpu_memory)
         self.nvml_query = gpu_memory.nvml_query   # NVML's process lists (None without NVML)
@@ -175,11 +177,10 @@ class HealthChecks:
         if failure:
             return failure
         if self.log_dir:
-            failure, warning = check_log_directory(self.log_dir, ft.min_free_disk_gb)
-            if failure:
-                return failure
-            if warning:
+            state, warning = check_log_directory(self.log_dir, ft.min_free_disk_gb)
+            if state != self._log_state and warning:
                 self.say(f"warning: {warning}")
+            self._log_state = state
         if ft.checkpoint_dir:
             failure = check_directory("checkpoint directory", ft.checkpoint_dir, ft.min_free_disk_gb)
             if failure:

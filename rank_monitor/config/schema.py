@@ -126,7 +126,7 @@ class FaultToleranceConfig:
                                     "exit code of every agent when the job stops and must not be requeued")
     # Health checks before each rendezvous (agent.recovery.health_checks): GPUs through NVML when present,
     # the log and checkpoint directories writable, min_free_disk_gb free in the checkpoint directory (the log
-    # directory: a warning below it, a failure only where logs no longer fit).
+    # directory: only ever a warning, logs are not the job).
     health_checks: bool = key(True, boolean,
                               "check GPUs (NVML), log/checkpoint dirs and free disk before each rendezvous")
     checkpoint_dir: Optional[str] = key(None, optional_str,

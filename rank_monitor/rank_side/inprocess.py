@@ -57,9 +57,6 @@ import time
 import traceback
 from typing import Callable, Optional
 
-from ft_launcher.rank_monitor import peer_sockets
-from ft_launcher.rank_monitor.rank_side import exit_settle, restart_watcher
-from ft_launcher.rank_monitor.rank_side.live import dtensor_cycle
 from ft_launcher.rank_monitor import shm_layout as L
 
 ENV_WAKE_FD = "FT_LAUNCHER_WAKE_FD"            # the agent's wake pipe (write end), inherited
@@ -101,6 +98,15 @@ def on_teardown(fn: Callable[[], None]) -> None:
     call's garbage is collected (live_state drops the held modules' gradients there)."""
     if fn not in _ON_TEARDOWN:
         _ON_TEARDOWN.append(fn)
+
+
+def _load_restart_parts() -> None:
+    """The parts only a restartable call uses, loaded at its first call: the agent imports this
+    module for its variables' names, and a rank without ft.restartable never needs them."""
+    global peer_sockets, exit_settle, restart_watcher, dtensor_cycle
+    from ft_launcher.rank_monitor import peer_sockets
+    from ft_launcher.rank_monitor.rank_side import exit_settle, restart_watcher
+    from ft_launcher.rank_monitor.rank_side.live import dtensor_cycle
 
 
 def _record():
@@ -223,6 +229,8 @@ class _Run:
 
     def __call__(self):
         rec = _record() if os.environ.get(ENV_GRANULARITY, "job") != "job" else None
+        if rec is not None:
+            _load_restart_parts()   # before the restart signal's handler is installed: it kicks the watcher
         if rec is None or threading.current_thread() is not threading.main_thread() or not _install():
             return self.fn(*self.args, **self.kwargs)
         mm, words = rec

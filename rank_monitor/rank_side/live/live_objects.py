@@ -347,7 +347,10 @@ def _plain_batchnorm(mod) -> bool:
 
 def comparable(tracked: "Tracked", state: dict) -> dict:
     """The part of a restored state that replicas must agree on (a module's per-rank BatchNorm
-    statistics left out: DDP overwrites them from rank 0 at the next forward)."""
+    statistics left out: DDP overwrites them from rank 0 at the next forward; Python's `random`
+    left out where nothing drew from it: Rng.unused)."""
+    if isinstance(tracked.obj, Rng):
+        return Rng.unused(state)
     if tracked.kind != MODULE or not tracked.per_rank:
         return state
     return {k: v for k, v in state.items() if k not in tracked.per_rank}
@@ -361,14 +364,30 @@ def load_order(names) -> List[str]:
 class Rng:
     """The RNG state as of the last commit (torch's CPU and CUDA generators, Python's `random`):
     a LiveState object (`rng=True`, the default). Its state_dict() is a new snapshot each call
-    (new tensors, an immutable tuple): Tracked keeps it without a copy."""
+    (new tensors, an immutable tuple): Tracked keeps it without a copy.
+
+    Python's `random` is often left unseeded (scripts seed torch), so each rank's state differs,
+    from os.urandom, while nothing draws from it. Its state is marked `python_drawn` once it has
+    changed between two snapshots (a draw since the first commit; a restored mark is kept). A
+    stream nothing drew from is not loaded (the rank keeps the state its own start gave it: a
+    replaced rank ran the script's seeding, if any, as its fault-free self did, and an unseeded one
+    is as good as any) and not compared between replicas (`unused`); one that was drawn from is
+    loaded and compared as the torch streams are, so per-rank streams still fall back."""
+
+    def __init__(self) -> None:
+        self._python_last = None     # Python's state at the last snapshot or load
+        self._python_drawn = False   # it changed between two of them (or the loaded state says so)
 
     def state_dict(self) -> dict:
         import random
 
         import torch
 
-        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        python = random.getstate()
+        if self._python_last is not None and python != self._python_last:
+            self._python_drawn = True
+        self._python_last = python
+        state = {"torch": torch.get_rng_state(), "python": python, "python_drawn": self._python_drawn}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
@@ -379,9 +398,19 @@ class Rng:
         import torch
 
         torch.set_rng_state(state["torch"].cpu())
-        random.setstate(state["python"])
+        self._python_drawn = bool(state.get("python_drawn", True))
+        if self._python_drawn:
+            random.setstate(state["python"])
+        self._python_last = random.getstate()
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+    @staticmethod
+    def unused(state: dict) -> dict:
+        """`state` without Python's stream where nothing drew from it (what replicas must agree on)."""
+        if isinstance(state, dict) and state.get("python_drawn") is False:
+            return {k: v for k, v in state.items() if k != "python"}
+        return state
 
 
 def describe_identity(entries: list, shard: Optional[int]) -> str:
