@@ -23,6 +23,16 @@ lost node resumes from host memory (docs/live-state.md, "Buddy copies"):
     ft_launcher --standalone --nproc-per-node 2 examples/hsdp_train.py --replicas 1 --buddy-every 1 \
         --fail-at-step 17 --fail-rank 1
 
+`--state app` hands LiveState the state as PyTorch's DCP recipe writes it: a `Stateful` AppState whose
+state_dict() is `get_state_dict(model, optimizer)` and whose load_state_dict() is `set_state_dict`
+(`ft.LiveState(app=AppState(model, opt))`), and checkpoints `{"app": AppState}` with dcp.save/load;
+`--state app-flat` the same with `StateDictOptions(flatten_optimizer_state_dict=True)`; `--state
+parts` as torchtitan's CheckpointManager holds it: `model` (get/set_model_state_dict) and
+`optimizer`, an Optimizer subclass whose state_dict() is get_optimizer_state_dict with flattened
+keys (torchtitan's OptimizersContainer). `--fail-load-rank R` makes rank R's first load_state_dict
+of the state raise in a cycle after the first (a heal that fails: the job falls back to its
+checkpoint, saying why in one line).
+
 `--ckpt-every N` saves a torch.distributed.checkpoint every N steps into --ckpt-dir, the fallback
 when there is no live state (without it, a fallback trains from step 0). `--progress-dir` makes
 each rank append `cycle step time` lines to rank_<r>.txt there. `--fail-how kill` SIGKILLs the
@@ -41,11 +51,86 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict,
+                                                     set_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import ft_launcher as ft
+
+
+class AppState(Stateful):
+    """PyTorch's DCP recipe: the application state as one Stateful (model and optimizer)."""
+
+    def __init__(self, model, optimizer, options=None):
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+
+    def state_dict(self):
+        # automatically manages FSDP FQNs and the sharded state dict type
+        model_state_dict, optimizer_state_dict = get_state_dict(self.model, self.optimizer, options=self.options)
+        return {"model": model_state_dict, "optim": optimizer_state_dict}
+
+    def load_state_dict(self, state_dict):
+        # sets our state dicts on the model and optimizer, now that we've loaded
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"], options=self.options)
+
+
+class ModelWrapper(Stateful):
+    """As torchtitan's: the model parts' state through get_model_state_dict."""
+
+    def __init__(self, model):
+        self.model = [model]
+
+    def state_dict(self):
+        return {k: v for part in self.model for k, v in get_model_state_dict(part).items()}
+
+    def load_state_dict(self, state_dict):
+        for part in self.model:
+            set_model_state_dict(part, state_dict, options=StateDictOptions(strict=False))
+
+
+class OptimizersContainer(torch.optim.Optimizer, Stateful):
+    """As torchtitan's: an Optimizer over the model parts whose state is DCP's, flattened."""
+
+    def __init__(self, model_parts, optimizer_cls, optimizer_kwargs):
+        self.model_parts = model_parts
+        self.optimizers = [optimizer_cls(list(m.parameters()), **optimizer_kwargs) for m in model_parts]
+        torch.optim.Optimizer.__init__(self, [p for m in model_parts for p in m.parameters()], optimizer_kwargs)
+
+    def step(self, *args, **kwargs):
+        for optimizer in self.optimizers:
+            optimizer.step(*args, **kwargs)
+
+    def zero_grad(self, *args, **kwargs):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(*args, **kwargs)
+
+    def state_dict(self):
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        return {k: v for m, o in zip(self.model_parts, self.optimizers)
+                for k, v in get_optimizer_state_dict(m, o, options=flat).items()}
+
+    def load_state_dict(self, state_dict):
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        for m, o in zip(self.model_parts, self.optimizers):
+            set_optimizer_state_dict(m, o, optim_state_dict=state_dict, options=flat)
+
+
+def _failing_load(obj, rank):
+    """obj's first load_state_dict raises (--fail-load-rank): a heal whose load fails."""
+    load = obj.load_state_dict
+
+    def first_load_raises(state_dict):
+        obj.load_state_dict = load
+        raise RuntimeError(f"rank {rank}: load_state_dict fails on purpose")
+    obj.load_state_dict = first_load_raises
+    return obj
 
 
 def train(args):
@@ -66,12 +151,19 @@ def train(args):
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    live = ft.LiveState(model=model, optimizer=opt, buddy_every=args.buddy_every,
-                        buddy_memory_limit_mb=args.buddy_memory_limit_mb)
+    if args.state == "parts":
+        opt = OptimizersContainer([model], torch.optim.AdamW, {"lr": 1e-2})
+        states = {"model": ModelWrapper(model), "optimizer": opt}
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        flat = StateDictOptions(flatten_optimizer_state_dict=True) if args.state == "app-flat" else None
+        states = {"model": model, "optimizer": opt} if args.state == "objects" else {"app": AppState(model, opt, flat)}
+    if rank == args.fail_load_rank and cycle > 0:
+        _failing_load(states[sorted(states)[0]], rank)
+    live = ft.LiveState(**states, buddy_every=args.buddy_every, buddy_memory_limit_mb=args.buddy_memory_limit_mb)
     start = live.restore()
     if start is None:
-        start = load_checkpoint(args, model, opt)
+        start = load_checkpoint(args, model, opt, states)
         if start and rank == 0:
             print(f"resumed from the checkpoint at step {start} (cycle {cycle})", flush=True)
     elif rank == 0:
@@ -101,7 +193,7 @@ def train(args):
         if progress:
             progress.write(f"{cycle} {step} {time.time():.6f}\n")
         if args.ckpt_every and step % args.ckpt_every == 0:
-            save_checkpoint(args, model, opt, step, rank)
+            save_checkpoint(args, model, opt, step, rank, states)
         if args.step_time:
             time.sleep(args.step_time)
     with torch.no_grad():
@@ -113,10 +205,15 @@ def train(args):
     dist.destroy_process_group()
 
 
-def save_checkpoint(args, model, opt, step, rank):
-    """A sharded checkpoint (torch.distributed.checkpoint) of step `step`; rank 0 then names it the latest."""
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
+def save_checkpoint(args, model, opt, step, rank, states):
+    """A sharded checkpoint (torch.distributed.checkpoint) of step `step`; rank 0 then names it the latest.
+    With --state other than objects, the Stateful objects themselves (DCP calls their state_dict())."""
+    if args.state == "objects":
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = dict(states)
+    dcp.save(state, checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
     dist.barrier()
     if rank == 0:
         with open(os.path.join(args.ckpt_dir, "latest.tmp"), "w") as fh:
@@ -124,13 +221,16 @@ def save_checkpoint(args, model, opt, step, rank):
         os.replace(os.path.join(args.ckpt_dir, "latest.tmp"), os.path.join(args.ckpt_dir, "latest"))
 
 
-def load_checkpoint(args, model, opt) -> int:
+def load_checkpoint(args, model, opt, states) -> int:
     """The newest checkpoint's step, loaded into model and optimizer; 0 when there is none."""
     try:
         with open(os.path.join(args.ckpt_dir, "latest")) as fh:
             step = int(fh.read())
     except (OSError, ValueError):
         return 0
+    if args.state != "objects":   # DCP loads each Stateful in place (its load_state_dict)
+        dcp.load(dict(states), checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
+        return step
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=os.path.join(args.ckpt_dir, f"step_{step}"))
@@ -170,6 +270,11 @@ def main():
     p.add_argument("--buddy-every", type=int, default=0, help="a buddy copy every K steps (0: off)")
     p.add_argument("--buddy-memory-limit-mb", type=float, default=None,
                    help="the most host memory a node's buddy copies may take (default: 80 %% of what is available)")
+    p.add_argument("--state", choices=("objects", "app", "app-flat", "parts"), default="objects",
+                   help="what LiveState holds: the model and optimizer (default), a DCP AppState (app; app-flat: "
+                        "flattened optimizer keys), or torchtitan-like Stateful containers (parts)")
+    p.add_argument("--fail-load-rank", type=int, default=None,
+                   help="this rank's first load_state_dict after a restart raises")
     p.add_argument("--ckpt-every", type=int, default=0, help="a checkpoint every N steps (0: none)")
     p.add_argument("--ckpt-dir", default="ckpt")
     p.add_argument("--progress-dir", default=None, help="each rank appends 'cycle step time' lines here")

@@ -234,15 +234,17 @@ def test_the_wire_packs_small_tensors_and_lands_every_byte_in_the_receivers_own_
         assert same_bytes(value, new_box.loaded["tensors"][key]), key
         assert new_box.loaded["tensors"][key] is not new_box.tensors[key], key
 
-    groups = []   # per object: [size, skeleton, data messages...]; a size is the only 1-element int64
+    groups = []   # per object: [header, skeleton + sizes, data messages...]; a header: the only 2-element int64
     for m in messages:
-        if m.dtype == torch.int64 and m.numel() == 1:
+        if m.dtype == torch.int64 and m.numel() == 2:
             groups.append([])
         groups[-1].append(m)
-    assert [len(g[1]) for g in groups] == [int(g[0]) for g in groups] and len(groups) == 3
+    assert [len(g[1]) for g in groups] == [int(g[0][0]) + 8 * int(g[0][1]) for g in groups] and len(groups) == 3
     sent = [t for o in (box.tensors, model.state_dict(), opt.state_dict()["state"])
             for t in live_wire.flat(o).values()]
-    assert total == sum(t.numel() * t.element_size() for t in sent) + sum(int(g[0]) for g in groups)
+    assert [int(g[0][1]) for g in groups] == [len(box.tensors), len(model.state_dict()),
+                                                 len(live_wire.flat(opt.state_dict()))]
+    assert total == sum(t.numel() * t.element_size() for t in sent) + sum(int(g[0][0]) for g in groups)
     data = [m for g in groups for m in g[2:]]
     if cap is None:   # per object: one chunk; no tensor is big enough to go by itself
         assert all(len(g) == 3 for g in groups)

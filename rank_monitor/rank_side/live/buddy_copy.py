@@ -140,16 +140,22 @@ def write_snapshot(slot: S.Slot, states: Dict[str, dict], step: int, identity: i
     return stream.at
 
 
-def read_snapshot(slot: S.Slot, fresh: Dict[str, tuple], device) -> Tuple[Dict[str, dict], int]:
+def read_snapshot(slot: S.Slot, fresh: Dict[str, tuple], device, places: Optional[dict] = None
+                  ) -> Tuple[Dict[str, dict], int]:
     """A snapshot's states, each tensor written into the new object's own tensor of its path
-    (fresh[name][0], as from a peer: live_wire.recv_state, its layout checked). -> (name -> state
-    dict, bytes)."""
+    (fresh[name][0], as from a peer: live_wire.recv_state, its layout checked; a DTensor's placed
+    by places[name], live_objects.Tracked.place). Raises live_wire.ObjectFailed (which object, its
+    error) where one cannot be read. -> (name -> state dict, bytes)."""
     import torch
 
     stream, ready, total = _Stream(slot), {}, 0
     with torch.no_grad():
         for name in sorted(fresh):
-            ready[name], nbytes = W.recv_state(fresh[name][0], torch.device("cpu"), stream.recv)
+            try:
+                ready[name], nbytes = W.recv_state(fresh[name][0], torch.device("cpu"), stream.recv,
+                                                   (places or {}).get(name))
+            except Exception as exc:  # noqa: BLE001 - a copy that does not fit: the caller falls back
+                raise W.ObjectFailed(name, exc) from exc
             total += nbytes
     return ready, total
 
@@ -462,11 +468,13 @@ def unmet_text(needs, offers_, ranks_text) -> str:
             f"buddy's node)")
 
 
-def fetch(copy: "BuddyCopy", plan, rows: List[List[int]], fresh: Dict[str, tuple]):
+def fetch(copy: "BuddyCopy", plan, rows: List[List[int]], fresh: Dict[str, tuple], places: Optional[dict] = None):
     """The copy sources of a restore plan, over the buddy group: every rank sends the slots others
     receive from it, a rank whose source is another rank's copy receives it into one of its own
-    slots (one no other rank reads now, else a staging file) and reads it like its host copy.
-    -> (name -> state dict, bytes, seconds) for a rank whose source is a copy, else None."""
+    slots (one no other rank reads now, else a staging file) and reads it like its host copy
+    (read_snapshot: ObjectFailed where an object's copy does not fit; live_wire.PeerLost where the
+    transfer failed). -> (name -> state dict, bytes, seconds) for a rank whose source is a copy,
+    else None."""
     import torch.distributed as dist
 
     rank = copy.rank
@@ -490,14 +498,19 @@ def fetch(copy: "BuddyCopy", plan, rows: List[List[int]], fresh: Dict[str, tuple
             j = int(o.kind[4:])
             works.append(dist.isend(copy.slots.slots[j].payload(rows[rank][j * SLOT_COLUMNS + 3]), dst,
                                     group=copy.group))
-    for w in works:
-        w.wait()
+    try:
+        for w in works:
+            w.wait()
+    except Exception as exc:  # noqa: BLE001 - whatever the backend raises
+        raise W.PeerLost(f"a buddy copy's transfer failed: {type(exc).__name__}: {exc}") from exc
     if source is None:
         return None
     if mine.holder != rank:   # what it received is its host copy of the resume step from now on
         source.finish(mine.step, mine.identity, mine.layout, copy.world, rank, copy.cycle, nbytes)
-    ready, total = read_snapshot(source, fresh, None)
-    if source not in copy.slots.slots:
-        source.close()
-        os.unlink(source.path)
+    try:
+        ready, total = read_snapshot(source, fresh, None, places)
+    finally:
+        if source not in copy.slots.slots:
+            source.close()
+            os.unlink(source.path)
     return ready, total, time.perf_counter() - t0

@@ -45,8 +45,7 @@ def _storage(t) -> int:
         return -1
 
 
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor" and getattr(t, "device_mesh", None) is not None
+_is_dtensor = W.is_dtensor
 
 
 def _coordinate(mesh) -> list:
@@ -107,7 +106,7 @@ class Tracked:
         import torch
 
         self.name, self.obj = name, obj
-        if isinstance(obj, torch.optim.Optimizer):
+        if isinstance(obj, torch.optim.Optimizer) and _own_state_dict(obj, torch.optim.Optimizer):
             self.kind = OPTIMIZER
         elif isinstance(obj, torch.nn.Module):
             self.kind = MODULE   # until first_commit finds that its state_dict returns copies
@@ -126,6 +125,7 @@ class Tracked:
         self.metadata = None
         self.groups: Optional[list] = None              # OPTIMIZER: param groups' hyperparameters
         self.meshes: list = []       # the device meshes of the new object's DTensors (read by fresh())
+        self.placed: dict = {}       # path -> (mesh, placements) of the new object's state's DTensors (fresh())
 
     # ---- set up once: check the state and settle the kind -------------------------------------
     def setup(self, sd=None) -> None:
@@ -245,6 +245,7 @@ class Tracked:
         sd = self.obj.state_dict()
         if not self.ready:
             self.setup(sd)
+        self.placed = {path: (t.device_mesh, t.placements) for path, t in W.flat(sd).items() if _is_dtensor(t)}
         if self.kind == OPTIMIZER:
             params = [[p for p in g["params"]] for g in self.obj.param_groups]
             self.meshes = distinct_meshes([p for group in params for p in group])
@@ -260,34 +261,51 @@ class Tracked:
         LiveState's new objects). A kept rank's previous objects' DTensors (an optimizer's state is
         handed over, not copied) are on the previous call's mesh, whose process groups are gone:
         each is rebuilt on the equal mesh of this call (its local data, placements and shape; no
-        copy). A received optimizer's per-parameter tensors (local data) become DTensors like this
-        call's parameters where those are DTensors (FSDP2). Raises Unbound where a DTensor's mesh
-        has no equal among `meshes` (it cannot be bound exactly)."""
+        copy). Raises Unbound where a DTensor's mesh has no equal among `meshes` (it cannot be
+        bound exactly)."""
         from torch.distributed.tensor import DTensor
 
-        params = ([p for g in self.obj.param_groups for p in g["params"]] if self.kind == OPTIMIZER
-                  and isinstance(state, dict) and isinstance(state.get("state"), dict) else None)
-
-        def place(path, t):
-            if _is_dtensor(t):
-                mesh = t.device_mesh
-                if any(mesh is m for m in meshes):
-                    return t
-                for m in meshes:
-                    if m == mesh:
-                        return DTensor.from_local(t.to_local(), m, t.placements, run_check=False, shape=t.shape,
-                                                  stride=t.stride())
-                raise Unbound(f"'{self.name}' holds a DTensor at {W.path_text(path)} on {mesh}, a device mesh "
-                              f"that this call's objects do not have")
-            if params is None or len(path) != 3 or path[0] != "state" or not isinstance(path[1], int):
+        def bound(path, t):
+            if not _is_dtensor(t):
                 return t
-            p = params[path[1]] if 0 <= path[1] < len(params) else None
-            if not _is_dtensor(p) or t.dim() == 0 or tuple(t.shape) != tuple(p.to_local().shape):
+            mesh = t.device_mesh
+            if any(mesh is m for m in meshes):
                 return t
-            return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                      stride=p.stride())
+            for m in meshes:
+                if m == mesh:
+                    return DTensor.from_local(t.to_local(), m, t.placements, run_check=False, shape=t.shape,
+                                              stride=t.stride())
+            raise Unbound(f"'{self.name}' holds a DTensor at {W.path_text(path)} on {mesh}, a device mesh "
+                          f"that this call's objects do not have")
 
-        return W.walk(state, place)
+        return W.walk(state, bound)
+
+    def place(self, path: tuple, data, spec: tuple):
+        """A received tensor that the sender held as a DTensor (`spec`: live_wire.dtensor_spec), as
+        this rank's DTensor: `data` (its local shard) on the mesh of this object's own DTensor at
+        that path where it has one with those placements (a module's, an optimizer's, any state
+        dict's), else on this call's mesh with the sender's rank grid, else on its only mesh of
+        that shape and dimension names (a fresh optimizer has no state yet: its parameters' mesh).
+        Raises Unbound where none fits."""
+        from torch.distributed.tensor import DTensor
+
+        placements = W.placements(spec)
+        own = self.placed.get(path)
+        mesh = own[0] if own is not None and tuple(own[1]) == placements else None
+        names = spec[W.MESH_NAMES]
+
+        def alike(m):
+            return (str(m.device_type) == spec[W.MESH_TYPE] and (tuple(m.mesh_dim_names) if m.mesh_dim_names
+                                                                  else None) == names)
+        if mesh is None:
+            same = [m for m in self.meshes if alike(m) and W.mesh_grid(m.mesh.tolist()) == spec[W.MESH_GRID]]
+            shaped = [m for m in self.meshes if alike(m) and tuple(m.mesh.shape) == tuple(W.grid_shape(spec[W.MESH_GRID]))]
+            mesh = same[0] if same else shaped[0] if len(shaped) == 1 else None
+        if mesh is None:
+            raise Unbound(f"'{self.name}' received {W.spec_text(spec)} at {W.path_text(path)}, and this call's "
+                          f"objects have no such device mesh")
+        return DTensor.from_local(data, mesh, placements, run_check=False, shape=spec[W.SHAPE],
+                                  stride=spec[W.STRIDE])
 
     def adopt(self, loaded: Optional[dict]) -> None:
         """The state just loaded into the object is now its committed state. `loaded`: a copy
@@ -305,6 +323,12 @@ class Tracked:
                 self.obj.state_dict()
         else:
             self.snapshot()
+
+
+def _own_state_dict(obj, base) -> bool:
+    """`obj` reads and loads its state as `base` does (an optimizer subclass such as torchtitan's
+    OptimizersContainer, whose state_dict() is DCP's flattened one, does not: it is a snapshot)."""
+    return all(getattr(type(obj), fn, None) is getattr(base, fn) for fn in ("state_dict", "load_state_dict"))
 
 
 def _plain_batchnorm(mod) -> bool:

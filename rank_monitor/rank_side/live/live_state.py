@@ -359,7 +359,11 @@ class LiveState:
         this rank now holds, or None when there is no live state (first start, a cold or job-level
         restart, no healthy copy of some shard): then load the checkpoint as without live state.
         Call it after init_process_group and before DDP is constructed (DDP broadcasts rank 0's
-        parameters: they must already be the resumed ones). A collective: every rank calls it."""
+        parameters: they must already be the resumed ones). A collective: every rank calls it.
+        Whatever fails on some rank while it restores (an object's state_dict() or load_state_dict()
+        raising, a state that does not fit, a mesh this call lacks) is None on every rank, with one
+        line naming the rank, the object and the error; a peer lost on the wire raises (the restart
+        that its loss brings follows)."""
         if self._words is None:
             if (_cycle() > 0 and os.environ.get("RANK") == "0" and os.environ.get(L.ENV_SHM)
                     and os.environ.get(inprocess.ENV_GRANULARITY, "job") == "job" and not _REG.said_job):
@@ -372,15 +376,24 @@ class LiveState:
         words, cycle = self._words, _cycle()
         words[L.H_LIVE_STEP] = 0
         fresh = mine = None
+        failed = ""   # what failed on this rank while it restores (_failure), "" while nothing
         if self.refused is None:
+            name = None
             try:
-                fresh = {name: t.fresh() for name, t in sorted(self.tracked.items())}   # each object read once
+                fresh = {}
+                for name, t in sorted(self.tracked.items()):   # each object read once
+                    fresh[name] = t.fresh()
                 mine = self._describe(fresh)
             except W.Refused as exc:
                 self._refuse(exc)
+            except Exception as exc:  # noqa: BLE001 - any error of the user's object: the checkpoint, said
+                failed, fresh = _failure(name, "state_dict()", exc), None
         import torch.distributed as dist
 
         if cycle == 0:   # a first start: nothing to exchange
+            if failed:
+                print(f"ft_launcher: LiveState '{self.name}' on rank {os.environ.get('RANK', '0')}: {failed}; it is "
+                      f"read again at the first commit", file=sys.stderr, flush=True)
             if dist.is_available() and dist.is_initialized():
                 self._start_buddy(cycle)
             return None
@@ -391,13 +404,16 @@ class LiveState:
         device = comm_backend.transfer_device()   # the group's real backend per device
         buddy = self._start_buddy(cycle)
         held = _REG.held.get(self.name)
-        row = _Row.mine(self, held, mine)
+        row = _Row.mine(self, held, mine, failed=bool(failed))
         values = row.values + (buddy_copy.holdings(buddy.slots, world) if buddy is not None else [])
         table = _all_gather(torch.tensor(values, dtype=torch.int64, device=device), world)
         rows = [_Row(r[:_Row.SIZE]) for r in table]
         copies = [r[_Row.SIZE:] for r in table] if buddy is not None else None
         started = time.perf_counter()   # every rank is here: what follows is the recovery's own time
         plan, reason = _plan(self, rows, world, buddy_copy.offers(copies) if copies else [])
+        failing = [r for r, row in enumerate(rows) if row.failed]
+        if failing:
+            plan, reason = Plan(None, [None] * world, ""), self._failed_reason(failing, failed, device)
         names = sorted(self.tracked)
         received = sent = 0
         seconds = 0.0
@@ -407,45 +423,71 @@ class LiveState:
                 offered = held.committed() if rows[rank].status == HOLDS else None
                 ready: Dict[str, Any] = {}
                 if plan.kept(rank):   # 4: the committed state into the new objects
-                    ready = {n: W.move_state(offered[n], fresh[n][0]) for n in names}
-                    self._hold(plan.resume, ready, previous=held)
-                    offered = ready
+                    try:
+                        for name in names:
+                            ready[name] = W.move_state(offered[name], fresh[name][0])
+                    except Exception as exc:  # noqa: BLE001 - said; it still sends what it holds
+                        failed = _failure(name, "moving its kept state", exc)
+                    else:
+                        self._hold(plan.resume, ready, previous=held)
+                        offered = ready
                 if buddy is not None:   # copies first (a rank that sends one may receive a live state)
-                    got = buddy_copy.fetch(buddy, plan, copies, fresh)
+                    try:
+                        got = buddy_copy.fetch(buddy, plan, copies, fresh, self._places())
+                    except W.ObjectFailed as exc:
+                        failed, got = failed or _failure(exc.name, "reading its copy", exc.error), None
                     if got is not None:
                         ready, received, seconds = got
                 t0 = time.perf_counter()
                 for src, dst in plan.transfers():   # 5
                     if src == rank:
-                        for n in names:
-                            sent += W.send_state(offered[n], device, lambda t: dist.send(t, dst))
+                        for name in names:
+                            try:
+                                sent += W.send_state(offered[name], device, _wire(dist.send, dst))
+                            except W.PeerLost:
+                                raise
+                            except Exception as exc:  # noqa: BLE001 - the receiver was told (live_wire); said
+                                failed = failed or _failure(name, f"sending its state to rank {dst}", exc)
                     if dst == rank:
-                        for n in names:
-                            ready[n], nbytes = W.recv_state(fresh[n][0], device, lambda t: dist.recv(t, src))
-                            received += nbytes
+                        for name in names:   # every object is received whole, also after one failed
+                            try:
+                                ready[name], nbytes = W.recv_state(fresh[name][0], device, _wire(dist.recv, src),
+                                                                   self.tracked[name].place)
+                                received += nbytes
+                            except W.PeerLost:
+                                raise
+                            except Exception as exc:  # noqa: BLE001 - said; every rank falls back
+                                failed = failed or _failure(name, f"receiving its state from rank {src}", exc)
                         seconds = time.perf_counter() - t0
                 offered = None
-                if not plan.kept(rank):
+                if not plan.kept(rank) and not failed:
                     self._hold(plan.resume, ready, previous=held)
                 held = None
-                unbound = self._bind(ready, names)   # every DTensor on this call's mesh
+                failed = failed or self._bind(ready, names)   # every DTensor on this call's mesh
                 if self.verify:   # 6
-                    check, reason = _verify(self, plan, rows, ready, names, device, world, unbound)
+                    check, reason, failing, failed = _verify(self, plan, rows, ready, names, device, world, failed)
                 else:
-                    reason = _unbound_reason(self, _all_gather(torch.tensor([int(bool(unbound))], device=device),
-                                                               world), 0, unbound)
+                    flags = _all_gather(torch.tensor([int(bool(failed))], device=device), world)
+                    failing = [r for r, f in enumerate(flags) if f[0]]
+                if failing:
+                    reason = self._failed_reason(failing, failed, device)
                 if reason:
                     plan = Plan(None, [None] * world, reason)
                     _REG.held.pop(self.name, None)
                 else:
-                    self._load(ready, fresh)   # 7
+                    failed = self._load(ready, fresh)   # 7
             else:
                 _REG.held.pop(self.name, None)   # the checkpoint: the previous objects are not needed
             del held, fresh
             gc.collect()   # the previous objects' cycles, if any, now
         own = int((time.perf_counter() - started) * 1e9)
-        stats = _all_gather(torch.tensor([received, int(seconds * 1e9), own], dtype=torch.int64, device=device),
-                            world)   # 8
+        stats = _all_gather(torch.tensor([received, int(seconds * 1e9), own, int(bool(failed))], dtype=torch.int64,
+                                         device=device), world)   # 8
+        failing = [r for r, s in enumerate(stats) if s[3]]
+        if failing:   # a load failed on some rank: the checkpoint everywhere (it overwrites what was loaded)
+            reason = self._failed_reason(failing, failed, device)
+            plan = Plan(None, [None] * world, reason)
+            _REG.held.pop(self.name, None)
         summary = self._summary(cycle, plan, rows, stats, check, reason)
         if rank == 0:
             if plan.resume is None:
@@ -464,6 +506,18 @@ class LiveState:
             return None
         words[L.H_LIVE_STEP] = plan.resume + 1
         return plan.resume
+
+    def _places(self) -> Dict[str, Any]:
+        """Per object, how a received DTensor is placed on this call's mesh (live_objects.Tracked.place)."""
+        return {name: t.place for name, t in self.tracked.items()}
+
+    def _failed_reason(self, failing: List[int], mine: str, device) -> str:
+        """The fallback's words when a restore failed on `failing` ranks: the first one's own words
+        (one broadcast from it: a collective, every rank calls it)."""
+        text = _broadcast_text(mine, min(failing), device)
+        others = [r for r in failing if r != min(failing)]
+        return (f"LiveState '{self.name}': on rank {min(failing)}, {text}"
+                + (f" (and on {_ranks(others)})" if others else ""))
 
     def _hold(self, step: int, ready: Dict[str, Any], previous: Optional[_Held]) -> None:
         """This LiveState now holds the state at `step` (`ready`, not yet loaded); the previous
@@ -484,30 +538,35 @@ class LiveState:
         for m in (m for t in self.tracked.values() for m in t.meshes):
             if not any(m is seen for seen in meshes):
                 meshes.append(m)
-        try:
-            for n in names:
+        for n in names:
+            try:
                 ready[n] = self.tracked[n].bind(ready[n], meshes)
-        except O.Unbound as exc:
-            return str(exc)
+            except Exception as exc:  # noqa: BLE001 - O.Unbound, or whatever the state holds: the checkpoint
+                return _failure(n, "binding its state to this call's device meshes", exc)
         return ""
 
-    def _load(self, ready: Dict[str, Any], fresh: dict) -> None:
+    def _load(self, ready: Dict[str, Any], fresh: dict) -> str:
         """Every object loads its state (the same order on every rank, the RNG last) and takes it
         as its committed state. A module whose every tensor arrived in its own tensors (kept or
-        received in place) has nothing left to load."""
+        received in place) has nothing left to load. -> "" or what failed (the first object whose
+        load raised; the objects after it are not loaded: the job falls back to the checkpoint)."""
         for name in O.load_order(ready):
             tracked = self.tracked[name]
             state = ready[name]
-            loaded = W.copy(state) if tracked.kind == O.SNAPSHOT else None
-            own = fresh[name][0]
-            in_place = (tracked.kind == O.MODULE and not tracked.extra and len(own) == len(W.flat(state))
-                        and all(own.get(p) is t for p, t in W.flat(state).items()))
-            if not in_place:
-                tracked.obj.load_state_dict(state)
-            tracked.adopt(loaded)
+            try:
+                loaded = W.copy(state) if tracked.kind == O.SNAPSHOT else None
+                own = fresh[name][0]
+                in_place = (tracked.kind == O.MODULE and not tracked.extra and len(own) == len(W.flat(state))
+                            and all(own.get(p) is t for p, t in W.flat(state).items()))
+                if not in_place:
+                    tracked.obj.load_state_dict(state)
+                tracked.adopt(loaded)
+            except Exception as exc:  # noqa: BLE001 - the user's load_state_dict: the checkpoint, said
+                return _failure(name, "load_state_dict()", exc)
         held = _REG.held.get(self.name)
         if held is not None and held.live is self:
             held.ready = None
+        return ""
 
     def _summary(self, cycle: int, plan: Plan, rows: List["_Row"], stats: list, check: Optional[dict],
                  reason: str) -> dict:
@@ -538,15 +597,15 @@ class _Row:
 
     K = 16   # per-object layout digests carried (for the line that names the object that differs)
     (STATUS, STEP, RAW, OFFER_ID, OFFER_LAYOUT, OFFER_WORLD, NEED_ID, NEED_LAYOUT, NAMES, REFUSED_NOW,
-     RANK0_BUFFERS) = range(11)
-    H = 11
+     RANK0_BUFFERS, FAILED) = range(12)
+    H = 12
     SIZE = H + 2 * K
 
     def __init__(self, values: list) -> None:
         self.values = [int(v) for v in values]
 
     @classmethod
-    def mine(cls, live: LiveState, held: Optional[_Held], now: Optional[dict]) -> "_Row":
+    def mine(cls, live: LiveState, held: Optional[_Held], now: Optional[dict], failed: bool = False) -> "_Row":
         v = [0] * cls.SIZE
         status = HOLDS
         if held is None:
@@ -562,6 +621,9 @@ class _Row:
             for i, d in enumerate(list(made["objects"].values())[:cls.K]):
                 v[cls.H + cls.K + i] = d
         v[cls.NAMES] = W.digest64(sorted(live.tracked))
+        if failed:   # reading its new objects failed (its words come by broadcast: LiveState._failed_reason)
+            v[cls.FAILED] = 1
+            return cls(v)
         if now is None:   # its state was refused just now
             v[cls.REFUSED_NOW] = 1
             return cls(v)
@@ -682,39 +744,72 @@ def _plan(live: LiveState, rows: List[_Row], world: int, copies: Optional[list] 
     return plan, f"LiveState '{live.name}': {reason}"
 
 
-def _unbound_reason(live: LiveState, table: list, column: int, mine: str) -> str:
-    """The fallback reason when some rank's state could not be bound to this call's device meshes
-    (`table[r][column]` set: LiveState._bind), else ""."""
-    odd = [r for r, row in enumerate(table) if row[column]]
-    if not odd:
-        return ""
-    return (f"LiveState '{live.name}': the state of {_ranks(odd)} holds DTensors on a device mesh that this call's "
-            f"objects do not have, so it cannot be bound to this call's process groups exactly"
-            + (f" (here: {mine})" if mine else ""))
+def _failure(name: Optional[str], what: str, exc: BaseException) -> str:
+    """What failed on this rank, in words for the one fallback line: the object, the call, the error
+    (its message on one line, at most ~300 characters)."""
+    error = exc.error if isinstance(exc, W.ObjectFailed) else exc
+    message = " ".join(str(error).split())
+    if len(message) > 300:
+        message = message[:297] + "..."
+    return f"{what} of '{name}' raised {type(error).__name__}" + (f": {message}" if message else "")
+
+
+_TEXT_BYTES = 512
+
+
+def _broadcast_text(mine: str, src: int, device) -> str:
+    """Rank `src`'s words (at most _TEXT_BYTES of UTF-8) on every rank: a collective."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+    if dist.get_rank() == src:
+        raw = mine.encode()[:_TEXT_BYTES]
+        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    buf = buf.to(device)
+    dist.broadcast(buf, src)
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace") or "(it said nothing)"
+
+
+def _wire(fn, peer: int):
+    """dist.send/recv to `peer` as live_wire's `send`/`recv`: its errors are PeerLost (a peer gone or
+    the group broken mid-transfer: a restart follows), told apart from a state that does not fit."""
+    def go(t):
+        try:
+            fn(t, peer)
+        except Exception as exc:  # noqa: BLE001 - whatever the backend raises
+            raise W.PeerLost(f"the transfer with rank {peer} failed: {type(exc).__name__}: {exc}") from exc
+    return go
 
 
 def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any], names: List[str], device,
-            world: int, unbound: str = ""):
+            world: int, failed: str = ""):
     """Step 6: per object, a digest of the restored state; the replicas of each shard in which some
-    rank healed from a peer must agree; and no rank's state may hold a DTensor it could not bind
-    (`unbound`: LiveState._bind). -> (the check's figures, the reason to fall back or "")."""
+    rank healed from a peer must agree; and whether the restore failed on some rank so far
+    (`failed`: this rank's words). -> (the check's figures, the reason to fall back or "", the
+    ranks on which it failed, this rank's words of what failed)."""
     import torch
 
     t0 = time.perf_counter()
     digests, nbytes = [], 0
-    for n in names:
-        d, b = W.digest(O.comparable(live.tracked[n], ready[n]))
-        digests.append(d)
-        nbytes += b
+    if not failed:
+        try:
+            for n in names:
+                d, b = W.digest(O.comparable(live.tracked[n], ready[n]))
+                digests.append(d)
+                nbytes += b
+        except Exception as exc:  # noqa: BLE001 - whatever the state holds: the checkpoint, said
+            failed, digests = _failure(n, "the digest of the state", exc), []
     own_s = time.perf_counter() - t0
     k = _Row.K
-    mine = (digests + [0] * k)[:k] + [nbytes, int(own_s * 1e9), int(bool(unbound))]
+    mine = (digests + [0] * k)[:k] + [nbytes, int(own_s * 1e9), int(bool(failed))]
     table = _all_gather(torch.tensor(mine, dtype=torch.int64, device=device), world)
+    failing = [r for r, row in enumerate(table) if row[k + 2]]
     groups = collections.defaultdict(list)
     for r, row in enumerate(rows):
         groups[(row.need_id, row.need_layout)].append(r)
-    reason = _unbound_reason(live, table, k + 2, unbound)
-    for members in (groups.values() if not reason else ()):
+    reason = ""
+    for members in (groups.values() if not failing else ()):
         if all(plan.kept(r) for r in members):
             continue   # every rank of this shard restored its own committed state: nothing came from a peer
         for i, n in enumerate(names[:k]):
@@ -733,7 +828,7 @@ def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any]
     total = sum(int(row[k]) for row in table)
     check = {"bytes": total, "s": round(slowest, 6),
              "ms_per_gb": round(slowest * 1e3 / max(1e-9, max(int(row[k]) for row in table) / 1e9), 1)}
-    return check, reason
+    return check, reason, failing, failed
 
 
 def _all_gather(t, world: int) -> list:

@@ -50,6 +50,18 @@ class LayoutMismatch(RuntimeError):
     """A received or kept tensor whose destination has another shape or dtype."""
 
 
+class PeerLost(RuntimeError):
+    """The wire to a peer failed mid-transfer (the peer is gone, the group broke): not the state's fault."""
+
+
+class ObjectFailed(RuntimeError):
+    """Restoring one object's state failed on this rank (not the wire): `name` and the `error`."""
+
+    def __init__(self, name: str, error: BaseException) -> None:
+        self.name, self.error = name, error
+        super().__init__(f"'{name}': {type(error).__name__}: {error}")
+
+
 def path_text(path: tuple) -> str:
     return "".join(f"[{k!r}]" for k in path) or "the top level"
 
@@ -61,21 +73,94 @@ def _torch():
 
 
 class Slot:
-    """A tensor's place in a skeleton."""
+    """A tensor's place in a skeleton: its local data's shape and dtype, and for a DTensor its
+    `spec` (dtensor_spec: plain values, no torch class)."""
 
-    __slots__ = ("index", "shape", "dtype", "cpu")
+    __slots__ = ("index", "shape", "dtype", "cpu", "spec")
 
-    def __init__(self, index: int, shape: tuple, dtype, cpu: bool) -> None:
-        self.index, self.shape, self.dtype, self.cpu = index, tuple(shape), dtype, bool(cpu)
+    def __init__(self, index: int, shape: tuple, dtype, cpu: bool, spec: Optional[tuple] = None) -> None:
+        self.index, self.shape, self.dtype, self.cpu, self.spec = index, tuple(shape), dtype, bool(cpu), spec
 
     def __reduce__(self):
-        return Slot, (self.index, self.shape, self.dtype, self.cpu)
+        return Slot, (self.index, self.shape, self.dtype, self.cpu, self.spec)
+
+
+def is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and getattr(t, "device_mesh", None) is not None
 
 
 def local(t):
     """A tensor's own data: a DTensor's local shard, else the tensor."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
+
+
+# A DTensor's spec: (mesh device type, the mesh's rank grid (nested tuples), its dimension names or
+# None, placements, global shape, global stride), placements each as ("R",), ("S", dim),
+# ("SS", dim, split_factor) (_StridedShard) or ("P", reduce_op).
+MESH_TYPE, MESH_GRID, MESH_NAMES, PLACEMENTS, SHAPE, STRIDE = range(6)
+
+
+def mesh_grid(value):
+    return tuple(mesh_grid(v) for v in value) if isinstance(value, list) else int(value)
+
+
+def dtensor_spec(path: tuple, t) -> Optional[tuple]:
+    """A DTensor's place on its device mesh in plain values (None for a plain tensor): what a receiver
+    needs to rebuild it on its own equal mesh. Refused for a placement it could not rebuild."""
+    if not is_dtensor(t):
+        return None
+    places = []
+    for p in t.placements:
+        kind = type(p).__name__
+        if kind == "Replicate":
+            places.append(("R",))
+        elif kind == "_StridedShard":
+            places.append(("SS", int(p.dim), int(p.split_factor)))
+        elif kind == "Shard":
+            places.append(("S", int(p.dim)))
+        elif kind == "Partial":
+            places.append(("P", str(p.reduce_op)))
+        else:
+            raise Refused(path, f"a DTensor placed as {p!r}")
+    mesh = t.device_mesh
+    names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+    return (str(mesh.device_type), mesh_grid(mesh.mesh.tolist()), names, tuple(places), tuple(t.shape),
+            tuple(t.stride()))
+
+
+def placements(spec: tuple) -> tuple:
+    """The placements of a spec (dtensor_spec) as torch's objects."""
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
+
+    out = []
+    for p in spec[PLACEMENTS]:
+        if p[0] == "R":
+            out.append(Replicate())
+        elif p[0] == "S":
+            out.append(Shard(int(p[1])))
+        elif p[0] == "SS":
+            out.append(_StridedShard(int(p[1]), split_factor=int(p[2])))
+        elif p[0] == "P":
+            out.append(Partial(str(p[1])))
+        else:
+            raise LayoutMismatch(f"a DTensor placement {p!r} that this version does not know")
+    return tuple(out)
+
+
+def spec_text(spec: tuple) -> str:
+    names = spec[MESH_NAMES] or ()
+    return (f"a DTensor {list(spec[SHAPE])} on a {spec[MESH_TYPE]} mesh {grid_shape(spec[MESH_GRID])}"
+            + (f" ({', '.join(names)})" if names else "") + " as " + "/".join(
+                {"R": "R", "S": "S({1})", "SS": "_S({1},{2})", "P": "P({1})"}[p[0]].format(*p) for p in spec[PLACEMENTS]))
+
+
+def grid_shape(grid) -> list:
+    out = []
+    while isinstance(grid, tuple):
+        out.append(len(grid))
+        grid = grid[0] if grid else None
+    return out
 
 
 def walk(value, on_tensor: Callable[[tuple, Any], Any], path: tuple = ()):
@@ -115,7 +200,7 @@ def walk(value, on_tensor: Callable[[tuple, Any], Any], path: tuple = ()):
 
 def check(value) -> None:
     """Raise Refused if `value` holds anything a peer could not receive."""
-    walk(value, lambda p, t: t)
+    walk(value, lambda p, t: dtensor_spec(p, t) and t)
 
 
 def copy(value):
@@ -132,7 +217,7 @@ def split(value) -> Tuple[Any, list, list]:
         data = local(t).detach()
         tensors.append(data)
         paths.append(path)
-        return Slot(len(tensors) - 1, data.shape, data.dtype, data.device.type == "cpu")
+        return Slot(len(tensors) - 1, data.shape, data.dtype, data.device.type == "cpu", dtensor_spec(path, t))
 
     return walk(value, slot), tensors, paths
 
@@ -203,8 +288,9 @@ def _canon(value, out: list) -> None:
     """Canonical bytes of a skeleton (sets sorted, so that replicas agree whatever their hash seed)."""
     torch = _torch()
     kind = type(value)
-    if isinstance(value, Slot):
-        out.append(f"S{value.shape}{value.dtype};".encode())
+    if isinstance(value, Slot):   # a DTensor's spec without its mesh's rank grid (replicas may differ there)
+        spec = value.spec and value.spec[:MESH_GRID] + value.spec[MESH_NAMES:]
+        out.append(f"S{value.shape}{value.dtype}{spec};".encode())
     elif kind is dict or kind is collections.OrderedDict:
         out.append(b"{")
         for k, v in value.items():
@@ -344,15 +430,21 @@ def _recv_tensors(dests: list, device, recv) -> None:
 
 
 def send_state(state, device, send) -> int:
-    """One state dict to a peer: its skeleton's length, the skeleton (pickled), its tensors.
-    `send(tensor)` is the wire. -> bytes sent."""
+    """One state dict to a peer: a header (the skeleton's length, the number of tensors), the
+    skeleton (pickled) followed by each tensor's byte size, then the tensors. `send(tensor)` is the
+    wire. -> bytes sent."""
     torch = _torch()
-    skeleton, tensors, paths = split(state)
-    blob = dumps(skeleton, paths)
-    send(torch.tensor([len(blob)], dtype=torch.int64, device=device))
-    send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device))
+    try:
+        skeleton, tensors, paths = split(state)
+        blob = dumps(skeleton, paths)
+    except Exception:
+        send(torch.tensor([-1, 0], dtype=torch.int64, device=device))   # the receiver raises too, and waits no more
+        raise
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    send(torch.tensor([len(blob), len(sizes)], dtype=torch.int64, device=device))
+    send(torch.frombuffer(bytearray(blob + struct.pack(f"<{len(sizes)}q", *sizes)), dtype=torch.uint8).to(device))
     _send_tensors(tensors, device, send)
-    return len(blob) + sum(t.numel() * t.element_size() for t in tensors)
+    return len(blob) + sum(sizes)
 
 
 def _destination(own, slot: Slot, path: tuple):
@@ -366,32 +458,68 @@ def _destination(own, slot: Slot, path: tuple):
     return dest
 
 
-def recv_state(dests: dict, device, recv) -> Tuple[Any, int]:
-    """What send_state sent, each tensor written into dests[path] (this rank's own tensor of that
-    path) or, where it has none, into a new tensor on the CPU or `device` as the sender had it.
-    `recv(tensor)` is the wire. -> (the state dict, bytes received)."""
+def _drain(sizes: List[int], device, recv) -> None:
+    """Receive and drop the tensor messages of `sizes` bytes (the sender's plan): a receiver that
+    cannot take a state still reads all of it, so the sender never waits on it."""
     torch = _torch()
-    size = torch.empty(1, dtype=torch.int64, device=device)
-    recv(size)
-    n = int(size.item())
-    if not 0 < n <= _MAX_SKELETON:
-        raise pickle.UnpicklingError(f"a peer announced a live-state skeleton of {n} bytes")
-    raw = torch.empty(n, dtype=torch.uint8, device=device)
+    chunks, lengths, direct = _plan(sizes)
+    if chunks:
+        buf = torch.empty(max(lengths), dtype=torch.uint8, device=device)
+        for length in lengths:
+            recv(buf[:length])
+    for i in direct:
+        recv(torch.empty(sizes[i], dtype=torch.uint8, device=device))
+
+
+def recv_state(dests: dict, device, recv, dtensor: Optional[Callable[[tuple, Any, tuple], Any]] = None
+               ) -> Tuple[Any, int]:
+    """What send_state sent, each tensor written into dests[path] (this rank's own tensor of that
+    path) or, where it has none, into a new tensor on the CPU or `device` as the sender had it; a
+    new tensor that the sender had as a DTensor becomes dtensor(path, local data, spec) (the
+    receiver's own DTensor on its mesh: live_objects.Tracked.place). `recv(tensor)` is the wire.
+    A skeleton that cannot be read or a tensor that does not fit raises (LayoutMismatch,
+    UnpicklingError) only once every message of the state has been received.
+    -> (the state dict, bytes received)."""
+    torch = _torch()
+    head = torch.empty(2, dtype=torch.int64, device=device)
+    recv(head)
+    n, count = (int(v) for v in head.tolist())
+    if n == -1:
+        raise LayoutMismatch("the sender could not send its state (it says why)")
+    if not 0 < n <= _MAX_SKELETON or not 0 <= count <= _MAX_SKELETON // 8:
+        raise pickle.UnpicklingError(f"a peer announced a live-state skeleton of {n} bytes and {count} tensors")
+    raw = torch.empty(n + 8 * count, dtype=torch.uint8, device=device)
     recv(raw)
-    skeleton, paths = loads(raw.cpu().numpy().tobytes())
-    slots: List[Slot] = []
-    walk_slots(skeleton, slots.append)
-    slots.sort(key=lambda s: s.index)
-    targets, values = [], {}
-    for slot in slots:
-        own = dests.get(paths[slot.index])
-        dest = _destination(own, slot, paths[slot.index])
-        if dest is None:
-            dest = torch.empty(slot.shape, dtype=slot.dtype, device="cpu" if slot.cpu else device)
-        targets.append(dest)
-        values[slot.index] = own if own is not None else dest
+    data = raw.cpu().numpy().tobytes()
+    sizes = list(struct.unpack(f"<{count}q", data[n:]))
+    if any(size < 0 for size in sizes):
+        raise pickle.UnpicklingError("a peer announced a live-state tensor of negative size")
+    targets, values, slots, paths = [], {}, [], []
+    try:
+        skeleton, paths = loads(data[:n])
+        walk_slots(skeleton, slots.append)
+        slots.sort(key=lambda s: s.index)
+        if [s.index for s in slots] != list(range(count)) or len(paths) != count:
+            raise pickle.UnpicklingError(f"a peer's live-state skeleton holds {len(slots)} tensors, it announced {count}")
+        for slot in slots:
+            own = dests.get(paths[slot.index])
+            dest = _destination(own, slot, paths[slot.index])
+            if dest is None:
+                dest = torch.empty(slot.shape, dtype=slot.dtype, device="cpu" if slot.cpu else device)
+            if dest.numel() * dest.element_size() != sizes[slot.index]:
+                raise pickle.UnpicklingError(f"a peer's live-state skeleton says {list(slot.shape)} {slot.dtype} at "
+                                             f"{path_text(paths[slot.index])}, its plan {sizes[slot.index]} bytes")
+            targets.append(dest)
+            values[slot.index] = own if own is not None else dest
+    except Exception:
+        _drain(sizes, device, recv)
+        raise
     _recv_tensors(targets, device, recv)
-    return fill(skeleton, values), n + sum(d.numel() * d.element_size() for d in targets)
+    if dtensor is not None:
+        for slot in slots:
+            if slot.spec is not None and values[slot.index] is targets[slot.index]:
+                values[slot.index] = dtensor(paths[slot.index], targets[slot.index], slot.spec)
+    return fill(skeleton, values), n + sum(sizes)
 
 
 def walk_slots(skeleton, visit) -> None:
