@@ -18,7 +18,9 @@ every --ckpt-every steps; README.md there says what a CPU needs). In this one ru
                restarts in place and keeps its state, the killed one loads its host copy
 With --ways, also HSDP 2x2 (4 ranks: 2 replicas x 2 shards; on 2 cores a step takes about twice
 as long): `hsdp fault-free` (ft_launcher, the HSDP reference) and `hsdp ft live` (rank 3 killed,
-LiveState without buddy copies: a replica heal).
+LiveState without buddy copies: a replica heal, which torchtitan's per-rank dataloader state rules
+out: the adapter's `shard=` makes it fall back to the checkpoint, saying why) and `hsdp ft live
+buddy` (with `buddy_every=1`: rank 3 loads its host copy).
 Per way: recovered (exit 0 at the last step), the first step trained after the fault, completed
 steps trained again, fault -> every rank
 stepping (from the killed rank's last step start to the last rank's first step start after it),
@@ -51,7 +53,7 @@ def run(way: str, out: str, assets: str, args, fault: bool, live: bool = False) 
     if fault:
         env.update(TITAN_FAIL_STEP=str(args.fail_step), TITAN_FAIL_RANK=str(fail_rank))
     if live:
-        env.update(TITAN_LIVE="1", TITAN_BUDDY_EVERY="0" if hsdp else "1")
+        env.update(TITAN_LIVE="1", TITAN_BUDDY_EVERY="0" if hsdp and not way.endswith("buddy") else "1")
     if way == "torchrun unshared":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     titan = [os.path.join(TITAN, "cpu_train.py"), "--module", "titan_cpu_config", "--config", "cpu_debugmodel",
@@ -120,7 +122,7 @@ def main() -> None:
         rows = []
         for i, way in enumerate(args.ways.split(",")):
             row = run(way, os.path.join(work, f"run{i}"), assets, args, fault="fault-free" not in way,
-                      live=way.endswith("ft live"))
+                      live="ft live" in way)
             rows.append(row)
             print(json.dumps(row), flush=True)
         reference = {kind: next((r["final"] for r in rows if r["way"] == f"{kind}fault-free".lstrip()), None)

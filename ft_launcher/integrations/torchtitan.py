@@ -24,6 +24,12 @@
   torchtitan's own load is skipped; else torchtitan loads its checkpoint as without LiveState.
   torchtitan's checkpointing off (`checkpoint.enable = False`): it has no states, and live
   recovery is off, said in one line.
+- The dataloader's state is its data-parallel rank's alone (its position in that rank's part of the
+  data, under a key that names the rank; no DTensor says so), so the LiveState gets
+  `shard=<data-parallel rank>`: a rank never takes another rank's position. Under HSDP that means
+  no heal from a replica (torchtitan's `load_state_dict` would ignore the other rank's key with a
+  warning and start the loader over, and the replicas' digests would still agree): a rank heals
+  from its own host or buddy copy (`buddy_every`), else the job loads the checkpoint, saying why.
 
 `run(main)` calls `main()` inside `ft.restartable` (torchtitan's `main` builds the trainer, which
 builds the process group, on every call: what restartable asks). Imports stay lazy: nothing of
@@ -32,6 +38,7 @@ torchtitan or torch is imported by `import ft_launcher` or by this module until 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Any, Callable, Optional
 
@@ -110,13 +117,18 @@ def _attach_live(trainer) -> None:
     checkpointer = getattr(trainer, "checkpointer", None)
     states = getattr(checkpointer, "states", None) if getattr(checkpointer, "enable", False) else None
     if not states:
-        print("ft_launcher: torchtitan's checkpointing is off (checkpoint.enable = false), so it has no states "
-              "to keep: live recovery is off", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":
+            print("ft_launcher: torchtitan's checkpointing is off (checkpoint.enable = false), so it has no "
+                  "states to keep: live recovery is off", file=sys.stderr, flush=True)
         return
     objects = {key: obj for key, obj in states.items() if obj is not None}
     if objects.get("optimizer") is trainer.optimizers:
         objects["optimizer"] = _OptimizerState(trainer.optimizers)
-    live = ft.LiveState(name=LIVE_NAME, **objects, **_options["live_kwargs"])
+    kwargs = dict(_options["live_kwargs"])
+    loader = objects.get("dataloader")
+    if "shard" not in kwargs and getattr(loader, "dp_world_size", 1) > 1:
+        kwargs["shard"] = int(loader.dp_rank)   # its position is this data-parallel rank's alone
+    live = ft.LiveState(name=LIVE_NAME, **objects, **kwargs)
     checkpointer._ft_launcher_live = trainer._ft_launcher_live = live
     _CommitBracket(trainer, live)
 

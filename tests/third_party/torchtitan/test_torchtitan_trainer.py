@@ -8,7 +8,9 @@ fault-free run:
 - from torchtitan's checkpoint (a restart of both ranks, steps 11-13 trained again);
 - with live state (`LiveState` over torchtitan's checkpointer states, `buddy_every=1`: pure FSDP
   has no replica): rank 0 keeps its state in place, rank 1 loads its host copy, the job resumes
-  at step 13 (no completed step trained again).
+  at step 13 (no completed step trained again);
+- HSDP 2x2 with live state but no buddy copy: torchtitan's dataloader position is per rank, so the
+  killed rank does not heal from its replica: the job falls back to the checkpoint, saying why.
 Each run takes 1-2 minutes on 2 cores: the module is `slow`, and skips with one reason where
 torchtitan 0.3.0 (with triton and tokenizers) is not installed. The default test below (lazy
 imports) needs none of it.
@@ -47,25 +49,30 @@ def needs_torchtitan(test):
     return pytest.mark.slow(pytest.mark.skipif(bool(MISSING), reason=f"torchtitan 0.3.0: {MISSING}: {INSTALL}")(test))
 
 
-def run_titan(launcher, out, assets, fault=False, live=False, timeout=420):
-    """cpu_train.py under ft_launcher, 2 ranks; returns (completed process, per-rank step starts,
-    per-rank results)."""
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+
+
+def run_titan(launcher, out, assets, fault=False, live=False, hsdp=False, buddy_every=1, timeout=420):
+    """cpu_train.py under ft_launcher, 2 ranks (FSDP) or 4 (`hsdp`: 2 replicas x 2 shards, the last
+    rank killed); returns (completed process, per-rank step starts, per-rank results)."""
     os.makedirs(out, exist_ok=True)
+    nproc = 4 if hsdp else 2
     env = {"TITAN_ASSETS": assets, "TITAN_OUT": str(out), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_CACHE": os.path.join(str(out), "hf_cache")}
     if fault:
-        env.update(TITAN_FAIL_STEP=str(FAIL_STEP), TITAN_FAIL_RANK=str(FAIL_RANK))
+        env.update(TITAN_FAIL_STEP=str(FAIL_STEP), TITAN_FAIL_RANK=str(nproc - 1))
     if live:
-        env.update(TITAN_LIVE="1", TITAN_BUDDY_EVERY="1")
+        env.update(TITAN_LIVE="1", TITAN_BUDDY_EVERY=str(buddy_every))
     # --ft-warm-reserves 0: a warm reserve imports the script's modules before cpu_train.py makes
     # torchtitan's device probe answer "cpu" (README.md: obstacle 9)
-    proc = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--ft-warm-reserves", "0",
+    proc = launcher.run(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1", "--ft-warm-reserves", "0",
                          "--log-dir", os.path.join(str(out), "logs"), os.path.join(HERE, "cpu_train.py"),
                          "--module", "titan_cpu_config", "--config", "cpu_debugmodel",
                          "--dump_folder", os.path.join(str(out), "dump"), "--training.steps", str(STEPS),
-                         "--checkpoint.interval", str(CKPT_EVERY)], timeout=timeout, extra_env=env)
+                         "--checkpoint.interval", str(CKPT_EVERY)] + (HSDP if hsdp else []),
+                        timeout=timeout, extra_env=env)
     steps, results = {}, {}
-    for rank in (0, 1):
+    for rank in range(nproc):
         path = os.path.join(str(out), f"steps_rank{rank}.jsonl")
         steps[rank] = [json.loads(line)["step"] for line in open(path)] if os.path.exists(path) else []
         path = os.path.join(str(out), f"result_rank{rank}.json")
@@ -96,6 +103,19 @@ def fault_free(tmp_path_factory, assets):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert steps[0] == list(range(1, STEPS + 1)), steps
     assert results[0] == results[1] and results[0]["step"] == STEPS, results
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def hsdp_fault_free(tmp_path_factory, assets):
+    """The HSDP 2x2 run without a fault."""
+    from harness import own_launcher
+
+    root = tmp_path_factory.mktemp("titan_hsdp_fault_free")
+    with own_launcher(root) as launcher:
+        proc, steps, results = run_titan(launcher, root / "out", assets, hsdp=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(results[r] == results[0] for r in range(4)) and results[0]["step"] == STEPS, results
     return results[0]
 
 
@@ -135,3 +155,20 @@ def test_the_adapter_imports_nothing_of_torchtitan_or_torch_until_installed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": ROOT}).stdout
     assert out.strip() == "[]", out
+
+
+@needs_torchtitan
+def test_hsdp_never_heals_a_rank_with_a_replicas_dataloader_position(launcher, tmp_path, assets, hsdp_fault_free):
+    """HSDP 2x2, live state without buddy copies, rank 3 killed: its model and optimizer shard live
+    on in rank 1, but torchtitan's dataloader position is rank 3's alone (the adapter's `shard=`):
+    no heal from the replica (before: rank 3 took rank 1's position, torchtitan ignored it and
+    started its loader over, and the run ended with other parameters); the job says why and
+    resumes from torchtitan's checkpoint, exactly."""
+    proc, steps, results = run_titan(launcher, tmp_path / "out", assets, fault=True, live=True, hsdp=True,
+                                     buddy_every=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no live state to resume from" in proc.stderr and "every rank loads its checkpoint" in proc.stderr, \
+        proc.stderr[-3000:]
+    for rank in range(4):
+        assert _after_fault(steps[rank]) == list(range(CKPT_EVERY + 1, STEPS + 1)), steps
+    assert all(results[r] == hsdp_fault_free for r in range(4)), (results, hsdp_fault_free)
