@@ -16,6 +16,9 @@ file imports from another test file.
   `read_json`, `first_agent_line` (the agent's opening line).
 - In place: `run_faulty` runs the example under `ft.restartable` (RESTARTABLE) with a fault in a
   phase held IN_PLACE_HOLD s, caught by IN_PLACE_TIMEOUTS.
+- `ExampleAgents`: agents running any example script with its arguments (`nodes` x `nproc`, plus
+  `spares` hot spares that join once cycle 0's ranks run); test_buddy_copy and test_live_dtensor
+  run examples/hsdp_train.py on it.
 - `SleeperJob` / `sleepers_with_spare`: agents whose ranks run tests/scripts/cycle_sleeper.py (no
   torch: a cycle starts in milliseconds); `await_spare`: a third agent waits as a hot spare.
 - Plumbing: `listening(port)` (the store host is up), `paused` (processes SIGSTOPped for a block), `communicate_all` (every agent's end within
@@ -355,6 +358,52 @@ def check_flat(samples, settled):
 
 
 # ---- agents whose ranks do not import torch -----------------------------------------------------
+class ExampleAgents:
+    """`script` with `script_args` on `nodes` agents x `nproc` ranks on this machine (one agent:
+    --standalone), plus `spares` agents that wait as hot spares (`--nnodes N:N+spares`); shared log
+    dir `root/logs`."""
+
+    def __init__(self, launcher, root, nodes, nproc, script, script_args=(), ft_args=(), spares=0, max_restarts=1):
+        self.launcher, self.root = launcher, root
+        self.nodes, self.nproc, self.spares = nodes, nproc, spares
+        self.logs = root / "logs"
+        self.port = free_port()
+        base = ["--nproc-per-node", nproc, "--max-restarts", max_restarts, "--log-dir", self.logs,
+                "--ft-warm-reserves", 0]
+        if nodes == 1 and not spares:
+            base = ["--standalone"] + base
+        else:
+            base += ["--nnodes", f"{nodes}:{nodes + spares}" if spares else nodes, "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"exa{self.port}",
+                     "--rdzv-conf", "join_timeout=30,last_call_timeout=1"]
+        self.args = base + list(ft_args) + [script] + list(script_args)
+        self.agents = []
+
+    def launch(self):
+        for node in range(self.nodes):
+            if node == 1:
+                wait_for(lambda: listening(self.port), 30, "the store host to listen")
+            self.agents.append(self.launcher.start(self.args, extra_env={"GROUP_RANK": str(node)}))
+        return self
+
+    def add_spares(self):
+        wait_for(lambda: read_events(str(self.logs), "ranks_started"), 60, "cycle 0's ranks")
+        for i in range(self.spares):
+            self.agents.append(self.launcher.start(self.args, extra_env={"GROUP_RANK": str(self.nodes + i)}))
+        wait_for(lambda: len(read_events(str(self.logs), "spare_waiting")) >= self.spares, 60, "the spares to wait")
+
+    def wait(self, bound=240, lost=()):
+        """Every agent's (code, out, err); each not in `lost` must exit 0."""
+        results = communicate_all(self.agents, time.monotonic() + bound, bound)
+        for i, (code, _, err) in enumerate(results):
+            if i not in lost:
+                assert code == 0, f"agent {i} exited {code}\n{err[-3000:]}"
+        return results
+
+    def events(self):
+        return read_events(str(self.logs))
+
+
 class SleeperJob:
     """Agents of one job whose ranks run cycle_sleeper.py (no torch): quick to start."""
 

@@ -22,12 +22,11 @@ run):
   the checkpoint, with the line that says so.
 """
 import os
-import time
 
 import pytest
 
-from conftest import ROOT, free_port, node_tree, read_events, wait_for
-from harness import communicate_all, listening, own_launcher, progress, started
+from conftest import ROOT, node_tree, wait_for
+from harness import ExampleAgents, own_launcher, progress, started
 from ft_launcher.agent.recovery.live_recovery import per_rank
 
 EXAMPLE = os.path.join(ROOT, "examples", "hsdp_train.py")
@@ -182,50 +181,16 @@ def test_a_snapshot_in_a_slot_file_reads_back_into_fresh_objects_bit_exactly(tmp
 
 
 # ---- end to end ---------------------------------------------------------------------------------------
-class FsdpJob:
+class FsdpJob(ExampleAgents):
     """examples/hsdp_train.py --replicas 1 (pure FSDP) on `nodes` agents x `nproc` ranks on this machine,
     plus `spares` agents that wait as hot spares; shared log, checkpoint and progress dirs."""
 
     def __init__(self, launcher, root, nodes, nproc, job_args=(), ft_args=(), spares=0, max_restarts=1):
-        self.launcher, self.root = launcher, root
-        self.nodes, self.nproc, self.spares = nodes, nproc, spares
-        self.logs, self.ckpt, self.prog = root / "logs", root / "ckpt", root / "progress"
-        self.port = free_port()
-        base = ["--nproc-per-node", nproc, "--max-restarts", max_restarts, "--log-dir", self.logs,
-                "--ft-warm-reserves", 0]
-        if nodes == 1 and not spares:
-            base = ["--standalone"] + base
-        else:
-            base += ["--nnodes", f"{nodes}:{nodes + spares}" if spares else nodes, "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"bdy{self.port}",
-                     "--rdzv-conf", "join_timeout=30,last_call_timeout=1"]
-        self.args = base + list(ft_args) + [EXAMPLE, "--replicas", 1, "--fail-how", "kill", "--steps", STEPS,
-                                            "--ckpt-every", CKPT,
-                                            "--ckpt-dir", self.ckpt, "--progress-dir", self.prog] + list(job_args)
-        self.agents = []
-
-    def launch(self):
-        for node in range(self.nodes):
-            if node == 1:
-                wait_for(lambda: listening(self.port), 30, "the store host to listen")
-            self.agents.append(self.launcher.start(self.args, extra_env={"GROUP_RANK": str(node)}))
-        return self
-
-    def add_spares(self):
-        wait_for(lambda: read_events(str(self.logs), "ranks_started"), 60, "cycle 0's ranks")
-        for i in range(self.spares):
-            self.agents.append(self.launcher.start(self.args, extra_env={"GROUP_RANK": str(self.nodes + i)}))
-        wait_for(lambda: len(read_events(str(self.logs), "spare_waiting")) >= self.spares, 60, "the spares to wait")
-
-    def wait(self, bound=240, lost=()):
-        results = communicate_all(self.agents, time.monotonic() + bound, bound)
-        for i, (code, _, err) in enumerate(results):
-            if i not in lost:
-                assert code == 0, f"agent {i} exited {code}\n{err[-3000:]}"
-        return results
-
-    def events(self):
-        return read_events(str(self.logs))
+        self.ckpt, self.prog = root / "ckpt", root / "progress"
+        super().__init__(launcher, root, nodes, nproc, EXAMPLE,
+                         ["--replicas", 1, "--fail-how", "kill", "--steps", STEPS, "--ckpt-every", CKPT,
+                          "--ckpt-dir", self.ckpt, "--progress-dir", self.prog] + list(job_args),
+                         ft_args, spares, max_restarts)
 
 
 def final_checksum(results):

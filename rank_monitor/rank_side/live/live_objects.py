@@ -9,7 +9,9 @@ back to the commit, so each kind keeps what it must:
   registered on the module); the
   persistent buffers (BatchNorm's running statistics, which every forward pass changes) and any
   `_extra_state` are copied at each commit into snapshots made once (`torch._foreach_copy_`).
-- optimizer (`torch.optim.Optimizer`): its state changes only in `step()`, inside commit; its
+- optimizer (`torch.optim.Optimizer` that reads and loads its state as Optimizer does; a subclass
+  with its own state_dict(), e.g. torchtitan's OptimizersContainer, is a snapshot): its state
+  changes only in `step()`, inside commit; its
   param groups' hyperparameters (a scheduler may change the learning rate outside commit) are
   copied at each commit.
 - anything else (a StatefulDataLoader, a sampler, a scheduler, RNG, a user's object, a module
@@ -20,7 +22,9 @@ back to the commit, so each kind keeps what it must:
 the object, without a collective); `fresh()` reads a new object once (its own tensors, where a
 received or kept state lands in place, and its layout and shard identity: the step exchange
 compares those); `bind(state, meshes)` puts a kept or received state's DTensors on this call's
-device meshes (a kept rank's are on the previous call's, whose process groups are gone); `adopt(state)`
+device meshes (a kept rank's are on the previous call's, whose process groups are gone);
+`place(path, data, spec)` makes a received tensor that the sender held as a DTensor this rank's
+DTensor (on its own mesh: where the sender's spec says, live_wire.dtensor_spec); `adopt(state)`
 makes a state just loaded into the object its committed state.
 `setup()` checks, once (at the first restore() or commit), that the state can be sent and compared
 (live_wire.check) and settles the kind; a state that cannot be sent raises live_wire.Refused there,
@@ -299,7 +303,8 @@ class Tracked:
                                                                   else None) == names)
         if mesh is None:
             same = [m for m in self.meshes if alike(m) and W.mesh_grid(m.mesh.tolist()) == spec[W.MESH_GRID]]
-            shaped = [m for m in self.meshes if alike(m) and tuple(m.mesh.shape) == tuple(W.grid_shape(spec[W.MESH_GRID]))]
+            shape = tuple(W.grid_shape(spec[W.MESH_GRID]))
+            shaped = [m for m in self.meshes if alike(m) and tuple(m.mesh.shape) == shape]
             mesh = same[0] if same else shaped[0] if len(shaped) == 1 else None
         if mesh is None:
             raise Unbound(f"'{self.name}' received {W.spec_text(spec)} at {W.path_text(path)}, and this call's "

@@ -37,16 +37,25 @@ The parts:
      None (the script's checkpoint) and global rank 0 prints one line saying why;
   4. a kept rank moves its committed state into the new objects (copied into their own tensors,
      the rest handed over, nothing staged), then frees the previous objects;
-  5. the transfers, in one global order: the skeleton and tensors of each object (live_wire);
-  6. each state is bound to this call's device meshes (live_objects.Tracked.bind; a DTensor on a
-     mesh this call has no equal of falls back with one line); the check (`verify=True`, the
-     default): the replicas of each shard that a rank healed in compare a digest of their restored
-     state (one all_gather); a mismatch falls back with one line;
+  5. the transfers, in one global order: the skeleton and tensors of each object (live_wire; a
+     DTensor arrives as a DTensor on this rank's mesh: live_objects.Tracked.place);
+  6. each state is bound to this call's device meshes (live_objects.Tracked.bind); the check
+     (`verify=True`, the default): the replicas of each shard that a rank healed in compare a
+     digest of their restored state (one all_gather); a mismatch falls back with one line;
   7. every rank loads each object (`load_state_dict()` once per object, in name order, the RNG last)
      and takes that state as its committed state;
   8. a second all_gather collects bytes, transfer time and each rank's restore time; global rank 0
      writes the summary (JSON) for the agent, which says it as one `live_recovery` event and console
      line (agent.recovery.live_recovery).
+- Never worse than without it: whatever fails on a rank while it restores (an object's
+  state_dict() or load_state_dict() raising, a state that does not fit, a DTensor's mesh that this
+  call lacks, a digest it cannot take) is a flag in the next of the collectives above (the step
+  exchange, the check's all_gather, the last all_gather); a receiver that cannot take a state
+  still reads all of it (live_wire), so the ranks stay in step. Once a flag is up, the lowest
+  failing rank's words come in one broadcast, every rank returns None (the script's checkpoint,
+  which overwrites what a load already changed), rank 0 prints one line naming the rank, the
+  object and the error, and nothing is held until the next commit. A peer lost mid-transfer
+  (live_wire.PeerLost) raises: its loss is a failure of its own, and the restart follows.
 - Outside ft_launcher, under torchrun or plain python, outside `ft.restartable`, or with
   `--restart-granularity job`: `restore()` returns None and `commit` only runs its body.
 """

@@ -9,14 +9,22 @@ and splits a state dict for the wire, so what the first commit admits is exactly
 receive. The receiver unpickles the skeleton with `_Unpickler`, which resolves only the classes
 ADMITTED names: nothing a peer sends runs code.
 
-A state dict goes as its skeleton (every non-tensor value; each tensor replaced by a `Slot`: its
-index, shape, dtype, and whether it lives on the CPU or the accelerator), pickled, then its tensors
-in few messages: those under _DIRECT_BYTES packed, in skeleton order, into chunks of at most
+A state dict goes as a header (the skeleton's length, the number of tensors), its skeleton (every
+non-tensor value; each tensor replaced by a `Slot`: its index, its local data's shape and dtype,
+whether it lives on the CPU or the accelerator, and for a DTensor its spec: the mesh's device type,
+rank grid and dimension names, the placements, the global shape and stride, all plain values,
+`dtensor_spec`) pickled and followed by each tensor's byte size, then its tensors in few messages:
+those under _DIRECT_BYTES packed, in skeleton order, into chunks of at most
 _CHUNK_BYTES (one reused staging buffer: bounded memory), each larger one by itself. Both sides plan
 the same messages from the skeleton's shapes and dtypes. A receiver writes each tensor into its
 own destination tensor of that path (a DTensor's local shard; shape and dtype must match, else
 `LayoutMismatch`: never a silent new tensor), and makes a new one only where it has none (a fresh
-optimizer's state), on the CPU or its transfer device as the sender had it.
+optimizer's state, any snapshot object's), on the CPU or its transfer device as the sender had it;
+a new one the sender held as a DTensor is handed to the caller's `dtensor(path, data, spec)`
+(live_objects.Tracked.place: a DTensor on this rank's own mesh). A receiver that cannot take a state
+(a skeleton it cannot read, a tensor that does not fit; the sender's [-1, 0] header: it could not
+split its state) reads every message of it first (the sizes say how), then raises: the sender never
+waits on it. An error of the wire itself is the caller's to tell apart (PeerLost).
 
 `digest(state)`: a 64-bit digest of a state dict for comparing replicas: its skeleton's canonical
 bytes (blake2b) and, per tensor, the sum of its bytes read as int64 words (exact, order-free,
@@ -150,9 +158,10 @@ def placements(spec: tuple) -> tuple:
 
 def spec_text(spec: tuple) -> str:
     names = spec[MESH_NAMES] or ()
+    words = {"R": "R", "S": "S({1})", "SS": "_S({1},{2})", "P": "P({1})"}
     return (f"a DTensor {list(spec[SHAPE])} on a {spec[MESH_TYPE]} mesh {grid_shape(spec[MESH_GRID])}"
-            + (f" ({', '.join(names)})" if names else "") + " as " + "/".join(
-                {"R": "R", "S": "S({1})", "SS": "_S({1},{2})", "P": "P({1})"}[p[0]].format(*p) for p in spec[PLACEMENTS]))
+            + (f" ({', '.join(names)})" if names else "") + " as "
+            + "/".join(words.get(p[0], "?").format(*p) for p in spec[PLACEMENTS]))
 
 
 def grid_shape(grid) -> list:
@@ -500,7 +509,8 @@ def recv_state(dests: dict, device, recv, dtensor: Optional[Callable[[tuple, Any
         walk_slots(skeleton, slots.append)
         slots.sort(key=lambda s: s.index)
         if [s.index for s in slots] != list(range(count)) or len(paths) != count:
-            raise pickle.UnpicklingError(f"a peer's live-state skeleton holds {len(slots)} tensors, it announced {count}")
+            raise pickle.UnpicklingError(f"a peer's live-state skeleton holds {len(slots)} tensors, it announced "
+                                         f"{count}")
         for slot in slots:
             own = dests.get(paths[slot.index])
             dest = _destination(own, slot, paths[slot.index])
