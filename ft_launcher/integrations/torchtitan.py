@@ -1,0 +1,201 @@
+"""torchtitan's trainer under ft_launcher, from outside torchtitan (no edit of torchtitan's source).
+
+    from ft_launcher.integrations import torchtitan as ft_titan
+    ft_titan.install()                         # sections: hang detection, computed timeouts
+    ft_titan.install(live=True, buddy_every=1) # and a LiveState over the checkpointer's states
+    from torchtitan.train import main
+    ft_titan.run(main)                         # main() inside ft.restartable (live: required)
+
+`install()` wraps, on the classes (every Trainer and checkpoint manager built afterwards):
+- `Trainer.__init__` in the section "setup" (process group, model, parallelism, optimizer,
+  dataloader, checkpointer), `Trainer.train_step` in "step", and `BaseCheckpointManager.load` and
+  `.save` in "checkpointing" (torchtitan opens no section of its own: without these a hang is never
+  detected, and warm reserves wait for the first section). Under torchrun or plain python the
+  sections are no-ops (one warning), so the same script runs anywhere.
+- `live=True` (with any LiveState keyword, e.g. `buddy_every=1` for pure FSDP, which has no
+  replica): at the end of `Trainer.__init__`, `ft.LiveState(name="torchtitan", **states)` over
+  torchtitan's `CheckpointManager.states` as they are (train_state: the trainer's step and token
+  count; model: torchtitan's ModelWrapper; optimizer, lr_scheduler, dataloader: its containers),
+  i.e. exactly what its DCP checkpoint saves (the optimizer through `_OptimizerState`: its state
+  dict read without torchtitan's side effect on a fresh optimizer). The commit brackets the optimizer and LR steps of
+  `train_step` (opened as `optimizers.step()` starts, closed when `lr_schedulers.step()` returns:
+  torchtitan calls them back to back), at the trainer's step. `checkpointer.load()` first calls
+  `live.restore()`: when it returns a step, the states hold it (the trainer's step included) and
+  torchtitan's own load is skipped; else torchtitan loads its checkpoint as without LiveState.
+  torchtitan's checkpointing off (`checkpoint.enable = False`): it has no states, and live
+  recovery is off, said in one line.
+- The dataloader's state is its data-parallel rank's alone (its position in that rank's part of the
+  data, under a key that names the rank; no DTensor says so), so the LiveState gets
+  `shard=<data-parallel rank>`: a rank never takes another rank's position. Under HSDP that means
+  no heal from a replica (torchtitan's `load_state_dict` would ignore the other rank's key with a
+  warning and start the loader over, and the replicas' digests would still agree): a rank heals
+  from its own host or buddy copy (`buddy_every`), else the job loads the checkpoint, saying why.
+
+`run(main)` calls `main()` inside `ft.restartable` (torchtitan's `main` builds the trainer, which
+builds the process group, on every call: what restartable asks). Imports stay lazy: nothing of
+torchtitan or torch is imported by `import ft_launcher` or by this module until `install()`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any, Callable, Optional
+
+LIVE_NAME = "torchtitan"
+_SECTION_SETUP, _SECTION_STEP, _SECTION_CKPT = "setup", "step", "checkpointing"
+_options: dict = {"live": False, "live_kwargs": {}}
+
+
+def install(live: bool = False, **live_kwargs: Any) -> None:
+    """Wrap torchtitan's Trainer and checkpoint manager (module docstring). Call it before the
+    trainer is built; calling it again only changes the live options."""
+    from torchtitan.components.checkpointer.base import BaseCheckpointManager
+    from torchtitan.trainer import Trainer
+
+    _options["live"], _options["live_kwargs"] = bool(live), dict(live_kwargs)
+    _wrap(Trainer, "__init__", _trainer_init)
+    _wrap(Trainer, "train_step", _in_section(_SECTION_STEP))
+    _wrap(BaseCheckpointManager, "load", _checkpoint_load)
+    _wrap(BaseCheckpointManager, "save", _in_section(_SECTION_CKPT))
+
+
+def run(main: Callable[[], Any]) -> Any:
+    """`main()` inside `ft.restartable` (module docstring)."""
+    import ft_launcher as ft
+
+    return ft.restartable(main)()
+
+
+def _wrap(cls, attr: str, make: Callable[[Callable], Callable]) -> None:
+    original = cls.__dict__[attr]
+    if getattr(original, "_ft_launcher_wrapped", False):
+        return
+    wrapped = functools.wraps(original)(make(original))
+    wrapped._ft_launcher_wrapped = True
+    setattr(cls, attr, wrapped)
+
+
+def _in_section(name: str) -> Callable[[Callable], Callable]:
+    def make(original):
+        def wrapped(self, *args, **kwargs):
+            import ft_launcher as ft
+
+            with ft.section(name):
+                return original(self, *args, **kwargs)
+        return wrapped
+    return make
+
+
+def _trainer_init(original):
+    def wrapped(self, *args, **kwargs):
+        import ft_launcher as ft
+
+        with ft.section(_SECTION_SETUP):
+            original(self, *args, **kwargs)
+            if _options["live"]:
+                _attach_live(self)
+    return wrapped
+
+
+def _checkpoint_load(original):
+    def wrapped(self, *args, **kwargs):
+        import ft_launcher as ft
+
+        with ft.section(_SECTION_CKPT):
+            live = getattr(self, "_ft_launcher_live", None)
+            if live is not None and live.restore() is not None:
+                return True   # the states hold the live step, the trainer's included
+            return original(self, *args, **kwargs)
+    return wrapped
+
+
+def _attach_live(trainer) -> None:
+    """A LiveState over the checkpointer's states, and the commit around the optimizer and LR steps."""
+    import ft_launcher as ft
+
+    checkpointer = getattr(trainer, "checkpointer", None)
+    states = getattr(checkpointer, "states", None) if getattr(checkpointer, "enable", False) else None
+    if not states:
+        if os.environ.get("RANK", "0") == "0":
+            print("ft_launcher: torchtitan's checkpointing is off (checkpoint.enable = false), so it has no "
+                  "states to keep: live recovery is off", file=sys.stderr, flush=True)
+        return
+    objects = {key: obj for key, obj in states.items() if obj is not None}
+    if objects.get("optimizer") is trainer.optimizers:
+        objects["optimizer"] = _OptimizerState(trainer.optimizers)
+    kwargs = dict(_options["live_kwargs"])
+    loader = objects.get("dataloader")
+    if "shard" not in kwargs and getattr(loader, "dp_world_size", 1) > 1:
+        kwargs["shard"] = int(loader.dp_rank)   # its position is this data-parallel rank's alone
+    live = ft.LiveState(name=LIVE_NAME, **objects, **kwargs)
+    checkpointer._ft_launcher_live = trainer._ft_launcher_live = live
+    _CommitBracket(trainer, live)
+
+
+class _OptimizerState:
+    """torchtitan's OptimizersContainer as the LiveState sees it: its own flat, FQN-keyed state dict
+    (what its DCP checkpoint saves), read without a side effect on the training.
+
+    torchtitan's `state_dict()` materializes a fresh optimizer's state with a zero-gradient, zero-lr
+    step (so that DCP has tensors to read). The parameters stay as they were, but AdamW's step count
+    does not: read before the first step (LiveState reads every object at `restore()`, also on the
+    first start), the first real step would see step 2, and its bias correction would change the
+    whole run (seen: the loss differed from step 2 on). So a read of a fresh optimizer clears the
+    state it materialized: the optimizer is fresh again, exactly. It is not a torch Optimizer to the
+    LiveState (its state dict has not torch's shape: no `param_groups` list), so its state dict is
+    copied at each commit, as any Stateful's is; loading goes through torchtitan's own
+    `load_state_dict`."""
+
+    def __init__(self, optimizers) -> None:
+        self.optimizers = optimizers
+
+    def state_dict(self):
+        fresh = [optim for optim in self.optimizers.optimizers if not optim.state]
+        state = self.optimizers.state_dict()
+        for optim in fresh:
+            optim.state.clear()
+        return state
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizers.load_state_dict(state_dict)
+
+
+class _CommitBracket:
+    """`live.commit(trainer.step)` from the start of `optimizers.step()` to the end of
+    `lr_schedulers.step()` (torchtitan's train_step calls them back to back), patched on the
+    trainer's two containers (this trainer only). An exception in either ends the commit with it
+    (the state is suspect); an LR step outside a bracket (none in torchtitan) runs as it is."""
+
+    def __init__(self, trainer, live) -> None:
+        self.trainer, self.live, self.open = trainer, live, False
+        optimizers, schedulers = trainer.optimizers, trainer.lr_schedulers
+        self.optimizer_step, self.scheduler_step = optimizers.step, schedulers.step
+        optimizers.step = self.begin
+        schedulers.step = self.end
+
+    def begin(self, *args, **kwargs):
+        if self.open:   # a second optimizer step without an LR step: the first commit ends here
+            self._close(None)
+        self.live.commit(self.trainer.step).__enter__()
+        self.open = True
+        try:
+            return self.optimizer_step(*args, **kwargs)
+        except BaseException as exc:
+            self._close(exc)
+            raise
+
+    def end(self, *args, **kwargs):
+        if not self.open:
+            return self.scheduler_step(*args, **kwargs)
+        try:
+            result = self.scheduler_step(*args, **kwargs)
+        except BaseException as exc:
+            self._close(exc)
+            raise
+        self._close(None)   # may raise RestartInPlace: a restart signal that came during the commit
+        return result
+
+    def _close(self, exc: Optional[BaseException]) -> None:
+        self.open = False
+        self.live.__exit__(type(exc) if exc is not None else None, exc, exc.__traceback__ if exc else None)

@@ -1,0 +1,174 @@
+"""torchtitan 0.3.0's own trainer under ft_launcher, on this CPU (README.md beside this file).
+
+cpu_train.py runs `torchtitan.train.main` (its llama3 debug model, FSDP over 2 ranks on gloo, its
+dataloader, AdamW, LR schedule and DCP checkpoint every 10 steps) with ft_launcher's adapter
+(ft_launcher.integrations.torchtitan). Rank 1 is SIGKILLed as step 14 starts; the job must end at
+step 22 with exactly the parameters (SHA-256 of every gathered parameter) and the loss of the
+fault-free run:
+- from torchtitan's checkpoint (a restart of both ranks, steps 11-13 trained again);
+- with live state (`LiveState` over torchtitan's checkpointer states, `buddy_every=1`: pure FSDP
+  has no replica): rank 0 keeps its state in place, rank 1 loads its host copy, the job resumes
+  at step 13 (no completed step trained again);
+- HSDP 2x2 with live state but no buddy copy: torchtitan's dataloader position is per rank, so the
+  killed rank does not heal from its replica: the job falls back to the checkpoint, saying why.
+Each run takes 1-2 minutes on 2 cores: the module is `slow`, and skips with one reason where
+torchtitan 0.3.0 (with triton and tokenizers) is not installed. The default test below (lazy
+imports) needs none of it.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS, FAIL_STEP, FAIL_RANK, CKPT_EVERY = 22, 14, 1, 10
+INSTALL = "pip install torchtitan==0.3.0 triton==3.9.0 tokenizers==0.23.3 (README.md beside this test)"
+
+
+def _missing() -> str:
+    for name in ("torchtitan", "triton", "tokenizers", "datasets"):
+        if importlib.util.find_spec(name) is None:
+            return f"{name} is not installed"
+    from importlib.metadata import version
+
+    if version("torchtitan") != "0.3.0":
+        return f"torchtitan {version('torchtitan')} is installed, this test is written for 0.3.0"
+    return ""
+
+
+MISSING = _missing()
+
+
+def needs_torchtitan(test):
+    """A slow test of torchtitan's trainer: skipped, with one reason, where it is not installed."""
+    return pytest.mark.slow(pytest.mark.skipif(bool(MISSING), reason=f"torchtitan 0.3.0: {MISSING}: {INSTALL}")(test))
+
+
+HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+
+
+def run_titan(launcher, out, assets, fault=False, live=False, hsdp=False, buddy_every=1, timeout=420):
+    """cpu_train.py under ft_launcher, 2 ranks (FSDP) or 4 (`hsdp`: 2 replicas x 2 shards, the last
+    rank killed); returns (completed process, per-rank step starts, per-rank results)."""
+    os.makedirs(out, exist_ok=True)
+    nproc = 4 if hsdp else 2
+    env = {"TITAN_ASSETS": assets, "TITAN_OUT": str(out), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": os.path.join(str(out), "hf_cache")}
+    if fault:
+        env.update(TITAN_FAIL_STEP=str(FAIL_STEP), TITAN_FAIL_RANK=str(nproc - 1))
+    if live:
+        env.update(TITAN_LIVE="1", TITAN_BUDDY_EVERY=str(buddy_every))
+    # --ft-warm-reserves 0: a warm reserve imports the script's modules before cpu_train.py makes
+    # torchtitan's device probe answer "cpu" (README.md: obstacle 9)
+    proc = launcher.run(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1", "--ft-warm-reserves", "0",
+                         "--log-dir", os.path.join(str(out), "logs"), os.path.join(HERE, "cpu_train.py"),
+                         "--module", "titan_cpu_config", "--config", "cpu_debugmodel",
+                         "--dump_folder", os.path.join(str(out), "dump"), "--training.steps", str(STEPS),
+                         "--checkpoint.interval", str(CKPT_EVERY)] + (HSDP if hsdp else []),
+                        timeout=timeout, extra_env=env)
+    steps, results = {}, {}
+    for rank in range(nproc):
+        path = os.path.join(str(out), f"steps_rank{rank}.jsonl")
+        steps[rank] = [json.loads(line)["step"] for line in open(path)] if os.path.exists(path) else []
+        path = os.path.join(str(out), f"result_rank{rank}.json")
+        results[rank] = json.load(open(path)) if os.path.exists(path) else None
+    return proc, steps, results
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    if MISSING:
+        pytest.skip(f"torchtitan 0.3.0: {MISSING}: {INSTALL}")
+    sys.path.insert(0, HERE)
+    from titan_assets import write_assets
+
+    folder = str(tmp_path_factory.mktemp("titan_assets"))
+    write_assets(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory, assets):
+    """The run without a fault: the parameters and loss a recovered run must end with."""
+    from harness import own_launcher
+
+    root = tmp_path_factory.mktemp("titan_fault_free")
+    with own_launcher(root) as launcher:
+        proc, steps, results = run_titan(launcher, root / "out", assets)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert steps[0] == list(range(1, STEPS + 1)), steps
+    assert results[0] == results[1] and results[0]["step"] == STEPS, results
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def hsdp_fault_free(tmp_path_factory, assets):
+    """The HSDP 2x2 run without a fault."""
+    from harness import own_launcher
+
+    root = tmp_path_factory.mktemp("titan_hsdp_fault_free")
+    with own_launcher(root) as launcher:
+        proc, steps, results = run_titan(launcher, root / "out", assets, hsdp=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(results[r] == results[0] for r in range(4)) and results[0]["step"] == STEPS, results
+    return results[0]
+
+
+def _after_fault(steps):
+    """The steps a rank trained after the fault (its step sequence from where it went back)."""
+    i = steps.index(FAIL_STEP)
+    return steps[i + 1:]
+
+
+@needs_torchtitan
+def test_a_killed_rank_resumes_from_torchtitans_checkpoint_exactly(launcher, tmp_path, assets, fault_free):
+    proc, steps, results = run_titan(launcher, tmp_path / "out", assets, fault=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"rank {FAIL_RANK} on node 0 (127.0.0.1) was killed by SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    resumed = CKPT_EVERY + 1   # torchtitan's checkpoint of step 10
+    for rank in (0, 1):
+        assert steps[rank][:FAIL_STEP] == list(range(1, FAIL_STEP + 1)), steps
+        assert _after_fault(steps[rank]) == list(range(resumed, STEPS + 1)), steps
+    assert results[0] == results[1] == fault_free, (results, fault_free)
+
+
+@needs_torchtitan
+def test_a_killed_rank_heals_from_its_buddy_copy_exactly(launcher, tmp_path, assets, fault_free):
+    proc, steps, results = run_titan(launcher, tmp_path / "out", assets, fault=True, live=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "live recovery: resumed at step 13 (0 completed step(s) redone" in proc.stderr, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert _after_fault(steps[rank]) == list(range(FAIL_STEP, STEPS + 1)), steps
+    assert results[0] == results[1] == fault_free, (results, fault_free)
+
+
+def test_the_adapter_imports_nothing_of_torchtitan_or_torch_until_installed():
+    """`import ft_launcher` and the adapter's module stay cheap: torchtitan and torch are imported
+    only by `install()`."""
+    code = ("import sys; import ft_launcher, ft_launcher.integrations.torchtitan as t; "
+            "print(sorted(m for m in ('torch', 'torchtitan') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}).stdout
+    assert out.strip() == "[]", out
+
+
+@needs_torchtitan
+def test_hsdp_never_heals_a_rank_with_a_replicas_dataloader_position(launcher, tmp_path, assets, hsdp_fault_free):
+    """HSDP 2x2, live state without buddy copies, rank 3 killed: its model and optimizer shard live
+    on in rank 1, but torchtitan's dataloader position is rank 3's alone (the adapter's `shard=`):
+    no heal from the replica (before: rank 3 took rank 1's position, torchtitan ignored it and
+    started its loader over, and the run ended with other parameters); the job says why and
+    resumes from torchtitan's checkpoint, exactly."""
+    proc, steps, results = run_titan(launcher, tmp_path / "out", assets, fault=True, live=True, hsdp=True,
+                                     buddy_every=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no live state to resume from" in proc.stderr and "every rank loads its checkpoint" in proc.stderr, \
+        proc.stderr[-3000:]
+    for rank in range(4):
+        assert _after_fault(steps[rank]) == list(range(CKPT_EVERY + 1, STEPS + 1)), steps
+    assert all(results[r] == hsdp_fault_free for r in range(4)), (results, hsdp_fault_free)
