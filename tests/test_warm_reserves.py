@@ -3,7 +3,9 @@ the slot's rank imported), instead of starting a cold one. Real agents, reserves
 
 The probe script (tests/scripts/reserve_probe.py) records how it was started; a rank that a
 reserve became must be indistinguishable from a cold one: argv, __name__, __file__, sys.path[0],
-the launcher's variables (also in /proc/<pid>/environ), its output in this cycle's log file.
+the launcher's variables (also in /proc/<pid>/environ), its output in this cycle's log file, and
+what a library it imports after patching torch saw (a reserve imports only torch's and our own
+modules ahead: `reserve_preimport`). The slow-library tests ask for `recorded` (every library).
 """
 import json
 import os
@@ -45,7 +47,8 @@ def test_restart_activates_a_warm_reserve_that_runs_the_script_as_a_cold_rank_wo
     if mode == "module":
         shutil.copy(PROBE, tmp_path / "probe_mod.py")  # found from the cwd, as python -m finds it
     proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
-                           *target, out, "--fail-rank", 1, "--go", go, "--hold", hold, "--extra", "x y"])
+                           *target, out, "--fail-rank", 1, "--go", go, "--hold", hold, "--patched-lib",
+                           "--extra", "x y"], extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT})
     for local_rank in (0, 1):
         wait_for(lambda: ready_pids(logs, local_rank) or proc.poll() is not None, READY_WITHIN, "a warm reserve")
     assert proc.poll() is None, proc.communicate()
@@ -80,6 +83,9 @@ def test_restart_activates_a_warm_reserve_that_runs_the_script_as_a_cold_rank_wo
         for key in ("argv", "name", "file", "path0", "cwd"):
             assert warm[key] == cold[key], (key, warm[key], cold[key])
         assert warm["name"] == "__main__" and warm["argv"][-2:] == ["--extra", "x y"]
+        # a library the script imports after patching torch's device probe (torchtitan's
+        # tools.utils on a CPU) is imported by the script, as cold, not ahead by the reserve
+        assert warm["patched_lib"] == cold["patched_lib"] == {"device_type": "cpu", "preloaded": False}
         assert warm["env"] == dict(cold["env"], TORCHELASTIC_RESTART_COUNT="1", MASTER_PORT=warm["env"]["MASTER_PORT"])
         # its output went to this cycle's file, with the rank's prefix on the console
         log1 = (logs / "cycle_1" / f"rank_{rank}.log").read_text()
@@ -125,8 +131,9 @@ def test_reserve_killed_or_stalled_while_warming_is_never_used_and_the_restart_g
     logs, out, go = tmp_path / "logs", tmp_path / "out", tmp_path / "go"
     out.mkdir()
     proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
-                           "--ft-warm-reserve-timeout", 10, PROBE, out, "--fail-rank", 1, "--go", go,
-                           "--slow-lib"], extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT})
+                           "--ft-warm-reserve-timeout", 10, "--ft-reserve-preimport", "recorded", PROBE, out,
+                           "--fail-rank", 1, "--go", go, "--slow-lib"],
+                          extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT})
 
     def started_reserves():
         return [e["detail"]["pid"] for e in read_events(logs, "reserve_started") if e["detail"]["local_rank"] == 1]
@@ -169,7 +176,8 @@ def test_a_reserve_stuck_warming_is_not_taken_by_an_early_restart(launcher, tmp_
     out.mkdir()
     slow = ["--slow-start", 8] if evidence == "asleep" else []
     proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
-                           PROBE, out, "--fail-rank", 1, "--go", go, "--slow-lib", *slow],
+                           "--ft-reserve-preimport", "recorded", PROBE, out, "--fail-rank", 1, "--go", go,
+                           "--slow-lib", *slow],
                           extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT,
                                      "FT_TEST_SPIN_WARM": "1" if evidence == "spinning" else "0"})
     reserves = wait_for(lambda: read_events(logs, "reserve_started") if len(read_events(logs, "reserve_started")) == 2
@@ -203,7 +211,8 @@ def test_a_reserve_starved_of_cpu_is_taken_not_called_stuck(launcher, tmp_path):
     logs, out, go = tmp_path / "logs", tmp_path / "out", tmp_path / "go"
     out.mkdir()
     proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
-                           PROBE, out, "--fail-rank", 1, "--go", go, "--slow-lib", "--slow-start", 2, "--spin"],
+                           "--ft-reserve-preimport", "recorded", PROBE, out, "--fail-rank", 1, "--go", go,
+                           "--slow-lib", "--slow-start", 2, "--spin"],
                           extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT, "FT_TEST_WARM_CPU": "1.5"})
     reserves = wait_for(lambda: read_events(logs, "reserve_started") if len(read_events(logs, "reserve_started")) == 2
                         or proc.poll() is not None else None, 60, "a reserve per slot")
@@ -281,3 +290,26 @@ def test_a_hot_spare_node_keeps_warm_reserves_and_takes_over_with_them(launcher,
     assert spare.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "stopped answering -> the hot spare asks for a new round" in stderr
     assert "[rank 0] resumed from step" in stdout
+
+
+def test_what_a_reserve_imports_ahead_follows_reserve_preimport(tmp_path):
+    """rank_monitor.rank_side.import_record, on a record as a rank writes it: `torch` keeps the
+    modules of torch and ft_launcher (in the rank's order), `recorded` every library (never
+    `__main__` or the script's own modules), `none` nothing; without a record, torch and what DDP
+    imports lazily. The rank side of it runs in the process tests above."""
+    from ft_launcher.rank_monitor.rank_side.import_record import DEFAULT_MODULES, modules_to_import
+
+    site, user = str(tmp_path / "site-packages"), str(tmp_path / "job")
+    record = tmp_path / "imports.json"
+    record.write_text(json.dumps({"cuda_device": 0, "modules": [
+        ["__main__", f"{user}/train.py"], ["json", "/usr/lib/python3.11/json/__init__.py"],
+        ["numpy", f"{site}/numpy/__init__.py"], ["torch", f"{site}/torch/__init__.py"],
+        ["ft_launcher", f"{site}/ft_launcher/__init__.py"], ["model", f"{user}/model.py"],
+        ["device_probe", f"{WARM_LIB}/device_probe/__init__.py"], ["torch._dynamo", f"{site}/torch/_dynamo/__init__.py"],
+        ["torchtitan.tools.utils", f"{site}/torchtitan/tools/utils.py"]]}))
+    assert modules_to_import(str(record), user) == (["torch", "ft_launcher", "torch._dynamo"], 0)
+    assert modules_to_import(str(record), user, "recorded") == (
+        ["json", "numpy", "torch", "ft_launcher", "device_probe", "torch._dynamo", "torchtitan.tools.utils"], 0)
+    assert modules_to_import(str(record), user, "none") == ([], None)
+    for preimport in ("torch", "recorded"):
+        assert modules_to_import(str(tmp_path / "none_yet.json"), user, preimport) == (list(DEFAULT_MODULES), None)

@@ -1,5 +1,6 @@
 """Warm reserves of one node: per local rank slot, interpreters that have already imported what
-the slot's rank imports (agent.ranks.reserve_process runs inside them), so a restart activates one in
+the slot's rank imports (of it, by `reserve_preimport`: rank_monitor.rank_side.import_record;
+agent.ranks.reserve_process runs inside them), so a restart activates one in
 milliseconds instead of starting a cold interpreter.
 
 The pool starts `warm_reserves` per slot once the slot's first rank has reached its first `step`
@@ -242,7 +243,8 @@ class ReservePool:
             return True
         cached = self._wanted.get(reserve.local_rank)
         if cached is None or cached[0] != mtime:
-            names, _ = modules_to_import(record, user_code_dir(self.cfg.entry_kind, self.cfg.entry_target))
+            names, _ = modules_to_import(record, user_code_dir(self.cfg.entry_kind, self.cfg.entry_target),
+                                         self.cfg.ft.reserve_preimport)
             cached = self._wanted[reserve.local_rank] = (mtime, frozenset(names))
         return cached[1] <= reserve.covered
 
@@ -296,7 +298,8 @@ class ReservePool:
         record = self.record_path(local_rank)
         fd, log_path = tempfile.mkstemp(prefix=f"reserve_local{local_rank}_", suffix=".log", dir=self.dir)
         cmd = code_command(_BOOT, [str(theirs.fileno()), str(local_rank), record, log_path[:-4] + ".modules",
-                                   str(self.timeout * 0.8), cfg.entry_kind, cfg.entry_target, *cfg.entry_args],
+                                   str(self.timeout * 0.8), cfg.ft.reserve_preimport, cfg.entry_kind,
+                                   cfg.entry_target, *cfg.entry_args],
                            flags=["-u"])
         try:
             env = dict(slot_env(cfg, local_rank), **{ENV_ROOM: "." * ENV_ROOM_BYTES})

@@ -1,9 +1,10 @@
-"""Inside a warm reserve: an interpreter that imports what its slot's rank will import, waits,
-and on activation becomes that rank, running the training script as `__main__` exactly as a cold
+"""Inside a warm reserve: an interpreter that imports what its slot's rank will import (of it, by
+`reserve_preimport`, only torch's and ft_launcher's modules by default:
+rank_monitor.rank_side.import_record), waits, and on activation becomes that rank, running the training script as `__main__` exactly as a cold
 `python -u script.py args` (or `-m module`, or `--run-path`) would.
 
 Started by agent.ranks.reserve_pool as `python -u -c <bootstrap> CTRL_FD LOCAL_RANK IMPORTS_FILE
-COVERED_FILE BUDGET KIND TARGET [ARGS...]` with the slot's stable environment, in its own session, with a
+COVERED_FILE BUDGET PREIMPORT KIND TARGET [ARGS...]` with the slot's stable environment, in its own session, with a
 parent-death signal. It talks to the agent over CTRL_FD, a SOCK_SEQPACKET socket:
 
     reserve -> agent   {"kind": "ready", "seconds", "imported", "failed", "rss", "low_priority", "taken", ...}
@@ -44,7 +45,7 @@ CAP_SYS_NICE = 23
 
 
 def main(argv: List[str]) -> None:
-    ctrl_fd, local_rank, imports_file, covered_file, budget, kind, target, *args = argv
+    ctrl_fd, local_rank, imports_file, covered_file, budget, preimport, kind, target, *args = argv
     sock = socket.socket(fileno=int(ctrl_fd))
     sock.setblocking(True)
     from ft_launcher.rank_monitor.proc_title import set_title
@@ -55,7 +56,7 @@ def main(argv: List[str]) -> None:
     # already during warm-up: the rank sees a cold rank's sys.path
     sys.path[0] = _path0(kind, target)
     start = time.monotonic()
-    stats = _warm_up(imports_file, user_code_dir(kind, target), start + float(budget), covered_file)
+    stats = _warm_up(imports_file, user_code_dir(kind, target), start + float(budget), covered_file, preimport)
     # What warm-up made lives as long as the rank: keep it out of every collection, so the rank's
     # garbage collections, and its exit, do not walk torch's objects (exit: 0.8 s -> 0.13 s).
     # Taken while warming (an early failure: the activation already waits), the rank is late:
@@ -135,9 +136,10 @@ def _send(sock: socket.socket, msg: dict) -> None:
         os._exit(0)
 
 
-def _warm_up(imports_file: Optional[str], user_dir: str, deadline: float, covered_file: str) -> dict:
+def _warm_up(imports_file: Optional[str], user_dir: str, deadline: float, covered_file: str,
+             preimport: str) -> dict:
     """Import the slot's modules (in the order the rank imported them) until `deadline`."""
-    names, cuda_device = modules_to_import(imports_file or None, user_dir)
+    names, cuda_device = modules_to_import(imports_file or None, user_dir, preimport)
     imported, failed = 0, []
     for name in names:
         if name in sys.modules:

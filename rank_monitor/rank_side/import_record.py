@@ -1,12 +1,21 @@
-"""What a rank had imported when it reached its first `step`: the list a warm reserve imports
-before it is needed, so that the rank it becomes finds its modules already loaded.
+"""What a rank had imported when it reached its first `step`, and what of it a warm reserve
+imports before it is needed, so that the rank it becomes finds those modules already loaded.
 
 The rank side (`record`, called once by the client when the section `step` is first used)
 writes `{"modules": [[name, file], ...], "cuda_device": int|null, "when": t}` atomically to the
 file the agent names in FT_LAUNCHER_IMPORTS_FILE. The reserve side (`modules_to_import`) reads it
-and keeps the library modules: not `__main__`, not the training script's own code (a module
-whose file lies under the script's directory, outside site-packages), whose import side effects
-must run only once the rank is activated. Torch-free and cheap to import.
+and keeps, in the order the rank imported them, by the `reserve_preimport` key:
+  torch     (the default) the modules of torch and of ft_launcher the rank imported: nothing a
+            script sets up before importing it (a patched attribute, an environment variable, a
+            monkey-patched stdlib) changes what they are, except what torch itself reads at import
+  recorded  every library module: not `__main__`, not the training script's own code (a module
+            whose file lies under the script's directory, outside site-packages), whose import
+            side effects must run only once the rank is activated. A third-party library imported
+            ahead misses what the script does before importing it (torchtitan's device probe
+            copies torch._utils' at import, and a script on a CPU patches that first)
+  none      nothing: the reserve runs the script as a cold interpreter would, only started
+Without a record (no incarnation has reached `step` yet) torch and what DDP imports lazily,
+except with none. Torch-free and cheap to import.
 """
 from __future__ import annotations
 
@@ -25,6 +34,8 @@ ENV_IMPORTS_FILE = "FT_LAUNCHER_IMPORTS_FILE"
 DEFAULT_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 
 _SKIP_PREFIXES = ("__main__", "__mp_main__", "_frozen_importlib", "__editable__")
+# What `reserve_preimport: torch` imports ahead: packages whose import a script cannot have set up
+PREIMPORTED_PACKAGES = ("torch", "ft_launcher")
 
 
 def record(path: Optional[str] = None) -> None:
@@ -82,9 +93,15 @@ def user_code_dir(kind: str, target: str) -> str:
     return os.getcwd() if kind == "module" else os.path.dirname(os.path.realpath(target))
 
 
-def modules_to_import(path: Optional[str], user_dir: Optional[str]) -> Tuple[List[str], Optional[int]]:
-    """The names a reserve imports, in the order the rank imported them, and its CUDA device."""
+def modules_to_import(path: Optional[str], user_dir: Optional[str],
+                      preimport: str = "torch") -> Tuple[List[str], Optional[int]]:
+    """The names a reserve imports (by `preimport`: torch, recorded or none; see the module
+    docstring), in the order the rank imported them, and its CUDA device."""
+    if preimport == "none":
+        return [], None
     recorded, device = load(path)
     names = [name for name, file in recorded
              if name and not name.startswith(_SKIP_PREFIXES) and not is_user_code(file, user_dir)]
+    if preimport != "recorded":
+        names = [name for name in names if name.partition(".")[0] in PREIMPORTED_PACKAGES]
     return (names or list(DEFAULT_MODULES)), device

@@ -2,7 +2,7 @@
 reserve became can be compared with a cold one.
 
     reserve_probe.py OUT_DIR [--fail-rank R --go FILE] [--hold FILE] [--slow-lib] [--slow-start S]
-                     [--spin] [--user-modules] [extra args]
+                     [--spin] [--user-modules] [--patched-lib] [extra args]
 
 Writes OUT_DIR/identity_<rank>_<cycle>.json (pid, argv, __name__, __file__, sys.path[0], cwd and
 the launcher's variables) and prints one line to stdout and one to stderr. In cycle 0, rank R
@@ -11,7 +11,10 @@ later cycles every rank waits for the --hold file, if given, then exits 0. --slo
 tests/warm_lib/slowwarm (instant in a rank, 600 s in a reserve). --slow-start S: in cycle 0, S
 seconds before the first `step` (a long cold start). --spin: in cycle 0, after the first `step`,
 every rank busy-loops instead of sleeping (a job that keeps the cores busy). --user-modules imports the user's
-own `agent` and `rank_monitor` (beside the script) and records their WHO.
+own `agent` and `rank_monitor` (beside the script) and records their WHO. --patched-lib patches
+torch's device probe, then imports tests/warm_lib/device_probe, which copies its answer at import
+(as a torchtitan script on a CPU does), and records that answer and whether the library was
+loaded before the script ran.
 """
 import json
 import os
@@ -49,8 +52,19 @@ if "--user-modules" in sys.argv:
 
     user_modules = [agent.WHO, rank_monitor.WHO]
 
+patched_lib = None
+if "--patched-lib" in sys.argv:
+    preloaded = "device_probe" in sys.modules
+    import torch._utils
+
+    torch._utils._get_available_device_type = lambda: "cpu"
+    import device_probe
+
+    patched_lib = {"device_type": device_probe.DEVICE_TYPE, "preloaded": preloaded}
+
 identity = {"pid": os.getpid(), "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0],
-            "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in names}, "user_modules": user_modules}
+            "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in names}, "user_modules": user_modules,
+            "patched_lib": patched_lib}
 if cycle == 0 and arg("--slow-start"):
     time.sleep(float(arg("--slow-start")))
 with ft.section("step"):  # the import record is written here
