@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -86,6 +88,7 @@ def test_restart_activates_a_warm_reserve_that_runs_the_script_as_a_cold_rank_wo
         # a library the script imports after patching torch's device probe (torchtitan's
         # tools.utils on a CPU) is imported by the script, as cold, not ahead by the reserve
         assert warm["patched_lib"] == cold["patched_lib"] == {"device_type": "cpu", "preloaded": False}
+        assert warm["torch_preloaded"] and not cold["torch_preloaded"]   # torch itself is imported ahead
         assert warm["env"] == dict(cold["env"], TORCHELASTIC_RESTART_COUNT="1", MASTER_PORT=warm["env"]["MASTER_PORT"])
         # its output went to this cycle's file, with the rank's prefix on the console
         log1 = (logs / "cycle_1" / f"rank_{rank}.log").read_text()
@@ -313,3 +316,49 @@ def test_what_a_reserve_imports_ahead_follows_reserve_preimport(tmp_path):
     assert modules_to_import(str(record), user, "none") == ([], None)
     for preimport in ("torch", "recorded"):
         assert modules_to_import(str(tmp_path / "none_yet.json"), user, preimport) == (list(DEFAULT_MODULES), None)
+    # the script set a variable torch reads at import (maybe before importing it): torch imports
+    # nothing ahead, recorded everything; one that chose its devices gets no context made for it
+    data = json.loads(record.read_text())
+    for environ_set, torch_names, device in ((["MASTER_ADDR", "NCCL_DEBUG"], ["torch", "ft_launcher", "torch._dynamo"], 0),
+                                             (["OMP_NUM_THREADS"], [], None),
+                                             (["TORCHINDUCTOR_CACHE_DIR"], [], None),
+                                             (["CUDA_VISIBLE_DEVICES"], [], None)):
+        record.write_text(json.dumps(dict(data, environ_set=environ_set)))
+        assert modules_to_import(str(record), user) == (torch_names, device), environ_set
+        names, got = modules_to_import(str(record), user, "recorded")
+        assert len(names) == 7 and got == (None if environ_set == ["CUDA_VISIBLE_DEVICES"] else 0), environ_set
+
+
+def test_the_rank_records_the_variables_its_script_set(tmp_path):
+    """The rank side of the record (a real process): the variables the script set, changed or
+    removed since the process started, against the environment it started with."""
+    path = tmp_path / "imports.json"
+    code = ("import os; os.environ['OMP_NUM_THREADS'] = '3'; os.environ['FT_TEST_SAME'] = 'same'; "
+            "del os.environ['FT_TEST_GONE']; os.environ['FT_TEST_NEW'] = '1'; "
+            "from ft_launcher.rank_monitor.rank_side import import_record; import_record.record(%r)" % str(path))
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", FT_TEST_SAME="same", FT_TEST_GONE="x")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    record = json.loads(path.read_text())
+    assert record["environ_set"] == ["FT_TEST_GONE", "FT_TEST_NEW", "OMP_NUM_THREADS"], record["environ_set"]
+
+
+@pytest.mark.slow   # 20 s; the decision and the record are covered by the two tests above
+def test_a_script_that_sets_what_torch_reads_at_import_gets_reserves_that_import_nothing_ahead(launcher, tmp_path):
+    """The probe sets OMP_NUM_THREADS (which OpenMP reads when torch loads it) before anything
+    else: its reserves import nothing ahead (one line says why), and the warm rank imports torch
+    itself, after that, as the cold one did."""
+    logs, out, go = tmp_path / "logs", tmp_path / "out", tmp_path / "go"
+    out.mkdir()
+    proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
+                           PROBE, out, "--fail-rank", 1, "--go", go, "--set-env", "OMP_NUM_THREADS=2"])
+    for local_rank in (0, 1):
+        wait_for(lambda: ready_pids(logs, local_rank) or proc.poll() is not None, READY_WITHIN, "a warm reserve")
+    go.touch()
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert all(r["warm"] for r in ranks_started(logs, 1).values()), ranks_started(logs, 1)
+    assert all(e["detail"]["imported"] == 0 for e in read_events(logs, "reserve_ready"))
+    for rank in (0, 1):
+        assert not identity(out, rank, 1)["torch_preloaded"]
+    lines = [ln for ln in stderr.splitlines() if "warm reserves import nothing ahead of the script" in ln]
+    assert len(lines) == 1 and "script set OMP_NUM_THREADS itself" in lines[0], lines

@@ -44,7 +44,8 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-from ft_launcher.rank_monitor.rank_side.import_record import ENV_IMPORTS_FILE, modules_to_import, user_code_dir
+from ft_launcher.rank_monitor.rank_side.import_record import (
+    ENV_IMPORTS_FILE, modules_to_import, torch_environ_set, user_code_dir)
 from ft_launcher.rank_monitor.own_modules import code_command
 
 from ft_launcher.agent.observation.events import EventLog
@@ -211,6 +212,7 @@ class ReservePool:
         self._next_check = 0.0
         self._arm_at = time.monotonic() + ARM_AFTER
         self._told_priority = False
+        self._told_environ = False
         self._handed: List[Reserve] = []   # taken while warming: their sockets close once they are ready
         self._cold_from: Dict[int, float] = {}   # slot -> wall time its cold rank started (until it steps)
         self._hold: Dict[int, float] = {}        # slot -> wall time its rank started: no new reserve until it steps
@@ -296,6 +298,7 @@ class ReservePool:
         cfg = self.cfg
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         record = self.record_path(local_rank)
+        self._tell_environ(local_rank, record)
         fd, log_path = tempfile.mkstemp(prefix=f"reserve_local{local_rank}_", suffix=".log", dir=self.dir)
         cmd = code_command(_BOOT, [str(theirs.fileno()), str(local_rank), record, log_path[:-4] + ".modules",
                                    str(self.timeout * 0.8), cfg.ft.reserve_preimport, cfg.entry_kind,
@@ -310,6 +313,18 @@ class ReservePool:
         self.watchdog.watch(proc.pid)
         self.events.event("reserve_started", None, local_rank=local_rank, pid=proc.pid)
         return Reserve(local_rank, proc, ours, log_path, _mtime(record))
+
+    def _tell_environ(self, local_rank: int, record: str) -> None:
+        """One line, once: the script sets a variable torch reads at import, so reserves import
+        nothing ahead of it (reserve_preimport torch; rank_monitor.rank_side.import_record)."""
+        if self._told_environ or self.cfg.ft.reserve_preimport != "torch":
+            return
+        names = torch_environ_set(record)
+        if names:
+            self._told_environ = True
+            self.events.say(f"warm reserves import nothing ahead of the script: local rank {local_rank}'s script "
+                            f"set {', '.join(names)} itself, which torch reads when it is imported, maybe before "
+                            f"importing it (--ft-reserve-preimport recorded imports torch ahead anyway)")
 
     def maintain(self) -> None:
         """Read the reserves' news; replace the dead and the stalled; start reserves for a newer

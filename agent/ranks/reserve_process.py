@@ -37,6 +37,7 @@ import threading
 import time
 from typing import List, Optional
 
+from ft_launcher.rank_monitor.rank_side import import_record
 from ft_launcher.rank_monitor.rank_side.import_record import modules_to_import, user_code_dir
 
 LOW_PRIORITY = 10
@@ -84,6 +85,7 @@ def main(argv: List[str]) -> None:
     _restore_priority(base_priority)
     os.environ.clear()
     os.environ.update(msg["env"])
+    import_record.started_environ = dict(msg["env"])   # what the rank's record compares its environment with
     _show_environ(msg["env"])
     set_title(msg.get("title") or target)
     if os.environ.get("FT_LAUNCHER_EXCEPTION_HOOK") == "1":   # install_exception_hook (rank_monitor.rank_side.excepthook)

@@ -2,8 +2,10 @@
 imports before it is needed, so that the rank it becomes finds those modules already loaded.
 
 The rank side (`record`, called once by the client when the section `step` is first used)
-writes `{"modules": [[name, file], ...], "cuda_device": int|null, "when": t}` atomically to the
-file the agent names in FT_LAUNCHER_IMPORTS_FILE. The reserve side (`modules_to_import`) reads it
+writes `{"modules": [[name, file], ...], "cuda_device": int|null, "environ_set": [name, ...],
+"when": t}` atomically to the file the agent names in FT_LAUNCHER_IMPORTS_FILE; `environ_set`
+names the variables the process set, changed or removed since it started (the block a cold rank
+started with, /proc/self/environ; a warm one's activation environment). The reserve side (`modules_to_import`) reads it
 and keeps, in the order the rank imported them, by the `reserve_preimport` key:
   torch     (the default) the modules of torch and of ft_launcher the rank imported: nothing a
             script sets up before importing it (a patched attribute, an environment variable, a
@@ -15,7 +17,11 @@ and keeps, in the order the rank imported them, by the `reserve_preimport` key:
             copies torch._utils' at import, and a script on a CPU patches that first)
   none      nothing: the reserve runs the script as a cold interpreter would, only started
 Without a record (no incarnation has reached `step` yet) torch and what DDP imports lazily,
-except with none. Torch-free and cheap to import.
+except with none. A script that set a variable torch reads when it is imported or makes its
+CUDA context (TORCH_IMPORT_ENV: OpenMP's, TORCH_LOGS, the compiler's and allocator's settings,
+the visible devices) may have set it before `import torch`: with `torch` the reserve then imports
+nothing (`torch_environ_set` names them, for the agent's one line), and with either mode it makes
+no CUDA context when the script chose its devices itself. Torch-free and cheap to import.
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import json
 import os
 import sys
 import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ft_launcher.rank_monitor import atomic_file
 
@@ -36,6 +42,15 @@ DEFAULT_MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dy
 _SKIP_PREFIXES = ("__main__", "__mp_main__", "_frozen_importlib", "__editable__")
 # What `reserve_preimport: torch` imports ahead: packages whose import a script cannot have set up
 PREIMPORTED_PACKAGES = ("torch", "ft_launcher")
+# Variables torch reads when it is imported (OpenMP and MKL when they load, TORCH_LOGS, C++ logging,
+# the compiler's config modules) or when it makes a CUDA context (the visible devices, the allocator)
+TORCH_IMPORT_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_LOGS",
+                    "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES")
+TORCH_IMPORT_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_")
+CUDA_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+
+# A warm rank's environment as the agent handed it at activation (agent.ranks.reserve_process sets it)
+started_environ: Optional[Dict[str, str]] = None
 
 
 def record(path: Optional[str] = None) -> None:
@@ -57,23 +72,49 @@ def record(path: Optional[str] = None) -> None:
                     cuda_device = int(torch.cuda.current_device())
             except Exception:  # noqa: BLE001 - a broken CUDA install is not our concern here
                 cuda_device = None
-        atomic_file.write(path, json.dumps({"modules": modules, "cuda_device": cuda_device, "when": time.time()}))
+        atomic_file.write(path, json.dumps({"modules": modules, "cuda_device": cuda_device,
+                                            "environ_set": _environ_set(), "when": time.time()}))
     except Exception:  # noqa: BLE001 - a warm-up hint must never hurt the rank
         pass
 
 
-def load(path: Optional[str]) -> Tuple[List[List[Optional[str]]], Optional[int]]:
-    """(modules, cuda_device) from a record file; ([], None) when there is none or it is bad."""
+def _environ_set() -> List[str]:
+    """The variables this process set, changed or removed since it started ([] where that is unknown)."""
+    start = started_environ
+    if start is None:
+        try:
+            with open("/proc/self/environ", "rb") as fh:
+                start = dict(item.decode(errors="replace").split("=", 1)
+                             for item in fh.read().split(b"\0") if b"=" in item)
+        except OSError:
+            return []
+    now = dict(os.environ)
+    return sorted(k for k in set(now) | set(start) if now.get(k) != start.get(k))
+
+
+def load(path: Optional[str]) -> Tuple[List[List[Optional[str]]], Optional[int], List[str]]:
+    """(modules, cuda_device, environ_set) from a record file; ([], None, []) when there is none
+    or it is bad."""
     if not path:
-        return [], None
+        return [], None, []
     try:
         with open(path) as fh:
             data = json.load(fh)
         modules = [m for m in data.get("modules", []) if isinstance(m, list) and len(m) == 2]
         device = data.get("cuda_device")
-        return modules, device if isinstance(device, int) else None
+        environ_set = [n for n in data.get("environ_set", []) if isinstance(n, str)]
+        return modules, device if isinstance(device, int) else None, environ_set
     except (OSError, ValueError, AttributeError):
-        return [], None
+        return [], None, []
+
+
+def torch_environ_set(path: Optional[str]) -> List[str]:
+    """The variables torch reads at import (or for its CUDA context) that the rank of a record set itself."""
+    return _read_by_torch(load(path)[2])
+
+
+def _read_by_torch(names: List[str]) -> List[str]:
+    return [n for n in names if n in TORCH_IMPORT_ENV or n.startswith(TORCH_IMPORT_ENV_PREFIXES)]
 
 
 def is_user_code(file: Optional[str], user_dir: Optional[str]) -> bool:
@@ -99,9 +140,13 @@ def modules_to_import(path: Optional[str], user_dir: Optional[str],
     docstring), in the order the rank imported them, and its CUDA device."""
     if preimport == "none":
         return [], None
-    recorded, device = load(path)
+    recorded, device, environ_set = load(path)
+    if set(environ_set) & set(CUDA_ENV):   # the script chose its devices: the context is its own to make
+        device = None
     names = [name for name, file in recorded
              if name and not name.startswith(_SKIP_PREFIXES) and not is_user_code(file, user_dir)]
     if preimport != "recorded":
+        if _read_by_torch(environ_set):
+            return [], None
         names = [name for name in names if name.partition(".")[0] in PREIMPORTED_PACKAGES]
     return (names or list(DEFAULT_MODULES)), device

@@ -2,7 +2,7 @@
 reserve became can be compared with a cold one.
 
     reserve_probe.py OUT_DIR [--fail-rank R --go FILE] [--hold FILE] [--slow-lib] [--slow-start S]
-                     [--spin] [--user-modules] [--patched-lib] [extra args]
+                     [--spin] [--user-modules] [--patched-lib] [--set-env NAME=VALUE] [extra args]
 
 Writes OUT_DIR/identity_<rank>_<cycle>.json (pid, argv, __name__, __file__, sys.path[0], cwd and
 the launcher's variables) and prints one line to stdout and one to stderr. In cycle 0, rank R
@@ -14,14 +14,20 @@ every rank busy-loops instead of sleeping (a job that keeps the cores busy). --u
 own `agent` and `rank_monitor` (beside the script) and records their WHO. --patched-lib patches
 torch's device probe, then imports tests/warm_lib/device_probe, which copies its answer at import
 (as a torchtitan script on a CPU does), and records that answer and whether the library was
-loaded before the script ran.
+loaded before the script ran. --set-env sets a variable before anything else (as a script that
+sets OMP_NUM_THREADS before importing torch). Every identity says whether torch was loaded before
+the script ran.
 """
 import json
 import os
 import sys
 import time
 
-import ft_launcher as ft
+torch_preloaded = "torch" in sys.modules
+if "--set-env" in sys.argv:
+    os.environ.update([sys.argv[sys.argv.index("--set-env") + 1].split("=", 1)])
+
+import ft_launcher as ft  # noqa: E402
 
 out_dir = sys.argv[1]
 rank, cycle = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -64,7 +70,7 @@ if "--patched-lib" in sys.argv:
 
 identity = {"pid": os.getpid(), "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0],
             "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in names}, "user_modules": user_modules,
-            "patched_lib": patched_lib}
+            "patched_lib": patched_lib, "torch_preloaded": torch_preloaded}
 if cycle == 0 and arg("--slow-start"):
     time.sleep(float(arg("--slow-start")))
 with ft.section("step"):  # the import record is written here
