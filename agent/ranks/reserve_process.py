@@ -7,7 +7,8 @@ Started by agent.ranks.reserve_pool as `python -u -c <bootstrap> CTRL_FD LOCAL_R
 COVERED_FILE BUDGET PREIMPORT KIND TARGET [ARGS...]` with the slot's stable environment, in its own session, with a
 parent-death signal. It talks to the agent over CTRL_FD, a SOCK_SEQPACKET socket:
 
-    reserve -> agent   {"kind": "ready", "seconds", "imported", "failed", "rss", "low_priority", "taken", ...}
+    reserve -> agent   {"kind": "ready", "seconds", "imported", "failed", "rss", "low_priority", "taken",
+                        "environ_conflict", ...}
                        (first writing COVERED_FILE: every module name it has loaded or tried, one a line)
     agent -> reserve   {"op": "activate", "env": {...}, "title": str} + two descriptors: stdout, stderr
 
@@ -38,7 +39,7 @@ import time
 from typing import List, Optional
 
 from ft_launcher.rank_monitor.rank_side import import_record
-from ft_launcher.rank_monitor.rank_side.import_record import modules_to_import, user_code_dir
+from ft_launcher.rank_monitor.rank_side.import_record import environ_conflicts, modules_to_import, user_code_dir
 
 LOW_PRIORITY = 10
 ENV_ROOM = "FT_LAUNCHER_ENV_ROOM"  # padding in the reserve's start environment, see _show_environ
@@ -153,6 +154,9 @@ def _warm_up(imports_file: Optional[str], user_dir: str, deadline: float, covere
             imported += 1
         except BaseException:  # noqa: BLE001 - a module that cannot load here is skipped
             failed.append(name)
+    # torch imported here, with a value of a variable it reads then that the rank's script had set
+    # otherwise (maybe before importing torch): the agent starts this slot's next reserves with none
+    conflicts = environ_conflicts(imports_file or None) if preimport == "torch" and "torch" in sys.modules else []
     cuda = None
     if cuda_device is not None:
         try:
@@ -168,7 +172,8 @@ def _warm_up(imports_file: Optional[str], user_dir: str, deadline: float, covere
             fh.write("\n".join([*sys.modules, *failed]))
     except OSError:
         pass
-    return {"imported": imported, "failed": len(failed), "modules": len(sys.modules), "cuda_device": cuda}
+    return {"imported": imported, "failed": len(failed), "modules": len(sys.modules), "cuda_device": cuda,
+            "environ_conflict": conflicts}
 
 
 def _path0(kind: str, target: str) -> str:

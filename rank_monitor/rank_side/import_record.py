@@ -2,11 +2,13 @@
 imports before it is needed, so that the rank it becomes finds those modules already loaded.
 
 The rank side (`record`, called once by the client when the section `step` is first used)
-writes `{"modules": [[name, file], ...], "cuda_device": int|null, "environ_set": [name, ...],
-"when": t}` atomically to the file the agent names in FT_LAUNCHER_IMPORTS_FILE; `environ_set`
-names the variables the process set, changed or removed since it started (the block a cold rank
-started with, /proc/self/environ; a warm one's activation environment). The reserve side (`modules_to_import`) reads it
-and keeps, in the order the rank imported them, by the `reserve_preimport` key:
+writes `{"modules": [[name, file], ...], "cuda_device": int|null, "torch_environ": {name:
+value|null}, "when": t}` atomically to the file the agent names in FT_LAUNCHER_IMPORTS_FILE;
+`torch_environ` holds the variables of TORCH_IMPORT_ENV (those torch reads when it is imported or
+makes a CUDA context: OpenMP's, TORCH_LOGS, the compiler's and allocator's settings, the visible
+devices) that differ from the environment the process started with (the block a cold rank
+started with, /proc/self/environ; a warm one's activation environment), null where removed. The
+reserve side (`modules_to_import`) reads it and keeps, in the order the rank imported them, by the `reserve_preimport` key:
   torch     (the default) the modules of torch and of ft_launcher the rank imported: nothing a
             script sets up before importing it (a patched attribute, an environment variable, a
             monkey-patched stdlib) changes what they are, except what torch itself reads at import
@@ -17,11 +19,12 @@ and keeps, in the order the rank imported them, by the `reserve_preimport` key:
             copies torch._utils' at import, and a script on a CPU patches that first)
   none      nothing: the reserve runs the script as a cold interpreter would, only started
 Without a record (no incarnation has reached `step` yet) torch and what DDP imports lazily,
-except with none. A script that set a variable torch reads when it is imported or makes its
-CUDA context (TORCH_IMPORT_ENV: OpenMP's, TORCH_LOGS, the compiler's and allocator's settings,
-the visible devices) may have set it before `import torch`: with `torch` the reserve then imports
-nothing (`torch_environ_set` names them, for the agent's one line), and with either mode it makes
-no CUDA context when the script chose its devices itself. Torch-free and cheap to import.
+except with none. A script may set a variable of torch_environ before `import torch`: once a
+reserve has imported torch, `environ_conflicts` names those whose value it does not share (what
+torch sets itself at import, TORCHINDUCTOR_CACHE_DIR, it shares), and the agent then starts that
+slot's reserves with none (agent.ranks.reserve_pool). No mode makes a CUDA context for a script
+that chose its devices itself (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER). Torch-free and cheap to
+import.
 """
 from __future__ import annotations
 
@@ -73,13 +76,14 @@ def record(path: Optional[str] = None) -> None:
             except Exception:  # noqa: BLE001 - a broken CUDA install is not our concern here
                 cuda_device = None
         atomic_file.write(path, json.dumps({"modules": modules, "cuda_device": cuda_device,
-                                            "environ_set": _environ_set(), "when": time.time()}))
+                                            "torch_environ": _torch_environ(), "when": time.time()}))
     except Exception:  # noqa: BLE001 - a warm-up hint must never hurt the rank
         pass
 
 
-def _environ_set() -> List[str]:
-    """The variables this process set, changed or removed since it started ([] where that is unknown)."""
+def _torch_environ() -> Dict[str, Optional[str]]:
+    """TORCH_IMPORT_ENV's variables that differ from the environment this process started with
+    (None: removed); {} where that is unknown."""
     start = started_environ
     if start is None:
         try:
@@ -87,34 +91,34 @@ def _environ_set() -> List[str]:
                 start = dict(item.decode(errors="replace").split("=", 1)
                              for item in fh.read().split(b"\0") if b"=" in item)
         except OSError:
-            return []
+            return {}
     now = dict(os.environ)
-    return sorted(k for k in set(now) | set(start) if now.get(k) != start.get(k))
+    return {k: now.get(k) for k in sorted(set(now) | set(start))
+            if now.get(k) != start.get(k) and (k in TORCH_IMPORT_ENV or k.startswith(TORCH_IMPORT_ENV_PREFIXES))}
 
 
-def load(path: Optional[str]) -> Tuple[List[List[Optional[str]]], Optional[int], List[str]]:
-    """(modules, cuda_device, environ_set) from a record file; ([], None, []) when there is none
-    or it is bad."""
+def load(path: Optional[str]) -> Tuple[List[List[Optional[str]]], Optional[int], Dict[str, Optional[str]]]:
+    """(modules, cuda_device, torch_environ) from a record file; ([], None, {}) when there is
+    none or it is bad."""
     if not path:
-        return [], None, []
+        return [], None, {}
     try:
         with open(path) as fh:
             data = json.load(fh)
         modules = [m for m in data.get("modules", []) if isinstance(m, list) and len(m) == 2]
         device = data.get("cuda_device")
-        environ_set = [n for n in data.get("environ_set", []) if isinstance(n, str)]
-        return modules, device if isinstance(device, int) else None, environ_set
+        environ = data.get("torch_environ") or {}
+        environ = {k: v for k, v in environ.items() if isinstance(k, str) and (v is None or isinstance(v, str))}
+        return modules, device if isinstance(device, int) else None, environ
     except (OSError, ValueError, AttributeError):
-        return [], None, []
+        return [], None, {}
 
 
-def torch_environ_set(path: Optional[str]) -> List[str]:
-    """The variables torch reads at import (or for its CUDA context) that the rank of a record set itself."""
-    return _read_by_torch(load(path)[2])
-
-
-def _read_by_torch(names: List[str]) -> List[str]:
-    return [n for n in names if n in TORCH_IMPORT_ENV or n.startswith(TORCH_IMPORT_ENV_PREFIXES)]
+def environ_conflicts(path: Optional[str]) -> List[str]:
+    """The variables the rank of a record had set (torch_environ) whose value this process's
+    environment does not have: in a reserve that has imported torch, what torch saw otherwise
+    than it may have in the rank."""
+    return sorted(k for k, v in load(path)[2].items() if os.environ.get(k) != v)
 
 
 def is_user_code(file: Optional[str], user_dir: Optional[str]) -> bool:
@@ -140,13 +144,11 @@ def modules_to_import(path: Optional[str], user_dir: Optional[str],
     docstring), in the order the rank imported them, and its CUDA device."""
     if preimport == "none":
         return [], None
-    recorded, device, environ_set = load(path)
-    if set(environ_set) & set(CUDA_ENV):   # the script chose its devices: the context is its own to make
+    recorded, device, environ = load(path)
+    if set(environ) & set(CUDA_ENV):   # the script chose its devices: the context is its own to make
         device = None
     names = [name for name, file in recorded
              if name and not name.startswith(_SKIP_PREFIXES) and not is_user_code(file, user_dir)]
     if preimport != "recorded":
-        if _read_by_torch(environ_set):
-            return [], None
         names = [name for name in names if name.partition(".")[0] in PREIMPORTED_PACKAGES]
     return (names or list(DEFAULT_MODULES)), device
