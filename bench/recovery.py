@@ -18,7 +18,9 @@ SIGSTOPped) kept its process (hang blame, agent/recovery.hang_blame.py).
 ft_launcher runs with its default warm reserves (the fault is injected once every slot's reserve
 is warm, as in a job that has run for more than a few seconds), for comparison with
 `--ft-warm-reserves 0` (every restart cold), and with the training function under
-ft.restartable (ddp_train --restartable: in-process restart, the healthy rank keeps its process).
+ft.restartable (ddp_train --restartable: in-process restart, the healthy rank keeps its process),
+and the warm kill again with `--ft-reserve-preimport recorded` (every library the rank imported)
+and `none` (nothing: the reserve saves only the interpreter's start) beside the default `torch`.
 Prints medians, the ft_launcher / torchrun ratio, and how long a reserve took to warm and its
 memory (RSS) per slot.
 """
@@ -67,11 +69,12 @@ def _victims_kept(job: Job, nproc: int) -> bool:
 
 
 def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, stats: dict = None,
-                     in_place: bool = False):
+                     in_place: bool = False, preimport: str = None):
     """-> (launch seconds, recovery seconds or None)."""
     extra = ["--max-restarts", "3"]
     if kind == "ft_launcher":
         extra += ["--log-dir", "logs"] + ([] if reserves else ["--ft-warm-reserves", "0"])
+        extra += ["--ft-reserve-preimport", preimport] if preimport else []
     if fault == "hang":
         extra += ["--ft-rank-section-timeouts", f"setup:60,step:{STEP_TIMEOUT:g},checkpointing:60"]
     job = Job(kind, nproc, extra, script_args(in_place=in_place))
@@ -100,7 +103,7 @@ def launch_and_fault(kind: str, nproc: int, fault: str, reserves: bool = True, s
                      60, "12 steps")
         if kind == "ft_launcher" and reserves:
             ready = job.wait_for(lambda: reserves_ready(job, nproc), 120, "warm reserves")
-            if stats is not None:
+            if stats is not None and not preimport:   # the default's reserves
                 for info in ready.values():
                     stats.setdefault("warm_s", []).append(info["time"] - job.started)
                     stats.setdefault("rss_mb", []).append(info["rss"] / 2**20)
@@ -136,6 +139,7 @@ def main() -> None:
     runs = (("torchrun", "kill", True), ("torchrun", "raise", True),
             ("ft_launcher", "kill", True), ("ft_launcher", "hang", True), ("ft_launcher", "raise", True),
             ("ft_launcher", "kill-cold", False), ("ft_launcher", "hang-cold", False),
+            ("ft_launcher", "kill-recorded", True), ("ft_launcher", "kill-none", True),
             ("ft_launcher", "kill-inplace", True), ("ft_launcher", "hang-inplace", True),
             ("ft_launcher", "raise-inplace", True), ("torchrun", "early", True), ("ft_launcher", "early", True))
     if args.only:   # launch-only runs exist only where asked for
@@ -143,12 +147,14 @@ def main() -> None:
         wanted = set(args.only.split(","))
         runs = tuple(r for r in runs if f"{r[0]}:{r[1]}" in wanted)
     results = repeat(runs, args.reps, lambda run: launch_and_fault(
-        run[0], args.nproc, run[1].split("-")[0], run[2], stats, in_place=run[1].endswith("-inplace")))
+        run[0], args.nproc, run[1].split("-")[0], run[2], stats, in_place=run[1].endswith("-inplace"),
+        preimport=next((m for m in ("recorded", "none") if run[1].endswith("-" + m)), None)))
     print(f"\n{args.nproc} ranks, {args.reps} repetitions, {os.cpu_count()} cores")
     for kind, fault in (("torchrun", "launch"), ("ft_launcher", "launch")):
         results.setdefault((kind, fault), [])
     for kind, fault, _ in ((k, f, 0) for k in ("torchrun", "ft_launcher") for f in (
-            "kill", "raise", "hang", "kill-cold", "hang-cold", "kill-inplace", "hang-inplace", "raise-inplace",
+            "kill", "raise", "hang", "kill-cold", "hang-cold", "kill-recorded", "kill-none", "kill-inplace",
+            "hang-inplace", "raise-inplace",
             "early")):
         results.setdefault((kind, fault), [])
         results.setdefault((kind, fault, "failed"), [])
@@ -157,7 +163,9 @@ def main() -> None:
           f"   ratio {ratio(results[('ft_launcher', 'launch')], results[('torchrun', 'launch')])}")
     print(f"kill rank -> stepping     torchrun    {summary(results[('torchrun', 'kill')])}"
           f"   {recovered(results, 'torchrun', 'kill', args.reps)}")
-    for fault, label in (("kill", "warm"), ("kill-cold", "cold"), ("kill-inplace", "in place")):
+    for fault, label in (("kill", "warm"), ("kill-recorded", "warm, reserve_preimport recorded"),
+                         ("kill-none", "warm, reserve_preimport none"), ("kill-cold", "cold"),
+                         ("kill-inplace", "in place")):
         print(f"                          ft_launcher {summary(results[('ft_launcher', fault)])}"
               f"   {recovered(results, 'ft_launcher', fault, args.reps)}"
               f"   ratio {ratio(results[('ft_launcher', fault)], results[('torchrun', 'kill')])}  ({label})")

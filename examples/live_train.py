@@ -95,15 +95,22 @@ def train(args):
         start = live.restore()                          # before DDP: its constructor broadcasts rank 0's state
         if teacher_live is not None and teacher_live.restore() != start:
             start = None                                # both live at the same step, or both from the checkpoint
+        rng = None
         if start is None:
-            start = load_checkpoint(args, model, opt, sched, loader, teacher)
+            start, rng = load_checkpoint(args, model, opt, sched, loader, teacher)
         elif rank == 0:
             print(f"resumed from live state at step {start} (cycle {cycle})", flush=True)
         ddp = model if args.fsdp else nn.parallel.DistributedDataParallel(model)
         if not args.fsdp:
             settle_gradient_buckets(ddp)
+        # A loader whose state was just loaded makes its new iterator here, and that draws a seed
+        # from torch's generator: the checkpoint's RNG state goes in after it, so the next step
+        # draws (dropout) what the run without the restart drew. (LiveState orders this itself.)
+        batches = iter(loader)
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
 
-    batches = iter(loader)
     loss = torch.tensor(0.0)
     for step in range(start + 1, args.steps + 1):
         with ft.section("step"):
@@ -170,9 +177,11 @@ def save_checkpoint(args, rank, step, model, opt, sched, loader, teacher):
 
 
 def load_checkpoint(args, model, opt, sched, loader, teacher):
+    """The checkpoint's step and its RNG state, which the caller restores once the loader has made
+    its iterator; (0, None) without a checkpoint."""
     path = os.path.join(args.ckpt_dir, "ckpt.pt")
     if args.fsdp or not os.path.exists(path):
-        return 0
+        return 0, None
     state = torch.load(path, weights_only=False)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
@@ -180,11 +189,9 @@ def load_checkpoint(args, model, opt, sched, loader, teacher):
     loader.load_state_dict(state["loader"])
     if teacher is not None:
         teacher.load_state_dict(state["teacher"])
-    torch.set_rng_state(state["rng"])
-    random.setstate(state["py_rng"])
     if dist.get_rank() == 0:
         print(f"resumed from step {state['step']} (checkpoint)", flush=True)
-    return state["step"]
+    return state["step"], {"torch": state["rng"], "python": state["py_rng"]}
 
 
 def checksum(*modules):

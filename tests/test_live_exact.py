@@ -12,7 +12,8 @@ the one line of an explicit fallback; real agents, monitors, ranks and rendezvou
 3. Two LiveStates in one function (the model's and an EMA teacher's), matched by name.
 5. FSDP over every rank without `shard=`: the fallback line (no replica to heal from).
 6. A second fault inside restore() (the healed rank dies while loading): the next cycle is live.
-7. A scheduler whose state holds a lambda: one line at the start, live recovery off for it.
+7. A scheduler whose state holds a lambda: one line at the start, live recovery off for it; the
+   checkpoint fallback ends exact too (dropout).
 4. HSDP 2 x 2 and a warm reserve node; the first node in the order is lost, the survivor's ranks
    move up: kept where their new place holds the same shard, else every rank falls back.
 The wire and plan units are in test_live_state.py; 20 live recoveries' memory in test_live_memory.
@@ -152,7 +153,7 @@ def test_batchnorm_and_dropout(launcher, tmp_path, references, fault_rank):
     """Dropout draws from torch's generator (kept with the state); BatchNorm's running statistics
     change in every forward (rolled back to the commit). Rank 1 killed: exact. Rank 0 killed: its
     BatchNorm statistics (per rank; DDP makes rank 0's everyone's at the next step) exist nowhere
-    else: the checkpoint, with one line that says so."""
+    else: the checkpoint, with one line that says so, and exact too."""
     flags = ["--batchnorm", "--dropout", 0.2]
     ref = references.get(launcher, "1x2", flags)
     job = LiveJob(launcher, tmp_path, "1x2", job_args=BASE + flags + ["--fail-at-step", FAULT, "--fail-rank",
@@ -165,6 +166,7 @@ def test_batchnorm_and_dropout(launcher, tmp_path, references, fault_rank):
     assert len(lines) == 1 and "BatchNorm running statistics" in lines[0] and "rank 0 would heal" in lines[0], lines
     assert told(job)[0]["resume_step"] is None
     assert "resumed from step 100 (checkpoint)" in out
+    assert [f["checksum"] for f in job.finals()] == [r["checksum"] for r in ref]   # the fallback is exact too
 
 
 # ---- 3. two LiveStates --------------------------------------------------------------------------------
@@ -218,10 +220,16 @@ def test_a_fault_inside_restore_leaves_the_next_cycle_live(launcher, tmp_path, r
 def test_an_unsendable_scheduler_is_refused_at_once_with_one_line(launcher, tmp_path):
     """LambdaLR over a callable object that holds a lambda: its state_dict() holds the lambda. The
     LiveState refuses it before training (one line naming where), the job trains on; the fault at
-    step 17 falls back to the checkpoint, saying why."""
-    job = LiveJob(launcher, tmp_path, "1x2", job_args=["--steps", 20, "--ckpt-every", 10, "--unsendable-scheduler",
-                                                       "--fail-at-step", 17, "--fail-rank", 1])
+    step 17 falls back to the checkpoint, saying why, and ends exactly as the run without the fault,
+    with dropout: the example restores the checkpoint's RNG state after the loaded loader's new
+    iterator drew its seed from it (restored before, the dropout masks after step 10 differed)."""
+    flags = ["--steps", 20, "--ckpt-every", 10, "--unsendable-scheduler", "--dropout", 0.2]
+    ref = LiveJob(launcher, tmp_path / "reference", "1x2", job_args=flags)
+    ref.run()
+    job = LiveJob(launcher, tmp_path / "faulty", "1x2", job_args=flags + ["--fail-at-step", 17, "--fail-rank", 1])
     out, err = job.run()
+    assert [f["checksum"] for f in job.finals()] == [f["checksum"] for f in ref.finals()]
+    assert [f["loss"] for f in job.finals()] == [f["loss"] for f in ref.finals()]
     refused = [ln for ln in err.splitlines() if "refused:" in ln]
     assert len(refused) == 1, err[-3000:]
     assert "'scheduler' holds a function at ['lr_lambdas'][0]['curve']" in refused[0], refused

@@ -3,12 +3,16 @@ the slot's rank imported), instead of starting a cold one. Real agents, reserves
 
 The probe script (tests/scripts/reserve_probe.py) records how it was started; a rank that a
 reserve became must be indistinguishable from a cold one: argv, __name__, __file__, sys.path[0],
-the launcher's variables (also in /proc/<pid>/environ), its output in this cycle's log file.
+the launcher's variables (also in /proc/<pid>/environ), its output in this cycle's log file, and
+what a library it imports after patching torch saw (a reserve imports only torch's and our own
+modules ahead: `reserve_preimport`). The slow-library tests ask for `recorded` (every library).
 """
 import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -45,7 +49,8 @@ def test_restart_activates_a_warm_reserve_that_runs_the_script_as_a_cold_rank_wo
     if mode == "module":
         shutil.copy(PROBE, tmp_path / "probe_mod.py")  # found from the cwd, as python -m finds it
     proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
-                           *target, out, "--fail-rank", 1, "--go", go, "--hold", hold, "--extra", "x y"])
+                           *target, out, "--fail-rank", 1, "--go", go, "--hold", hold, "--patched-lib",
+                           "--extra", "x y"], extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT})
     for local_rank in (0, 1):
         wait_for(lambda: ready_pids(logs, local_rank) or proc.poll() is not None, READY_WITHIN, "a warm reserve")
     assert proc.poll() is None, proc.communicate()
@@ -80,6 +85,10 @@ def test_restart_activates_a_warm_reserve_that_runs_the_script_as_a_cold_rank_wo
         for key in ("argv", "name", "file", "path0", "cwd"):
             assert warm[key] == cold[key], (key, warm[key], cold[key])
         assert warm["name"] == "__main__" and warm["argv"][-2:] == ["--extra", "x y"]
+        # a library the script imports after patching torch's device probe (torchtitan's
+        # tools.utils on a CPU) is imported by the script, as cold, not ahead by the reserve
+        assert warm["patched_lib"] == cold["patched_lib"] == {"device_type": "cpu", "preloaded": False}
+        assert warm["torch_preloaded"] and not cold["torch_preloaded"]   # torch itself is imported ahead
         assert warm["env"] == dict(cold["env"], TORCHELASTIC_RESTART_COUNT="1", MASTER_PORT=warm["env"]["MASTER_PORT"])
         # its output went to this cycle's file, with the rank's prefix on the console
         log1 = (logs / "cycle_1" / f"rank_{rank}.log").read_text()
@@ -113,6 +122,9 @@ def test_example_resumes_exactly_from_warm_reserves(launcher, tmp_path):
     clean, _ = run("clean", kill=False)
     final, logs = run("faulty", kill=True)
     assert final["cycle"] == 1 and all(r["warm"] for r in ranks_started(logs, 1).values())
+    # torch imported ahead; what torch sets itself at import (TORCHINDUCTOR_CACHE_DIR) is no conflict
+    ready = read_events(logs, "reserve_ready")
+    assert all(e["detail"]["imported"] > 0 and not e["detail"]["environ_conflict"] for e in ready), ready
     assert final["checksum"] == clean["checksum"]
 
 
@@ -125,8 +137,9 @@ def test_reserve_killed_or_stalled_while_warming_is_never_used_and_the_restart_g
     logs, out, go = tmp_path / "logs", tmp_path / "out", tmp_path / "go"
     out.mkdir()
     proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
-                           "--ft-warm-reserve-timeout", 10, PROBE, out, "--fail-rank", 1, "--go", go,
-                           "--slow-lib"], extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT})
+                           "--ft-warm-reserve-timeout", 10, "--ft-reserve-preimport", "recorded", PROBE, out,
+                           "--fail-rank", 1, "--go", go, "--slow-lib"],
+                          extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT})
 
     def started_reserves():
         return [e["detail"]["pid"] for e in read_events(logs, "reserve_started") if e["detail"]["local_rank"] == 1]
@@ -169,7 +182,8 @@ def test_a_reserve_stuck_warming_is_not_taken_by_an_early_restart(launcher, tmp_
     out.mkdir()
     slow = ["--slow-start", 8] if evidence == "asleep" else []
     proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
-                           PROBE, out, "--fail-rank", 1, "--go", go, "--slow-lib", *slow],
+                           "--ft-reserve-preimport", "recorded", PROBE, out, "--fail-rank", 1, "--go", go,
+                           "--slow-lib", *slow],
                           extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT,
                                      "FT_TEST_SPIN_WARM": "1" if evidence == "spinning" else "0"})
     reserves = wait_for(lambda: read_events(logs, "reserve_started") if len(read_events(logs, "reserve_started")) == 2
@@ -203,7 +217,8 @@ def test_a_reserve_starved_of_cpu_is_taken_not_called_stuck(launcher, tmp_path):
     logs, out, go = tmp_path / "logs", tmp_path / "out", tmp_path / "go"
     out.mkdir()
     proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
-                           PROBE, out, "--fail-rank", 1, "--go", go, "--slow-lib", "--slow-start", 2, "--spin"],
+                           "--ft-reserve-preimport", "recorded", PROBE, out, "--fail-rank", 1, "--go", go,
+                           "--slow-lib", "--slow-start", 2, "--spin"],
                           extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT, "FT_TEST_WARM_CPU": "1.5"})
     reserves = wait_for(lambda: read_events(logs, "reserve_started") if len(read_events(logs, "reserve_started")) == 2
                         or proc.poll() is not None else None, 60, "a reserve per slot")
@@ -281,3 +296,90 @@ def test_a_hot_spare_node_keeps_warm_reserves_and_takes_over_with_them(launcher,
     assert spare.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "stopped answering -> the hot spare asks for a new round" in stderr
     assert "[rank 0] resumed from step" in stdout
+
+
+def test_what_a_reserve_imports_ahead_follows_reserve_preimport(tmp_path):
+    """rank_monitor.rank_side.import_record, on a record as a rank writes it: `torch` keeps the
+    modules of torch and ft_launcher (in the rank's order), `recorded` every library (never
+    `__main__` or the script's own modules), `none` nothing; without a record, torch and what DDP
+    imports lazily. The rank side of it runs in the process tests above."""
+    from ft_launcher.rank_monitor.rank_side.import_record import DEFAULT_MODULES, modules_to_import
+
+    site, user = str(tmp_path / "site-packages"), str(tmp_path / "job")
+    record = tmp_path / "imports.json"
+    record.write_text(json.dumps({"cuda_device": 0, "modules": [
+        ["__main__", f"{user}/train.py"], ["json", "/usr/lib/python3.11/json/__init__.py"],
+        ["numpy", f"{site}/numpy/__init__.py"], ["torch", f"{site}/torch/__init__.py"],
+        ["ft_launcher", f"{site}/ft_launcher/__init__.py"], ["model", f"{user}/model.py"],
+        ["device_probe", f"{WARM_LIB}/device_probe/__init__.py"], ["torch._dynamo", f"{site}/torch/_dynamo/__init__.py"],
+        ["torchtitan.tools.utils", f"{site}/torchtitan/tools/utils.py"]]}))
+    assert modules_to_import(str(record), user) == (["torch", "ft_launcher", "torch._dynamo"], 0)
+    assert modules_to_import(str(record), user, "recorded") == (
+        ["json", "numpy", "torch", "ft_launcher", "device_probe", "torch._dynamo", "torchtitan.tools.utils"], 0)
+    assert modules_to_import(str(record), user, "none") == ([], None)
+    for preimport in ("torch", "recorded"):
+        assert modules_to_import(str(tmp_path / "none_yet.json"), user, preimport) == (list(DEFAULT_MODULES), None)
+    # a script that chose its devices gets no CUDA context made for it; what torch reads at
+    # import is checked once torch is imported (environ_conflicts): not here
+    data = json.loads(record.read_text())
+    for environ, device in (({"OMP_NUM_THREADS": "2"}, 0), ({"CUDA_VISIBLE_DEVICES": "1"}, None)):
+        record.write_text(json.dumps(dict(data, torch_environ=environ)))
+        assert modules_to_import(str(record), user) == (["torch", "ft_launcher", "torch._dynamo"], device)
+        assert modules_to_import(str(record), user, "recorded")[1] == device
+
+
+def test_the_rank_records_what_its_script_set_of_what_torch_reads_at_import(tmp_path):
+    """The rank side of the record (a real process): the variables torch reads at import that
+    the script set, changed or removed since the process started (no other variable), and the
+    check a reserve makes once it has imported torch (here: this process's environment)."""
+    from ft_launcher.rank_monitor.rank_side.import_record import environ_conflicts
+
+    path = tmp_path / "imports.json"
+    code = ("import os; os.environ['OMP_NUM_THREADS'] = '3'; os.environ['TORCH_LOGS'] = '+dynamo'; "
+            "del os.environ['MKL_NUM_THREADS']; os.environ['KMP_AFFINITY'] = 'same'; os.environ['FT_TEST_NEW'] = '1'; "
+            "from ft_launcher.rank_monitor.rank_side import import_record; import_record.record(%r)" % str(path))
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", KMP_AFFINITY="same")
+    env.pop("TORCH_LOGS", None)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    record = json.loads(path.read_text())
+    assert record["torch_environ"] == {"MKL_NUM_THREADS": None, "OMP_NUM_THREADS": "3", "TORCH_LOGS": "+dynamo"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MKL_NUM_THREADS", raising=False)
+        mp.setenv("OMP_NUM_THREADS", "3")
+        mp.setenv("TORCH_LOGS", "+dynamo")
+        assert environ_conflicts(str(path)) == []
+        mp.setenv("OMP_NUM_THREADS", "1")
+        assert environ_conflicts(str(path)) == ["OMP_NUM_THREADS"]
+
+
+@pytest.mark.slow   # 20 s; the decision and the record are covered by the two tests above
+def test_a_script_that_sets_what_torch_reads_at_import_gets_reserves_that_import_nothing_ahead(launcher, tmp_path):
+    """The probe sets OMP_NUM_THREADS (which OpenMP reads when torch loads it) before anything
+    else: the first reserve of each slot, once it has imported torch, finds it has another value
+    and is dismissed unused; the next ones import nothing ahead (one line says why), and the warm
+    rank imports torch itself, after that, as the cold one did. (torch's own TORCHINDUCTOR_CACHE_DIR,
+    which every rank that imports torch._dynamo sets, is no conflict: test_example_resumes_exactly_...)"""
+    logs, out, go = tmp_path / "logs", tmp_path / "out", tmp_path / "go"
+    out.mkdir()
+    proc = launcher.start(["--standalone", "--nproc-per-node", 2, "--max-restarts", 1, "--log-dir", logs,
+                           PROBE, out, "--fail-rank", 1, "--go", go, "--set-env", "OMP_NUM_THREADS=2", "--patched-lib"],
+                          extra_env={"PYTHONPATH": WARM_LIB + os.pathsep + ROOT})   # the probe imports torch
+
+    def ready_without_preimport(local_rank):
+        none = {e["detail"]["pid"] for e in read_events(logs, "reserve_started") if e["detail"]["preimport"] == "none"}
+        return none & set(ready_pids(logs, local_rank))
+    for local_rank in (0, 1):
+        wait_for(lambda: ready_without_preimport(local_rank) or proc.poll() is not None, READY_WITHIN * 2,
+                 "a warm reserve that imports nothing ahead")
+    go.touch()
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert all(r["warm"] for r in ranks_started(logs, 1).values()), ranks_started(logs, 1)
+    first = [e["detail"] for e in read_events(logs, "reserve_ready") if e["detail"]["environ_conflict"]]
+    assert sorted(d["local_rank"] for d in first) == [0, 1] and all(
+        d["environ_conflict"] == ["OMP_NUM_THREADS"] for d in first), first
+    assert not {d["pid"] for d in first} & {r["pid"] for r in ranks_started(logs, 1).values()}
+    for rank in (0, 1):
+        assert not identity(out, rank, 1)["torch_preloaded"]
+    lines = [ln for ln in stderr.splitlines() if "warm reserves import nothing ahead of the script" in ln]
+    assert len(lines) == 1 and "script sets OMP_NUM_THREADS itself" in lines[0], lines

@@ -1,5 +1,6 @@
 """Warm reserves of one node: per local rank slot, interpreters that have already imported what
-the slot's rank imports (agent.ranks.reserve_process runs inside them), so a restart activates one in
+the slot's rank imports (of it, by `reserve_preimport`: rank_monitor.rank_side.import_record;
+agent.ranks.reserve_process runs inside them), so a restart activates one in
 milliseconds instead of starting a cold interpreter.
 
 The pool starts `warm_reserves` per slot once the slot's first rank has reached its first `step`
@@ -210,6 +211,8 @@ class ReservePool:
         self._next_check = 0.0
         self._arm_at = time.monotonic() + ARM_AFTER
         self._told_priority = False
+        self._told_environ = False
+        self.preimport: Dict[int, str] = {i: cfg.ft.reserve_preimport for i in range(cfg.nproc_per_node)}
         self._handed: List[Reserve] = []   # taken while warming: their sockets close once they are ready
         self._cold_from: Dict[int, float] = {}   # slot -> wall time its cold rank started (until it steps)
         self._hold: Dict[int, float] = {}        # slot -> wall time its rank started: no new reserve until it steps
@@ -242,7 +245,8 @@ class ReservePool:
             return True
         cached = self._wanted.get(reserve.local_rank)
         if cached is None or cached[0] != mtime:
-            names, _ = modules_to_import(record, user_code_dir(self.cfg.entry_kind, self.cfg.entry_target))
+            names, _ = modules_to_import(record, user_code_dir(self.cfg.entry_kind, self.cfg.entry_target),
+                                         self.preimport[reserve.local_rank])
             cached = self._wanted[reserve.local_rank] = (mtime, frozenset(names))
         return cached[1] <= reserve.covered
 
@@ -296,7 +300,8 @@ class ReservePool:
         record = self.record_path(local_rank)
         fd, log_path = tempfile.mkstemp(prefix=f"reserve_local{local_rank}_", suffix=".log", dir=self.dir)
         cmd = code_command(_BOOT, [str(theirs.fileno()), str(local_rank), record, log_path[:-4] + ".modules",
-                                   str(self.timeout * 0.8), cfg.entry_kind, cfg.entry_target, *cfg.entry_args],
+                                   str(self.timeout * 0.8), self.preimport[local_rank], cfg.entry_kind,
+                                   cfg.entry_target, *cfg.entry_args],
                            flags=["-u"])
         try:
             env = dict(slot_env(cfg, local_rank), **{ENV_ROOM: "." * ENV_ROOM_BYTES})
@@ -305,7 +310,8 @@ class ReservePool:
             theirs.close()
             os.close(fd)
         self.watchdog.watch(proc.pid)
-        self.events.event("reserve_started", None, local_rank=local_rank, pid=proc.pid)
+        self.events.event("reserve_started", None, local_rank=local_rank, pid=proc.pid,
+                          preimport=self.preimport[local_rank])
         return Reserve(local_rank, proc, ours, log_path, _mtime(record))
 
     def maintain(self) -> None:
@@ -326,6 +332,8 @@ class ReservePool:
         if reserve.settle():
             if reserve.ready:   # it became the rank: how long its warm-up took in all
                 self.losses[reserve.local_rank] = 0
+                if reserve.ready.get("environ_conflict"):   # too late for this one: the next ones
+                    self._no_preimport(reserve.local_rank, reserve.ready["environ_conflict"])
                 self.events.event("reserve_ready", None, local_rank=reserve.local_rank, pid=reserve.pid, taken=True,
                                   **{k: reserve.ready.get(k) for k in ("seconds", "imported", "modules", "rss", "frozen")})
             return True
@@ -351,6 +359,8 @@ class ReservePool:
                 news = reserve.poll()
                 if news is not None:
                     self._on_ready(reserve, news)
+                    if reserve not in reserves:
+                        continue
                 if not reserve.alive():
                     self._lose(reserve, f"died while waiting ({describe_exit(reserve.proc.returncode)})")
                 elif reserve.ready is None and now - reserve.started > self.timeout:
@@ -365,11 +375,25 @@ class ReservePool:
         self.losses[reserve.local_rank] = 0
         self.events.event("reserve_ready", None, local_rank=reserve.local_rank, pid=reserve.pid,
                           **{k: info.get(k) for k in ("seconds", "imported", "failed", "modules", "rss",
-                                                       "low_priority", "cuda_device", "frozen")})
+                                                       "low_priority", "cuda_device", "frozen", "environ_conflict")})
         if not info.get("low_priority") and not self._told_priority:
             self._told_priority = True
             self.events.say("note: warm reserves warm up at normal priority (this process may not raise a "
                             "lowered priority back at activation: no CAP_SYS_NICE, RLIMIT_NICE < 20)")
+        if info.get("environ_conflict"):   # never activated: torch saw what the script may have set otherwise
+            self.slots[reserve.local_rank].remove(reserve)
+            self._dismiss(reserve)
+            self._no_preimport(reserve.local_rank, info["environ_conflict"])
+
+    def _no_preimport(self, local_rank: int, names: List[str]) -> None:
+        """The slot's script set a variable torch reads at import, with a value a reserve that
+        imported torch did not have: its reserves import nothing ahead from now on (one line, once)."""
+        self.preimport[local_rank] = "none"
+        if not self._told_environ:
+            self._told_environ = True
+            self.events.say(f"warm reserves import nothing ahead of the script from now on: local rank {local_rank}'s "
+                            f"script sets {', '.join(names)} itself, which torch reads when it is imported (maybe "
+                            f"before importing it); --ft-reserve-preimport recorded imports torch ahead anyway")
 
     def _lose(self, reserve: Reserve, why: str) -> None:
         local_rank = reserve.local_rank

@@ -1,12 +1,14 @@
-"""Inside a warm reserve: an interpreter that imports what its slot's rank will import, waits,
-and on activation becomes that rank, running the training script as `__main__` exactly as a cold
+"""Inside a warm reserve: an interpreter that imports what its slot's rank will import (of it, by
+`reserve_preimport`, only torch's and ft_launcher's modules by default:
+rank_monitor.rank_side.import_record), waits, and on activation becomes that rank, running the training script as `__main__` exactly as a cold
 `python -u script.py args` (or `-m module`, or `--run-path`) would.
 
 Started by agent.ranks.reserve_pool as `python -u -c <bootstrap> CTRL_FD LOCAL_RANK IMPORTS_FILE
-COVERED_FILE BUDGET KIND TARGET [ARGS...]` with the slot's stable environment, in its own session, with a
+COVERED_FILE BUDGET PREIMPORT KIND TARGET [ARGS...]` with the slot's stable environment, in its own session, with a
 parent-death signal. It talks to the agent over CTRL_FD, a SOCK_SEQPACKET socket:
 
-    reserve -> agent   {"kind": "ready", "seconds", "imported", "failed", "rss", "low_priority", "taken", ...}
+    reserve -> agent   {"kind": "ready", "seconds", "imported", "failed", "rss", "low_priority", "taken",
+                        "environ_conflict", ...}
                        (first writing COVERED_FILE: every module name it has loaded or tried, one a line)
     agent -> reserve   {"op": "activate", "env": {...}, "title": str} + two descriptors: stdout, stderr
 
@@ -36,7 +38,8 @@ import threading
 import time
 from typing import List, Optional
 
-from ft_launcher.rank_monitor.rank_side.import_record import modules_to_import, user_code_dir
+from ft_launcher.rank_monitor.rank_side import import_record
+from ft_launcher.rank_monitor.rank_side.import_record import environ_conflicts, modules_to_import, user_code_dir
 
 LOW_PRIORITY = 10
 ENV_ROOM = "FT_LAUNCHER_ENV_ROOM"  # padding in the reserve's start environment, see _show_environ
@@ -44,7 +47,7 @@ CAP_SYS_NICE = 23
 
 
 def main(argv: List[str]) -> None:
-    ctrl_fd, local_rank, imports_file, covered_file, budget, kind, target, *args = argv
+    ctrl_fd, local_rank, imports_file, covered_file, budget, preimport, kind, target, *args = argv
     sock = socket.socket(fileno=int(ctrl_fd))
     sock.setblocking(True)
     from ft_launcher.rank_monitor.proc_title import set_title
@@ -55,7 +58,7 @@ def main(argv: List[str]) -> None:
     # already during warm-up: the rank sees a cold rank's sys.path
     sys.path[0] = _path0(kind, target)
     start = time.monotonic()
-    stats = _warm_up(imports_file, user_code_dir(kind, target), start + float(budget), covered_file)
+    stats = _warm_up(imports_file, user_code_dir(kind, target), start + float(budget), covered_file, preimport)
     # What warm-up made lives as long as the rank: keep it out of every collection, so the rank's
     # garbage collections, and its exit, do not walk torch's objects (exit: 0.8 s -> 0.13 s).
     # Taken while warming (an early failure: the activation already waits), the rank is late:
@@ -83,6 +86,7 @@ def main(argv: List[str]) -> None:
     _restore_priority(base_priority)
     os.environ.clear()
     os.environ.update(msg["env"])
+    import_record.started_environ = dict(msg["env"])   # what the rank's record compares its environment with
     _show_environ(msg["env"])
     set_title(msg.get("title") or target)
     if os.environ.get("FT_LAUNCHER_EXCEPTION_HOOK") == "1":   # install_exception_hook (rank_monitor.rank_side.excepthook)
@@ -135,9 +139,10 @@ def _send(sock: socket.socket, msg: dict) -> None:
         os._exit(0)
 
 
-def _warm_up(imports_file: Optional[str], user_dir: str, deadline: float, covered_file: str) -> dict:
+def _warm_up(imports_file: Optional[str], user_dir: str, deadline: float, covered_file: str,
+             preimport: str) -> dict:
     """Import the slot's modules (in the order the rank imported them) until `deadline`."""
-    names, cuda_device = modules_to_import(imports_file or None, user_dir)
+    names, cuda_device = modules_to_import(imports_file or None, user_dir, preimport)
     imported, failed = 0, []
     for name in names:
         if name in sys.modules:
@@ -149,6 +154,9 @@ def _warm_up(imports_file: Optional[str], user_dir: str, deadline: float, covere
             imported += 1
         except BaseException:  # noqa: BLE001 - a module that cannot load here is skipped
             failed.append(name)
+    # torch imported here, with a value of a variable it reads then that the rank's script had set
+    # otherwise (maybe before importing torch): the agent starts this slot's next reserves with none
+    conflicts = environ_conflicts(imports_file or None) if preimport == "torch" and "torch" in sys.modules else []
     cuda = None
     if cuda_device is not None:
         try:
@@ -164,7 +172,8 @@ def _warm_up(imports_file: Optional[str], user_dir: str, deadline: float, covere
             fh.write("\n".join([*sys.modules, *failed]))
     except OSError:
         pass
-    return {"imported": imported, "failed": len(failed), "modules": len(sys.modules), "cuda_device": cuda}
+    return {"imported": imported, "failed": len(failed), "modules": len(sys.modules), "cuda_device": cuda,
+            "environ_conflict": conflicts}
 
 
 def _path0(kind: str, target: str) -> str:

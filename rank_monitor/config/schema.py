@@ -37,6 +37,7 @@ from ft_launcher.rank_monitor.config.values import (
 COMMON_SECTIONS = ("setup", "step", "checkpointing")
 FAULT_TYPES = ("rank_hung", "rank_killed", "random")
 RESTART_GRANULARITIES = ("auto", "rank", "node", "job")
+RESERVE_PREIMPORTS = ("torch", "recorded", "none")   # rank_monitor.rank_side.import_record
 
 
 def key(default: Any, parse: Callable[[str, Any, str], Any], help: Optional[str], factory=None):
@@ -100,6 +101,11 @@ class FaultToleranceConfig:
                              "warm interpreters per local rank that restarts use instead of a cold start (0: off)")
     warm_reserve_timeout: float = key(120.0, number,
                                       "seconds a warm reserve may take to warm up before it is replaced")
+    # What a reserve imports ahead of the script (rank_monitor.rank_side.import_record): torch and
+    # ft_launcher's own modules the rank imported (what a script cannot have set up first), every
+    # library the rank imported (recorded), or nothing.
+    reserve_preimport: str = key("torch", choice(RESERVE_PREIMPORTS),
+        "what a warm reserve imports before the script runs: torch, recorded (every library the rank imported) or none")
     # Stragglers (agent.observation.stragglers): every straggler_window seconds each rank's mean time in
     # straggler_section is compared with the job's median; a rank over straggler_threshold x the
     # median for straggler_windows windows in a row is reported. straggler_window 0: off.
