@@ -32,9 +32,9 @@ Python no way to reset it (FlightRecorder::reset_all is C++ only), so a rank res
 (rank_side.inprocess) would dump its earlier calls' entries too: a collective the failed call never
 finished, in a group of the same name ('0') and members as the new call's, reads as a wait of this
 cycle on whoever failed then. The wrapper marks the start of each call (`mark_call`); a dump keeps
-the entries created since (torch's `time_created_ns`, the same wall clock) and the `pg_status` of
-their groups only (a group's `pg_id` is new with every group torch makes, so an earlier call's
-groups are all dropped).
+the entries created since (torch's `time_created_ns`, the same wall clock), and no `pg_status` of
+a group id an earlier call's entries used: torch reuses ids across calls (seen in a 1 x 3 job: the
+new group's status still counted cycle 0's 30 collectives, which hid the rank that hung).
 """
 from __future__ import annotations
 
@@ -171,8 +171,9 @@ def load_trace(data: bytes) -> Optional[dict]:
 
 def this_call(data: bytes, since_ns: int) -> bytes:
     """The dump without the entries created before `since_ns` (an earlier call's: see the module
-    docstring) and without the `pg_status` of groups that only those entries named; as it was when
-    nothing is older, it cannot be read, or `since_ns` is 0."""
+    docstring) and without the `pg_status` of any group those entries named (a pg_id can come back
+    in a later call, and its status then still counts the earlier group's collectives); as it was
+    when nothing is older, it cannot be read, or `since_ns` is 0."""
     trace = load_trace(data) if since_ns else None
     if trace is None or not isinstance(trace.get("entries"), list):
         return data
@@ -180,8 +181,7 @@ def this_call(data: bytes, since_ns: int) -> bytes:
     kept = [e for e in entries if int(e.get("time_created_ns") or 0) >= since_ns]
     if len(kept) == len(trace["entries"]):
         return data
-    old = ({str(e.get("pg_id")) for e in entries if int(e.get("time_created_ns") or 0) < since_ns}
-           - {str(e.get("pg_id")) for e in kept})
+    old = {str(e.get("pg_id")) for e in entries if int(e.get("time_created_ns") or 0) < since_ns}
     trace["entries"] = kept
     if isinstance(trace.get("pg_status"), dict):
         trace["pg_status"] = {k: v for k, v in trace["pg_status"].items() if str(k) not in old}

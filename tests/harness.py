@@ -57,8 +57,8 @@ HANG_TIMEOUTS = {
     "oos": ["--ft-rank-section-timeouts", f"setup:{LONG},step:{LONG},checkpointing:{LONG}",
             "--ft-rank-out-of-section-timeout", str(HOLD + 1)],
 }
-TOPOLOGIES = {"1x2": (1, 2), "2x2": (2, 2), "2x1": (2, 1)}
-BOUND = {"1x2": 90, "2x2": 120, "2x1": 120}   # seconds from launch to the end of a faulty job
+TOPOLOGIES = {"1x2": (1, 2), "2x2": (2, 2), "2x1": (2, 1), "1x3": (1, 3)}
+BOUND = {"1x2": 90, "2x2": 120, "2x1": 120, "1x3": 120}   # seconds from launch to the end of a faulty job
 
 
 def fault_rank(topology):
