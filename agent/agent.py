@@ -71,6 +71,7 @@ from ft_launcher.agent.recovery.restart_policy import Verdict
 from ft_launcher.agent.recovery.round_end import RoundEnd
 from ft_launcher.agent.rounds.round_types import RendezvousError, Round, Stopped, StoreLost, StoreReplaced
 from ft_launcher.agent.recovery.supervisor import Finished, Interrupted, Supervisor
+from ft_launcher.agent.recovery.teardown_watch import TeardownWatch
 
 EXIT_OK, EXIT_FAILED = 0, 1
 NAMED_UP_TO = 256   # a round of at most this many nodes names them in its events (reading the list is O(N))
@@ -175,6 +176,7 @@ class NodeAgent:
         self.flight = FlightRecorder(self.cfg.log_dir, self.events, self.say, self.watchdog,  # before monitors, reserves
                                      keep_dir=self._run_dir)
         self.blame = HangBlame(self.events)
+        self.teardown = TeardownWatch(self.cfg.ft.teardown_hang_grace, self.events)
         os.environ[shm_layout.ENV_HANG_VERDICT] = "1"   # our monitors hold a hung rank for the blame verdict
         pool = ThreadPoolExecutor(max_workers=max(1, self.cfg.nproc_per_node))
         self.ranks.open_monitors(self._run_dir, pool)
@@ -443,6 +445,8 @@ class NodeAgent:
         self.blame.start_cycle(self.store, rnd.number, rnd.world_size, self.me.node_id, self.flight.enabled,
                                lambda: self.round_end.in_place_possible(rnd),
                                lambda: [r.rank for r in self.group.ranks])
+        self.teardown.grace = self.cfg.ft.teardown_hang_grace
+        self.teardown.begin_cycle(rnd.number, rnd.nnodes, lambda: self.proto.count(f"r{rnd.number}/done"))
         self._apply_timeouts(self.learner.load())
         self.learner.begin_cycle(rnd.number)
         self.progress.begin_cycle(rnd.number)   # the checkpoint iteration it starts from (agent.recovery.progress)
@@ -506,7 +510,7 @@ class NodeAgent:
     def _supervise(self, rnd: Round) -> Verdict:
         """Watch the cycle (agent.recovery.supervisor) until it ends; the verdict."""
         sup = Supervisor(rnd, self.group, self.monitor_set, self.watcher, self.carrier, self.blame, self.events,
-                         self._node_words(rnd), self.me.node_id, self._wake_r)
+                         self._node_words(rnd), self.me.node_id, self._wake_r, self.teardown)
         try:
             while True:
                 for local_rank, report in sup.wait(self._wait_time()):
@@ -535,6 +539,7 @@ class NodeAgent:
     def _observe(self, rnd: Round) -> None:
         """What the agent does on every pass while ranks run, besides looking for the cycle's end."""
         self.blame.tick(self.monitors, self.group.ranks)
+        self.teardown.tick(self.group.ranks, self.monitors)   # a rank left hanging once the work is done
         self.obs.poll(self.monitors)
         self._check_signal(rnd)
         self.monitor_set.check_ticks()
@@ -760,7 +765,8 @@ class NodeAgent:
                 f"-> {held}; {failure_cause.dump_words(report)}",
                 rank=report.get("rank"), **{k: v for k, v in report.items() if k != "rank"})
         elif kind == "stack_dump":  # follows its hang report once the rank has written it
-            self.blame.on_stack(report)
+            if report.get("reason") != "teardown":   # (a teardown hang's: agent.recovery.teardown_watch)
+                self.blame.on_stack(report)
             self.events.event("stack_dump", None, rank=report.get("rank"), cycle=report.get("cycle"),
                               stack_file=report.get("stack_file"), stack=report.get("stack"))
         else:

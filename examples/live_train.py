@@ -17,7 +17,11 @@ The test hooks below the loop (cycle 0 only unless said): --fail-at-step (exit a
 step, every rank first holding --hold seconds after the previous step's commit), --raise-at-step / --hang-at-step (after the step's commit, every rank first holding --hold
 seconds), --die-in-restore R (cycle 1: rank R dies inside restore(), while its objects load),
 --unsendable-scheduler (a schedule that holds a lambda in its state: LiveState refuses it at the
-first commit), --fsdp (the model under torch's fully_shard over every rank, no replicas, without
+first commit), --hang-rank / --hang-cycle (the rank and cycle --hang-at-step hits: default
+--fail-rank, cycle 0), --linger-rank R (rank R sleeps for ever after its last step, outside any
+section: a rank that hangs in its teardown), --gather-at-end (the run ends as many scripts do: an
+all_gather_object of every rank's checksum, destroy_process_group(), DDP freed as the function
+returns; under ft.restartable the call's groups are held until torch's threads settle), --fsdp (the model under torch's fully_shard over every rank, no replicas, without
 `shard=`: a replaced rank has no peer to heal from; no checkpoint either: a fallback trains from
 step 0). --progress-dir: each rank appends
 'cycle step time' after each step.
@@ -138,9 +142,18 @@ def train(args):
             with ft.section("checkpointing"):
                 save_checkpoint(args, rank, step, model, opt, sched, loader, teacher)
     finish(args, rank, world, cycle, model, teacher, loss)
+    if args.gather_at_end:   # as many scripts end: DDP alive, a closing gather, the group destroyed
+        sums = [None] * world
+        dist.all_gather_object(sums, checksum(model))
+        if rank == 0:
+            print(f"GATHERED {len(set(sums))} distinct checksum(s) of {world} ranks", flush=True)
+        dist.destroy_process_group()
+        hooks.at_end()
+        return                    # DDP's Reducer, the group's last reference, goes with this frame
     if ddp is not model:
         del ddp   # before the group goes (examples/ddp_train.py: gloo's exit deadlock)
     dist.destroy_process_group()
+    hooks.at_end()
 
 
 def settle_gradient_buckets(ddp):
@@ -240,8 +253,10 @@ class Hooks:
             os._exit(1)
 
     def after_commit(self, step):
-        before_kill = self.args.fail_at_step is not None and step == self.args.fail_at_step - 1
-        if self.cycle != 0 or (step not in (self.args.raise_at_step, self.args.hang_at_step) and not before_kill):
+        a = self.args
+        before_kill = a.fail_at_step is not None and step == a.fail_at_step - 1
+        hang_cycle = self.cycle == a.hang_cycle and step == a.hang_at_step
+        if not hang_cycle and (self.cycle != 0 or (step != a.raise_at_step and not before_kill)):
             return
         end = time.monotonic() + self.args.hold   # every rank completes this step's commit first
         while time.monotonic() < end:
@@ -249,8 +264,14 @@ class Hooks:
             time.sleep(0.05)
         if self.fault and step == self.args.raise_at_step:
             raise RuntimeError(f"simulated exception after the commit of step {step}")
-        if self.fault and step == self.args.hang_at_step:
+        if hang_cycle and self.rank == (a.fail_rank if a.hang_rank is None else a.hang_rank):
             print(f"rank {self.rank} hangs after step {step} (simulated)", flush=True)
+            while True:
+                time.sleep(3600)
+
+    def at_end(self):
+        if self.rank == self.args.linger_rank:
+            print(f"rank {self.rank} hangs after its last step (simulated teardown hang)", flush=True)
             while True:
                 time.sleep(3600)
 
@@ -291,6 +312,10 @@ def parse_args(argv=None):
     p.add_argument("--fail-at-step", type=int, default=None)
     p.add_argument("--raise-at-step", type=int, default=None)
     p.add_argument("--hang-at-step", type=int, default=None)
+    p.add_argument("--hang-rank", type=int, default=None, help="the rank --hang-at-step hits (default --fail-rank)")
+    p.add_argument("--hang-cycle", type=int, default=0, help="the cycle --hang-at-step hits")
+    p.add_argument("--linger-rank", type=int, default=None)
+    p.add_argument("--gather-at-end", action="store_true")
     p.add_argument("--hold", type=float, default=0.5)
     p.add_argument("--die-in-restore", type=int, default=None, metavar="RANK")
     p.add_argument("--unsendable-scheduler", action="store_true")

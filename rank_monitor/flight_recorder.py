@@ -26,6 +26,15 @@ it made, and gloo (torch 2.13) records none (one entry named '' with no ranks), 
 must compare collective sequence numbers within one group and know who belongs to it.
 `load_trace` reads a dump as plain data: a dump comes from a peer through the store, and a pickle
 that names any class or function is refused, never run.
+
+One call's evidence only: torch's recorder lives as long as the process and torch 2.13 offers
+Python no way to reset it (FlightRecorder::reset_all is C++ only), so a rank restarted in place
+(rank_side.inprocess) would dump its earlier calls' entries too: a collective the failed call never
+finished, in a group of the same name ('0') and members as the new call's, reads as a wait of this
+cycle on whoever failed then. The wrapper marks the start of each call (`mark_call`); a dump keeps
+the entries created since (torch's `time_created_ns`, the same wall clock), and no `pg_status` of
+a group id an earlier call's entries used: torch reuses ids across calls (seen in a 1 x 3 job: the
+new group's status still counted cycle 0's 30 collectives, which hid the rank that hung).
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 from typing import Dict, Optional, Tuple
 
 from ft_launcher.rank_monitor import atomic_file, safe_pickle
@@ -80,6 +90,13 @@ def error_path(fr_dir: str, local_rank: int, cycle: int) -> str:
 
 
 _started: Optional[int] = None   # the pid that started the thread (a fork's child has none)
+_call_start_ns = 0               # time.time_ns() when the current call of ft.restartable began (0: none)
+
+
+def mark_call(now_ns: Optional[int] = None) -> None:
+    """A new call of the training function starts: dumps from now on leave out older entries."""
+    global _call_start_ns
+    _call_start_ns = time.time_ns() if now_ns is None else now_ns
 
 
 def start_from_env(block=()) -> bool:
@@ -143,7 +160,7 @@ def dump(fr_dir: str, local_rank: int, cycle: int) -> None:
                 break
         if data is None:
             raise RuntimeError("this torch has no flight recorder (torch._C._distributed_c10d._dump_fr_trace)")
-        _write(target, with_group_config(data))
+        _write(target, with_group_config(this_call(data, _call_start_ns)))
     except Exception as exc:  # noqa: BLE001 - the agent reports it as one line
         try:
             _write(error_path(fr_dir, local_rank, cycle), (str(exc).splitlines() or [repr(exc)])[0].encode())
@@ -172,6 +189,25 @@ def read_trace(data: bytes) -> Tuple[Optional[dict], Optional[str]]:
 def load_trace(data: bytes) -> Optional[dict]:
     """read_trace's trace alone (None: no evidence)."""
     return read_trace(data)[0]
+
+
+def this_call(data: bytes, since_ns: int) -> bytes:
+    """The dump without the entries created before `since_ns` (an earlier call's: see the module
+    docstring) and without the `pg_status` of any group those entries named (a pg_id can come back
+    in a later call, and its status then still counts the earlier group's collectives); as it was
+    when nothing is older, it cannot be read, or `since_ns` is 0."""
+    trace = load_trace(data) if since_ns else None
+    if trace is None or not isinstance(trace.get("entries"), list):
+        return data
+    entries = [e for e in trace["entries"] if isinstance(e, dict)]
+    kept = [e for e in entries if int(e.get("time_created_ns") or 0) >= since_ns]
+    if len(kept) == len(trace["entries"]):
+        return data
+    old = {str(e.get("pg_id")) for e in entries if int(e.get("time_created_ns") or 0) < since_ns}
+    trace["entries"] = kept
+    if isinstance(trace.get("pg_status"), dict):
+        trace["pg_status"] = {k: v for k, v in trace["pg_status"].items() if str(k) not in old}
+    return pickle.dumps(trace)
 
 
 def group_config() -> dict:

@@ -170,3 +170,43 @@ def test_the_dump_directory_goes_with_the_agent_even_when_it_is_sigkilled(launch
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     wait_for(lambda: not os.path.exists(fr_dir), 10, f"{fr_dir} to be removed by the orphan watchdog")
+
+
+FR_TWO_CALLS = """
+import os, sys, time
+import torch, torch.distributed as dist
+from ft_launcher.rank_monitor import flight_recorder as FR
+from ft_launcher.rank_monitor.rank_side import call_groups
+for call in range(2):
+    FR.mark_call()
+    call_groups.hold()
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % int(sys.argv[1]), rank=0, world_size=1)
+    for _ in range(3 + 2 * call):
+        dist.all_reduce(torch.ones(2))
+    dist.destroy_process_group() if call == 0 else None
+    call_groups.release()
+FR.dump(sys.argv[2], 0, 1)
+"""
+
+
+def test_a_dump_holds_the_current_calls_collectives_only(tmp_path):
+    """A rank restarted in place keeps torch's recorder (torch 2.13 cannot reset it from Python):
+    its dump of cycle 1 held cycle 0's collectives, in a group of the same name and members (issue
+    39: an unfinished all_reduce of cycle 0 blamed the rank that had raised then). The call's start
+    (rank_monitor.flight_recorder.mark_call) leaves them out, and the pg_status of their group."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from ft_launcher.rank_monitor import flight_recorder as FR
+
+    res = subprocess.run([sys.executable, "-c", FR_TWO_CALLS, str(free_port()), str(tmp_path)], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT, TORCH_FR_BUFFER_SIZE="100"),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    trace = FR.load_trace((tmp_path / "slot_0_cycle_1.pkl").read_bytes())
+    entries = trace["entries"]
+    assert [e["collective_seq_id"] for e in entries] == [1, 2, 3, 4, 5], entries   # not cycle 0's 1, 2, 3
+    assert {e["process_group"][0] for e in entries} == {"0"}
+    assert set(trace["pg_status"]) == {str(entries[0]["pg_id"])}, trace["pg_status"]
+    assert FR.this_call(b"not a pickle", 5) == b"not a pickle"

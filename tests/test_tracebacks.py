@@ -104,3 +104,26 @@ def test_the_one_line_form_cuts_the_source_tag_and_the_advice():
     long = "KeyError: " + "k" * 300
     assert len(short(long)) == 160 and short(long).endswith("...")
     assert short(long, limit=40) == long[:37] + "..."
+
+
+def test_a_traceback_of_a_rank_restarted_in_place_stays_its_old_cycles():
+    """agent.ranks.rank_output: a rank that raised in cycle 0 printed its traceback moments before
+    it was adopted in place as cycle 1 (well inside QUIET). That traceback is cycle 0's error,
+    never cycle 1's: a failure of cycle 1 must not carry it (issue 39). Real pipe, real reader."""
+    import os
+    import time
+
+    from ft_launcher.agent.ranks.rank_output import RankOutput
+
+    out = RankOutput()
+    _, stderr, handle = out.plan(1, capture=0, tee=0, show=True, log_file=None, cycle=0)
+    out.attach(handle)
+    try:
+        os.write(stderr, b"\n".join(RAISED) + b"\n")
+        out.recycle(handle, 1, 1)            # at once, as an in-place restart does (0.1 s << QUIET)
+        assert out.error(0, 1) is not None and out.error(0, 1)[1].startswith("ValueError: loss is NaN")
+        time.sleep(QUIET + 0.2)
+        assert out.error(1, 1) is None       # on the old code: cycle 0's exception, as cycle 1's
+    finally:
+        os.close(stderr)
+        out.finish(handle)

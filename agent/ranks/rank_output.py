@@ -31,6 +31,7 @@ run) is told.
 from __future__ import annotations
 
 import os
+import select
 import selectors
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from ft_launcher.agent.ranks import tracebacks
 from ft_launcher.agent.ranks.tracebacks import Block
 
 HOLD = 5.0   # seconds a victim's traceback waits for the failure's culprit to be named
+RECYCLE_WAIT = 2.0   # seconds `recycle` waits for the reader thread to read what the old call wrote
 
 
 class RankOutput:
@@ -58,6 +60,7 @@ class RankOutput:
         self._culprits: Dict[int, Tuple[Optional[frozenset], str]] = {}   # cycle -> (ranks or None, words)
         self._shown: Dict[str, Tuple[int, int]] = {}   # traceback signature -> (rank, cycle) that showed it
         self._errors: Dict[Tuple[int, int], Block] = {}   # (cycle, rank) -> its last traceback
+        self._recycling: List[tuple] = []        # (handle, rank, cycle, done): for the reader thread
         self._thread = threading.Thread(target=self._serve, name="ft-rank-output", daemon=True)
         self._thread.start()
 
@@ -120,6 +123,7 @@ class RankOutput:
             for key, _ in self._sel.select(timeout=0.1 if waiting else None):
                 if key.data is None:
                     os.read(self._wake_r, 4096)
+                    self._recycle_due()
                     continue
                 self._pump(key.fd, key.data)
             if waiting:
@@ -287,11 +291,34 @@ class RankOutput:
                 self._show(sink, block)
 
     def recycle(self, handle, rank: int, cycle: int) -> None:
-        """A rank restarted in place is rank `rank` of `cycle` from now on."""
+        """A rank restarted in place is rank `rank` of `cycle` from now on. What it wrote in its
+        previous call is all in its pipes by now (it is adopted only once that call has ended): the
+        reader thread reads it first, as the old cycle's, and a traceback it was reading is complete
+        there, so an earlier cycle's exception is never this cycle's `error` (nor in its log file)."""
         if handle is None:
             return
-        for _, sink in handle[0]:
-            sink["rank"], sink["cycle"] = rank, cycle
+        done = threading.Event()
+        with self._lock:
+            self._recycling.append((handle, rank, cycle, done))
+        os.write(self._wake_w, b"x")
+        if not done.wait(RECYCLE_WAIT):   # the reader thread is stuck: what is unread goes to the new cycle
+            for _, sink in handle[0]:
+                sink["rank"], sink["cycle"] = rank, cycle
+
+    def _recycle_due(self) -> None:
+        """On the reader thread: drain the recycled ranks' pipes, then give them their new cycle."""
+        with self._lock:
+            due, self._recycling = self._recycling, []
+        for handle, rank, cycle, done in due:
+            for fd, sink in handle[0]:
+                for _ in range(64):   # a rank at its restart point writes nothing more: a bound all the same
+                    if sink.get("closed") or not select.select([fd], [], [], 0)[0]:
+                        break
+                    self._pump(fd, sink)
+                if sink.get("block") is not None:
+                    self._complete(sink)
+                sink["rank"], sink["cycle"] = rank, cycle
+            done.set()
 
     def redirect(self, handle, log_file: Optional[str], applog: Optional[str] = None, rank: int = 0):
         """A rank restarted in place goes on in the next cycle's log file (and in `applog`, the

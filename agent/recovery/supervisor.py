@@ -11,7 +11,9 @@ ends the cycle:
 - a rank's WorkloadControlRequest: `Failure` "rank_request" (Continue is only said);
 - peer nodes stopped answering: `Failure` "peers_lost";
 - a rank ended non-zero: `Failure` "rank_ended", why from agent.recovery.failure_cause (its monitor's
-  reports, the hang blame, its exit status); a rank that ended 0 is reaped and said;
+  reports, the hang blame, its exit status); a rank that ended 0 is reaped and said, and so is one
+  that agent.recovery.teardown_watch ended as hung in its teardown (the job's work was done: it
+  counts as finished);
 - a rank's function raised under ft.restartable (agent.ranks.in_place_carrier; after the deaths, since
   a dead peer is the likelier cause): `Failure` "rank_raised";
 - every local rank ended 0: `Finished`, once (the cycle goes on until the other nodes finish).
@@ -43,7 +45,7 @@ Outcome = Union[None, Failure, Interrupted, Finished]
 
 class Supervisor:
     def __init__(self, rnd: Round, group, monitor_set, watcher, carrier, blame, events, node_words: str,
-                 node_id: str, wake_fd: int):
+                 node_id: str, wake_fd: int, teardown=None):
         self.rnd = rnd
         self.group = group
         self.monitor_set = monitor_set
@@ -54,6 +56,7 @@ class Supervisor:
         self.node_words = node_words   # "node 1 (host)"
         self.node_id = node_id
         self._wake_fd = wake_fd
+        self.teardown = teardown   # agent.recovery.teardown_watch.TeardownWatch, or None
         self._finished = False
         self.sel = selectors.DefaultSelector()
         self.sel.register(wake_fd, selectors.EVENT_READ, "wake")
@@ -98,6 +101,11 @@ class Supervisor:
                 continue
             self.sel.unregister(rank.pidfd)
             code = self.group.reap(rank)
+            if code != 0 and self.teardown is not None and self.teardown.ended(rank):
+                self.events.event("rank_exit", f"rank {rank.rank} was ended after hanging in its teardown "
+                                  f"(exit code {code}): counted as finished", rank=rank.rank, exitcode=code,
+                                  teardown_hang=True)
+                continue
             if code != 0:
                 # only this cycle's reports: a monitor can fire while a previous cycle is torn down
                 reports = self.monitor_set.take_pending(rank.local_rank, rnd.number)

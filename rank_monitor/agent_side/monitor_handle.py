@@ -195,6 +195,10 @@ class MonitorHandle:
         rank (it hung) or release it (it only waited on the rank that hung)."""
         self._tell({"op": "hang_verdict", "pid": int(pid), "kill": bool(kill)})
 
+    def end_rank(self, pid: int, reason: str) -> None:
+        """Dump the rank's stack and stop it (the monitor's end_rank: a hang no timeout watches)."""
+        self._tell({"op": "end_rank", "pid": pid, "reason": reason})
+
     def flight_done(self, cycle: int) -> None:
         """The job's flight-recorder dump of `cycle` is complete: a hung rank held for it may go on
         to its stack dump. May be called from another thread than the agent's main one."""

@@ -147,6 +147,12 @@ class FaultToleranceConfig:
     # Seconds a healthy rank has to reach the restart point before it is killed and replaced.
     inprocess_timeout: float = key(10.0, positive,
                                    "seconds a healthy rank has to reach the restart point before it is replaced")
+    # A rank still running when every other rank of the job has ended 0, outside any section and
+    # using no CPU for this many seconds, hung in its teardown (agent.recovery.teardown_watch): its
+    # stack is dumped, it is ended, and the job counts it as finished. 0: never.
+    teardown_hang_grace: float = key(60.0, number,
+        "seconds a rank may sit idle outside any section after every other rank finished 0, before "
+        "its stack is dumped and it is ended as hung in its teardown (0: never)")
     # Ranks that train; the other nodes stand by as warm spares. None: every node trains.
     active_world_size: Optional[int] = key(None, positive_int_or_null,
         "ranks that train (a multiple of --nproc-per-node); other nodes stand by as warm spares")
@@ -277,7 +283,7 @@ class FaultToleranceConfig:
         if self.restart_granularity not in RESTART_GRANULARITIES:
             raise ConfigError(f"restart_granularity must be one of {', '.join(RESTART_GRANULARITIES)}, "
                               f"got {self.restart_granularity!r}")
-        for key in ("rank_termination_grace", "stack_dump_wait", "workload_check_interval"):
+        for key in ("rank_termination_grace", "stack_dump_wait", "workload_check_interval", "teardown_hang_grace"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key} must not be negative, got {getattr(self, key)}")
 

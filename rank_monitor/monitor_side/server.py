@@ -26,7 +26,8 @@ It exits when the agent's control channel closes, and dies with the agent
 Control channel: JSON lines over a socketpair. Agent -> monitor: {"op": "rank_started", pid,
 rank, cycle, start_ns} | {"op": "rank_stopped"} | {"op": "config", "cfg": json} | {"op": "stop"} |
 {"op": "hang_verdict", pid, kill} | {"op": "flight_done", cycle} (the job's flight-recorder dump of
-that cycle is complete). This channel and the shared-memory record are the agent's only two ways
+that cycle is complete) | {"op": "end_rank", pid, reason} (the agent found the rank hung where no
+timeout watches it, its teardown: dump its stack and stop it; the stack_dump report names `reason`). This channel and the shared-memory record are the agent's only two ways
 to its monitor: the record for what the rank writes on its hot path, the channel for the rest.
 Monitor -> agent: {"kind": "ready", "nvrx_socket": path or None}, {"kind": "hang", ...}, {"kind": "stack_dump", ...}. A hang
 report names the expired timeout (reason, section) and the sections open at that moment, so a
@@ -332,6 +333,8 @@ class Server:
             for incident in self.incidents:
                 if incident.inc.pid == int(msg["pid"]):
                     incident.verdict = bool(msg.get("kill", True))
+        elif op == "end_rank":
+            self.end_rank(int(msg["pid"]), str(msg.get("reason") or "teardown"))
         else:
             log.warning("local_rank=%s: unknown control op %r", self.local_rank, op)
 
@@ -483,6 +486,25 @@ class Server:
         incident = Incident(self, inc, report, handler_pid, handler_sig, stack_path)
         self.incidents.append(incident)
         incident.begin()
+
+    def end_rank(self, pid: int, reason: str) -> None:
+        """The agent's word that the rank hung where no timeout watches it (its teardown): dump its
+        stack and stop it, as a hang but without a hang report, a flight-recorder hold or a verdict."""
+        inc = self.inc
+        if inc is None or inc.pid != pid or inc.exited() or any(i.inc is inc for i in self.incidents):
+            return
+        inc.enforcing = False
+        w = self.words
+        handler_pid = w[L.H_HANDLER_PID] if self._client_matches(inc) else 0
+        handler_sig = w[L.H_HANDLER_SIG]
+        stack_path = (self.stack_template.replace("{pid}", str(handler_pid))
+                      if handler_pid and handler_sig and self.stack_template else None)
+        report = {"rank": inc.rank, "local_rank": self.local_rank, "pid": inc.pid, "cycle": inc.cycle,
+                  "reason": reason, "section": None}
+        incident = Incident(self, inc, report, handler_pid if stack_path else 0, handler_sig, stack_path)
+        incident.hold = False
+        self.incidents.append(incident)
+        incident._begin_dump()
 
     # ---- loop ---------------------------------------------------------------------------------
     def poll_interval_ns(self) -> int:

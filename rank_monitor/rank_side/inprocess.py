@@ -36,6 +36,13 @@ step), the restart signal waits: the handler only notes it (and NCCL's abort wai
 the commit's end acts on it, so a step is either wholly done or not begun. A rank whose function
 raised by itself (IP_FAILED) is marked suspect for the next call's `LiveState.restore`.
 
+Each call's process groups are held by the wrapper (rank_side.call_groups) until the call has
+ended and torch's threads have settled, then let go: a group whose last reference was a local of
+the function (DDP's Reducer) is never destroyed while a gloo worker of it waits for the GIL (a
+deadlock that left ranks restarted in place hanging at the job's end). Each call also marks its
+start for the flight recorder (rank_monitor.flight_recorder.mark_call): a dump holds the current
+call's collectives only, never an earlier call's unfinished ones.
+
 At the rank's end (the function returned, the script goes on to exit) rank_side.exit_settle lets
 torch's threads finish what still needs Python before the interpreter finalizes: a gloo worker that
 frees a finished collective's tensors then would abort a rank whose training completed.
@@ -72,6 +79,7 @@ PEER_LOST_TYPES = ("DistNetworkError", "DistBackendError")
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Read error",
              "Write error", "Connection refused", "failed to recv", "Socket Timeout")
 POLL = 0.002          # seconds between looks at the record while waiting
+TEARDOWN_SETTLE_S = 0.2   # at a restart point, at most this long for torch's threads before the groups go
 
 
 class RestartInPlace(BaseException):
@@ -103,9 +111,9 @@ def on_teardown(fn: Callable[[], None]) -> None:
 def _load_restart_parts() -> None:
     """The parts only a restartable call uses, loaded at its first call: the agent imports this
     module for its variables' names, and a rank without ft.restartable never needs them."""
-    global peer_sockets, exit_settle, restart_watcher, dtensor_cycle
-    from ft_launcher.rank_monitor import peer_sockets
-    from ft_launcher.rank_monitor.rank_side import exit_settle, restart_watcher
+    global flight_recorder, peer_sockets, call_groups, exit_settle, restart_watcher, dtensor_cycle
+    from ft_launcher.rank_monitor import flight_recorder, peer_sockets
+    from ft_launcher.rank_monitor.rank_side import call_groups, exit_settle, restart_watcher
     from ft_launcher.rank_monitor.rank_side.live import dtensor_cycle
 
 
@@ -187,6 +195,7 @@ def _teardown() -> None:
         except Exception as exc:  # noqa: BLE001 - a hook must not stop the restart
             sys.stderr.write(f"ft_launcher: at the restart point: {exc!r}\n")
     gc.collect()
+    call_groups.release(TEARDOWN_SETTLE_S)   # the failed call's groups go once torch's threads are done with Python
     torch = sys.modules.get("torch")
     if (torch is not None and os.environ.get(ENV_EMPTY_CUDA_CACHE, "1") == "1"
             and torch.cuda.is_available() and torch.cuda.is_initialized()):
@@ -249,6 +258,8 @@ class _Run:
             words[L.H_IP_STATE] = L.IP_RUNNING
             failed = False
             _STATE.in_commit = _STATE.deferred = False
+            flight_recorder.mark_call()   # dumps from now on hold this call's collectives only
+            call_groups.hold()            # its process groups outlive its frame until torch's threads settle
             try:
                 _STATE.active = True
                 try:
@@ -256,6 +267,7 @@ class _Run:
                 finally:
                     _STATE.active = False
                 words[L.H_IP_STATE] = L.IP_DONE
+                call_groups.release()
                 return result
             except RestartInPlace:
                 _STATE.active = False
