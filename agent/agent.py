@@ -446,7 +446,7 @@ class NodeAgent:
                                lambda: self.round_end.in_place_possible(rnd),
                                lambda: [r.rank for r in self.group.ranks])
         self.teardown.grace = self.cfg.ft.teardown_hang_grace
-        self.teardown.begin_cycle(rnd.number, rnd.nnodes, lambda: self.proto.count(f"r{rnd.number}/done"))
+        self.teardown.begin_cycle(rnd.number, rnd.nnodes, lambda: self.proto.count(store_keys.done(rnd.number)))
         self._apply_timeouts(self.learner.load())
         self.learner.begin_cycle(rnd.number)
         self.progress.begin_cycle(rnd.number)   # the checkpoint iteration it starts from (agent.recovery.progress)

@@ -245,7 +245,7 @@ def progress_unknown(r: int) -> str:
 
 
 @key("r<R>/done", shape="counter: nodes whose ranks finished", writer="rounds.rendezvous",
-     readers="rounds.rendezvous", failover=ROUND_ENDED)
+     readers="rounds.rendezvous, agent (the teardown watch: every other node's ranks are done)", failover=ROUND_ENDED)
 def done(r: int) -> str:
     return f"r{r}/done"
 
