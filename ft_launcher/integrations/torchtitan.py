@@ -30,6 +30,8 @@
   no heal from a replica (torchtitan's `load_state_dict` would ignore the other rank's key with a
   warning and start the loader over, and the replicas' digests would still agree): a rank heals
   from its own host or buddy copy (`buddy_every`), else the job loads the checkpoint, saying why.
+  That position is kept as plain values (`_LoaderState`), not as the bytes torchtitan pickles it
+  into: nothing a peer held is unpickled freely.
 
 `run(main)` calls `main()` inside `ft.restartable` (torchtitan's `main` builds the trainer, which
 builds the process group, on every call: what restartable asks). Imports stay lazy: nothing of
@@ -128,6 +130,8 @@ def _attach_live(trainer) -> None:
     loader = objects.get("dataloader")
     if "shard" not in kwargs and getattr(loader, "dp_world_size", 1) > 1:
         kwargs["shard"] = int(loader.dp_rank)   # its position is this data-parallel rank's alone
+    if loader is not None and hasattr(loader, "_rank_id"):
+        objects["dataloader"] = _LoaderState(loader)
     live = ft.LiveState(name=LIVE_NAME, **objects, **kwargs)
     checkpointer._ft_launcher_live = trainer._ft_launcher_live = live
     _CommitBracket(trainer, live)
@@ -159,6 +163,34 @@ class _OptimizerState:
 
     def load_state_dict(self, state_dict) -> None:
         self.optimizers.load_state_dict(state_dict)
+
+
+class _LoaderState:
+    """torchtitan's dataloader as the LiveState sees it: its position as plain values, never the
+    bytes torchtitan pickles it into.
+
+    torchtitan's `state_dict()` is `{"dp_rank_<r>": pickle.dumps(<the StatefulDataLoader's state>),
+    "world_size": ...}`, and its `load_state_dict` unpickles those bytes. Kept as they are, a heal
+    from a buddy copy would hand torchtitan bytes that lay in a peer's memory to unpickle: code from
+    a peer. So the state kept and sent is the loader's own state dict (what live_wire admits and
+    reads with its restricted unpickler; anything else is refused at the first commit, with one
+    line), and a load pickles those plain values here, in this process, for torchtitan's own
+    `load_state_dict` (its checks kept)."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def state_dict(self):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return {"rank_id": self.loader._rank_id, "world_size": self.loader.dp_world_size,
+                "state": StatefulDataLoader.state_dict(self.loader)}
+
+    def load_state_dict(self, state_dict) -> None:
+        import pickle
+
+        self.loader.load_state_dict({state_dict["rank_id"]: pickle.dumps(state_dict["state"]),
+                                     "world_size": state_dict["world_size"]})
 
 
 class _CommitBracket:

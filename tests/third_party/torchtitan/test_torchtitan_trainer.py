@@ -63,9 +63,9 @@ def run_titan(launcher, out, assets, fault=False, live=False, hsdp=False, buddy_
         env.update(TITAN_FAIL_STEP=str(FAIL_STEP), TITAN_FAIL_RANK=str(nproc - 1))
     if live:
         env.update(TITAN_LIVE="1", TITAN_BUDDY_EVERY=str(buddy_every))
-    # --ft-warm-reserves 0: a warm reserve imports the script's modules before cpu_train.py makes
-    # torchtitan's device probe answer "cpu" (README.md: obstacle 9)
-    proc = launcher.run(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1", "--ft-warm-reserves", "0",
+    # warm reserves on (the default): a reserve imports only torch's and ft_launcher's modules ahead of
+    # the script, so cpu_train.py's patch of torchtitan's device probe holds warm as cold (obstacle 9)
+    proc = launcher.run(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1",
                          "--log-dir", os.path.join(str(out), "logs"), os.path.join(HERE, "cpu_train.py"),
                          "--module", "titan_cpu_config", "--config", "cpu_debugmodel",
                          "--dump_folder", os.path.join(str(out), "dump"), "--training.steps", str(STEPS),
