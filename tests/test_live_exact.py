@@ -394,6 +394,7 @@ def test_a_hang_in_the_cycle_after_an_in_place_restart_blames_the_rank_that_hung
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)   # twenty 2 x 2 jobs, ~25 s each on 2 cores
 def test_twenty_2x2_runs_that_end_with_a_gather_after_an_in_place_recovery_all_end(launcher, tmp_path, references):
     """Issue 39: DDP 2 x 2, rank 3 killed at the top of step 20 (the other three restart in place),
     the run ends with all_gather_object and destroy_process_group(), DDP alive: a rank restarted in
