@@ -105,6 +105,8 @@ def test_the_ranks_the_verdict_keeps_are_asked_and_adopted_at_their_restart_poin
     with monitored_ranks(launcher, tmp_path / "run", [RESTARTABLE, RESTARTABLE], env=IN_PLACE_ENV) as (monitors,
                                                                                                       ranks):
         wait_for(lambda: inprocess_ranks.raised(monitors, ranks), 30, "rank 1's exception")
+        # rank 0 may still be importing when rank 1 has raised (a loaded machine): await its function
+        wait_for(lambda: inprocess_ranks.state(monitors[0]) == L.IP_RUNNING, 30, "rank 0 inside its function")
         group, monitor_set = parts(carrier, ranks, monitors)
         in_place = verdict(PolicyInputs(restartable=1))
         asked = carrier.ask(Round(0, NODE, [NODE], []), in_place, NODE.node_id, group, monitor_set, {0})
