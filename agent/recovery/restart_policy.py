@@ -21,6 +21,11 @@ A failure climbs the ladder only as far as it must (docs/architecture.md, docs/r
   there), a rank's ExcludeThisNode (the report's `leaving`: its node, already marked
   `excluded/<node>` by agent.recovery.no_restart), and a node that was where the failure began
   NODE_FAILURE_LIMIT times in a row without progress, while a spare is there to take over.
+- a rank's exit 16 or 17 (Megatron's rerun state machine, an SDC guard: agent.recovery.rerun_exits):
+  16 re-runs the rank on other hardware (`Verdict.rerun`: a swap of two slots, a rotation of every
+  node's slots, or a spare), 17 sends the suspect node to a spare; either stops when that cannot
+  help or cannot be done. They are re-runs: never counted as cycles without progress or as the
+  same error again.
 - no restart: the restart budget is spent (`restart` False, exit 1), or kind `stop` (exit 93):
   a rank asked for it (ShutdownWorkload), a node's leaving leaves fewer than the job's minimum
   (`max nodes - excluded < min nodes`), a failure after `max_no_progress_cycles` cycles in a
@@ -34,7 +39,7 @@ and declared restartable, the progress and failure origins of recent rounds, the
 carries out what the verdict implies (the budget, `r<R>/origin`). Store keys behind the inputs
 (under the run's prefix): `restarts_used`, `excluded`, `r<R>/restartable` (nodes whose ranks all
 declared themselves restartable in round R), `r<R>/origin` (JSON: the rank and node where round
-R's failure began), `r<R>/progress` / `r<R>/progress_unknown` (agent.recovery.progress) and
+R's failure began; for an exit 16 or 17 also its code, hardware and checkpoint iteration), `r<R>/progress` / `r<R>/progress_unknown` (agent.recovery.progress) and
 `slow/<node>` (agent.observation.stragglers). The same policy says whether a failure could restart
 in place now (`in_place_possible`, asked by the hang blame) and whether too few nodes can remain
 (`too_few_left`: a joining node's check, a leaving node's).

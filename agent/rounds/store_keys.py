@@ -219,7 +219,8 @@ def verdict(r: int) -> str:
     return f"r{r}/verdict"
 
 
-@key("r<R>/origin", shape="JSON: the rank and node where round R's failure began", writer="rounds.rendezvous "
+@key("r<R>/origin", shape="JSON: the rank and node where round R's failure began (an exit 16 or 17: its "
+     "exitcode, hardware and iteration too)", writer="rounds.rendezvous "
      "(the decider)", readers="rounds.rendezvous (the policy's input)", failover=CARRIED)
 def origin(r: int) -> str:
     return f"r{r}/origin"
