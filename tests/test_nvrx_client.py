@@ -217,21 +217,29 @@ def test_megatron_bridge_sequence_with_nvrx_client_through_a_hang_and_a_kill(lau
     assert {rank for rank, _ in sent} == {0, 1} and any(v.get("setup") == 50.0 for _, v in sent)
 
 
-def test_megatron_bridge_exclude_this_node_hands_the_job_to_the_spare(launcher, tmp_path):
-    """--nnodes 1:2: the training node's rank asks, through NVRx's client, to exclude its node;
-    the spare takes over and finishes; the excluded node exits 93."""
+def two_agents(launcher, tmp_path, nnodes, nproc, max_restarts, bridge_args, timeout=150):
+    """Two agents on this machine (GROUP_RANK 0 hosts the store, then 1) running the bridge
+    sequence with `bridge_args`; (first, second, first's stderr, second's, out dir, log dir), both ended."""
     port = free_port()
     out, logs = tmp_path / "out", tmp_path / "logs"
     out.mkdir()
-    common = ["--nnodes", "1:2", "--nproc-per-node", 1, "--rdzv-endpoint", f"127.0.0.1:{port}",
+    common = ["--nnodes", nnodes, "--nproc-per-node", nproc, "--rdzv-endpoint", f"127.0.0.1:{port}",
               "--rdzv-id", f"bridge{port}", "--rdzv-conf", "join_timeout=60,last_call_timeout=20",
-              "--max-restarts", 1, "--log-dir", logs, "--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60",
-              BRIDGE, out, "--steps", 30, "--save-interval", 10, "--exclude", "0:0:3"]
-    trainer = launcher.start(common, extra_env={"GROUP_RANK": "0"})
-    wait_for(lambda: listening(port) or trainer.poll() is not None, 30, "the store host to listen")
-    spare = launcher.start(common, extra_env={"GROUP_RANK": "1"})
-    _, err_s = spare.communicate(timeout=120)
-    _, err_t = trainer.communicate(timeout=60)
+              "--max-restarts", max_restarts, "--log-dir", logs,
+              "--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60", BRIDGE, out, *bridge_args]
+    first = launcher.start(common, extra_env={"GROUP_RANK": "0"})
+    wait_for(lambda: listening(port) or first.poll() is not None, 30, "the store host to listen")
+    second = launcher.start(common, extra_env={"GROUP_RANK": "1"})
+    _, err1 = second.communicate(timeout=timeout)
+    _, err0 = first.communicate(timeout=60)
+    return first, second, err0, err1, out, logs
+
+
+def test_megatron_bridge_exclude_this_node_hands_the_job_to_the_spare(launcher, tmp_path):
+    """--nnodes 1:2: the training node's rank asks, through NVRx's client, to exclude its node;
+    the spare takes over and finishes; the excluded node exits 93."""
+    trainer, spare, err_t, err_s, out, logs = two_agents(launcher, tmp_path, "1:2", 1, 1, [
+        "--steps", 30, "--save-interval", 10, "--exclude", "0:0:3"])
     assert spare.returncode == 0, err_s[-3000:]
     assert trainer.returncode == 93, err_t[-3000:]
     assert ("sent ExcludeThisNode (test: this node's NIC is failing): excluding its node -> exiting 93 "
@@ -255,19 +263,8 @@ def test_megatron_exit_16_reruns_every_rank_on_another_device_without_a_loop(lau
     step 6, every rank saves the checkpoint and exits 16; every node rotates its ranks, so rank 3
     re-runs step 6 on another device (Megatron's own check passes) and goes on, or (fatal) every
     rank exits 17 and, with no spare, the job stops with one line: 2 cycles either way."""
-    port = free_port()
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    out.mkdir()
-    common = ["--nnodes", 2, "--nproc-per-node", 2, "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--rdzv-id", f"rerun{port}", "--max-restarts", 3, "--log-dir", logs,
-              "--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60",
-              BRIDGE, out, "--steps", 12, "--save-interval", 4, "--rerun-exit", "16:3:0:6"] + (
-              ["--rerun-fatal"] if fatal else [])
-    first = launcher.start(common, extra_env={"GROUP_RANK": "0"})
-    wait_for(lambda: listening(port) or first.poll() is not None, 30, "the store host to listen")
-    second = launcher.start(common, extra_env={"GROUP_RANK": "1"})
-    _, err1 = second.communicate(timeout=150)
-    _, err0 = first.communicate(timeout=60)
+    first, second, err0, err1, out, logs = two_agents(launcher, tmp_path, 2, 2, 3, [
+        "--steps", 12, "--save-interval", 4, "--rerun-exit", "16:3:0:6"] + (["--rerun-fatal"] if fatal else []))
     starts = read_events(logs, "cycle_start")
     assert sorted({e["cycle"] for e in starts}) == [0, 1], err0[-3000:]   # no loop
     for rank in range(4):   # every rank re-ran on the other slot of its node, and was told so
@@ -293,18 +290,8 @@ def test_megatron_exit_16_reruns_every_rank_on_another_device_without_a_loop(lau
 def test_megatron_exit_17_hands_the_node_to_the_spare(launcher, tmp_path):
     """--nnodes 1:2, 2 ranks: every rank exits 17 at step 5 (a failed validation, Megatron's shape
     through NVRx's client); the node leaves (93), the spare resumes from the checkpoint and finishes."""
-    port = free_port()
-    out, logs = tmp_path / "out", tmp_path / "logs"
-    out.mkdir()
-    common = ["--nnodes", "1:2", "--nproc-per-node", 2, "--rdzv-endpoint", f"127.0.0.1:{port}",
-              "--rdzv-id", f"r17{port}", "--rdzv-conf", "join_timeout=60,last_call_timeout=20",
-              "--max-restarts", 1, "--log-dir", logs, "--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60",
-              BRIDGE, out, "--steps", 12, "--save-interval", 4, "--rerun-exit", "17:1:0:5"]
-    trainer = launcher.start(common, extra_env={"GROUP_RANK": "0"})
-    wait_for(lambda: listening(port) or trainer.poll() is not None, 30, "the store host to listen")
-    spare = launcher.start(common, extra_env={"GROUP_RANK": "1"})
-    _, err_s = spare.communicate(timeout=150)
-    _, err_t = trainer.communicate(timeout=60)
+    trainer, spare, err_t, err_s, out, logs = two_agents(launcher, tmp_path, "1:2", 2, 1, [
+        "--steps", 12, "--save-interval", 4, "--rerun-exit", "17:1:0:5"])
     assert spare.returncode == 0, err_s[-3000:]
     assert trainer.returncode == 93, err_t[-3000:]
     assert "leaves the job: a hot spare takes its place" in err_t, err_t[-3000:]
