@@ -90,7 +90,8 @@ class NodeRanks:
             return []
         suspect = rerun.get("suspect") or {}
         self.rerun_env = {
-            rerun_env.ENV_RERUN_OF: str(rerun["cycle"]) + (f":{rerun['iteration']}" if rerun.get("iteration") is not None else ""),
+            rerun_env.ENV_RERUN_OF: str(rerun["cycle"])
+            + (f":{rerun['iteration']}" if rerun.get("iteration") is not None else ""),
             rerun_env.ENV_RERUN_RANK: str(rerun.get("rank")),
             rerun_env.ENV_RERUN_SUSPECT: f"{suspect.get('host')}:{suspect.get('device')}"}
         before = list(self.slot_ranks)

@@ -111,7 +111,8 @@ class RerunDecision:
         """A 17's suspect node and why: the 16's node when it ends that 16's re-run, else its own."""
         if self.history and self.history[0][1]["exitcode"] == RESUME_ELSEWHERE:
             k, o = self.history[0]
-            return o["hardware"]["node_id"], f"the node of cycle {k}'s exit 16 ({where(o['hardware'])}), whose re-run this ends"
+            why = f"the node of cycle {k}'s exit 16 ({where(o['hardware'])}), whose re-run this ends"
+            return o["hardware"]["node_id"], why
         return self.hw["node_id"], f"its node ({where(self.hw)})"
 
     def place_17(self) -> Optional[str]:

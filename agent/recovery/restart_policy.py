@@ -39,7 +39,8 @@ and declared restartable, the progress and failure origins of recent rounds, the
 carries out what the verdict implies (the budget, `r<R>/origin`). Store keys behind the inputs
 (under the run's prefix): `restarts_used`, `excluded`, `r<R>/restartable` (nodes whose ranks all
 declared themselves restartable in round R), `r<R>/origin` (JSON: the rank and node where round
-R's failure began; for an exit 16 or 17 also its code, hardware and checkpoint iteration), `r<R>/progress` / `r<R>/progress_unknown` (agent.recovery.progress) and
+R's failure began; for an exit 16 or 17 also its code, hardware and checkpoint iteration),
+`r<R>/progress` / `r<R>/progress_unknown` (agent.recovery.progress) and
 `slow/<node>` (agent.observation.stragglers). The same policy says whether a failure could restart
 in place now (`in_place_possible`, asked by the hang blame) and whether too few nodes can remain
 (`too_few_left`: a joining node's check, a leaving node's).
