@@ -70,8 +70,9 @@ class Warmup:
 def build(args, rank, world):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    layers = [nn.Linear(16, 64)] + ([nn.BatchNorm1d(64)] if args.batchnorm else []) + [nn.Tanh()]
-    layers += ([nn.Dropout(args.dropout)] if args.dropout else []) + [nn.Linear(64, 1)]
+    w = args.width
+    layers = [nn.Linear(16, w)] + ([nn.BatchNorm1d(w)] if args.batchnorm else []) + [nn.Tanh()]
+    layers += ([nn.Dropout(args.dropout)] if args.dropout else []) + [nn.Linear(w, 1)]
     model = nn.Sequential(*layers)
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.samples, 16, generator=g)
@@ -320,6 +321,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16, help="per rank")
+    p.add_argument("--width", type=int, default=64, help="the hidden layer's width")
     p.add_argument("--batchnorm", action="store_true")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--ema", action="store_true", help="an EMA teacher in a second LiveState")

@@ -11,8 +11,10 @@ checkpoint every 50 steps) on 2 agents x 2 ranks, with real agents, monitors and
    rank 1 moves (exit 16) and hits again: the job stops with one line naming the step, the rank
    and the loader position (exit 93); with `--skip-bad-batches` it goes on and says which batch.
 5. A loss spike (targets x1000 on one rank, in the skip run) is said once and training goes on.
-Not here: 2 (a persistent fault on node 1: the node leaves, a spare heals live) needs the agent's
-answer to exit 16 and 17 (docs/sdc-and-nan.md).
+2. A persistent corruption on node 1 from step 137 (rank_sdc with `node` persistence): the re-run
+   hits again, rank 2 exits 16 (the agent swaps it with its sibling slot), hits again with its
+   sibling on node 1: node 1 leaves (exit 17), a hot spare takes its place and heals live, and the
+   final model is bit-equal to the fault-free run's; diagnosed on the third run of step 137.
 
 The default suite runs only the first test: the guard's verdict over two real gloo ranks (threads
 of this process, ProcessGroupGloo), the simulated fault's NaN and bit flip, and the loader's words.
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import EXAMPLE as DDP_EXAMPLE, ROOT
-from harness import JOB, Job, progress
+from harness import JOB, ExampleAgents, Job, progress
 from ft_launcher.rank_monitor.rank_side.live import step_guard as G
 
 LIVE = f"{ROOT}/examples/live_train.py"
@@ -184,3 +186,30 @@ def test_with_skip_bad_batches_the_poisoned_batch_is_skipped_and_a_spike_is_said
     assert len(skipped) == 1 and f"step {FAULT}:" in skipped[0] and "rank 1's batch at loader position" in skipped[0]
     finals = job.finals()
     assert all(math.isfinite(f["checksum"]) for f in finals) and len({f["checksum"] for f in finals}) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_persistent_corruption_on_node_1_is_diagnosed_in_3_runs_of_the_step_and_a_spare_heals_live(
+        launcher, tmp_path):
+    ref = fault_free(launcher, tmp_path)
+    root = tmp_path / "node"
+    agents = ExampleAgents(launcher, root, 2, 2, LIVE, [*BASE, "--ckpt-dir", root / "ckpt", "--progress-dir",
+                                                        root / "progress"],
+                           ft_args=SDC[:-1] + [2, "--ft-simulated-sdc", f"nan:{FAULT}:node"], spares=1, max_restarts=3)
+    agents.launch()
+    agents.add_spares()
+    results = agents.wait(bound=400, lost=(1,))
+    assert results[1][0] == 93, results[1][2][-3000:]   # node 1 left the job
+    finals = [json.loads((root / "ckpt" / f"final_rank_{r}.json").read_text()) for r in range(4)]
+    assert [f["checksum"] for f in finals] == [f["checksum"] for f in ref], (finals, ref)
+    assert [f["loss"] for f in finals] == [f["loss"] for f in ref]
+    events = agents.events()
+    lines = [e["detail"]["decision"] for e in events if e["kind"] == "step_guard"]
+    assert len(lines) == 3 and all(line.startswith(f"step {FAULT}: ") for line in lines), lines
+    assert "not committed" in lines[0] and "moves to other hardware (exit 16)" in lines[1], lines
+    assert "a persistent hardware fault on node 1" in lines[2], lines
+    live = [e["detail"] for e in events if e["kind"] == "live_recovery"]
+    assert live and all(d["resume_step"] == FAULT - 1 for d in live), live
+    for rank in (0, 1):   # the ranks of node 0 are kept: every step once
+        assert [s for _, s, _ in progress(root / "progress", rank)] == list(range(1, STEPS + 1)), rank

@@ -211,7 +211,7 @@ class LiveState:
         self._buddy_limit = None if buddy_memory_limit_mb is None else int(float(buddy_memory_limit_mb) * 1e6)
         self._buddy = None
         self.last_recovery: Optional[dict] = None   # restore()'s summary (rank 0's view), for tests and logs
-        self.stats = {"commits": 0, "snapshot_s": 0.0, "first_commit_s": 0.0}
+        self.stats = {"commits": 0, "snapshot_s": 0.0, "first_commit_s": 0.0, "guarded": 0, "guard_s": 0.0}
         self.refused: Optional[str] = None
         self._pending = 0
         self._described: Optional[dict] = None   # identity and layout of its objects (once read)
@@ -257,9 +257,12 @@ class LiveState:
         if self._words is not None and self._checked is not None and self.refused is None:
             loss, grad_norm = self._checked
             self._checked = None
+            t0 = time.perf_counter()
             step_guard._POSITION[0] = self._loader_position()
             if step_guard.check(self, self._pending, loss, grad_norm) == step_guard.Decision.SKIP:
                 self._drop_gradients()
+            self.stats["guard_s"] += time.perf_counter() - t0   # the guard's per-step cost (bench/step_guard.py)
+            self.stats["guarded"] += 1
         if self._words is not None:
             _REG.depth += 1
             inprocess._STATE.in_commit = True

@@ -41,13 +41,16 @@ agent; a stop is the agent's `workload_request` line):
    the agent restarts it on other hardware) and its peers wait for the in-place restart that its
    exit brings; they keep the pending record in memory. The new process heals from the live state,
    learns the record from its peers through the guard's table, and the job re-runs S.
-4. On the other hardware: the suspect's rank is clean: **persistent hardware fault** of the node it
-   left: every rank still on that node exits 17 (EXIT_NODE_SUSPECT: the node leaves the job, a
-   spare takes its place or the job stops); the others go on once the job is restarted. The
-   suspect hits again: **the data or the model**: the job stops with one line naming the step,
-   the rank and the loader position (a ShutdownWorkload request), or, with `skip_bad_batches`,
-   the batch's update is dropped (every gradient set to None before the optimizer step) and the
-   line says which batch. No suspect (every rank saw the NaN: it came before the all-reduce) is
+4. On the other hardware (another node, or at least another device of its node: under in-place
+   restarts the agent swaps the suspect with a sibling slot, which then runs on the suspect device):
+   the suspect is clean, or it hits again together with another rank on the node it was on (the
+   fault follows the node, not the batch): **persistent hardware fault**: the suspect and every
+   rank still on that node exit 17 (EXIT_NODE_SUSPECT: the node leaves the job, a spare takes its
+   place or the job stops; the agent takes a 17 that follows a 16 as the 16's node). The suspect
+   alone hits again: **the data or the model**: the job stops with one line naming the step, the
+   rank and the loader position (a ShutdownWorkload request), or, with `skip_bad_batches`, the
+   batch's update is dropped (every gradient set to None before the optimizer step) and the line
+   says which batch. No suspect (every rank saw the NaN: it came before the all-reduce) is
    treated as the data too, said so.
 
 What survives where: the pending record, the device's transient count and the running maxima live
@@ -78,8 +81,8 @@ PEER_WAIT_S = 120.0        # seconds the suspect's peers wait for the restart it
 
 # The table's columns (one row per rank, float64; node keys stay below 2**53, exact).
 (LOSS, NORM, NODE, LOSS_MAX, NORM_MAX, SEEN, P_STEP, P_STAGE, P_SUSPECT, P_NODE, P_LOSS, P_NORM, GROUP,
- LOCAL) = range(14)
-COLS = 14
+ LOCAL, P_GROUP, P_DEVICE) = range(16)
+COLS = 16
 NONE, SAME_DEVICE, OTHER_HARDWARE = 0, 1, 2   # the pending record's stages
 
 
@@ -100,6 +103,8 @@ class Pending:
     stage: int
     suspect: int                      # global rank, -1: unknown (every rank saw it)
     node: int                         # the suspect's node key when it was hit
+    group: int                        # its node's place (GROUP_RANK) and device (LOCAL_RANK) then
+    device: int
     loss: float                       # the suspect's first result
     norm: float
 
@@ -116,6 +121,7 @@ class _Memory:
         self.fired = False             # a once-only simulated fault fired in this process
         self.spikes_said = set()       # steps whose spike was said
         self.reruns = 0                # re-runs from memory in this process
+        self.hit_at = 0.0              # perf_counter of the last fatal hit (the re-run's cost is said from it)
         self.last: Optional[dict] = None   # the last verdict, for tests and the bench
 
 
@@ -232,7 +238,7 @@ def local_row(loss, grad_norm, modules: list, step: int, device) -> Any:
     row[LOSS_MAX], row[NORM_MAX], row[SEEN] = MEM.loss_max, MEM.norm_max, MEM.seen
     if p is not None:
         row[P_STEP], row[P_STAGE], row[P_SUSPECT], row[P_NODE] = p.step, p.stage, p.suspect, p.node
-        row[P_LOSS], row[P_NORM] = p.loss, p.norm
+        row[P_LOSS], row[P_NORM], row[P_GROUP], row[P_DEVICE] = p.loss, p.norm, p.group, p.device
     else:
         row[P_STEP] = -1
     return row
@@ -266,7 +272,7 @@ def _pending_of(table: List[List[float]]) -> Optional[Pending]:
     if best is None:
         return None
     return Pending(int(best[P_STEP]), int(best[P_STAGE]), int(best[P_SUSPECT]), int(best[P_NODE]),
-                   best[P_LOSS], best[P_NORM])
+                   int(best[P_GROUP]), int(best[P_DEVICE]), best[P_LOSS], best[P_NORM])
 
 
 def judge(table: List[List[float]], cfg: GuardConfig) -> dict:
@@ -347,8 +353,11 @@ def check(live, step: int, loss, grad_norm) -> str:
         suspect = v["suspect"]
         who = _ranks_text(fatal) if suspect < 0 else f"rank {suspect}"
         MEM.pending = Pending(step, SAME_DEVICE, suspect, int(table[suspect][NODE]) if suspect >= 0 else -1,
+                              int(table[suspect][GROUP]) if suspect >= 0 else -1,
+                              int(table[suspect][LOCAL]) if suspect >= 0 else -1,
                               table[fatal[0]][LOSS], table[fatal[0]][NORM])
         MEM.reruns += 1
+        MEM.hit_at = time.perf_counter()
         say(f"step {step}: {_what(table, fatal[0])} on {who}: not committed; re-running it from memory on the "
             f"same devices")
         from ft_launcher.rank_monitor.rank_side.inprocess import StepRerun
@@ -361,7 +370,8 @@ def check(live, step: int, loss, grad_norm) -> str:
             dev = device_name() if rank == pending.suspect else None
             line = (f"step {step}: the re-run on the same devices is clean: a transient fault"
                     + (f" on rank {pending.suspect}" if pending.suspect >= 0 else "")
-                    + "; training goes on with the re-run's result")
+                    + f"; training goes on with the re-run's result (the re-run from memory took "
+                      f"{time.perf_counter() - MEM.hit_at:.3f} s)")
             persistent = _transient(pending, rank, cfg)
             say(line + _device_words(table, pending.suspect)
                 + (": its second within the window: persistent, its node leaves" if persistent else ""))
@@ -383,23 +393,27 @@ def check(live, step: int, loss, grad_norm) -> str:
         if rank == pending.suspect:
             _exit(EXIT_OTHER_HARDWARE)
         _await_restart(f"rank {pending.suspect} moves to other hardware")
-    # OTHER_HARDWARE: the suspect's rank re-ran the step elsewhere
-    here = int(table[pending.suspect][NODE]) if 0 <= pending.suspect < world else -1
-    moved = here != pending.node
+    # OTHER_HARDWARE: the suspect's rank re-ran the step elsewhere (another node, or at least another
+    # device of its node: the agent may swap it with a sibling slot, which then runs on the suspect device)
+    moved_node = int(table[pending.suspect][NODE]) != pending.node
+    old_node = [r for r, row in enumerate(table) if int(row[NODE]) == pending.node]
+    hardware = ""
     if pending.suspect not in fatal:
+        hardware = f"on other hardware rank {pending.suspect} is clean"
+    elif any(r != pending.suspect and r in old_node for r in fatal):
+        hardware = (f"on other hardware rank {pending.suspect} hits again and so does "
+                    f"{_ranks_text([r for r in fatal if r != pending.suspect and r in old_node])} on the node it "
+                    f"was on: it follows that node, not the batch")
+    if hardware:
         MEM.pending = None
-        leaving = [r for r, row in enumerate(table) if int(row[NODE]) == pending.node]
-        say(f"step {step}: on other hardware rank {pending.suspect} is clean: a persistent hardware fault on the "
-            f"node it left" + (f" ({_ranks_text(leaving)} still there: the node leaves, exit {EXIT_NODE_SUSPECT})"
-                               if leaving else "") + ("" if moved else " (on the same node: no other was free)"))
+        leaving = sorted(set(old_node) | {pending.suspect})
+        say(f"step {step}: {hardware}: a persistent hardware fault on node {pending.group} (device "
+            f"{pending.device} first): it leaves the job ({_ranks_text(leaving)} exit {EXIT_NODE_SUSPECT})")
         if rank in leaving:
             _exit(EXIT_NODE_SUSPECT)
-        if leaving:
-            _await_restart("the suspect node leaves")
-        _count(table, cfg, v)
-        return Decision.GO
+        _await_restart(f"node {pending.group} leaves")
     return _data(step, table, pending, v, cfg, rank, "reproducible on other hardware" +
-                 ("" if moved else " (on the same node: no other was free)"))
+                 ("" if moved_node else " (another device of the same node)"))
 
 
 def _data(step, table, pending: Pending, v, cfg: GuardConfig, rank: int, why: str) -> str:
