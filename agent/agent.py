@@ -65,7 +65,8 @@ from ft_launcher.agent.observation.observers import Observers
 from ft_launcher.agent.node_state import NodeLife, NodeState
 from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.ranks.node_ranks import NodeRanks, Unkillable
-from ft_launcher.agent.recovery import failure_cause
+from ft_launcher.agent.recovery import failure_cause, rerun_exits
+from ft_launcher.agent.ranks.gpu_env import slot_device
 from ft_launcher.agent.rounds.job_rounds import JobRounds
 from ft_launcher.agent.recovery.restart_policy import Verdict
 from ft_launcher.agent.recovery.round_end import RoundEnd
@@ -328,6 +329,8 @@ class NodeAgent:
                 slow = store_keys.slow(self.me.node_id)
                 self._leave_job(self._excluded or (f"excluded as a straggler: {self.proto.get(slow)}"
                                                    if self.proto.exists(slow) else verdict.what))
+            # a rank's exit 16: this node's ranks change slots, the next cycle's ranks are told (agent.ranks.node_ranks)
+            self.ranks.apply_rerun(verdict.rerun, self.me.node_id, self.me.host, rnd.group_rank is not None)
             target = None   # the next round's target: in the store, with the verdict (RoundEnd.interrupt)
             number = verdict.next_round
 
@@ -472,6 +475,14 @@ class NodeAgent:
                                                                                 rnd.rank_offset,
                                                                                 self.cfg.nproc_per_node)})
         self._ranks_started()
+        for rank in self.group.ranks:   # placed on other hardware after an exit 16 (agent.recovery.rerun_exits)
+            left = self.ranks.moved_from.get(rank.local_rank)
+            if left:
+                device = slot_device(rank.local_rank, os.environ)
+                self.events.event("rank_moved", f"rank {rank.rank} re-runs on {self.me.host} device {device} "
+                                  f"(slot {rank.local_rank}); it left {left}", rank=rank.rank, slot=rank.local_rank,
+                                  device=device, left=left)
+        self.ranks.moved_from = {}
 
     def _end_cycle(self, rnd: Round, verdict: Optional[Verdict]) -> None:
         """The cycle is over (`verdict`, or None when a signal or a lost store ended it): the ranks
@@ -615,6 +626,9 @@ class NodeAgent:
             reason["what"] += (f", after rank{'s' if len(early) > 1 else ''} {', '.join(map(str, early))} "
                                f"exited 0 early and left its peers waiting")
             reason["early_exits"] = early
+        slot = reason.pop("slot", None)
+        if slot is not None:   # a rank's exit 16 or 17: where it ran (agent.recovery.rerun_exits)
+            reason["hardware"] = self.ranks.hardware(slot, self.me.node_id, self.me.host)
         error = self.output.error(rnd.number, reason["rank"]) if reason.get("rank") is not None else None
         if error:   # its traceback: the same one again before any progress stops the job (restart_policy)
             reason["error"] = {"signature": hashlib.sha1(error[0].encode()).hexdigest()[:16], "exception": error[1]}
@@ -627,6 +641,11 @@ class NodeAgent:
             line = f"{what} -> {'restarting in place' if verdict.in_process else 'stopping all ranks'}"
         self.events.event("failure", line, rank=reason.get("rank"),
                           **{k: v for k, v in reason.items() if k not in ("rank",)})
+        if ours and rerun_exits.code_of(reason):   # the decision's record (its line is the failure's)
+            self.events.event("rerun", None, rank=reason.get("rank"), exitcode=reason["exitcode"],
+                              meaning=rerun_exits.MEANING[reason["exitcode"]], hardware=reason["hardware"],
+                              decision=verdict.what, restart=verdict.restart, exclude=verdict.exclude,
+                              replace_ranks=verdict.replace_ranks, move=verdict.rerun)
         self._name_culprit(rnd.number, verdict if not ours else None, reason.get("rank"))
         return self._announce(rnd, verdict)
 

@@ -18,7 +18,9 @@ A user's `TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC` at or below a configured timeout get
 
 `CUDA_VISIBLE_DEVICES` is passed on as it is, never set or reordered (as torchrun): the rank with
 `LOCAL_RANK` n uses the n-th visible device (`torch.cuda.set_device(LOCAL_RANK)`), so
-`--nproc-per-node gpu` runs one rank per visible device in the order given.
+`--nproc-per-node gpu` runs one rank per visible device in the order given. So a slot's device is
+the entry of CUDA_VISIBLE_DEVICES at its index, else the index (`slot_device`): what a rank's exit 16
+moves it away from (agent.recovery.rerun_exits).
 """
 from __future__ import annotations
 
@@ -71,3 +73,10 @@ def heartbeat_warning(env: Dict[str, str], ft) -> Optional[str]:
     return (f"warning: TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC={value} is not above the largest configured timeout "
             f"({largest:g}s): torch's NCCL heartbeat monitor may end a hung rank before its monitor dumps "
             f"its stack and trace (unset it for {heartbeat_timeout(ft)})")
+
+
+def slot_device(slot: int, env: Dict[str, str]) -> str:
+    """The device slot `slot`'s rank uses (LOCAL_RANK = slot): CUDA_VISIBLE_DEVICES' entry at that
+    index when it has one, else the index itself (on a CPU: the slot)."""
+    visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[slot] if slot < len(visible) else str(slot)

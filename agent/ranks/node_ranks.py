@@ -8,14 +8,21 @@ it; the flight recorder, which the agent makes, comes between the watchdog and t
 each cycle's ranks through it (`start_ranks`: a rank carried in place goes on in its process, the
 others start from a warm reserve or cold) and stops them as the verdict says. A rank SIGKILL does not
 end raises `Unkillable` (agent.ranks.process_wait).
+
+Which rank runs in which slot (`slot_ranks`: slot -> index of the rank on this node, global rank =
+the round's offset + index) is the identity until a rank's exit 16 moves ranks to other devices
+(`apply_rerun`: the verdict's swap of two slots, or a rotation by one slot, agent.recovery.rerun_exits);
+it then stays so, so that a later restart never puts a rank back on the device it left. A slot keeps
+its device (LOCAL_RANK, its monitor, its warm reserves); the rank moves. The cycle after a 16, every
+rank gets the re-run's variables (rank_monitor.rerun_env).
 """
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from ft_launcher.agent.ranks import inprocess_ranks
-from ft_launcher.agent.ranks.gpu_env import heartbeat_warning
+from ft_launcher.agent.ranks.gpu_env import heartbeat_warning, slot_device
 from ft_launcher.agent.ranks.in_place_carrier import InPlaceCarrier
 from ft_launcher.agent.ranks.monitor_set import MonitorSet
 from ft_launcher.agent.ranks.orphan_watchdog import OrphanWatchdog
@@ -23,6 +30,7 @@ from ft_launcher.agent.ranks.process_wait import Unkillable
 from ft_launcher.agent.ranks.rank_output import RankOutput
 from ft_launcher.agent.ranks.reserve_pool import ReservePool
 from ft_launcher.agent.ranks.workers import WorkerGroup, rank_env, set_wake_fd
+from ft_launcher.rank_monitor import rerun_env
 
 __all__ = ["NodeRanks", "Unkillable"]
 
@@ -39,6 +47,9 @@ class NodeRanks:
         self.monitor_set: Optional[MonitorSet] = None
         self.reserves: Optional[ReservePool] = None
         self.group: Optional[WorkerGroup] = None          # this cycle's ranks
+        self.slot_ranks: List[int] = list(range(cfg.nproc_per_node))   # slot -> the rank's index on this node
+        self.rerun_env: Dict[str, str] = {}               # the next cycle's re-run variables (after a 16)
+        self.moved_from: Dict[int, str] = {}              # slot -> the hardware its rank left (after a 16)
 
     def open_watchdog(self, wake_fd: int) -> OrphanWatchdog:
         """The orphan watchdog and the ranks' output; a restartable rank that raised wakes the agent
@@ -65,6 +76,43 @@ class NodeRanks:
         self.group = WorkerGroup(self.cfg, self.watchdog, self.output, number)
         return previous
 
+    def hardware(self, slot: int, node_id: str, host: str) -> dict:
+        """Where slot `slot`'s rank runs, for a report of its exit 16 or 17 (agent.recovery.rerun_exits)."""
+        return {"node_id": node_id, "host": host, "slot": slot, "device": slot_device(slot, os.environ),
+                "slots": list(self.slot_ranks)}
+
+    def apply_rerun(self, rerun: dict, node_id: str, host: str, trained: bool) -> List[str]:
+        """The verdict's `rerun` (empty: none): the slots of this node's ranks change as it says (when
+        this node trained in the round) and the next cycle's ranks get its variables; one line per
+        rank moved."""
+        self.rerun_env, self.moved_from = {}, {}
+        if not rerun:
+            return []
+        suspect = rerun.get("suspect") or {}
+        self.rerun_env = {
+            rerun_env.ENV_RERUN_OF: str(rerun["cycle"]) + (f":{rerun['iteration']}" if rerun.get("iteration") is not None else ""),
+            rerun_env.ENV_RERUN_RANK: str(rerun.get("rank")),
+            rerun_env.ENV_RERUN_SUSPECT: f"{suspect.get('host')}:{suspect.get('device')}"}
+        before = list(self.slot_ranks)
+        swap = rerun.get("swap") or {}
+        if trained and swap.get("node_id") == node_id:
+            a, b = swap["slots"]
+            self.slot_ranks[a], self.slot_ranks[b] = self.slot_ranks[b], self.slot_ranks[a]
+        elif trained and rerun.get("rotate") and len(self.slot_ranks) > 1:
+            self.slot_ranks = self.slot_ranks[1:] + self.slot_ranks[:1]
+        lines = []
+        for slot, index in enumerate(self.slot_ranks):
+            if before[slot] != index:
+                old = before.index(index)
+                self.moved_from[slot] = f"{host}:{slot_device(old, os.environ)}"
+                lines.append(f"rank index {index} of this node moves from slot {old} (device "
+                             f"{slot_device(old, os.environ)}) to slot {slot} (device {slot_device(slot, os.environ)})")
+        return lines
+
+    def global_rank(self, rnd, slot: int) -> int:
+        """The global rank slot `slot` runs in round `rnd`."""
+        return rnd.rank_offset + self.slot_ranks[slot]
+
     def start_ranks(self, rnd, master: tuple, in_place: Dict[int, object], extra_env: Dict[str, str]) -> None:
         """This node's ranks of cycle `rnd.number`: those carried in place go on in their process
         (`in_place`: local rank -> rank), the others start from a warm reserve or cold."""
@@ -72,13 +120,14 @@ class NodeRanks:
         monitors = self.monitor_set.handles if self.monitor_set is not None else []
         for local_rank in range(cfg.nproc_per_node):
             monitor = monitors[local_rank] if monitors else None
-            env = rank_env(cfg, local_rank, rnd.rank_offset + local_rank, rnd.number, rnd.group_rank,
+            moved = {rerun_env.ENV_RERUN_MOVED: self.moved_from[local_rank]} if local_rank in self.moved_from else {}
+            env = rank_env(cfg, local_rank, self.global_rank(rnd, local_rank), rnd.number, rnd.group_rank,
                            rnd.world_size, rnd.nnodes, master,
                            {**(monitor.rank_env() if monitor else {}), **self.reserves.rank_env(local_rank),
-                            **extra_env})
+                            **extra_env, **self.rerun_env, **moved})
             kept = in_place.get(local_rank)
             if kept is not None:   # at its restart point: it runs its function again, same process
-                rank = self.group.adopt(kept, rnd.rank_offset + local_rank, rnd.number)
+                rank = self.group.adopt(kept, self.global_rank(rnd, local_rank), rnd.number)
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
                 inprocess_ranks.go(monitor, env, rnd.number)
                 continue
@@ -87,7 +136,7 @@ class NodeRanks:
             # torch's objects for ~1 s), a cold rank's exception could take a warm peer down, and be
             # blamed on it, before the cold rank itself had exited.
             reserve = self.reserves.take(local_rank) if rnd.number > 0 else None
-            rank = self.group.start(local_rank, rnd.rank_offset + local_rank, env, rnd.number, reserve)
+            rank = self.group.start(local_rank, self.global_rank(rnd, local_rank), env, rnd.number, reserve)
             self.reserves.rank_started(local_rank, rank.warm)   # a cold start is timed: the early rung's yardstick
             if monitor:
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)

@@ -9,6 +9,8 @@ else the hang blame's verdict, else its exit status), a rank's function raised u
 WorkloadControlRequest (`rank_request`: ShutdownWorkload is a stop, ExcludeThisNode its node
 `leaving`, both decided by the policy). The report: kind "failure" (or "stop"), the line `what`,
 the rank where known, and the evidence (hang, exitcode, exception, dead_nodes, action, ...).
+A rank's exit 16 or 17 (Megatron's rerun state machine, agent.recovery.rerun_exits) is said with its
+meaning and carries the rank's `slot`, to which the agent adds the slot's `hardware`.
 `hang_place` and `dump_words` are the hang line's parts.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 from typing import List, Optional
 
 from ft_launcher.agent.ranks.workers import describe_exit
+from ft_launcher.agent.recovery import rerun_exits
 from ft_launcher.rank_monitor.workload_requests import WorkloadAction
 
 _ACTION_VALUES = {a.value for a in WorkloadAction}
@@ -54,6 +57,9 @@ def _ended(rank, code: int, node: str, reports: List[dict], blame) -> dict:
     if blame.blamed(rank.local_rank):
         what = f"rank {rank.rank} on {node} hung and was killed by its agent" + blame.words(rank.rank)
         return {"kind": "failure", "what": what, "rank": rank.rank, "exitcode": code, "hang_blame": blame.verdict}
+    if code in rerun_exits.CODES:   # Megatron's (and the SDC guard's): the agent adds the rank's `hardware`
+        return {"kind": "failure", "what": f"rank {rank.rank} on {node} exited {code} ({rerun_exits.MEANING[code]})",
+                "rank": rank.rank, "exitcode": code, "slot": rank.local_rank}
     return {"kind": "failure", "what": f"rank {rank.rank} on {node} {describe_exit(code)}", "rank": rank.rank,
             "exitcode": code}
 

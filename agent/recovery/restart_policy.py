@@ -50,6 +50,7 @@ import dataclasses
 import json
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+from ft_launcher.agent.recovery.rerun_exits import RerunDecision, code_of
 from ft_launcher.agent.rounds.round_types import Verdict, rung_words  # noqa: F401 - the policy's verdict
 from ft_launcher.rank_monitor.config import RESTART_GRANULARITIES
 
@@ -93,6 +94,11 @@ class PolicyInputs:
     # the rounds just before this one that failed with this failure's traceback, in a row, with no
     # progress since (the `error` signature of their reports, agent.ranks.rank_output)
     repeats: List[int] = dataclasses.field(default_factory=list)
+
+    def rerun_round(self, number: int, back: int) -> bool:
+        """Did round `number - back` end in a rank's exit 16 or 17 (a re-run, agent.recovery.rerun_exits)?
+        Read from its origin; round `number`'s (back 0) is not written yet: never."""
+        return back > 0 and (self.origins.get(number - back) or {}).get("exitcode") in (16, 17)
 
     def progressed(self, back: int) -> bool:
         """Did round (this one - back) make progress?"""
@@ -207,14 +213,18 @@ class RestartPolicy:
             return verdict
         if leaving:
             verdict.exclude = list(verdict.exclude) + [leaving]
-        pointless = self.same_error_again(verdict.what, inputs) or self.no_progress(inputs)
+        # a rank's exit 16 or 17 is a re-run, never a failure to progress (agent.recovery.rerun_exits)
+        rerun = RerunDecision(verdict, facts, inputs) if code_of(report) else None
+        pointless = (rerun.before_restart() if rerun else
+                     self.same_error_again(verdict.what, inputs) or self.no_progress(inputs, facts.number))
         if pointless:                           # a stop, the budget untouched
-            verdict.kind, verdict.detail["failure"], verdict.what = "stop", verdict.what, pointless
-            return verdict
+            return self._stop(verdict, pointless)
         used = inputs.restarts_used + 1
         verdict.restarts_used = used
         verdict.restart = used <= self.max_restarts
         origin = verdict.origin = self._origin(verdict, facts)
+        if rerun:
+            origin.update(rerun.origin_fields())
         if not verdict.restart:
             return verdict
         if self.in_place_possible(facts, inputs.restartable):
@@ -223,12 +233,23 @@ class RestartPolicy:
                 verdict.replace_nodes = [origin["node_id"]]
             if origin["rank"] is not None and self._failed_again_at_once(origin, facts.number, inputs):
                 verdict.replace_ranks = [origin["rank"]]
+        if rerun:
+            stop = rerun.place_16(verdict.in_process) if rerun.code == 16 else rerun.place_17()
+            if stop:
+                verdict.restart, verdict.restarts_used, verdict.rerun = False, inputs.restarts_used, {}
+                return self._stop(verdict, stop)
         self._leave_out_stragglers(verdict, facts, inputs)
         leaving = self._node_keeps_failing(origin, facts, inputs)
         if leaving and leaving not in verdict.exclude:
             verdict.exclude = list(verdict.exclude) + [leaving]
             verdict.what += (f"; the failure began on node {leaving} {NODE_FAILURE_LIMIT} times in a row "
                              f"without progress: a hot spare takes its place")
+        return verdict
+
+    @staticmethod
+    def _stop(verdict: Verdict, why: str) -> Verdict:
+        """Restarting is pointless: kind `stop`, the failure's own line kept in `detail["failure"]`."""
+        verdict.kind, verdict.detail["failure"], verdict.what = "stop", verdict.what, why
         return verdict
 
     def too_few_left(self, excluded: int) -> Optional[str]:
@@ -250,12 +271,14 @@ class RestartPolicy:
         return (f"{what}: the same error as in cycle {inputs.repeats[0]}, {len(inputs.repeats) + 1} failures in a "
                 f"row before any progress (max_identical_failures={limit}); restarting cannot help")
 
-    def no_progress(self, inputs: PolicyInputs) -> Optional[str]:
+    def no_progress(self, inputs: PolicyInputs, number: int = 0) -> Optional[str]:
         """Why the job must stop instead of restarting: `max_no_progress_cycles` cycles in a row
-        ended without progress (agent.recovery.progress), or None."""
+        ended without progress (agent.recovery.progress), or None. Rounds before `number` that ended
+        in a rank's exit 16 or 17 are re-runs, not counted (agent.recovery.rerun_exits)."""
         if self.no_progress_limit <= 0:
             return None
-        streak = sum(1 for status in inputs.progress if status == "none")
+        streak = sum(1 for back, status in enumerate(inputs.progress)
+                     if status == "none" and not inputs.rerun_round(number, back))
         if streak < self.no_progress_limit:
             return None
         plural = "s" if streak != 1 else ""

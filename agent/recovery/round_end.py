@@ -93,7 +93,8 @@ class RoundEnd:
         proto, number = self.proto, facts.number
         self.progress.judge(proto, number)   # checkpoint_iteration_file: this cycle's progress, by the file
         origins = {}
-        for k in range(number - 1, max(-1, number - NODE_FAILURE_LIMIT), -1):
+        back = max(NODE_FAILURE_LIMIT, self.policy.no_progress_limit + 1)   # re-runs are not counted as no progress
+        for k in range(number - 1, max(-1, number - back), -1):
             if proto.exists(store_keys.origin(k)):
                 origins[k] = json.loads(proto.get(store_keys.origin(k)))
         slow = []

@@ -126,7 +126,8 @@ class Supervisor:
             request = monitor.control_request()
             if request is None:
                 continue
-            rank = self.rnd.rank_offset + local_rank
+            rank = next((r.rank for r in self.group.ranks if r.local_rank == local_rank),
+                        self.rnd.rank_offset + local_rank)   # (a slot's rank moves after an exit 16)
             failure = failure_cause.rank_request(rank, self.node_words, self.node_id, request)
             if failure is not None:
                 return failure

@@ -153,6 +153,9 @@ class Verdict:
     rank: Optional[int] = None              # the rank where the failure began, when known
     signal: Optional[int] = None            # kind shutdown: the signal
     origin: Optional[dict] = None           # where the failure began ({rank, node_id}), kept for later rounds
+    # a rank's exit 16 (agent.recovery.rerun_exits): {cycle, rank, suspect {node_id, host, device},
+    # iteration, swap {node_id, slots [a, b]} or None, rotate}: where the next cycle's ranks run
+    rerun: Dict[str, Any] = dataclasses.field(default_factory=dict)
     detail: Dict[str, Any] = dataclasses.field(default_factory=dict)  # the rest of the report
 
     _FIELDS = ("kind", "what", "rank", "node_id", "exclude", "dead_nodes", "signal")

@@ -64,7 +64,7 @@ import time
 import traceback
 from typing import Callable, Optional
 
-from ft_launcher.rank_monitor import shm_layout as L
+from ft_launcher.rank_monitor import rerun_env, shm_layout as L
 
 ENV_WAKE_FD = "FT_LAUNCHER_WAKE_FD"            # the agent's wake pipe (write end), inherited
 ENV_GRANULARITY = "FT_LAUNCHER_RESTART_GRANULARITY"
@@ -263,6 +263,9 @@ def _next_environment(path: str) -> None:
     with open(path) as fh:
         env = json.load(fh)
     os.environ.update({k: str(v) for k, v in env.items()})
+    for name in rerun_env.ALL:   # a re-run's variables hold for the cycle after a 16 only
+        if name not in env:
+            os.environ.pop(name, None)
 
 
 class _Run:

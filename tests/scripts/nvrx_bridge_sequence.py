@@ -14,10 +14,18 @@ to ft_state.json; at the end the same with calc_out_of_section=True, then
 shutdown_workload_monitoring(). A tiny DDP model on gloo stands in for the model.
 
     nvrx_bridge_sequence.py OUT --steps N --save-interval K [--hang R:C:S] [--kill R:C:S] [--exclude R:C:S]
+                            [--rerun-exit CODE:R:C:S [--rerun-fatal]]
 
 R:C:S = global rank R, in cycle C, at training step S: --hang stops the rank (SIGSTOP, Bridge's
 simulated rank_hung), --kill kills it (SIGKILL, rank_killed), --exclude sends NVRx's
 WorkloadControlRequest(ExcludeThisNode) and trains on until the launcher stops it.
+--rerun-exit CODE:R:C:S does what Megatron's rerun state machine does when rank R's result at step S
+is rejected twice on its GPU (CODE 16) or fails validation (17): every rank (the decision is
+collective) saves the checkpoint at step S (16), writes OUT/suspect.json (R's host and LOCAL_RANK:
+Megatron's os.uname()[1] and torch.cuda.current_device()) and exits CODE. In the cycle after a 16,
+rank R re-runs step S and does Megatron's check: on the same host and device, every rank exits 16
+again; else every rank exits 17 with --rerun-fatal, or trains on. Every rank appends
+`cycle host LOCAL_RANK FT_LAUNCHER_RERUN_OF FT_LAUNCHER_RERUN_MOVED` to OUT/hw_rank<r>.txt once set up.
 Each rank appends `cycle step pid` to OUT/rank_<r>.txt after every step and writes
 OUT/loaded_rank<r>_cycle<c>.json once set up (the timeouts it loaded) and
 OUT/report_rank<r>_cycle<c>.json at the end (those in effect, the updates made, its state_dict()).
@@ -27,6 +35,8 @@ import dataclasses
 import json
 import os
 import signal
+import socket
+import sys
 import time
 
 import torch
@@ -53,6 +63,8 @@ p.add_argument("--save-interval", type=int, default=10)
 p.add_argument("--hang", type=where)
 p.add_argument("--kill", type=where)
 p.add_argument("--exclude", type=where)
+p.add_argument("--rerun-exit", type=lambda t: tuple(int(x) for x in t.split(":")))
+p.add_argument("--rerun-fatal", action="store_true")
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -126,6 +138,38 @@ def fault_here(spec, step):
     return spec is not None and spec == (rank, cycle, step)
 
 
+here = (socket.gethostname(), int(os.environ.get("LOCAL_RANK", 0)))
+with open(os.path.join(args.out, f"hw_rank{rank}.txt"), "a") as f:
+    f.write(f"{cycle} {here[0]} {here[1]} {os.environ.get('FT_LAUNCHER_RERUN_OF', '-')} "
+            f"{os.environ.get('FT_LAUNCHER_RERUN_MOVED', '-')}\n")
+suspect_file = os.path.join(args.out, "suspect.json")
+rerunning = os.path.exists(suspect_file)   # Megatron's RERUNNING_FROM_CHECKPOINT, loaded with the checkpoint
+
+
+def rerun_exit(step):
+    """Megatron's should_checkpoint_and_exit after its state machine's verdict, collective."""
+    if args.rerun_exit is None:
+        return
+    code, culprit, at_cycle, at_step = args.rerun_exit
+    if (cycle, step) == (at_cycle, at_step):
+        if code == 16 and rank == 0:
+            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt_path)
+        if rank == culprit:
+            with open(suspect_file, "w") as f:
+                json.dump(here, f)
+        dist.barrier()
+        sys.exit(code)
+    if code == 16 and step == at_step and rerunning:
+        with open(suspect_file) as f:
+            same = rank == culprit and tuple(json.load(f)) == here
+        flag = torch.tensor([1 if same else 0])
+        dist.all_reduce(flag)
+        if flag.item():
+            sys.exit(16)   # "got rescheduled on the same GPU": resume again
+        if args.rerun_fatal:
+            sys.exit(17)   # the second re-run's diagnosis is done; a fatal validation ends the job
+
+
 for step in range(start, args.steps):
     # on_training_step_start
     if ft_state.is_setup_section_open:
@@ -134,6 +178,7 @@ for step in range(start, args.steps):
     in_step = ft_state.seen_tr_iters_cnt >= NUM_WARMUP_ITERS
     if in_step:
         client.start_section("step")
+    rerun_exit(step)
     if fault_here(args.hang, step):
         os.kill(os.getpid(), signal.SIGSTOP)
     if fault_here(args.kill, step):

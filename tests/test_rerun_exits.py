@@ -1,0 +1,127 @@
+"""Megatron's exit codes 16 and 17 under our launcher (agent/recovery/rerun_exits.py, decided by
+RestartPolicy.decide): pure decisions from their inputs, no store, no processes (the whole jobs
+through NVRx's client are tests/test_nvrx_client.py's `test_megatron_exit_*`, slow).
+
+- 16: the rank re-runs on other hardware, never the same device: a swap of two slots (ranks
+  restart in place), a rotation of every node's slots (every rank restarts), a hot spare (one rank
+  a node), else a stop with one line; 16 again for the same iteration stops with one line.
+- 17: the suspect node (its own, or the 16's whose re-run it ends) leaves for a spare, else the job
+  stops with one line; 17 again before any progress stops.
+- Neither counts as a cycle without progress.
+"""
+from ft_launcher.agent.recovery.restart_policy import PolicyInputs, RestartPolicy, RoundFacts, Verdict
+from ft_launcher.agent.ranks.gpu_env import slot_device
+
+NODES = ["node-a", "node-b", "node-c"]
+
+
+def facts(number, nodes=2, spares=0, nproc=2):
+    active, spare = NODES[:nodes], NODES[nodes:nodes + spares]
+    return RoundFacts(number, active, spare, {n: nproc for n in active + spare}, {n: f"host-{n[-1]}" for n in NODES})
+
+
+def exited(code, rank, nproc=2, slots=None):
+    node = NODES[rank // nproc]
+    slots = slots or list(range(nproc))
+    slot = slots.index(rank % nproc)   # the slot that runs it
+    hw = {"node_id": node, "host": f"host-{node[-1]}", "slot": slot, "device": str(slot), "slots": slots}
+    return {"kind": "failure", "what": f"rank {rank} on {node} exited {code}", "rank": rank, "node_id": node,
+            "exitcode": code, "hardware": hw}
+
+
+def decide(policy, number, report, inputs=None, **kw):
+    return policy.decide(report, facts(number, **kw), inputs or PolicyInputs())
+
+
+def test_a_16_under_in_place_restarts_swaps_the_rank_with_its_neighbour_slot_and_replaces_both():
+    v = decide(RestartPolicy(5), 0, exited(16, 3), PolicyInputs(restartable=2))   # rank 3: node-b, slot 1
+    assert v.kind == "failure" and v.restart and v.in_process
+    assert v.rerun["swap"] == {"node_id": "node-b", "slots": [1, 0]} and not v.rerun["rotate"]
+    assert v.replace_ranks == [2, 3] and v.keeps(0, "node-a") and not v.keeps(2, "node-b")
+    assert v.rerun["suspect"] == {"node_id": "node-b", "host": "host-b", "device": "1"}
+    assert "rank 3 re-runs on the device of slot 0 of its node, rank 2 takes slot 1" in v.what
+    assert v.origin["exitcode"] == 16 and v.origin["hardware"]["device"] == "1"
+    # after an earlier swap the slots hold other ranks: the partner is the rank in the other slot
+    again = decide(RestartPolicy(5), 0, exited(16, 2, slots=[1, 0]), PolicyInputs(restartable=2))
+    assert again.replace_ranks == [2, 3] and again.rerun["swap"]["slots"] == [1, 0]
+    assert again.rerun["suspect"]["device"] == "1"
+
+
+def test_a_16_when_every_rank_restarts_rotates_every_node():
+    v = decide(RestartPolicy(5), 0, exited(16, 0))
+    assert v.rung == "job" and v.restart and v.rerun["rotate"] and v.rerun["swap"] is None
+    assert "every rank re-runs on another device" in v.what
+
+
+def test_a_16_on_a_node_of_one_rank_takes_a_spare_or_stops_with_one_line():
+    v = decide(RestartPolicy(5), 0, exited(16, 1, nproc=1), spares=1, nproc=1)
+    assert v.restart and v.exclude == ["node-b"] and "leaves for a hot spare" in v.what
+    stop = decide(RestartPolicy(5), 0, exited(16, 1, nproc=1), nproc=1)
+    assert stop.kind == "stop" and not stop.restart and stop.restarts_used == 0 and not stop.rerun
+    assert "no other hardware to re-run rank 1 on" in stop.what and stop.detail["failure"].endswith("exited 16")
+
+
+def test_16_twice_for_the_same_iteration_stops_with_one_line_and_a_later_iteration_does_not():
+    policy = RestartPolicy(5)
+    first = decide(policy, 4, exited(16, 3), PolicyInputs(restartable=2))
+    before = {4: first.origin}
+    again = decide(policy, 5, exited(16, 3, slots=[1, 0]),
+                   PolicyInputs(restartable=2, origins=before, progress=["none", "progress"]))
+    assert again.kind == "stop" and not again.restart
+    assert "exit 16 again for the same iteration (cycle 4)" in again.what
+    assert "cycle 4's: rank 3 on host-b device 1; this one: rank 3 on host-b device 0" in again.what
+    assert "data or the model" in again.what
+    # progress since (a step completed in cycle 5): another iteration, another re-run
+    later = decide(policy, 5, exited(16, 2, slots=[1, 0]),
+                   PolicyInputs(restartable=2, origins=before, progress=["progress"]))
+    assert later.restart and later.rerun["swap"]
+    # by the checkpoint iteration: another iteration although no step completed in between
+    by_file = dict(first.origin, iteration=130)
+    other = decide(policy, 5, exited(16, 2), PolicyInputs(origins={4: by_file}, progress=["none"], last_iteration=140))
+    assert other.restart
+    same = decide(policy, 5, exited(16, 2), PolicyInputs(origins={4: by_file}, progress=["none"], last_iteration=130))
+    assert same.kind == "stop" and "checkpoint iteration 130" in same.what
+
+
+def test_a_17_sends_its_node_to_a_spare_or_stops_with_one_line():
+    v = decide(RestartPolicy(5), 0, exited(17, 1), spares=1)
+    assert v.restart and v.exclude == ["node-a"] and "its node (host-a device 1), leaves the job" in v.what
+    stop = decide(RestartPolicy(5), 0, exited(17, 1))
+    assert stop.kind == "stop" and "must not restart in place and no hot spare can take its place" in stop.what
+
+
+def test_a_17_that_ends_a_16s_rerun_blames_the_16s_node_and_17_again_stops():
+    policy = RestartPolicy(5)
+    sixteen = decide(policy, 0, exited(16, 3), PolicyInputs(restartable=2), spares=1)
+    v = decide(policy, 1, exited(17, 3, slots=[1, 0]), PolicyInputs(origins={0: sixteen.origin}, progress=["none"]),
+               spares=1)
+    assert v.exclude == ["node-b"] and "the node of cycle 0's exit 16 (host-b device 1)" in v.what
+    on_a = decide(policy, 1, exited(17, 0), PolicyInputs(origins={0: sixteen.origin}, progress=["none"]), spares=1)
+    assert on_a.exclude == ["node-b"]   # its re-run ended on node-a: node-b, the 16's, is the suspect
+    seventeen = decide(policy, 1, exited(17, 1), spares=1)
+    again = decide(policy, 2, exited(17, 0), PolicyInputs(origins={1: seventeen.origin}, progress=["none"]), spares=1)
+    assert again.kind == "stop" and "exit 17 again before any progress" in again.what
+    # the suspect already left (its spare took over): the job goes on
+    gone = dict(sixteen.origin, hardware=dict(sixteen.origin["hardware"], node_id="node-c"))
+    on = decide(policy, 1, exited(17, 3), PolicyInputs(origins={0: gone}, progress=["none"]))
+    assert on.restart and "has already left the job" in on.what
+
+
+def test_reruns_are_not_cycles_without_progress():
+    policy = RestartPolicy(5, no_progress_limit=1)
+    ever = ["none", "none", "progress"]
+    assert decide(policy, 2, exited(16, 3), PolicyInputs(progress=ever)).restart   # a 16 is never "no progress"
+    sixteen = decide(policy, 1, exited(16, 3))
+    plain = {"kind": "failure", "what": "rank 1 died", "rank": 1, "node_id": "node-a"}
+    # cycle 1 ended in a 16 (not counted); cycle 2, this failure's, made no progress: 1 in a row
+    two = RestartPolicy(5, no_progress_limit=2)
+    assert two.decide(plain, facts(2), PolicyInputs(origins={1: sixteen.origin}, progress=ever)).restart
+    stop = two.decide(plain, facts(2), PolicyInputs(origins={1: {"rank": 1, "node_id": "node-a"}}, progress=ever))
+    assert stop.kind == "stop" and "no progress" in stop.what
+
+
+def test_the_verdicts_rerun_travels_and_the_slots_device():
+    v = decide(RestartPolicy(5), 0, exited(16, 3), PolicyInputs(restartable=2))
+    assert Verdict.from_json(v.to_json()).rerun == v.rerun
+    assert slot_device(1, {"CUDA_VISIBLE_DEVICES": "4,5"}) == "5" and slot_device(1, {}) == "1"
+    assert slot_device(2, {"CUDA_VISIBLE_DEVICES": "4,5"}) == "2"
