@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--guard", choices=("off", "norm", "given"), default="off",
                    help="ddp mode, --live: the step guard, live.commit(step, loss=loss) (norm: it takes the "
                         "gradients' norm itself; given: the loop's clip_grad_norm_ value is passed, grad_norm=)")
+    p.add_argument("--guard-every", type=int, default=1,
+                   help="--guard on every Nth step only (2: the bench compares guarded and plain steps of one job)")
     p.add_argument("--heartbeat-ms", type=int, default=100, help="torchft mode: the Manager's heartbeat interval")
     args = p.parse_args(argv)
     if args.buddy_every:
@@ -212,9 +214,10 @@ def train_ddp(args):
             opt.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
+            guard = args.guard != "off" and step % args.guard_every == 0
             norm = (nn.utils.clip_grad_norm_(model.parameters(), float("inf")) if args.guard == "given" else None)
             if live is not None:
-                with (live.commit(step, loss=loss, grad_norm=norm) if args.guard != "off" else live.commit(step)):
+                with (live.commit(step, loss=loss, grad_norm=norm) if guard else live.commit(step)):
                     opt.step()
                     sched.step()
             else:

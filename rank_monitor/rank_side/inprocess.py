@@ -36,6 +36,13 @@ step), the restart signal waits: the handler only notes it (and NCCL's abort wai
 the commit's end acts on it, so a step is either wholly done or not begun. A rank whose function
 raised by itself (IP_FAILED) is marked suspect for the next call's `LiveState.restore`.
 
+A step re-run from memory (rank_side.live.step_guard): every rank raises StepRerun together when
+the step guard finds a step not finite; the wrapper calls the function again at once, in the same
+cycle and without the agent: no teardown, the process group kept (the call's first
+init_process_group finds it and keeps it: `_keep_group_on_init`), and `LiveState.restore()` gives
+each rank back its committed state. `_STATE.calls` counts the calls (a re-run is one), and
+`_STATE.rerun` says that the running call is a re-run.
+
 Each call's process groups are held by the wrapper (rank_side.call_groups) until the call has
 ended and torch's threads have settled, then let go: a group whose last reference was a local of
 the function (DDP's Reducer) is never destroyed while a gloo worker of it waits for the GIL (a

@@ -56,6 +56,11 @@ The parts:
   which overwrites what a load already changed), rank 0 prints one line naming the rank, the
   object and the error, and nothing is held until the next commit. A peer lost mid-transfer
   (live_wire.PeerLost) raises: its loss is a failure of its own, and the restart follows.
+- `commit(step, loss=..., grad_norm=...)`: the step guard first (rank_side.live.step_guard): a step
+  whose loss or gradient is not finite is not committed; every rank re-runs it from memory
+  (inprocess.StepRerun: the function is called again in the same process and group) and
+  `restore()` then moves every rank's committed state into the new objects with no exchange
+  (`_rerun_restore`: one all_reduce of a failure flag).
 - Outside ft_launcher, under torchrun or plain python, outside `ft.restartable`, or with
   `--restart-granularity job`: `restore()` returns None and `commit` only runs its body.
 """
@@ -572,7 +577,8 @@ class LiveState:
 
         held = _REG.held.get(self.name)
         names = sorted(self.tracked)
-        failed = "" if held is not None else f"LiveState '{self.name}' held no state for the re-run"
+        failed = ("" if held is not None and not held.dirty and not _REG.suspect
+                  else f"LiveState '{self.name}' held no clean state for the re-run")
         step = held.step if held is not None else None
         if not failed:
             name = None

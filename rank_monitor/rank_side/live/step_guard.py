@@ -142,10 +142,11 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def say(line: str, event: bool = True) -> None:
-    """One line (global rank 0 decides the same as every rank, and says it); as a `step_guard`
-    event through the agent when under ft_launcher, else on stderr."""
-    if _rank() != 0:
+def say(line: str, event: bool = True, by: int = 0) -> None:
+    """One line, said by global rank `by` (every rank decides the same; a rank that is about to exit
+    says it itself: its record outlives it, and its agent reads the request before its exit); as a
+    `step_guard` event through the agent when under ft_launcher, else on stderr."""
+    if _rank() != by:
         return
     if not (event and _request("Continue", STEP_GUARD_PREFIX + line)):
         print(f"ft_launcher: {line}", file=sys.stderr, flush=True)
@@ -300,12 +301,11 @@ def judge(table: List[List[float]], cfg: GuardConfig) -> dict:
     # the suspect: a rank whose own loss is not finite (the loss is not all-reduced), else one whose
     # gradient alone is not (it came after the all-reduce, on that rank); none when all ranks are alike
     by_loss = [r for r in fatal if not _finite(table[r][LOSS])]
-    suspect = -1
-    for ranks in (by_loss, fatal):
-        if ranks and len(ranks) < len(table):
-            suspect = ranks[0]
-            break
-    return {"fatal": fatal, "spikes": spikes, "suspect": suspect, "loss_max": loss_max, "norm_max": norm_max,
+    # the ranks where it arose: a NaN on every rank came through the all-reduce (it says nothing of
+    # where it arose), so then only the ranks whose own loss is not finite
+    local = fatal if len(fatal) < len(table) else by_loss if len(by_loss) < len(table) else []
+    suspect = local[0] if local else -1
+    return {"fatal": fatal, "local": local, "spikes": spikes, "suspect": suspect, "loss_max": loss_max, "norm_max": norm_max,
             "seen": seen, "pending": _pending_of(table)}
 
 
@@ -361,6 +361,9 @@ def check(live, step: int, loss, grad_norm) -> str:
         say(f"step {step}: {_what(table, fatal[0])} on {who}: not committed; re-running it from memory on the "
             f"same devices")
         from ft_launcher.rank_monitor.rank_side.inprocess import StepRerun
+        from ft_launcher.rank_monitor.rank_side.live import gpu_commit
+
+        gpu_commit.COMMITS.settle()   # step S-1 counts (the table's read waited for its GPU work)
 
         raise StepRerun(f"step {step} is re-run from memory (the step guard)")
     MEM.pending = pending
@@ -374,7 +377,8 @@ def check(live, step: int, loss, grad_norm) -> str:
                       f"{time.perf_counter() - MEM.hit_at:.3f} s)")
             persistent = _transient(pending, rank, cfg)
             say(line + _device_words(table, pending.suspect)
-                + (": its second within the window: persistent, its node leaves" if persistent else ""))
+                + (": its second within the window: persistent, its node leaves" if persistent else ""),
+                by=pending.suspect if persistent else 0)
             if persistent and rank == pending.suspect:
                 _leave_node(step, f"a second transient fault on {dev} within {cfg.transient_window_s:g} s: "
                                   f"persistent")
@@ -389,7 +393,7 @@ def check(live, step: int, loss, grad_norm) -> str:
         MEM.pending = pending
         say(f"step {step}: the re-run on the same devices hits again ({_what(table, pending.suspect)} on rank "
             f"{pending.suspect}): reproducible; rank {pending.suspect} moves to other hardware (exit "
-            f"{EXIT_OTHER_HARDWARE}) and re-runs the step there")
+            f"{EXIT_OTHER_HARDWARE}) and re-runs the step there", by=pending.suspect)
         if rank == pending.suspect:
             _exit(EXIT_OTHER_HARDWARE)
         _await_restart(f"rank {pending.suspect} moves to other hardware")
@@ -398,17 +402,19 @@ def check(live, step: int, loss, grad_norm) -> str:
     moved_node = int(table[pending.suspect][NODE]) != pending.node
     old_node = [r for r, row in enumerate(table) if int(row[NODE]) == pending.node]
     hardware = ""
-    if pending.suspect not in fatal:
+    local = v["local"]
+    if pending.suspect not in local and not (fatal and not local):
         hardware = f"on other hardware rank {pending.suspect} is clean"
-    elif any(r != pending.suspect and r in old_node for r in fatal):
+    elif any(r != pending.suspect and r in old_node for r in local):
         hardware = (f"on other hardware rank {pending.suspect} hits again and so does "
-                    f"{_ranks_text([r for r in fatal if r != pending.suspect and r in old_node])} on the node it "
+                    f"{_ranks_text([r for r in local if r != pending.suspect and r in old_node])} on the node it "
                     f"was on: it follows that node, not the batch")
     if hardware:
         MEM.pending = None
         leaving = sorted(set(old_node) | {pending.suspect})
         say(f"step {step}: {hardware}: a persistent hardware fault on node {pending.group} (device "
-            f"{pending.device} first): it leaves the job ({_ranks_text(leaving)} exit {EXIT_NODE_SUSPECT})")
+            f"{pending.device} first): it leaves the job ({_ranks_text(leaving)} exit {EXIT_NODE_SUSPECT})",
+            by=leaving[0])
         if rank in leaving:
             _exit(EXIT_NODE_SUSPECT)
         _await_restart(f"node {pending.group} leaves")
@@ -497,10 +503,13 @@ def _device_words(table, suspect: int) -> str:
 def _count(table, cfg: GuardConfig, v: dict) -> None:
     """A step that goes on: its spikes said once; its values join the running maxima."""
     step = MEM.last["step"]
-    for r, what in v["spikes"]:
-        if (step, r) not in MEM.spikes_said:
-            MEM.spikes_said.add((step, r))
-            say(f"step {step}: spike on rank {r}: {what}: not fatal, training goes on")
+    if v["spikes"] and step not in MEM.spikes_said:   # one line per step (ranks alike said together)
+        MEM.spikes_said.add(step)
+        by_text: Dict[str, list] = {}
+        for r, what in v["spikes"]:
+            by_text.setdefault(what, []).append(r)
+        parts = [f"{_ranks_text(ranks)}: {what}" for what, ranks in sorted(by_text.items(), key=lambda i: i[1])]
+        say(f"step {step}: spike on " + "; ".join(parts) + ": not fatal, training goes on")
     spiked = {r for r, _ in v["spikes"]}
     for r, row in enumerate(table):
         if r not in spiked:
