@@ -711,7 +711,7 @@ class NodeAgent:
                     f"(restart {verdict.restarts_used}/{self.cfg.max_restarts}){tail}")
             fields = dict(next_cycle=verdict.next_round, restarts_used=verdict.restarts_used,
                           rung=verdict.rung, replace_ranks=verdict.replace_ranks,
-                          replace_nodes=verdict.replace_nodes)
+                          replace_nodes=verdict.replace_nodes, moved=bool(verdict.rerun))
             if self._deferred_restart is not None:   # said once this cycle's ranks are stopped
                 self._deferred_restart.append((args, fields))
             else:

@@ -6,7 +6,9 @@ over NVRx's socket protocol. Real agents, real monitors, real ranks through real
   a simulated rank_hung and rank_killed are caught and recovered, the computed timeouts land in
   the example's ft_state.json, and NVRx's client loads them back into our monitor on the next run;
 - Megatron-Bridge's call sequence with NVRx's client (tests/scripts/nvrx_bridge_sequence.py)
-  through a hang and a kill, and its ExcludeThisNode request handing the job to a spare node.
+  through a hang and a kill, and its ExcludeThisNode request handing the job to a spare node;
+- Megatron's exit codes through that sequence (`--rerun-exit`): a 16 re-runs every rank on another
+  device with no loop, a 17 hands the node to a spare or stops the job with one line.
 """
 import json
 import os
@@ -237,6 +239,79 @@ def test_megatron_bridge_exclude_this_node_hands_the_job_to_the_spare(launcher, 
     cycle1 = [e for e in read_events(logs, "cycle_start") if e["cycle"] == 1]
     assert len(cycle1) == 1 and cycle1[0]["detail"]["world_size"] == 1
     assert [s for c, s, _ in steps_done(out, 0) if c == 1][-1] == 29   # the former spare's rank finished
+
+
+# ---- Megatron's exit codes 16 and 17 (agent/recovery/rerun_exits.py) -----------------------------
+def hardware_rows(out, rank):
+    """[(cycle, LOCAL_RANK, FT_LAUNCHER_RERUN_OF, FT_LAUNCHER_RERUN_MOVED)] as the bridge script wrote them."""
+    rows = [line.split() for line in (out / f"hw_rank{rank}.txt").read_text().splitlines()]
+    return [(int(c), int(lr), of, moved) for c, _, lr, of, moved in rows]
+
+
+@pytest.mark.slow   # the rules: tests/test_rerun_exits.py (default, fast)
+@pytest.mark.parametrize("fatal", [False, True])
+def test_megatron_exit_16_reruns_every_rank_on_another_device_without_a_loop(launcher, tmp_path, fatal):
+    """2 agents x 2 ranks, Megatron's shape through NVRx's client: rank 3's result is suspect at
+    step 6, every rank saves the checkpoint and exits 16; every node rotates its ranks, so rank 3
+    re-runs step 6 on another device (Megatron's own check passes) and goes on, or (fatal) every
+    rank exits 17 and, with no spare, the job stops with one line: 2 cycles either way."""
+    port = free_port()
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    common = ["--nnodes", 2, "--nproc-per-node", 2, "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", f"rerun{port}", "--max-restarts", 3, "--log-dir", logs,
+              "--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60",
+              BRIDGE, out, "--steps", 12, "--save-interval", 4, "--rerun-exit", "16:3:0:6"] + (
+              ["--rerun-fatal"] if fatal else [])
+    first = launcher.start(common, extra_env={"GROUP_RANK": "0"})
+    wait_for(lambda: listening(port) or first.poll() is not None, 30, "the store host to listen")
+    second = launcher.start(common, extra_env={"GROUP_RANK": "1"})
+    _, err1 = second.communicate(timeout=150)
+    _, err0 = first.communicate(timeout=60)
+    starts = read_events(logs, "cycle_start")
+    assert sorted({e["cycle"] for e in starts}) == [0, 1], err0[-3000:]   # no loop
+    for rank in range(4):   # every rank re-ran on the other slot of its node, and was told so
+        (c0, slot0, _, _), (c1, slot1, of, moved) = hardware_rows(out, rank)
+        assert (c0, c1) == (0, 1) and slot1 == 1 - slot0 and of == "0" and moved.endswith(f":{slot0}")
+    reruns = read_events(logs, "rerun")
+    assert reruns[0]["cycle"] == 0 and reruns[0]["detail"]["move"]["rotate"]
+    if not fatal:
+        assert first.returncode == 0 and second.returncode == 0, err0[-3000:] + err1[-3000:]
+        for rank in range(4):   # resumed at the checkpoint saved at step 6: step 6 re-run, every step done
+            done = steps_done(out, rank)
+            assert [s for c, s, _ in done if c == 1][0] == 6 and sorted({s for _, s, _ in done}) == list(range(12))
+        return
+    assert (first.returncode, second.returncode) == (93, 93), err0[-3000:] + err1[-3000:]
+    assert reruns[-1]["cycle"] == 1 and reruns[-1]["detail"]["exitcode"] == 17
+    decider = err0 if "exited 17" in err0.strip().splitlines()[-1] else err1
+    last = decider.strip().splitlines()[-1]
+    assert "exited 17 (failed result validation: its node is suspect): the suspect, the node of cycle 0's exit 16" in last
+    assert "no hot spare can take its place; stopping the job -> the job stops without a restart: exiting 93" in last
+
+
+@pytest.mark.slow   # the rules: tests/test_rerun_exits.py (default, fast)
+def test_megatron_exit_17_hands_the_node_to_the_spare(launcher, tmp_path):
+    """--nnodes 1:2, 2 ranks: every rank exits 17 at step 5 (a failed validation, Megatron's shape
+    through NVRx's client); the node leaves (93), the spare resumes from the checkpoint and finishes."""
+    port = free_port()
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    common = ["--nnodes", "1:2", "--nproc-per-node", 2, "--rdzv-endpoint", f"127.0.0.1:{port}",
+              "--rdzv-id", f"r17{port}", "--rdzv-conf", "join_timeout=60,last_call_timeout=20",
+              "--max-restarts", 1, "--log-dir", logs, "--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60",
+              BRIDGE, out, "--steps", 12, "--save-interval", 4, "--rerun-exit", "17:1:0:5"]
+    trainer = launcher.start(common, extra_env={"GROUP_RANK": "0"})
+    wait_for(lambda: listening(port) or trainer.poll() is not None, 30, "the store host to listen")
+    spare = launcher.start(common, extra_env={"GROUP_RANK": "1"})
+    _, err_s = spare.communicate(timeout=150)
+    _, err_t = trainer.communicate(timeout=60)
+    assert spare.returncode == 0, err_s[-3000:]
+    assert trainer.returncode == 93, err_t[-3000:]
+    assert "leaves the job: a hot spare takes its place" in err_t, err_t[-3000:]
+    cycle1 = [e for e in read_events(logs, "cycle_start") if e["cycle"] == 1]
+    assert len(cycle1) == 1 and cycle1[0]["detail"]["world_size"] == 2
+    for rank in (0, 1):   # the former spare's ranks resumed at step 4's checkpoint and finished
+        assert [s for c, s, _ in steps_done(out, rank) if c == 1] == list(range(4, 12))
 
 
 # ---- one command, whatever the install order ----------------------------------------------------

@@ -1,6 +1,8 @@
 """Megatron's exit codes 16 and 17 under our launcher (agent/recovery/rerun_exits.py, decided by
-RestartPolicy.decide): pure decisions from their inputs, no store, no processes (the whole jobs
-through NVRx's client are tests/test_nvrx_client.py's `test_megatron_exit_*`, slow).
+RestartPolicy.decide): the decisions from their inputs (no store, no processes), then short real
+jobs (tests/scripts/rerun_exit_rank.py, no torch, ranks under ft.restartable): the swap of two slots,
+16 again, 17 with no spare. The Megatron-shaped jobs through NVRx's client (every rank restarts:
+the rotation; 17 with a spare) are tests/test_nvrx_client.py's `test_megatron_exit_*`, slow.
 
 - 16: the rank re-runs on other hardware, never the same device: a swap of two slots (ranks
   restart in place), a rotation of every node's slots (every rank restarts), a hot spare (one rank
@@ -9,6 +11,11 @@ through NVRx's client are tests/test_nvrx_client.py's `test_megatron_exit_*`, sl
   stops with one line; 17 again before any progress stops.
 - Neither counts as a cycle without progress.
 """
+import os
+
+import pytest
+
+from conftest import SCRIPTS, read_events
 from ft_launcher.agent.recovery.restart_policy import PolicyInputs, RestartPolicy, RoundFacts, Verdict
 from ft_launcher.agent.ranks.gpu_env import slot_device
 
@@ -125,3 +132,60 @@ def test_the_verdicts_rerun_travels_and_the_slots_device():
     assert Verdict.from_json(v.to_json()).rerun == v.rerun
     assert slot_device(1, {"CUDA_VISIBLE_DEVICES": "4,5"}) == "5" and slot_device(1, {}) == "1"
     assert slot_device(2, {"CUDA_VISIBLE_DEVICES": "4,5"}) == "2"
+
+
+# ---- real jobs (no torch: a few seconds each) ----------------------------------------------------
+RANK_SCRIPT = os.path.join(SCRIPTS, "rerun_exit_rank.py")
+
+
+def calls(out, rank):
+    """[(cycle, LOCAL_RANK, pid, FT_LAUNCHER_RERUN_OF, FT_LAUNCHER_RERUN_MOVED)] of `rank`'s calls."""
+    rows = [line.split() for line in (out / f"rank_{rank}.txt").read_text().splitlines()]
+    return [(int(c), int(lr), int(pid), of, moved) for c, _, lr, pid, of, moved in rows]
+
+
+def run_job(launcher, tmp_path, *script_args):
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    out.mkdir()
+    res = launcher.run(["--standalone", "--nproc-per-node", 2, "--max-restarts", 3, "--log-dir", logs,
+                        RANK_SCRIPT, out, *script_args], timeout=60)
+    return res, out, logs
+
+
+def test_a_rank_that_exits_16_reruns_on_the_other_slots_device_and_its_peer_takes_its_own(launcher, tmp_path):
+    res, out, logs = run_job(launcher, tmp_path, 1, 16, 5)
+    assert res.returncode == 0, res.stderr[-3000:]
+    one, zero = calls(out, 1), calls(out, 0)
+    assert [c[:2] for c in one] == [(0, 1), (1, 0)] and [c[:2] for c in zero] == [(0, 0), (1, 1)]
+    assert one[1][3:] == ("0", "127.0.0.1:1") and zero[1][3:] == ("0", "127.0.0.1:0")
+    assert len(read_events(logs, "cycle_start")) == 2
+    [rerun] = read_events(logs, "rerun")
+    assert rerun["detail"]["move"]["swap"] == {"node_id": rerun["detail"]["hardware"]["node_id"], "slots": [1, 0]}
+    assert {e["rank"] for e in read_events(logs, "rank_moved")} == {0, 1}
+    assert "rank 1 re-runs on the device of slot 0 of its node, rank 0 takes slot 1 -> restarting in place" in res.stderr
+    from ft_launcher.report.analysis import analyse   # the report's incident tells it
+    from ft_launcher.report.reading import load
+    events, statuses, notes = load([str(logs)])
+    [incident] = analyse([str(logs)], events, statuses, notes).incidents
+    assert incident.cause.startswith("exit 16: resume to disambiguate on a different GPU")
+    assert "rank 1 re-ran on device 0 (it left 127.0.0.1:1)" in incident.action
+
+
+@pytest.mark.slow   # the rule: test_16_twice_for_the_same_iteration_stops_with_one_line_and_a_later_iteration_does_not
+def test_16_again_for_the_same_iteration_stops_with_one_line(launcher, tmp_path):
+    res, out, logs = run_job(launcher, tmp_path, 1, 16, 5, "again")
+    assert res.returncode == 93, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert "exit 16 again for the same iteration (cycle 0)" in last and "exiting 93" in last
+    assert "cycle 0's: rank 1 on 127.0.0.1 device 1; this one: rank 1 on 127.0.0.1 device 0" in last
+    assert len(read_events(logs, "cycle_start")) == 2
+
+
+@pytest.mark.slow   # the rule: test_a_17_sends_its_node_to_a_spare_or_stops_with_one_line
+def test_17_with_no_spare_stops_with_one_line(launcher, tmp_path):
+    res, out, logs = run_job(launcher, tmp_path, 0, 17, 5)
+    assert res.returncode == 93, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert ("exited 17 (failed result validation: its node is suspect): the suspect, its node (127.0.0.1 "
+            "device 0), must not restart in place and no hot spare can take its place") in last, last
+    assert len(read_events(logs, "cycle_start")) == 1

@@ -201,12 +201,13 @@ class Verdict:
 
     def rung_words(self) -> str:
         """How the restart happens, for the operator's line."""
-        return rung_words(self.restart, self.rung, self.replace_nodes, self.replace_ranks)
+        return rung_words(self.restart, self.rung, self.replace_nodes, self.replace_ranks, moved=bool(self.rerun))
 
 
-def rung_words(restart: bool, rung: str, replace_nodes=(), replace_ranks=(), done: bool = False) -> str:
+def rung_words(restart: bool, rung: str, replace_nodes=(), replace_ranks=(), done: bool = False,
+               moved: bool = False) -> str:
     """How a verdict restarts the job, in the words of the console's line (`done`: as the report
-    tells it afterwards)."""
+    tells it afterwards; `moved`: the replaced ranks swap slots for a re-run after an exit 16)."""
     if not restart:
         return "no restart"
     if rung != "in_process":
@@ -217,7 +218,10 @@ def rung_words(restart: bool, rung: str, replace_nodes=(), replace_ranks=(), don
         parts.append(f"node{'s' if many else ''} " + ", ".join(map(str, replace_nodes))
                      + (" restarted all their ranks" if done and many else " restarted all its ranks" if done
                         else f" restart{'' if many else 's'} all ranks"))
-    if replace_ranks:
+    if replace_ranks and moved:
+        parts.append("rank " + ", ".join(map(str, replace_ranks))
+                     + (" swapped devices" if done else " swap devices") + " for the re-run after exit 16")
+    elif replace_ranks:
         parts.append("rank " + ", ".join(map(str, replace_ranks))
                      + (" replaced after failing again at once" if done else " replaced (failed again at once)"))
     return f"restarted in place ({'; '.join(parts)})" if done else "; ".join(parts)

@@ -323,6 +323,10 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
             rank = f.get("rank")  # the rank the fault hit
     elif hangs:
         cause = "a hang"
+    reruns = _by_kind(mine, "rerun")   # a rank's exit 16 or 17 (agent.recovery.rerun_exits): the decision
+    if reruns:
+        rd = reruns[0]["detail"]
+        cause = f"exit {rd.get('exitcode')}: {rd.get('meaning')} (Megatron's rerun state machine, or an SDC guard)"
     restarts = _by_kind(mine, "restart")
     failed = _by_kind(mine, "job_failed")
     if restarts:
@@ -333,6 +337,8 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
         recovered = next((c["stepping"] for n, c in sorted(cycles.items()) if n > number and c["stepping"]), None)
     elif failed:
         action, recovered = "restart budget spent: the job failed (exit 1)", None
+    elif reruns and not reruns[0]["detail"].get("restart"):
+        action, recovered = f"stopped without a restart: {reruns[0]['detail'].get('decision')}", None
     else:
         action, recovered = "(no decision recorded yet)", None
     # a kept rank that missed its restart point is told as the next cycle starts
@@ -341,6 +347,10 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     if late:
         action += ("; " + ", ".join(f"rank {e.get('rank')}" for e in late)
                    + " did not reach its restart point in time and started afresh")
+    moved = [e for e in _by_kind(events, "rank_moved") if nxt is not None and e["cycle"] == nxt]
+    if moved:
+        action += "; " + ", ".join(f"rank {e.get('rank')} re-ran on device {e['detail'].get('device')} "
+                                   f"(it left {e['detail'].get('left')})" for e in moved)
     told = [e["detail"] for e in _by_kind(events, "live_recovery") if nxt is not None and e["cycle"] == nxt]
     if told:
         action += "; " + live_words(told[0])

@@ -46,7 +46,7 @@ def hang_words(hang: dict) -> Tuple[str, str]:
 def restart_words(restart: dict) -> str:
     """How a restart event restarted the job (the verdict's words, agent.recovery.restart_policy)."""
     return rung_words(True, restart.get("rung", "job"), restart.get("replace_nodes") or (),
-                      restart.get("replace_ranks") or (), done=True)
+                      restart.get("replace_ranks") or (), done=True, moved=bool(restart.get("moved")))
 
 
 def incident_line(job: "Job", inc: "Incident") -> str:
