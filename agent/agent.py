@@ -470,7 +470,10 @@ class NodeAgent:
 
     def _start_ranks(self, rnd: Round, master: tuple, in_place: dict) -> None:
         """This node's ranks of cycle `rnd.number` (agent.ranks.node_ranks.start_ranks), then said."""
-        self.ranks.start_ranks(rnd, master, in_place, {ENV_JOB_ADDRS: ",".join(_job_hosts(rnd))})
+        self.ranks.start_ranks(rnd, master, in_place, {ENV_JOB_ADDRS: ",".join(_job_hosts(rnd)),
+                                                       **self.injector.rank_env(rnd.number, rnd.world_size,
+                                                                                rnd.rank_offset,
+                                                                                self.cfg.nproc_per_node)})
         self._ranks_started()
         for rank in self.group.ranks:   # placed on other hardware after an exit 16 (agent.recovery.rerun_exits)
             left = self.ranks.moved_from.get(rank.local_rank)
@@ -602,7 +605,7 @@ class NodeAgent:
             self.say("hang detection is off: no section or heartbeat timeout is configured; turn it on with "
                      "--ft-rank-section-timeouts setup:600,step:180 (seconds per ft.section), "
                      "--ft-rank-heartbeat-timeout SECONDS (ft.heartbeat) or --ft-calc-ft-timeouts true")
-        if ft.simulate_fault and ft.simulated_fault_type != "rank_killed" and not any(
+        if ft.simulate_fault and ft.simulated_fault_type in ("rank_hung", "random") and not any(
                 v for v in ft.timeout_keys().values()):
             self.say("warning: simulated rank_hung faults need a section or heartbeat timeout to be "
                      "detected; none is configured, so a hung rank will stay hung")

@@ -50,6 +50,11 @@ def parse_args(argv=None):
     p.add_argument("--live", action="store_true", help="ddp mode: ft.LiveState (implies --restartable)")
     p.add_argument("--buddy-every", type=int, default=0,
                    help="ddp mode, --live: a buddy copy of the state every K steps (ft.LiveState(buddy_every=K))")
+    p.add_argument("--guard", choices=("off", "norm", "given"), default="off",
+                   help="ddp mode, --live: the step guard, live.commit(step, loss=loss) (norm: it takes the "
+                        "gradients' norm itself; given: the loop's clip_grad_norm_ value is passed, grad_norm=)")
+    p.add_argument("--guard-every", type=int, default=1,
+                   help="--guard on every Nth step only (2: the bench compares guarded and plain steps of one job)")
     p.add_argument("--heartbeat-ms", type=int, default=100, help="torchft mode: the Manager's heartbeat interval")
     args = p.parse_args(argv)
     if args.buddy_every:
@@ -207,9 +212,12 @@ def train_ddp(args):
             progress.maybe_die(args, step)
             x, y = batch(args, step, rank)
             opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(ddp(x), y).backward()
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            guard = args.guard != "off" and step % args.guard_every == 0
+            norm = (nn.utils.clip_grad_norm_(model.parameters(), float("inf")) if args.guard == "given" else None)
             if live is not None:
-                with live.commit(step):
+                with (live.commit(step, loss=loss, grad_norm=norm) if guard else live.commit(step)):
                     opt.step()
                     sched.step()
             else:
@@ -229,7 +237,8 @@ def train_ddp(args):
     if rank == 0:
         extra = {"state_bytes": state_bytes(model, opt)}
         if live is not None:   # the per-step cost of keeping the committed state (snapshots at commit)
-            extra.update(commits=live.stats["commits"], snapshot_s=live.stats["snapshot_s"])
+            extra.update(commits=live.stats["commits"], snapshot_s=live.stats["snapshot_s"],
+                         guarded=live.stats["guarded"], guard_s=live.stats["guard_s"])
         final(args, model, rank, world, cycle, extra)
     stats = live.buddy_stats() if live is not None else None
     if stats is not None:   # this cycle's buddy-copy figures (the bench's per-step cost)

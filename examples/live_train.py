@@ -21,7 +21,10 @@ first commit), --hang-rank / --hang-cycle (the rank and cycle --hang-at-step hit
 --fail-rank, cycle 0), --linger-rank R (rank R sleeps for ever after its last step, outside any
 section: a rank that hangs in its teardown), --gather-at-end (the run ends as many scripts do: an
 all_gather_object of every rank's checksum, destroy_process_group(), DDP freed as the function
-returns; under ft.restartable the call's groups are held until torch's threads settle), --fsdp (the model under torch's fully_shard over every rank, no replicas, without
+returns; under ft.restartable the call's groups are held until torch's threads settle), --guard
+(`live.commit(step, loss=loss)`: the step guard, rank_side.live.step_guard; with --skip-bad-batches),
+--poison-step S / --spike-step S (--poison-rank's batch at step S gets a NaN, on every run of the
+step / its targets x1000), --fsdp (the model under torch's fully_shard over every rank, no replicas, without
 `shard=`: a replaced rank has no peer to heal from; no checkpoint either: a fallback trains from
 step 0). --progress-dir: each rank appends
 'cycle step time' after each step.
@@ -67,8 +70,9 @@ class Warmup:
 def build(args, rank, world):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    layers = [nn.Linear(16, 64)] + ([nn.BatchNorm1d(64)] if args.batchnorm else []) + [nn.Tanh()]
-    layers += ([nn.Dropout(args.dropout)] if args.dropout else []) + [nn.Linear(64, 1)]
+    w = args.width
+    layers = [nn.Linear(16, w)] + ([nn.BatchNorm1d(w)] if args.batchnorm else []) + [nn.Tanh()]
+    layers += ([nn.Dropout(args.dropout)] if args.dropout else []) + [nn.Linear(w, 1)]
     model = nn.Sequential(*layers)
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.samples, 16, generator=g)
@@ -91,7 +95,8 @@ def train(args):
             fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup(20, args.unsendable_scheduler))
-        live = ft.LiveState(model=model, optimizer=opt, scheduler=sched, loader=loader, **hooks.objects())
+        live = ft.LiveState(model=model, optimizer=opt, scheduler=sched, loader=loader,
+                            skip_bad_batches=args.skip_bad_batches, **hooks.objects())
         teacher = teacher_live = None
         if args.ema:
             teacher = build(args, rank, world)[0].requires_grad_(False)
@@ -125,9 +130,11 @@ def train(args):
                 sampler.set_epoch(sampler.epoch + 1)
                 batches = iter(loader)
                 x, y = next(batches)
+            x, y = hooks.batch(step, x, y)
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
-            with live.commit(step), (teacher_live.commit(step) if teacher_live else _nothing()):
+            checked = live.commit(step, loss=loss) if args.guard else live.commit(step)   # the step guard
+            with checked, (teacher_live.commit(step) if teacher_live else _nothing()):
                 opt.step()
                 sched.step()
                 if teacher is not None:
@@ -252,6 +259,17 @@ class Hooks:
             print(f"rank {self.rank}: failing on purpose at step {step}", flush=True)
             os._exit(1)
 
+    def batch(self, step, x, y):
+        """--poison-step: a NaN in --poison-rank's batch at that step, on every run of it (the data);
+        --spike-step: that batch's targets x1000 on --poison-rank (a loss spike)."""
+        a = self.args
+        if self.rank == a.poison_rank and step == a.poison_step:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        if self.rank == a.poison_rank and step == a.spike_step:
+            y = y * 1000.0
+        return x, y
+
     def after_commit(self, step):
         a = self.args
         before_kill = a.fail_at_step is not None and step == a.fail_at_step - 1
@@ -303,6 +321,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16, help="per rank")
+    p.add_argument("--width", type=int, default=64, help="the hidden layer's width")
     p.add_argument("--batchnorm", action="store_true")
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--ema", action="store_true", help="an EMA teacher in a second LiveState")
@@ -319,6 +338,11 @@ def parse_args(argv=None):
     p.add_argument("--hold", type=float, default=0.5)
     p.add_argument("--die-in-restore", type=int, default=None, metavar="RANK")
     p.add_argument("--unsendable-scheduler", action="store_true")
+    p.add_argument("--guard", action="store_true", help="commit(step, loss=loss): the step guard")
+    p.add_argument("--skip-bad-batches", action="store_true")
+    p.add_argument("--poison-step", type=int, default=None, help="a NaN in --poison-rank's batch at this step")
+    p.add_argument("--spike-step", type=int, default=None, help="--poison-rank's targets x1000 at this step")
+    p.add_argument("--poison-rank", type=int, default=1)
     return p.parse_args(argv)
 
 

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import enum
 
+# A Continue request whose description starts so is the step guard's decision
+# (rank_side.live.step_guard): the agent says it as a `step_guard` event, not as a request.
+STEP_GUARD_PREFIX = "step_guard: "
+
 
 class WorkloadAction(enum.Enum):
     """NVRx's requests from a rank to its launcher (see send_workload_control_request)."""

@@ -7,6 +7,13 @@ world size, so every agent computes the same plan and a run can be reproduced; o
 that hosts the chosen rank acts. A job-wide counter in the store makes a fault fire once per job
 by default (`simulated_fault_count`, -1 for every cycle).
 
+`rank_sdc` is silent data corruption: the agent hosting the chosen rank at the job's first cycle
+gives its ranks ENV_SDC (`rank_env`: `simulated_sdc`'s MODE:STEP:PERSIST and the local slot, `*`
+for a whole node), and the rank's step guard puts a NaN or a flipped bit into that rank's
+gradient at STEP (rank_monitor.rank_side.live.step_guard): once, or on every step from STEP on for
+as long as the rank runs on that device (`device`) or node (`node`); a rank moved elsewhere is
+clean. It fires by the training step, not by time, and sends no signal.
+
 `FaultInjector` is the agent's part for it: `plan` arms a cycle's fault (and says a drawn one),
 `inject_due` fires it into its rank when due (a `fault_injected` event), and `not_injected` says a
 planned fault the job outran (`fault_not_injected`).
@@ -21,10 +28,12 @@ from typing import Callable, Optional
 
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
+ENV_SDC = "FT_LAUNCHER_SIM_SDC"   # read by rank_monitor.rank_side.live.step_guard
+
 
 @dataclasses.dataclass
 class FaultPlan:
-    kind: str           # rank_hung | rank_killed
+    kind: str           # rank_hung | rank_killed | rank_sdc
     rank: int           # global rank
     delay: float        # seconds after the rank's start
     chosen: bool        # the rank was drawn from the seed, not configured
@@ -56,6 +65,7 @@ class FaultInjector:
         self.pending: Optional[FaultPlan] = None
         self.due_ns: Optional[int] = None
         self._start_ns = 0
+        self._sdc: Optional[str] = None   # this node's rank_sdc env value, once decided (the first cycle)
 
     # ---- the agent's calls ------------------------------------------------------------------
     def plan(self, cycle: int, world_size: int, first_rank: int, nproc: int, start_ns: int) -> None:
@@ -69,6 +79,24 @@ class FaultInjector:
         if plan and plan.chosen:
             self.events.say(f"simulated fault planned: {plan.kind} in rank {plan.rank} (drawn from seed "
                             f"{ft.simulated_fault_seed}) {plan.delay:.2f}s after start")
+
+    def rank_env(self, cycle: int, world_size: int, first_rank: int, nproc: int) -> dict:
+        """ENV_SDC for this node's ranks when rank_sdc hits a rank of this node at the job's first
+        cycle (its slot, or `*` with `node` persistence); said once as a `fault_injected` event."""
+        ft = self.ft
+        if not ft.simulate_fault or ft.simulated_fault_type != "rank_sdc":
+            return {}
+        if self._sdc is None:
+            self._sdc = ""
+            plan = plan_for_cycle(ft, 0, world_size) if cycle == 0 else None
+            if plan is not None and first_rank <= plan.rank < first_rank + nproc:
+                mode, step, persist = ft.simulated_sdc.split(":")
+                local = "*" if persist == "node" else str(plan.rank - first_rank)
+                self._sdc = f"{mode}:{step}:{persist}:{local}"
+                self.events.event("fault_injected", f"simulated fault: rank_sdc ({mode}) armed in rank {plan.rank}'s "
+                                  f"gradient at step {step} ({persist})", rank=plan.rank, fault="rank_sdc",
+                                  sdc=ft.simulated_sdc, chosen=plan.chosen)
+        return {ENV_SDC: self._sdc} if self._sdc else {}
 
     def inject_due(self, ranks: list, now_ns: int) -> None:
         """Fire the pending fault into its rank (of `ranks`, workers.Rank) once it is due."""
@@ -97,6 +125,8 @@ class FaultInjector:
 
     def arm(self, cycle: int, world_size: int, first_rank: int, nproc: int, start_ns: int) -> Optional[FaultPlan]:
         plan = plan_for_cycle(self.ft, cycle, world_size)
+        if plan is not None and plan.kind == "rank_sdc":   # by the training step, in the rank (rank_env)
+            plan = None
         self.pending = plan if plan and first_rank <= plan.rank < first_rank + nproc else None
         self.due_ns = start_ns + int(self.pending.delay * 1e9) if self.pending else None
         return self.pending

@@ -8,7 +8,8 @@ ends the cycle:
 
 - the store host is lost: raises StoreLost (agent.rounds.store_failover takes over);
 - the round already has a verdict (another node reported first, or the job completed): `Interrupted`;
-- a rank's WorkloadControlRequest: `Failure` "rank_request" (Continue is only said);
+- a rank's WorkloadControlRequest: `Failure` "rank_request" (Continue is only said; the step guard's
+  decisions come as Continue requests and are said as `step_guard` events);
 - peer nodes stopped answering: `Failure` "peers_lost";
 - a rank ended non-zero: `Failure` "rank_ended", why from agent.recovery.failure_cause (its monitor's
   reports, the hang blame, its exit status); a rank that ended 0 is reaped and said, and so is one
@@ -29,6 +30,7 @@ from typing import List, Optional, Tuple, Union
 
 from ft_launcher.agent.recovery import failure_cause
 from ft_launcher.agent.recovery.failure_cause import Failure
+from ft_launcher.rank_monitor.workload_requests import STEP_GUARD_PREFIX
 from ft_launcher.agent.rounds.round_types import Round, StoreLost
 
 
@@ -129,6 +131,11 @@ class Supervisor:
             failure = failure_cause.rank_request(rank, self.node_words, self.node_id, request)
             if failure is not None:
                 return failure
+            text = request["description"] or ""
+            if text.startswith(STEP_GUARD_PREFIX):   # the step guard's decision (rank_side.live.step_guard)
+                self.events.event("step_guard", f"rank {rank}: {text[len(STEP_GUARD_PREFIX):]}", rank=rank,
+                                  decision=text[len(STEP_GUARD_PREFIX):])
+                continue
             action, asked = failure_cause.request_words(rank, self.node_words, request)
             self.events.event("workload_request", f"{asked}: nothing to do", rank=rank, action=action,
                               description=request["description"])

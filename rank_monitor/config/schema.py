@@ -30,12 +30,13 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from ft_launcher.rank_monitor.config.values import (
     ConfigError, as_int, boolean, choice, fault_count, level_name, log_level_value, number, optional_int,
-    optional_str, parse_section_timeouts, parse_signal, pins, positive, positive_int_or_null, section_name, section_timeouts,
+    optional_str, parse_section_timeouts, parse_signal, pins, positive, positive_int_or_null, sdc_spec, section_name,
+    section_timeouts,
     signal_value, timeout)
 
 # Section names every user knows; any other name is accepted too.
 COMMON_SECTIONS = ("setup", "step", "checkpointing")
-FAULT_TYPES = ("rank_hung", "rank_killed", "random")
+FAULT_TYPES = ("rank_hung", "rank_killed", "rank_sdc", "random")
 RESTART_GRANULARITIES = ("auto", "rank", "node", "job")
 RESERVE_PREIMPORTS = ("torch", "recorded", "none")   # rank_monitor.rank_side.import_record
 
@@ -86,13 +87,17 @@ class FaultToleranceConfig:
     # Simulated faults (Megatron-Bridge's names), injected by the agent into any script.
     simulate_fault: bool = key(False, boolean, "inject a simulated fault into a rank (true/false)")
     simulated_fault_type: str = key("random", choice(FAULT_TYPES),
-                                    "rank_hung, rank_killed or random")
+                                    "rank_hung, rank_killed, rank_sdc or random (rank_hung or rank_killed)")
     # global rank; None: chosen from the seed
     simulated_fault_rank: Optional[int] = key(None, optional_int,
                                               "global rank to hit (default: drawn from the seed)")
     # seconds after the rank starts, plus <=20% jitter
     simulated_fault_base_delay: float = key(10.0, number, "seconds after the rank's start (plus up to 20% jitter)")
     simulated_fault_seed: int = key(0, as_int, "seed of the fault plan (rank, type, jitter)")
+    # rank_sdc (rank_side.live.step_guard): what, at which training step, and on which hardware for how long
+    simulated_sdc: str = key("nan:100:once", sdc_spec,
+                             "rank_sdc: MODE:STEP:PERSIST, nan or bitflip in the rank's gradient at that step, "
+                             "once or on its device or node from then on")
     # faults per job, one per cycle at most; -1: every cycle
     simulated_fault_count: int = key(1, fault_count, "faults per job (-1 or every: one per cycle)")
     # Warm reserves (agent.ranks.reserve_pool): warm interpreters per local rank slot that restarts use

@@ -223,6 +223,18 @@ def fault_count(key: str, value: Any, source: str) -> int:
     return -1 if str(value).strip().lower() in ("every", "every_cycle", "-1") else as_int(key, value, source)
 
 
+def sdc_spec(key: str, value: Any, source: str) -> str:
+    """rank_sdc's fault: MODE:STEP[:PERSIST], MODE nan or bitflip, PERSIST once (default), device or node."""
+    parts = [p.strip().lower() for p in str(value).split(":")]
+    if len(parts) == 2:
+        parts.append("once")
+    if (len(parts) != 3 or parts[0] not in ("nan", "bitflip") or not parts[1].isdigit()
+            or parts[2] not in ("once", "device", "node")):
+        raise ConfigError(f"{source}: {key} must be MODE:STEP[:PERSIST] (nan or bitflip; a step; once, device or "
+                          f"node), e.g. nan:137:once, got {value!r}")
+    return ":".join(parts)
+
+
 def section_timeouts(key: str, value: Any, source: str) -> Dict[str, Optional[float]]:
     return parse_section_timeouts(value, source)
 

@@ -36,6 +36,13 @@ step), the restart signal waits: the handler only notes it (and NCCL's abort wai
 the commit's end acts on it, so a step is either wholly done or not begun. A rank whose function
 raised by itself (IP_FAILED) is marked suspect for the next call's `LiveState.restore`.
 
+A step re-run from memory (rank_side.live.step_guard): every rank raises StepRerun together when
+the step guard finds a step not finite; the wrapper calls the function again at once, in the same
+cycle and without the agent: no teardown, the process group kept (the call's first
+init_process_group finds it and keeps it: `_keep_group_on_init`), and `LiveState.restore()` gives
+each rank back its committed state. `_STATE.calls` counts the calls (a re-run is one), and
+`_STATE.rerun` says that the running call is a re-run.
+
 Each call's process groups are held by the wrapper (rank_side.call_groups) until the call has
 ended and torch's threads have settled, then let go: a group whose last reference was a local of
 the function (DDP's Reducer) is never destroyed while a gloo worker of it waits for the GIL (a
@@ -87,9 +94,19 @@ class RestartInPlace(BaseException):
     `except Exception` in training code does not swallow it; let it pass."""
 
 
+class StepRerun(BaseException):
+    """Raised on every rank together by LiveState's step guard (rank_side.live.step_guard) when a
+    step must be re-run from memory: the wrapper calls the function again in this process with the
+    same process group (no teardown, no agent), and `LiveState.restore()` gives each rank back its
+    committed state. A BaseException, like RestartInPlace: let it pass."""
+
+
 class _State:
     def __init__(self) -> None:
         self.active = False          # the function is running in the main thread
+        self.calls = 0               # calls of the function in this process (a re-run is a call)
+        self.rerun = False           # the running call re-runs a step from memory (StepRerun)
+        self.keep_group = False      # the running call's init_process_group keeps the group it finds
         self.raised_for = 0          # the request a RestartInPlace was already raised for
         self.installed = False
         self.in_commit = False       # inside LiveState.commit: a restart signal waits for its end
@@ -168,6 +185,29 @@ def _install() -> bool:
         return False
     _STATE.installed = True
     return True
+
+
+def _keep_group_on_init() -> None:
+    """A re-run's call (StepRerun) finds the process group of the call before it: its first
+    init_process_group keeps that group instead of failing ("initialize the default process group
+    twice"); a group it asks for later is made as usual."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(dist.init_process_group, "_ft_keeps", False):
+        return
+    original = c10d.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        if _STATE.keep_group and dist.is_initialized():
+            _STATE.keep_group = False
+            return None
+        _STATE.keep_group = False
+        return original(*args, **kwargs)
+
+    init_process_group._ft_keeps = True
+    init_process_group.__wrapped__ = original
+    dist.init_process_group = c10d.init_process_group = init_process_group
 
 
 def _teardown() -> None:
@@ -255,7 +295,13 @@ class _Run:
         # view, as in a warm reserve: the full collection at each restart then costs ~1 ms instead
         # of ~135 ms with torch loaded, and so do the training loop's own old-generation collections.
         gc.freeze()
+        rerun = False
         while True:
+            _STATE.calls += 1
+            _STATE.rerun = _STATE.keep_group = rerun
+            if rerun:
+                _keep_group_on_init()
+            rerun = False
             sockets_before = set(peer_sockets.socket_inodes())
             words[L.H_IP_FAIL_NS] = 0
             words[L.H_IP_STATE] = L.IP_RUNNING
@@ -274,6 +320,13 @@ class _Run:
                 return result
             except RestartInPlace:
                 _STATE.active = False
+            except StepRerun:   # the step guard: the same step again, same process, same group
+                _STATE.active = False
+                _STATE.failed_last = False
+                rerun = True
+                gc.collect()
+                call_groups.release(0.0)
+                continue
             except (SystemExit, KeyboardInterrupt, GeneratorExit):
                 raise
             except BaseException as exc:  # noqa: BLE001 - the failure this wrapper exists for

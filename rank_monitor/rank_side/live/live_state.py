@@ -56,6 +56,11 @@ The parts:
   which overwrites what a load already changed), rank 0 prints one line naming the rank, the
   object and the error, and nothing is held until the next commit. A peer lost mid-transfer
   (live_wire.PeerLost) raises: its loss is a failure of its own, and the restart follows.
+- `commit(step, loss=..., grad_norm=...)`: the step guard first (rank_side.live.step_guard): a step
+  whose loss or gradient is not finite is not committed; every rank re-runs it from memory
+  (inprocess.StepRerun: the function is called again in the same process and group) and
+  `restore()` then moves every rank's committed state into the new objects with no exchange
+  (`_rerun_restore`: one all_reduce of a failure flag).
 - Outside ft_launcher, under torchrun or plain python, outside `ft.restartable`, or with
   `--restart-granularity job`: `restore()` returns None and `commit` only runs its body.
 """
@@ -69,7 +74,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ft_launcher.rank_monitor.rank_side import comm_backend, exit_settle, inprocess
-from ft_launcher.rank_monitor.rank_side.live import buddy_copy, gpu_commit
+from ft_launcher.rank_monitor.rank_side.live import buddy_copy, gpu_commit, step_guard
 from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer, Plan, plan_recovery
@@ -110,6 +115,7 @@ class _Registry:
 
     def __init__(self) -> None:
         self.cycle: Optional[int] = None              # the cycle of the running call's LiveStates
+        self.call: Optional[int] = None               # the call (inprocess._STATE.calls) they belong to
         self.current: Dict[str, "LiveState"] = {}     # the running call's LiveStates, by name
         self.held: Dict[str, _Held] = {}              # by name: the LiveState whose committed state is held
         self.refused: Dict[str, str] = {}             # by name: why its state was refused
@@ -173,11 +179,17 @@ class LiveState:
       replica and a lost node resume from memory; 0 (default): off. One LiveState per process.
     - `buddy_memory_limit_mb`: the most host memory the buddy copies of one node may take
       (default: 80 % of what it has available); above it, buddy copies are off, said in one line.
+    - The step guard (`commit(step, loss=...)`, rank_side.live.step_guard): `spike_factor` (default
+      10: a loss or gradient norm above that x the running maximum is a spike), `spike_fatal`
+      (default False: a spike is said, not re-run), `skip_bad_batches` (default False: a batch found
+      to be the data's fault stops the job; True: its update is dropped, said), `transient_window_s`
+      (default 3600: a second transient on one device within it is persistent).
     """
 
     def __init__(self, *, name: Optional[str] = None, shard: Optional[int] = None, rng: bool = True,
                  verify: bool = True, buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
-                 **objects: Any) -> None:
+                 spike_factor: float = 10.0, spike_fatal: bool = False, skip_bad_batches: bool = False,
+                 transient_window_s: float = 3600.0, **objects: Any) -> None:
         for key, obj in objects.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"LiveState({key}=...): a {type(obj).__name__} has no state_dict/load_state_dict")
@@ -192,13 +204,19 @@ class LiveState:
         self.tracked: Dict[str, O.Tracked] = {k: O.Tracked(k, v) for k, v in self.objects.items()}
         self.shard = None if shard is None else int(shard)
         self.verify = verify
+        if not float(spike_factor) > 1.0:
+            raise ValueError(f"LiveState(spike_factor={spike_factor}): a factor above 1")
+        self.guard = step_guard.GuardConfig(spike_factor=float(spike_factor), spike_fatal=bool(spike_fatal),
+                                            skip_bad_batches=bool(skip_bad_batches),
+                                            transient_window_s=float(transient_window_s))
+        self._checked = None   # (loss, grad_norm) of the commit being entered, for the guard
         if int(buddy_every) < 0:
             raise ValueError(f"LiveState(buddy_every={buddy_every}): a number of steps, 0 for off")
         self._buddy_every = int(buddy_every)
         self._buddy_limit = None if buddy_memory_limit_mb is None else int(float(buddy_memory_limit_mb) * 1e6)
         self._buddy = None
         self.last_recovery: Optional[dict] = None   # restore()'s summary (rank 0's view), for tests and logs
-        self.stats = {"commits": 0, "snapshot_s": 0.0, "first_commit_s": 0.0}
+        self.stats = {"commits": 0, "snapshot_s": 0.0, "first_commit_s": 0.0, "guarded": 0, "guard_s": 0.0}
         self.refused: Optional[str] = None
         self._pending = 0
         self._described: Optional[dict] = None   # identity and layout of its objects (once read)
@@ -210,12 +228,12 @@ class LiveState:
             return
         self._mm, self._words = rec
         cycle = _cycle()
-        if _REG.cycle != cycle:   # the first LiveState of this call
+        if _REG.call != inprocess._STATE.calls:   # the first LiveState of this call
             # suspect: the previous call raised by itself after a commit, or a committed step's GPU
             # work had not completed when the restart aborted the communicators (rank_side.live.gpu_commit)
             gpu_clean = gpu_commit.COMMITS.finish()
             _REG.suspect = (inprocess._STATE.failed_last and _REG.trained) or not gpu_clean
-            _REG.cycle, _REG.current, _REG.trained = cycle, {}, False
+            _REG.cycle, _REG.call, _REG.current, _REG.trained = cycle, inprocess._STATE.calls, {}, False
             _REG.calls += 1
         if self.name in _REG.current:
             raise TypeError(f"two LiveStates named '{self.name}' in one call: give each its own name "
@@ -228,14 +246,28 @@ class LiveState:
         return self._words is not None
 
     # ---- commit ---------------------------------------------------------------------------------
-    def commit(self, step: int) -> "LiveState":
+    def commit(self, step: int, loss: Any = None, grad_norm: Any = None) -> "LiveState":
         """`with live.commit(step): opt.step()`: the body runs whole even if a restart signal
         arrives meanwhile; once it ends without an exception, `step` counts as completed.
-        Commits may nest (`with g.commit(s), d.commit(s):`): the signal waits for the outermost."""
+        Commits may nest (`with g.commit(s), d.commit(s):`): the signal waits for the outermost.
+        With `loss=` (this rank's loss tensor) and/or `grad_norm=` (e.g. what clip_grad_norm_
+        returned), the step guard checks the step first, on every rank together (a collective):
+        a step that is not finite is re-run from memory and never committed
+        (rank_side.live.step_guard). Outside ft_launcher's in-place restarts the guard is off."""
         self._pending = step
+        self._checked = (loss, grad_norm) if loss is not None or grad_norm is not None else None
         return self
 
     def __enter__(self) -> "LiveState":
+        if self._words is not None and self._checked is not None and self.refused is None:
+            loss, grad_norm = self._checked
+            self._checked = None
+            t0 = time.perf_counter()
+            step_guard._POSITION[0] = self._loader_position()
+            if step_guard.check(self, self._pending, loss, grad_norm) == step_guard.Decision.SKIP:
+                self._drop_gradients()
+            self.stats["guard_s"] += time.perf_counter() - t0   # the guard's per-step cost (bench/step_guard.py)
+            self.stats["guarded"] += 1
         if self._words is not None:
             _REG.depth += 1
             inprocess._STATE.in_commit = True
@@ -260,6 +292,21 @@ class LiveState:
         if exc_type is None and self._buddy is not None and self.refused is None:
             self._buddy.after_commit(self, self._pending)   # every K steps: the copy (it may wait for the last)
         return False
+
+    def _loader_position(self) -> str:
+        """The committed position of this LiveState's loaders (the step guard's words)."""
+        loaders = {n: t.state for n, t in self.tracked.items()
+                   if t.kind == O.SNAPSHOT and ("loader" in n.lower() or "Loader" in type(t.obj).__name__)}
+        return step_guard.describe_position(loaders)
+
+    def _drop_gradients(self) -> None:
+        """The guard skips this step's batch: every gradient of this LiveState's objects goes, so the
+        optimizer step in the commit's body changes no parameter."""
+        for t in self.tracked.values():
+            params = t.obj.parameters() if hasattr(t.obj, "parameters") else \
+                (p for g in getattr(t.obj, "param_groups", []) for p in g["params"])
+            for p in params:
+                p.grad = None
 
     # ---- buddy copies (rank_side.live.buddy_copy) ----------------------------------------------------------
     def committed_states(self) -> Dict[str, dict]:
@@ -383,6 +430,8 @@ class LiveState:
         import torch
 
         words, cycle = self._words, _cycle()
+        if inprocess._STATE.rerun:   # a step re-run from memory (step_guard): every rank holds its state
+            return self._rerun_restore()
         words[L.H_LIVE_STEP] = 0
         if cycle == 0:   # a first start: nothing to exchange, and nothing read: a fresh optimizer's
             # state_dict() through DCP's get_state_dict would make its state by a step at lr 0 (AdamW's
@@ -517,6 +566,49 @@ class LiveState:
             return None
         words[L.H_LIVE_STEP] = plan.resume + 1
         return plan.resume
+
+    def _rerun_restore(self) -> Optional[int]:
+        """restore() in a re-run from memory (rank_side.live.step_guard): every rank raised StepRerun
+        at the same step, so every rank holds its committed state and nothing is exchanged: it
+        moves into the new objects as a kept rank's does. One all_reduce of a failure flag: a
+        failure on any rank is the checkpoint on every rank, with one line."""
+        import torch
+        import torch.distributed as dist
+
+        held = _REG.held.get(self.name)
+        names = sorted(self.tracked)
+        failed = ("" if held is not None and not held.dirty and not _REG.suspect
+                  else f"LiveState '{self.name}' held no clean state for the re-run")
+        step = held.step if held is not None else None
+        if not failed:
+            name = None
+            try:
+                with torch.no_grad():
+                    fresh = {}
+                    for name in names:
+                        fresh[name] = self.tracked[name].fresh()
+                    self._describe(fresh)
+                    committed = held.committed()
+                    ready = {}
+                    for name in names:
+                        ready[name] = W.move_state(committed[name], fresh[name][0])
+                self._hold(step, ready, previous=held)
+                failed = self._bind(ready, names) or self._load(ready, fresh)
+            except Exception as exc:  # noqa: BLE001 - the checkpoint, said
+                failed = _failure(name, "moving its kept state for the re-run", exc)
+        del held
+        flag = torch.tensor([int(bool(failed))], dtype=torch.int64, device=comm_backend.transfer_device())
+        dist.all_reduce(flag)
+        if flag.item():
+            _REG.held.pop(self.name, None)
+            step_guard.MEM.pending = None
+            if dist.get_rank() == 0:
+                print(f"ft_launcher: the re-run from memory could not restore its state ({failed or 'on another rank'})"
+                      f": every rank loads its checkpoint", file=sys.stderr, flush=True)
+            return None
+        self._words[L.H_LIVE_STEP] = step + 1
+        self._buddy = _REG.buddy   # the cycle's buddy copies go on
+        return step
 
     def _places(self) -> Dict[str, Any]:
         """Per object, how a received DTensor is placed on this call's mesh (live_objects.Tracked.place)."""

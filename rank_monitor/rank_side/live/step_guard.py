@@ -1,0 +1,542 @@
+"""The guard before commit (silent data corruption and NaN): a step whose loss or gradients are not
+finite never becomes the live state; it is re-run from memory to tell a transient fault, a bad
+device and bad data apart. Used by `LiveState.commit(step, loss=..., grad_norm=...)`; the user
+guide is docs/sdc-and-nan.md.
+
+    loss.backward()
+    with live.commit(step, loss=loss):                  # or grad_norm=clip_grad_norm_(...)'s value
+        opt.step(); sched.step()
+
+What is checked, in the commit's `__enter__`, before its body (so before the optimizer step):
+- this rank's own loss (its micro-batch's, not all-reduced) and the norm of the gradients the
+  optimizer will apply on this rank (`grad_norm=` given: that value, no second pass; else the norm
+  of the LiveState's modules' `.grad`, torch.nn.utils.get_total_norm). Under DDP the gradients are
+  the all-reduced ones: a NaN that one rank's device made before the all-reduce is on every rank;
+  one made after it (the optimizer's input on one device) only on that rank;
+- NaN or Inf in either: fatal. Above `spike_factor` x the running maximum of committed steps (from
+  the `spike_after`-th committed step on): a spike, said in one line, not fatal unless `spike_fatal`.
+
+Every rank learns every rank's values through ONE all_reduce (SUM) of a (world x COLS) float64
+tensor in which each rank fills its own row: its loss, its gradient norm, its node, its running
+maxima and the pending verdict it holds (below). All ranks read the same table, so all decide the
+same. The row is built on the device the group communicates on, from the loss and norm as device
+tensors; the table is read back once (`tolist`). That read is the only host sync the guard adds:
+on a CPU group it is free; on a GPU it is one sync per step, at the point where the optimizer's
+inputs are ready anyway. A loop that already reads the loss or the norm on the host each step
+(logging, GradScaler's inf check, `clip_grad_norm_(error_if_nonfinite=True)`) has that sync already.
+
+The decisions (one line each, on global rank 0's stderr and as a `step_guard` event through the
+agent; a stop is the agent's `workload_request` line):
+1. A fatal hit at step S (nothing pending): the step is not committed. The pending record
+   (`Pending`: plain numbers, never pickled) is held in this process's memory, and every rank
+   raises `StepRerun` out of the training function; `ft.restartable` calls it again in the same
+   process with the same process group (rank_side.inprocess), `LiveState.restore()` gives every
+   rank back its state as of step S-1's commit (loader position and RNG included), and the loop
+   runs step S again.
+2. The re-run of S on the same device is clean: **transient**. Training goes on with the re-run's
+   result; it counts against the suspect's device. A second transient on the same device within
+   `transient_window_s`: **persistent** (rule 4's exit 17).
+3. The re-run hits again on the same device: reproducible. With a known suspect (a rank whose own
+   loss or gradient is not finite, others being finite), the suspect exits 16 (EXIT_OTHER_HARDWARE:
+   the agent restarts it on other hardware) and its peers wait for the in-place restart that its
+   exit brings; they keep the pending record in memory. The new process heals from the live state,
+   learns the record from its peers through the guard's table, and the job re-runs S.
+4. On the other hardware (another node, or at least another device of its node: under in-place
+   restarts the agent swaps the suspect with a sibling slot, which then runs on the suspect device):
+   the suspect is clean, or it hits again together with another rank on the node it was on (the
+   fault follows the node, not the batch): **persistent hardware fault**: the suspect and every
+   rank still on that node exit 17 (EXIT_NODE_SUSPECT: the node leaves the job, a spare takes its
+   place or the job stops; the agent takes a 17 that follows a 16 as the 16's node). The suspect
+   alone hits again: **the data or the model**: the job stops with one line naming the step, the
+   rank and the loader position (a ShutdownWorkload request), or, with `skip_bad_batches`, the
+   batch's update is dropped (every gradient set to None before the optimizer step) and the line
+   says which batch. No suspect (every rank saw the NaN: it came before the all-reduce) is
+   treated as the data too, said so.
+
+What survives where: the pending record, the device's transient count and the running maxima live
+in this module (one process): peers that stay keep them across in-place restarts; a new process
+learns the record and the maxima from its peers' rows, never the transient count (said in the docs).
+
+A simulated fault (`rank_sdc`, agent.recovery.fault_injection) reaches the rank as ENV_SDC
+("nan|bitflip:STEP:once|device|node:LOCAL_RANK|*"), set only on the hardware it hits: at step
+STEP (once: the first time this process runs it; device/node: every step from STEP on) the first
+gradient of this rank gets a NaN, or its top exponent bit flipped, before the check.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import time
+import zlib
+from typing import Any, Dict, List, Optional
+
+from ft_launcher.rank_monitor.workload_requests import STEP_GUARD_PREFIX
+
+EXIT_OTHER_HARDWARE = 16   # Megatron's "re-run on a different GPU to disambiguate"
+EXIT_NODE_SUSPECT = 17     # Megatron's "validation failed": the node is suspect, no restart in place on it
+ENV_SDC = "FT_LAUNCHER_SIM_SDC"
+PEER_WAIT_S = 120.0        # seconds the suspect's peers wait for the restart its exit brings
+
+# The table's columns (one row per rank, float64; node keys stay below 2**53, exact).
+(LOSS, NORM, NODE, LOSS_MAX, NORM_MAX, SEEN, P_STEP, P_STAGE, P_SUSPECT, P_NODE, P_LOSS, P_NORM, GROUP,
+ LOCAL, P_GROUP, P_DEVICE) = range(16)
+COLS = 16
+NONE, SAME_DEVICE, OTHER_HARDWARE = 0, 1, 2   # the pending record's stages
+
+
+@dataclasses.dataclass
+class GuardConfig:
+    """LiveState's guard keywords."""
+    spike_factor: float = 10.0        # a loss or norm above this x the running maximum is a spike
+    spike_fatal: bool = False         # a spike is fatal (re-run) instead of only said
+    spike_after: int = 10             # committed steps before spikes count (the running maximum settles)
+    skip_bad_batches: bool = False    # the data's fault: drop that batch's update instead of stopping
+    transient_window_s: float = 3600.0   # a second transient on a device within this: persistent
+
+
+@dataclasses.dataclass
+class Pending:
+    """A verdict in progress (plain values: what a peer's row carries)."""
+    step: int
+    stage: int
+    suspect: int                      # global rank, -1: unknown (every rank saw it)
+    node: int                         # the suspect's node key when it was hit
+    group: int                        # its node's place (GROUP_RANK) and device (LOCAL_RANK) then
+    device: int
+    loss: float                       # the suspect's first result
+    norm: float
+
+
+class _Memory:
+    """What this process keeps across in-place restarts and re-runs."""
+
+    def __init__(self) -> None:
+        self.pending: Optional[Pending] = None
+        self.transients: Dict[str, List[float]] = {}   # device -> monotonic times of its transients
+        self.loss_max = 0.0
+        self.norm_max = 0.0
+        self.seen = 0                  # committed steps the maxima cover
+        self.fired = False             # a once-only simulated fault fired in this process
+        self.spikes_said = set()       # steps whose spike was said
+        self.reruns = 0                # re-runs from memory in this process
+        self.hit_at = 0.0              # perf_counter of the last fatal hit (the re-run's cost is said from it)
+        self.last: Optional[dict] = None   # the last verdict, for tests and the bench
+
+
+MEM = _Memory()
+
+
+def node_key() -> int:
+    """This rank's hardware's node: its host and its agent (the parent process), as an exact float."""
+    host = zlib.crc32(socket.gethostname().encode()) & 0xFFFFFFFF
+    return float(host * (1 << 20) + (os.getppid() & 0xFFFFF))
+
+
+def device_name() -> str:
+    return f"node {os.environ.get('GROUP_RANK', '?')} device {os.environ.get('LOCAL_RANK', '?')}"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def say(line: str, event: bool = True, by: int = 0) -> None:
+    """One line, said by global rank `by` (every rank decides the same; a rank that is about to exit
+    says it itself: its record outlives it, and its agent reads the request before its exit); as a
+    `step_guard` event through the agent when under ft_launcher, else on stderr."""
+    if _rank() != by:
+        return
+    if not (event and _request("Continue", STEP_GUARD_PREFIX + line)):
+        print(f"ft_launcher: {line}", file=sys.stderr, flush=True)
+
+
+def _request(action: str, text: str) -> bool:
+    """A workload request to this rank's agent (a Continue: the agent says it); False without one."""
+    try:
+        from ft_launcher.rank_monitor import shm_layout as L
+        from ft_launcher.rank_monitor.rank_side.shm_attachment import _ATT
+        from ft_launcher.rank_monitor.workload_requests import WorkloadAction
+
+        if _ATT.ensure():
+            L.write_request(_ATT.mm, _ATT.words, WorkloadAction[action].value, text[:L.REQUEST_BYTES - 1])
+            return True
+    except Exception as exc:  # noqa: BLE001 - the line is said on stderr instead
+        print(f"ft_launcher: the step guard's event was not sent: {exc!r}", file=sys.stderr, flush=True)
+    return False
+
+
+# ---- the simulated fault ------------------------------------------------------------------------
+def parse_sdc(text: Optional[str]) -> Optional[tuple]:
+    """ENV_SDC -> (mode, step, persist, local) or None."""
+    if not text:
+        return None
+    parts = text.split(":")
+    if len(parts) != 4 or parts[0] not in ("nan", "bitflip") or parts[2] not in ("once", "device", "node"):
+        return None
+    try:
+        return parts[0], int(parts[1]), parts[2], parts[3]
+    except ValueError:
+        return None
+
+
+def inject_sdc(step: int, grads: list) -> Optional[str]:
+    """The simulated fault, when due on this rank: a NaN or a flipped top exponent bit in its first
+    gradient (in place). -> what was done, or None."""
+    spec = parse_sdc(os.environ.get(ENV_SDC))
+    if spec is None or not grads:
+        return None
+    mode, at, persist, local = spec
+    if local != "*" and local != os.environ.get("LOCAL_RANK", "0"):
+        return None
+    if step < at or (persist == "once" and (step != at or MEM.fired)):
+        return None
+    MEM.fired = True
+    import torch
+
+    g = grads[0].view(-1)
+    with torch.no_grad():
+        if mode == "nan":
+            g[0] = float("nan")
+        else:
+            ints = {torch.float32: (torch.int32, 30), torch.float64: (torch.int64, 62),
+                    torch.float16: (torch.int16, 14), torch.bfloat16: (torch.int16, 14)}
+            itype, bit = ints.get(g.dtype, (None, 0))
+            if itype is None:
+                g[0] = float("nan")
+            else:
+                g[:1].view(itype).bitwise_xor_(1 << bit)
+    return f"simulated {mode} in rank {_rank()}'s gradient at step {step} ({persist})"
+
+
+# ---- the check ------------------------------------------------------------------------------------
+def _grads(modules: list) -> list:
+    out = []
+    for m in modules:
+        for p in m.parameters():
+            if p.grad is not None:
+                out.append(p.grad)
+    return out
+
+
+def local_row(loss, grad_norm, modules: list, step: int, device) -> Any:
+    """This rank's row (a device tensor), after the simulated fault if due."""
+    import torch
+
+    grads = _grads(modules)
+    inject_sdc(step, grads)
+    if grad_norm is None:
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    row = torch.zeros(COLS, dtype=torch.float64, device=device)
+    row[LOSS] = loss.detach().to(device, torch.float64).reshape(()) if isinstance(loss, torch.Tensor) \
+        else float(0.0 if loss is None else loss)
+    row[NORM] = grad_norm.detach().to(device, torch.float64).reshape(()) if isinstance(grad_norm, torch.Tensor) \
+        else float(grad_norm)
+    p = MEM.pending
+    row[NODE] = node_key()
+    row[GROUP], row[LOCAL] = int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    row[LOSS_MAX], row[NORM_MAX], row[SEEN] = MEM.loss_max, MEM.norm_max, MEM.seen
+    if p is not None:
+        row[P_STEP], row[P_STAGE], row[P_SUSPECT], row[P_NODE] = p.step, p.stage, p.suspect, p.node
+        row[P_LOSS], row[P_NORM], row[P_GROUP], row[P_DEVICE] = p.loss, p.norm, p.group, p.device
+    else:
+        row[P_STEP] = -1
+    return row
+
+
+def exchange(row, world: int, rank: int, all_reduce=None) -> List[List[float]]:
+    """Every rank's row on every rank: one all_reduce (SUM) of a (world x COLS) float64 tensor
+    (`all_reduce`: torch.distributed's over the default group unless given)."""
+    import torch
+
+    if all_reduce is None:
+        import torch.distributed as dist
+
+        all_reduce = dist.all_reduce
+    table = torch.zeros(world, COLS, dtype=torch.float64, device=row.device)
+    table[rank] = row
+    all_reduce(table)
+    return table.tolist()
+
+
+def _finite(x: float) -> bool:
+    return x == x and x not in (float("inf"), float("-inf"))
+
+
+def _pending_of(table: List[List[float]]) -> Optional[Pending]:
+    """The pending record some rank holds (the furthest along), or None."""
+    best = None
+    for row in table:
+        if row[P_STEP] >= 0 and (best is None or row[P_STAGE] > best[P_STAGE]):
+            best = row
+    if best is None:
+        return None
+    return Pending(int(best[P_STEP]), int(best[P_STAGE]), int(best[P_SUSPECT]), int(best[P_NODE]),
+                   int(best[P_GROUP]), int(best[P_DEVICE]), best[P_LOSS], best[P_NORM])
+
+
+def judge(table: List[List[float]], cfg: GuardConfig) -> dict:
+    """The verdict of one step's table (pure): fatal ranks, spikes, the suspect."""
+    bad = [r for r, row in enumerate(table) if not (_finite(row[LOSS]) and _finite(row[NORM]))]
+    seen = max(row[SEEN] for row in table)
+    loss_max = max(row[LOSS_MAX] for row in table)
+    norm_max = max(row[NORM_MAX] for row in table)
+    spikes = []
+    if seen >= cfg.spike_after:
+        for r, row in enumerate(table):
+            if r in bad:
+                continue
+            what = []
+            if loss_max > 0 and abs(row[LOSS]) > cfg.spike_factor * loss_max:
+                what.append(f"loss {row[LOSS]:.4g} > {cfg.spike_factor:g} x the running maximum {loss_max:.4g}")
+            if norm_max > 0 and row[NORM] > cfg.spike_factor * norm_max:
+                what.append(f"gradient norm {row[NORM]:.4g} > {cfg.spike_factor:g} x the running maximum "
+                            f"{norm_max:.4g}")
+            if what:
+                spikes.append((r, "; ".join(what)))
+    fatal = list(bad)
+    if cfg.spike_fatal:
+        fatal += [r for r, _ in spikes if r not in fatal]
+    # the suspect: a rank whose own loss is not finite (the loss is not all-reduced), else one whose
+    # gradient alone is not (it came after the all-reduce, on that rank); none when all ranks are alike
+    by_loss = [r for r in fatal if not _finite(table[r][LOSS])]
+    # the ranks where it arose: a NaN on every rank came through the all-reduce (it says nothing of
+    # where it arose), so then only the ranks whose own loss is not finite
+    local = fatal if len(fatal) < len(table) else by_loss if len(by_loss) < len(table) else []
+    suspect = local[0] if local else -1
+    return {"fatal": fatal, "local": local, "spikes": spikes, "suspect": suspect, "loss_max": loss_max, "norm_max": norm_max,
+            "seen": seen, "pending": _pending_of(table)}
+
+
+def _what(table, r: int) -> str:
+    loss, norm = table[r][LOSS], table[r][NORM]
+    parts = [f"loss {loss:g}" if not _finite(loss) else "", f"gradient norm {norm:g}" if not _finite(norm) else ""]
+    parts = [p for p in parts if p] or [f"loss {loss:.4g}, gradient norm {norm:.4g}"]
+    return " and ".join(parts)
+
+
+def _ranks_text(ranks) -> str:
+    ranks = list(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+class Decision:
+    """What the commit does after the guard: GO (commit the step), SKIP (drop the batch's update, commit)."""
+    GO, SKIP = "go", "skip"
+
+
+def check(live, step: int, loss, grad_norm) -> str:
+    """The guard of `live`'s commit of `step` (a collective: every rank calls it). -> Decision.GO or
+    Decision.SKIP; raises StepRerun (every rank together) to re-run the step from memory; exits 16
+    or 17, or waits for the restart a peer's exit brings, as the module docstring says."""
+    import torch.distributed as dist
+
+    from ft_launcher.rank_monitor.rank_side import comm_backend
+
+    cfg: GuardConfig = live.guard
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = comm_backend.transfer_device()
+    modules = [t.obj for t in live.tracked.values() if hasattr(t.obj, "parameters") and hasattr(t.obj, "forward")]
+    table = exchange(local_row(loss, grad_norm, modules, step, device), world, rank)
+    v = judge(table, cfg)
+    MEM.last = dict(v, step=step, pending=None if v["pending"] is None else dataclasses.asdict(v["pending"]))
+    MEM.loss_max, MEM.norm_max, MEM.seen = v["loss_max"], v["norm_max"], int(v["seen"])
+    pending = v["pending"] if v["pending"] is not None and v["pending"].step == step else None
+    if v["pending"] is not None and pending is None:   # a record for another step: stale (a fallback moved on)
+        MEM.pending = None
+    fatal = v["fatal"]
+    if pending is None:
+        if not fatal:
+            _count(table, cfg, v)
+            return Decision.GO
+        suspect = v["suspect"]
+        who = _ranks_text(fatal) if suspect < 0 else f"rank {suspect}"
+        MEM.pending = Pending(step, SAME_DEVICE, suspect, int(table[suspect][NODE]) if suspect >= 0 else -1,
+                              int(table[suspect][GROUP]) if suspect >= 0 else -1,
+                              int(table[suspect][LOCAL]) if suspect >= 0 else -1,
+                              table[fatal[0]][LOSS], table[fatal[0]][NORM])
+        MEM.reruns += 1
+        MEM.hit_at = time.perf_counter()
+        say(f"step {step}: {_what(table, fatal[0])} on {who}: not committed; re-running it from memory on the "
+            f"same devices")
+        from ft_launcher.rank_monitor.rank_side.inprocess import StepRerun
+        from ft_launcher.rank_monitor.rank_side.live import gpu_commit
+
+        gpu_commit.COMMITS.settle()   # step S-1 counts (the table's read waited for its GPU work)
+
+        raise StepRerun(f"step {step} is re-run from memory (the step guard)")
+    MEM.pending = pending
+    if pending.stage == SAME_DEVICE:
+        if not fatal:
+            MEM.pending = None
+            dev = device_name() if rank == pending.suspect else None
+            line = (f"step {step}: the re-run on the same devices is clean: a transient fault"
+                    + (f" on rank {pending.suspect}" if pending.suspect >= 0 else "")
+                    + f"; training goes on with the re-run's result (the re-run from memory took "
+                      f"{time.perf_counter() - MEM.hit_at:.3f} s)")
+            persistent = _transient(pending, rank, cfg)
+            say(line + _device_words(table, pending.suspect)
+                + (": its second within the window: persistent, its node leaves" if persistent else ""),
+                by=pending.suspect if persistent else 0)
+            if persistent and rank == pending.suspect:
+                _leave_node(step, f"a second transient fault on {dev} within {cfg.transient_window_s:g} s: "
+                                  f"persistent")
+            if persistent:
+                _await_restart(f"rank {pending.suspect}'s node leaves")
+            _count(table, cfg, v)
+            return Decision.GO
+        if pending.suspect < 0:
+            return _data(step, table, pending, v, cfg, rank, "reproducible on every rank (it came before the "
+                                                              "all-reduce: no single rank to move)")
+        pending.stage = OTHER_HARDWARE
+        MEM.pending = pending
+        say(f"step {step}: the re-run on the same devices hits again ({_what(table, pending.suspect)} on rank "
+            f"{pending.suspect}): reproducible; rank {pending.suspect} moves to other hardware (exit "
+            f"{EXIT_OTHER_HARDWARE}) and re-runs the step there", by=pending.suspect)
+        if rank == pending.suspect:
+            _exit(EXIT_OTHER_HARDWARE)
+        _await_restart(f"rank {pending.suspect} moves to other hardware")
+    # OTHER_HARDWARE: the suspect's rank re-ran the step elsewhere (another node, or at least another
+    # device of its node: the agent may swap it with a sibling slot, which then runs on the suspect device)
+    moved_node = int(table[pending.suspect][NODE]) != pending.node
+    old_node = [r for r, row in enumerate(table) if int(row[NODE]) == pending.node]
+    hardware = ""
+    local = v["local"]
+    if pending.suspect not in local and not (fatal and not local):
+        hardware = f"on other hardware rank {pending.suspect} is clean"
+    elif any(r != pending.suspect and r in old_node for r in local):
+        hardware = (f"on other hardware rank {pending.suspect} hits again and so does "
+                    f"{_ranks_text([r for r in local if r != pending.suspect and r in old_node])} on the node it "
+                    f"was on: it follows that node, not the batch")
+    if hardware:
+        MEM.pending = None
+        leaving = sorted(set(old_node) | {pending.suspect})
+        say(f"step {step}: {hardware}: a persistent hardware fault on node {pending.group} (device "
+            f"{pending.device} first): it leaves the job ({_ranks_text(leaving)} exit {EXIT_NODE_SUSPECT})",
+            by=leaving[0])
+        if rank in leaving:
+            _exit(EXIT_NODE_SUSPECT)
+        _await_restart(f"node {pending.group} leaves")
+    return _data(step, table, pending, v, cfg, rank, "reproducible on other hardware" +
+                 ("" if moved_node else " (another device of the same node)"))
+
+
+def _data(step, table, pending: Pending, v, cfg: GuardConfig, rank: int, why: str) -> str:
+    """The data or the model: skip the batch (skip_bad_batches) or stop the job with one line."""
+    MEM.pending = None
+    suspect = pending.suspect if pending.suspect >= 0 else v["fatal"][0]
+    where = loader_position()
+    text = (f"step {step}: {_what(table, suspect)} on rank {suspect}, {why}: the data or the model (rank "
+            f"{suspect}'s batch at loader position {where})")
+    if cfg.skip_bad_batches:
+        say(text + "; skipping that batch (skip_bad_batches): its update is dropped on every rank")
+        return Decision.SKIP
+    if rank == 0 and not _request("ShutdownWorkload", text):   # the agent's line says it
+        print(f"ft_launcher: {text}: stopping the job", file=sys.stderr, flush=True)
+        _exit(1)
+    _await_restart("the job stops")
+    return Decision.GO   # not reached
+
+
+_POSITION = ["?"]   # the loader position of the step being checked (LiveState sets it)
+
+
+def loader_position() -> str:
+    return _POSITION[0]
+
+
+def describe_position(states: Dict[str, Any]) -> str:
+    """A loader's committed state dict(s) as a short `key=value` text (the integers near the top)."""
+    parts = []
+
+    def walk(prefix, value, depth):
+        if len(parts) >= 16:
+            return
+        if isinstance(value, bool):
+            return
+        if isinstance(value, int):
+            parts.append(f"{prefix}={value}")
+        elif isinstance(value, dict) and depth < 3:
+            for k, x in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), x, depth + 1)
+
+    for name, state in states.items():
+        walk(name, state, 0)
+    short, seen = [], set()
+    for part in sorted(parts, key=lambda p: not any(w in p.split("=")[0].lower() for w in ("yield", "epoch"))):
+        key, value = part.split("=")
+        key = key.split(".")[-1].lstrip("_")
+        if key not in seen:
+            seen.add(key)
+            short.append(f"{key}={value}")
+    return ", ".join(short[:4]) or "unknown (no loader in the LiveState)"
+
+
+def _transient(pending: Pending, rank: int, cfg: GuardConfig) -> bool:
+    """Count the transient against the suspect's device (on the suspect's rank; the verdict is
+    shared through the table's node column only as far as the suspect's own count goes). -> whether
+    it is that device's second within the window (every rank learns it by one all_reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    second = 0
+    if rank == pending.suspect:
+        now = time.monotonic()
+        times = [t for t in MEM.transients.get(device_name(), []) if now - t <= cfg.transient_window_s]
+        times.append(now)
+        MEM.transients[device_name()] = times
+        second = int(len(times) >= 2)
+    from ft_launcher.rank_monitor.rank_side import comm_backend
+
+    flag = torch.tensor([second], dtype=torch.int64, device=comm_backend.transfer_device())
+    dist.all_reduce(flag)
+    return bool(flag.item())
+
+
+def _device_words(table, suspect: int) -> str:
+    if suspect < 0:
+        return ""
+    return f" (counted against node {int(table[suspect][GROUP])} device {int(table[suspect][LOCAL])})"
+
+
+def _count(table, cfg: GuardConfig, v: dict) -> None:
+    """A step that goes on: its spikes said once; its values join the running maxima."""
+    step = MEM.last["step"]
+    if v["spikes"] and step not in MEM.spikes_said:   # one line per step (ranks alike said together)
+        MEM.spikes_said.add(step)
+        by_text: Dict[str, list] = {}
+        for r, what in v["spikes"]:
+            by_text.setdefault(what, []).append(r)
+        parts = [f"{_ranks_text(ranks)}: {what}" for what, ranks in sorted(by_text.items(), key=lambda i: i[1])]
+        say(f"step {step}: spike on " + "; ".join(parts) + ": not fatal, training goes on")
+    spiked = {r for r, _ in v["spikes"]}
+    for r, row in enumerate(table):
+        if r not in spiked:
+            MEM.loss_max = max(MEM.loss_max, abs(row[LOSS]))
+            MEM.norm_max = max(MEM.norm_max, row[NORM])
+    MEM.seen += 1
+
+
+def _leave_node(step: int, why: str) -> None:
+    print(f"ft_launcher: step {step}: {why}: this node leaves the job (exit {EXIT_NODE_SUSPECT})",
+          file=sys.stderr, flush=True)
+    _exit(EXIT_NODE_SUSPECT)
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _await_restart(why: str) -> None:
+    """A peer leaves (or the job stops): wait for the restart or the stop its exit brings (the
+    agent's restart signal raises RestartInPlace here; the agent ends a rank it stops)."""
+    from ft_launcher.rank_monitor.rank_side import sections
+
+    end = time.monotonic() + PEER_WAIT_S
+    while time.monotonic() < end:
+        sections.heartbeat()
+        time.sleep(0.02)
+    raise RuntimeError(f"the step guard waited {PEER_WAIT_S:g} s for the restart after: {why}")
