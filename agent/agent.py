@@ -112,6 +112,7 @@ class NodeAgent:
         # Parts made once the run starts (_run), None until then: _teardown stops those that exist
         self.flight: Optional[FlightRecorder] = None
         self._deferred_restart: Optional[list] = None     # restart lines said once the cycle's ranks stopped
+        self._trained_on: Optional[tuple] = None   # the last cycle's (world size, nodes, {node id: label}): --elastic
 
     # this node's processes, by part (agent.ranks.node_ranks)
     carrier = property(lambda self: self.ranks.carrier)
@@ -437,6 +438,7 @@ class NodeAgent:
             + (f", {rnd.nspares} hot spare(s)" if rnd.nspares else "")
             + (f" (restart {restarts}/{cfg.max_restarts})" if rnd.number else ""),
             world_size=rnd.world_size, master=f"{master[0]}:{master[1]}", **_names(rnd))
+        self._say_resize(rnd)
         self.obs.cycle_starting(rnd)   # NVRx's cycle info (group rank 0), the live news' cycle
         previous = self.ranks.new_group(rnd.number)
         self.watcher.watch(rnd)
@@ -464,6 +466,28 @@ class NodeAgent:
         finally:
             self._end_cycle(rnd, verdict)
             del worker_store
+
+    def _say_resize(self, rnd: Round) -> None:
+        """--elastic: the round trains on fewer (or again more) nodes than the previous one: one line
+        on node 0 (`elastic_resize`) saying what changed for the training (TorchFT's rule: the global
+        batch shrinks with the replicas, the learning rate stays; docs/migrating-from-torchrun.md)."""
+        before, self._trained_on = self._trained_on, (rnd.world_size, rnd.nnodes,
+                                                      {n.node_id: n.label() for n in rnd.active}
+                                                      if self.cfg.elastic and rnd.members <= NAMED_UP_TO else {})
+        if not self.cfg.elastic or before is None or before[0] == rnd.world_size or rnd.group_rank != 0:
+            return
+        world, nodes, names = before
+        full = self.cfg.max_nodes
+        gone = [label for node_id, label in names.items() if node_id not in self._trained_on[2]]
+        came = [label for node_id, label in self._trained_on[2].items() if node_id not in names]
+        why = (f"node{'s' if len(gone) > 1 else ''} {', '.join(gone)} lost, no spare" if rnd.world_size < world
+               else f"node{'s' if len(came) > 1 else ''} {', '.join(came)} joined")
+        self.events.event(
+            "elastic_resize",
+            f"training on {rnd.nnodes} of {full} nodes, world size {rnd.world_size} instead of {world}: the global "
+            f"batch is {rnd.world_size}/{world} of the previous one, the learning rate as it was ({why})",
+            world_size=rnd.world_size, previous_world_size=world, nnodes=rnd.nnodes, previous_nnodes=nodes,
+            lost=gone, joined=came)
 
     def _start_ranks(self, rnd: Round, master: tuple, in_place: dict) -> None:
         """This node's ranks of cycle `rnd.number` (agent.ranks.node_ranks.start_ranks), then said."""

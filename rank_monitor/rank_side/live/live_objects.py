@@ -65,18 +65,21 @@ def _coordinate(mesh) -> list:
 
 
 def identity_entries(state) -> list:
-    """Which part of a sharded state this rank holds, from its DTensors: per DTensor, its mesh's
-    shape, placements and this rank's coordinate on every mesh dimension it is not replicated on.
-    [] for plain tensors (every rank holds the same: data parallelism)."""
+    """Which part of a sharded state this rank holds, from its DTensors: per DTensor, its placements
+    and, on every mesh dimension it is not replicated on, that dimension's size and this rank's
+    coordinate. The replicated dimensions' sizes are not part of it: a replica is the same state
+    whatever the number of replicas (an elastic job that lost a replica keeps it); a sharded
+    dimension of another size is another shard. [] for plain tensors (every rank holds the same:
+    data parallelism)."""
     out = []
     for path, t in W.flat(state).items():
         if not _is_dtensor(t):
             continue
         mesh = t.device_mesh
         coord = _coordinate(mesh)
-        sharded = tuple((d, coord[d] if d < len(coord) else None) for d, p in enumerate(t.placements)
+        sharded = tuple((d, mesh.shape[d], coord[d] if d < len(coord) else None) for d, p in enumerate(t.placements)
                         if not p.is_replicate())
-        out.append((path, tuple(mesh.shape), tuple(str(p) for p in t.placements), sharded))
+        out.append((path, len(mesh.shape), tuple(str(p) for p in t.placements), sharded))
     return out
 
 
@@ -419,6 +422,6 @@ def describe_identity(entries: list, shard: Optional[int]) -> str:
     coords = collections.OrderedDict()
     for _, mesh, placements, sharded in entries:
         coords[(mesh, placements, sharded)] = True
-    for mesh, placements, sharded in list(coords)[:2]:
-        parts.append(f"mesh {list(mesh)} {'/'.join(placements)} at " + ", ".join(f"dim {d}={c}" for d, c in sharded))
+    for ndim, placements, sharded in list(coords)[:2]:
+        parts.append(f"{ndim}-d mesh {'/'.join(placements)} at " + ", ".join(f"dim {d}={c} of {n}" for d, n, c in sharded))
     return "; ".join(parts) or "unsharded"
