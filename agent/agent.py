@@ -750,9 +750,13 @@ class NodeAgent:
         self.watcher.watch(rnd)
         sel = selectors.DefaultSelector()
         sel.register(self._wake_r, selectors.EVENT_READ)
+        # --elastic, the job trains on fewer than MAX nodes: this node asks it to grow, once its warm
+        # reserves are ready (at most warm_reserve_timeout): the others stop only for what is left
+        grow_by = (time.monotonic() + self.cfg.ft.warm_reserve_timeout
+                   if self.cfg.elastic and rnd.late and rnd.nnodes < self.cfg.max_nodes else None)
         try:
             while True:
-                sel.select(timeout=1.0)
+                sel.select(timeout=0.05 if grow_by else 1.0)
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
@@ -763,6 +767,13 @@ class NodeAgent:
                     raise StoreLost(self.watcher.store_lost)
                 if self.watcher.interrupted_round == rnd.number:
                     return self.proto.verdict(rnd.number)
+                if grow_by:
+                    self.reserves.hurry()
+                    if self.reserves.ready() or time.monotonic() >= grow_by:
+                        if self.proto.count(store_keys.done(rnd.number)):   # the job is ending: no grow
+                            grow_by = None
+                        else:
+                            return self._ask_to_grow(rnd)
                 if self.watcher.dead_peers:  # a training node died: with no other trainer left, only we notice
                     reason = dict(failure_cause.peers_lost(self.watcher.dead_peers).report, node_id=self.me.node_id)
                     self.events.event("failure", f"{reason['what']} -> the hot spare asks for a new round",
@@ -772,6 +783,17 @@ class NodeAgent:
         finally:
             sel.close()
             self.watcher.watch(None)
+
+    def _ask_to_grow(self, rnd: Round) -> Verdict:
+        """--elastic: this node joined while the job trains on fewer than MAX nodes: it interrupts the
+        round (kind `grow`); the verdict re-forms the job with it, the healthy ranks kept in place."""
+        what = (f"node {self.me.label()} joined: the job grows from {rnd.nnodes} to "
+                f"{min(self.cfg.max_nodes, rnd.nnodes + 1)} nodes")
+        self.events.event("elastic_join", f"{what} -> asking the job to re-form with it", what=what,
+                          nnodes=rnd.nnodes, warm=self.reserves.enabled and self.reserves.ready())
+        verdict = self.round_end.interrupt(rnd.number, {"kind": "grow", "what": what, "node_id": self.me.node_id},
+                                           rnd=rnd)
+        return self._announce(rnd, verdict)
 
     # ---- what the monitors report (agent.ranks.monitor_set) -------------------------------------
     def _on_report(self, local_rank: int, report: dict) -> None:

@@ -180,3 +180,52 @@ def test_below_the_minimum_one_line_and_exit_1(launcher, tmp_path):
     lines = [ln for ln in err.splitlines() if "the job cannot go on" in ln]
     assert len(lines) == 1 and "1 node left, fewer than the 2 --nnodes 2:3 needs" in lines[0], err[-3000:]
     assert took < 10, took
+
+
+# ---- 2. the lost node comes back at step 200: the job grows back in place ----------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_lost_node_comes_back_and_the_job_grows_back_in_place(launcher, tmp_path):
+    """As above (agent 2 killed at step 137), then agent 2 started again once step 200 is done: it
+    waits as a spare until its warm reserve is ready, then asks the job to grow; ranks 0 and 1 keep
+    their processes and state (no completed step redone), the new rank 2 heals from a replica and
+    the replicas' digests agree; back on 3 replicas within 1 s of its asking."""
+    steps, step_time = 900, 0.05
+    job = LiveJob(launcher, tmp_path / "job", 3,
+                  job_args=["--steps", steps, "--ckpt-every", 50, "--step-time", step_time, "--step-time-always"],
+                  max_restarts=3, elastic="2:3").launch()
+    wait_for(lambda: last_step(job, 2) >= FAULT - 10, 300, "rank 2 near the fault", interval=0.05)
+    while last_step(job, 2) < FAULT - 1:
+        time.sleep(0.005)
+    for proc in node_tree(job.agents[2].pid):
+        proc.kill()
+    wait_for(lambda: last_step(job, 0) >= 200, 120, "rank 0 at step 200", interval=0.02)
+    job.launch_agent(2)   # the lost node's agent, started again (GROUP_RANK 2)
+    results, _ = job.wait(bound=400)
+    assert [results[i][0] for i in (0, 1, 3)] == [0, 0, 0], "\n".join(r[2][-3000:] for r in results)
+    err = "".join(r[2] for r in results)
+    evs = job.events()
+    c0, c1, c2 = started(evs, 0), started(evs, 1), started(evs, 2)
+    assert all(c2[r] == (c0[r][0], True) for r in (0, 1)), (c0, c2)   # kept: the same processes
+    assert 2 in c2 and not c2[2][1], c2                                 # the newcomer's rank
+    live = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
+    assert len(live) == 2 and all(t["steps_redone"] == 0 for t in live), live
+    grown = live[1]
+    sources = per_rank(grown["sources"])
+    assert sources["0"] == sources["1"] == "kept" and sources["2"].startswith("peer "), grown
+    assert grown["check"]["bytes"] > 0, grown   # rank 2's restored state's digest compared with the replicas'
+    resume = grown["resume_step"]
+    for rank in (0, 1):
+        rows = progress(job.prog, rank)
+        assert [s for c, s, _ in rows if c == 1][-1] == resume, rank            # no completed step lost ...
+        assert [s for c, s, _ in rows if c == 2] == list(range(resume + 1, steps + 1)), rank   # ... or redone
+    asked = [e["time"] for e in evs if e["kind"] == "elastic_join"]
+    assert len(asked) == 1, asked
+    back = max(min(t for c, _, t in progress(job.prog, r) if c == 2) for r in range(3)) - asked[0]
+    print(f"\nasked to grow -> every rank's first step on 3 replicas completed: {back:.3f} s "
+          f"(step time {step_time} s); {grown}")
+    assert back < 1.0 + step_time, back
+    resized = [ln for ln in err.splitlines() if "training on 3 of 3 nodes" in ln]
+    assert len(resized) == 1 and "joined" in resized[0], resized
+    finals = job.finals([0, 1, 2])
+    assert len({f["checksum"] for f in finals}) == 1 and {f["world_size"] for f in finals} == {3}, finals
