@@ -229,3 +229,52 @@ def test_the_lost_node_comes_back_and_the_job_grows_back_in_place(launcher, tmp_
     assert len(resized) == 1 and "joined" in resized[0], resized
     finals = job.finals([0, 1, 2])
     assert len({f["checksum"] for f in finals}) == 1 and {f["world_size"] for f in finals} == {3}, finals
+
+
+# ---- 3. HSDP 2 x 2: a whole replica lost goes on; a shard lost falls back with one line -----------------
+HSDP_EXAMPLE = os.path.join(ROOT, "examples", "hsdp_train.py")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mesh", ["replicate,shard", "shard,replicate"])
+def test_hsdp_a_lost_replica_goes_on_and_a_lost_shard_falls_back_with_one_line(launcher, tmp_path, mesh):
+    """examples/hsdp_train.py, 2 agents x 2 ranks, `--elastic --nnodes 1:2`, the second node (ranks 2,
+    3) lost for good at step 20. replicate,shard: it held replica 1 (both shards); the first node's
+    ranks hold replica 0 on the new (1, 2) mesh, same shards: they keep their state and go on alone
+    from step 19 (nothing redone). shard,replicate: it held both replicas of shard 1 (a shard group
+    broken): on the new mesh rank 1 needs shard 1, which nobody holds: every rank falls back (this
+    run keeps no checkpoint: step 0) with one line naming the shard, and the job still ends 0."""
+    from harness import ExampleAgents
+
+    prog = tmp_path / "progress"
+    agents = ExampleAgents(launcher, tmp_path, 2, 2, HSDP_EXAMPLE,
+                           ["--steps", 40, "--mesh", mesh, "--step-time", 0.2, "--progress-dir", prog],
+                           ["--elastic", "--ft-rank-section-timeouts", "setup:60,step:60,checkpointing:60"],
+                           max_restarts=2)
+    agents.args[agents.args.index("--nnodes") + 1] = "1:2"
+    agents.args[agents.args.index("--rdzv-conf") + 1] = "join_timeout=30,last_call_timeout=20"
+    agents.launch()
+    wait_for(lambda: (progress(prog, 2) or [(0, 0, 0)])[-1][1] >= 19, 240, "rank 2 at step 19", interval=0.01)
+    for proc in node_tree(agents.agents[1].pid):
+        proc.kill()
+    results = agents.wait(bound=300, lost=(1,))
+    err = results[0][2]
+    evs = agents.events()
+    live = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
+    assert len(live) == 1, live
+    resized = [ln for ln in err.splitlines() if "training on 1 of 2 nodes, world size 2 instead of 4" in ln]
+    assert len(resized) == 1, err[-3000:]
+    c0, c1 = started(evs, 0), started(evs, 1)
+    assert all(c1[r] == (c0[r][0], True) for r in (0, 1)), (c0, c1)   # in place, both ways
+    lines = [ln for ln in err.splitlines() if "no live state to resume from" in ln]
+    if mesh == "replicate,shard":
+        assert live[0]["resume_step"] is not None and live[0]["steps_redone"] == 0, live
+        assert per_rank(live[0]["sources"]) == {"0": "kept", "1": "kept"}, live
+        assert not lines, lines
+        done = [s for c, s, _ in progress(prog, 0) if c == 1]
+        assert done == list(range(live[0]["resume_step"] + 1, 41)), done
+    else:
+        assert live[0]["resume_step"] is None, live
+        assert len(lines) == 1 and "no rank holds the shard rank 1 needs" in lines[0], lines
+        print(f"\n{lines[0]}")

@@ -88,6 +88,16 @@ def _same_sharding(a, b) -> bool:
     return _is_dtensor(a) and _is_dtensor(b) and a.device_mesh == b.device_mesh and a.placements == b.placements
 
 
+def _fewer_replicas(old, new, placements) -> bool:
+    """`new` is `old` with other sizes only on the dimensions the placements replicate (an elastic
+    job that lost or gained whole replicas): the same device type, dimension names and number, and
+    the same size on every sharded dimension, so a local shard means the same part on both."""
+    if (str(old.device_type) != str(new.device_type) or old.mesh_dim_names != new.mesh_dim_names
+            or len(old.shape) != len(new.shape) or len(placements) != len(old.shape)):
+        return False
+    return all(p.is_replicate() or old.shape[d] == new.shape[d] for d, p in enumerate(placements))
+
+
 def distinct_meshes(tensors) -> list:
     """The device meshes of the DTensors among `tensors`, each once (by identity)."""
     out: list = []
@@ -278,8 +288,8 @@ class Tracked:
             mesh = t.device_mesh
             if any(mesh is m for m in meshes):
                 return t
-            for m in meshes:
-                if m == mesh:
+            for m in sorted(meshes, key=lambda m: m != mesh):   # an equal mesh first, else one of fewer replicas
+                if m == mesh or _fewer_replicas(mesh, m, t.placements):
                     return DTensor.from_local(t.to_local(), m, t.placements, run_check=False, shape=t.shape,
                                               stride=t.stride())
             raise Unbound(f"'{self.name}' holds a DTensor at {W.path_text(path)} on {mesh}, a device mesh "
