@@ -113,6 +113,7 @@ class NodeAgent:
         # Parts made once the run starts (_run), None until then: _teardown stops those that exist
         self.flight: Optional[FlightRecorder] = None
         self._deferred_restart: Optional[list] = None     # restart lines said once the cycle's ranks stopped
+        self._trained_on: Optional[tuple] = None   # the last cycle's (world size, nodes, {node id: label}): --elastic
 
     # this node's processes, by part (agent.ranks.node_ranks)
     carrier = property(lambda self: self.ranks.carrier)
@@ -440,6 +441,7 @@ class NodeAgent:
             + (f", {rnd.nspares} hot spare(s)" if rnd.nspares else "")
             + (f" (restart {restarts}/{cfg.max_restarts})" if rnd.number else ""),
             world_size=rnd.world_size, master=f"{master[0]}:{master[1]}", **_names(rnd))
+        self._say_resize(rnd)
         self.obs.cycle_starting(rnd)   # NVRx's cycle info (group rank 0), the live news' cycle
         previous = self.ranks.new_group(rnd.number)
         self.watcher.watch(rnd)
@@ -467,6 +469,28 @@ class NodeAgent:
         finally:
             self._end_cycle(rnd, verdict)
             del worker_store
+
+    def _say_resize(self, rnd: Round) -> None:
+        """--elastic: the round trains on fewer (or again more) nodes than the previous one: one line
+        on node 0 (`elastic_resize`) saying what changed for the training (TorchFT's rule: the global
+        batch shrinks with the replicas, the learning rate stays; docs/migrating-from-torchrun.md)."""
+        before, self._trained_on = self._trained_on, (rnd.world_size, rnd.nnodes,
+                                                      {n.node_id: n.label() for n in rnd.active}
+                                                      if self.cfg.elastic and rnd.members <= NAMED_UP_TO else {})
+        if not self.cfg.elastic or before is None or before[0] == rnd.world_size or rnd.group_rank != 0:
+            return
+        world, nodes, names = before
+        full = self.cfg.max_nodes
+        gone = [label for node_id, label in names.items() if node_id not in self._trained_on[2]]
+        came = [label for node_id, label in self._trained_on[2].items() if node_id not in names]
+        why = (f"node{'s' if len(gone) > 1 else ''} {', '.join(gone)} lost, no spare" if rnd.world_size < world
+               else f"node{'s' if len(came) > 1 else ''} {', '.join(came)} joined")
+        self.events.event(
+            "elastic_resize",
+            f"training on {rnd.nnodes} of {full} nodes, world size {rnd.world_size} instead of {world}: the global "
+            f"batch is {rnd.world_size}/{world} of the previous one, the learning rate as it was ({why})",
+            world_size=rnd.world_size, previous_world_size=world, nnodes=rnd.nnodes, previous_nnodes=nodes,
+            lost=gone, joined=came)
 
     def _start_ranks(self, rnd: Round, master: tuple, in_place: dict) -> None:
         """This node's ranks of cycle `rnd.number` (agent.ranks.node_ranks.start_ranks), then said."""
@@ -748,9 +772,13 @@ class NodeAgent:
         self.watcher.watch(rnd)
         sel = selectors.DefaultSelector()
         sel.register(self._wake_r, selectors.EVENT_READ)
+        # --elastic, the job trains on fewer than MAX nodes: this node asks it to grow, once its warm
+        # reserves are ready (at most warm_reserve_timeout): the others stop only for what is left
+        grow_by = (time.monotonic() + self.cfg.ft.warm_reserve_timeout
+                   if self.cfg.elastic and rnd.late and rnd.nnodes < self.cfg.max_nodes else None)
         try:
             while True:
-                sel.select(timeout=1.0)
+                sel.select(timeout=0.05 if grow_by else 1.0)
                 try:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
@@ -761,6 +789,13 @@ class NodeAgent:
                     raise StoreLost(self.watcher.store_lost)
                 if self.watcher.interrupted_round == rnd.number:
                     return self.proto.verdict(rnd.number)
+                if grow_by:
+                    self.reserves.hurry()
+                    if self.reserves.ready() or time.monotonic() >= grow_by:
+                        if self.proto.count(store_keys.done(rnd.number)):   # the job is ending: no grow
+                            grow_by = None
+                        else:
+                            return self._ask_to_grow(rnd)
                 if self.watcher.dead_peers:  # a training node died: with no other trainer left, only we notice
                     reason = dict(failure_cause.peers_lost(self.watcher.dead_peers).report, node_id=self.me.node_id)
                     self.events.event("failure", f"{reason['what']} -> the hot spare asks for a new round",
@@ -770,6 +805,17 @@ class NodeAgent:
         finally:
             sel.close()
             self.watcher.watch(None)
+
+    def _ask_to_grow(self, rnd: Round) -> Verdict:
+        """--elastic: this node joined while the job trains on fewer than MAX nodes: it interrupts the
+        round (kind `grow`); the verdict re-forms the job with it, the healthy ranks kept in place."""
+        what = (f"node {self.me.label()} joined: the job grows from {rnd.nnodes} to "
+                f"{min(self.cfg.max_nodes, rnd.nnodes + 1)} nodes")
+        self.events.event("elastic_join", f"{what} -> asking the job to re-form with it", what=what,
+                          nnodes=rnd.nnodes, warm=self.reserves.enabled and self.reserves.ready())
+        verdict = self.round_end.interrupt(rnd.number, {"kind": "grow", "what": what, "node_id": self.me.node_id},
+                                           rnd=rnd)
+        return self._announce(rnd, verdict)
 
     # ---- what the monitors report (agent.ranks.monitor_set) -------------------------------------
     def _on_report(self, local_rank: int, report: dict) -> None:

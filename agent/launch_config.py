@@ -62,6 +62,9 @@ class LaunchConfig:
     # Nodes that train when ft.active_world_size is set (active_world_size / nproc_per_node, 1 to
     # max_nodes); the other nodes stand by as warm spares. None: every node trains.
     active_nodes: Optional[int] = None
+    # --elastic: --nnodes MIN:MAX as torchrun means it (up to MAX nodes train, the job goes on down to
+    # MIN at once and grows back); False: NVRx's (MIN train, the rest are hot spares)
+    elastic: bool = False
     signals: Tuple[int, ...] = ()         # --signals-to-handle: forwarded, then the job stops; (): the agent's own
     # NVRx's log layout beside ours (agent.observation.nvrx_logs): --ft-per-cycle-applog-prefix, --ft-nvrx-logfile
     applog_prefix: Optional[str] = None
@@ -75,6 +78,8 @@ class LaunchConfig:
         nodes = str(self.min_nodes) if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
         where = ("a local store on a free port" if self.standalone
                  else f"{self.rdzv_backend} rendezvous at {self.rdzv_host}:{self.rdzv_port}")
+        if self.elastic:
+            nodes += f" elastic (up to {self.max_nodes} train, down to {self.min_nodes} go on)"
         if self.active_nodes:
             nodes += f" ({self.active_nodes} train: active_world_size {self.active_nodes * self.nproc_per_node})"
         return (f"starting: nnodes {nodes} (from {self.origins.get('nnodes', 'default')}), "

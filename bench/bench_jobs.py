@@ -136,6 +136,17 @@ def read_progress(progress_dir: str) -> Dict[int, List[tuple]]:
     return out
 
 
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.005):
+    """Poll `predicate` until it returns something truthy (returned); RuntimeError after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}")
+
+
 def bench_env(**extra: str) -> dict:
     """The environment of a benchmarked launcher: this checkout first on PYTHONPATH, its modules
     compiled once and cached as an installed package's are (pip compiles them at install): with

@@ -27,7 +27,8 @@ returns; under ft.restartable the call's groups are held until torch's threads s
 step / its targets x1000), --fsdp (the model under torch's fully_shard over every rank, no replicas, without
 `shard=`: a replaced rank has no peer to heal from; no checkpoint either: a fallback trains from
 step 0). --progress-dir: each rank appends
-'cycle step time' after each step.
+'cycle step time' after each step. --step-time S: each step of cycle 0 sleeps S seconds first (a
+window in which a test kills a node; --step-time-always: of every cycle).
 """
 import argparse
 import json
@@ -255,6 +256,8 @@ class Hooks:
         return {"probe": DieInRestore(self.rank == self.args.die_in_restore and self.cycle == 1)}
 
     def top_of_step(self, step):
+        if self.args.step_time and (self.cycle == 0 or self.args.step_time_always):
+            time.sleep(self.args.step_time)
         if self.fault and step == self.args.fail_at_step:
             print(f"rank {self.rank}: failing on purpose at step {step}", flush=True)
             os._exit(1)
@@ -336,6 +339,8 @@ def parse_args(argv=None):
     p.add_argument("--linger-rank", type=int, default=None)
     p.add_argument("--gather-at-end", action="store_true")
     p.add_argument("--hold", type=float, default=0.5)
+    p.add_argument("--step-time", type=float, default=0.0, help="seconds each step of cycle 0 sleeps first")
+    p.add_argument("--step-time-always", action="store_true", help="--step-time in every cycle")
     p.add_argument("--die-in-restore", type=int, default=None, metavar="RANK")
     p.add_argument("--unsendable-scheduler", action="store_true")
     p.add_argument("--guard", action="store_true", help="commit(step, loss=loss): the step guard")

@@ -1,9 +1,10 @@
 """Flags that are each well-formed but do not fit: a negative restart budget or timeout, a
 non-positive polling period, an active_world_size that is not whole nodes, training nodes that are
-not whole segments. Each is a one-line UsageError naming the flags.
+not whole segments, --elastic without a MIN:MAX to go on within. Each is a one-line UsageError naming the flags.
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from ft_launcher.flag_values import parse_active_nodes
@@ -28,3 +29,21 @@ def training_nodes(ft, nproc: int, min_nodes: int, max_nodes: int) -> Optional[i
         raise UsageError(f"--ft-segment {ft.segment}: the {training} training node(s) (MIN of --nnodes) must be a "
                          f"multiple of it: nodes train in whole segments of {ft.segment} nodes of one NVLink domain")
     return active_nodes
+
+
+def check_elastic(args, ft, min_nodes: int, max_nodes: int) -> None:
+    """--elastic needs --nnodes MIN:MAX with MIN < MAX (the fewest nodes the job goes on with), and
+    chooses the training nodes itself (no active_world_size, no --ft-segment); without it, a
+    MIN:MAX gets one note saying it means hot spares (NVRx's meaning, not torchrun's)."""
+    if not args.elastic:
+        if min_nodes < max_nodes:
+            print(f"ft_launcher: note: --nnodes {min_nodes}:{max_nodes}: {min_nodes} node(s) train and the others "
+                  f"wait as hot spares (NVRx's meaning); for torchrun's (up to {max_nodes} train, the job goes on "
+                  f"with as few as {min_nodes}) add --elastic", file=sys.stderr)
+        return
+    if min_nodes >= max_nodes:
+        raise UsageError(f"--elastic needs --nnodes MIN:MAX with MIN < MAX (the fewest nodes the job goes on with), "
+                         f"got {min_nodes}:{max_nodes}")
+    if ft.active_world_size is not None or ft.segment:
+        raise UsageError("--elastic chooses the training nodes itself: it cannot be combined with "
+                         + ("active_world_size" if ft.active_world_size is not None else "--ft-segment"))

@@ -82,7 +82,7 @@ class _Parser(argparse.ArgumentParser):
 
 # --help groups the flags; each flag shows one spelling, its default and one line.
 _GROUPS = {
-    "nodes and rendezvous": ("nnodes", "nproc-per-node", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf",
+    "nodes and rendezvous": ("nnodes", "elastic", "nproc-per-node", "rdzv-backend", "rdzv-endpoint", "rdzv-id", "rdzv-conf",
                              "standalone", "node-rank", "master-addr", "master-port", "local-addr"),
     "restarts and stopping": ("max-restarts", "term-timeout", "workers-stop-timeout", "monitor-interval",
                               "shutdown-timeout", "signals-to-handle"),
@@ -146,7 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_torchrun_flags(p) -> None:
     """torchrun 2.13's flags (both spellings) and our own launcher flags, in their --help groups."""
-    _flag(p, "nnodes", default=None, help="N or MIN:MAX; nodes past MIN wait as hot spares (default 1, SLURM_NNODES under SLURM)")
+    _flag(p, "nnodes", default=None, help="N or MIN:MAX; nodes past MIN wait as hot spares, as in NVRx (default 1, "
+          "SLURM_NNODES under SLURM); with --elastic, torchrun's meaning: up to MAX train, down to MIN go on")
+    _flag(p, "elastic", action="store_true", help="--nnodes MIN:MAX as torchrun means it: up to MAX nodes train; a "
+          "node lost with no hot spare left: the others go on at once on fewer data-parallel replicas, in place, "
+          "from their live state, down to MIN (fewer: exit 1); a node that joins later is taken in at a step")
     _flag(p, "nproc-per-node", default="1", help="ranks per node: an int, cpu, gpu or auto")
     _flag(p, "rdzv-backend", default=None, help="c10d or static (default static, c10d with --rdzv-endpoint or SLURM); "
           "etcd and etcd-v2 are a one-line error")

@@ -42,6 +42,16 @@ def test_in_place_only_when_every_training_node_declared_its_ranks_restartable()
     assert not RestartPolicy(5, "job").in_place_possible(facts(0), 2)
 
 
+def test_a_grow_restarts_in_place_where_a_failure_would_and_spends_no_budget():
+    """--elastic: a node joined a job below MAX nodes (kind grow): every healthy rank kept, no budget."""
+    grow = {"kind": "grow", "what": "node-c joined", "node_id": "node-c"}
+    policy = RestartPolicy(1)
+    verdict = policy.decide(grow, facts(4, spares=1), PolicyInputs(restarts_used=1, restartable=2))
+    assert verdict.restart and verdict.in_process and verdict.restarts_used == 1 and verdict.next_round == 5
+    assert verdict.keeps(0, "node-a") and verdict.keeps(3, "node-b")
+    assert policy.decide(grow, facts(4, spares=1), PolicyInputs(restartable=1)).rung == "job"
+
+
 @pytest.mark.parametrize("granularity,rung,replaced_nodes", [
     ("auto", "in_process", []), ("rank", "in_process", []), ("node", "in_process", ["node-b"]), ("job", "job", []),
 ])

@@ -213,6 +213,7 @@ class ReservePool:
         self._told_priority = False
         self._told_environ = False
         self.preimport: Dict[int, str] = {i: cfg.ft.reserve_preimport for i in range(cfg.nproc_per_node)}
+        self._hurried: set = set()   # pids of reserves raised to the agent's priority (`hurry`)
         self._handed: List[Reserve] = []   # taken while warming: their sockets close once they are ready
         self._cold_from: Dict[int, float] = {}   # slot -> wall time its cold rank started (until it steps)
         self._hold: Dict[int, float] = {}        # slot -> wall time its rank started: no new reserve until it steps
@@ -413,6 +414,23 @@ class ReservePool:
     def _dismiss(self, reserve: Reserve) -> None:
         reserve.dismiss()
         self.watchdog.forget(reserve.pid)
+
+    def hurry(self) -> None:
+        """The reserves still warming go on at the agent's priority (a spare about to train runs no
+        ranks of its own that their low priority would protect)."""
+        for reserves in self.slots.values():
+            for reserve in reserves:
+                if reserve.ready is None and reserve.pid not in self._hurried and reserve.alive():
+                    self._hurried.add(reserve.pid)
+                    _raise_priority(reserve.pid)
+
+    def ready(self) -> bool:
+        """Every slot has a warm reserve ready (True when reserves are off: nothing to wait for)."""
+        if not self.enabled:
+            return True
+        self._check(time.monotonic())
+        return all(local_rank in self.disabled or any(r.alive() and r.ready is not None for r in reserves)
+                   for local_rank, reserves in self.slots.items())
 
     # ---- using one ----------------------------------------------------------------------------
     def take(self, local_rank: int) -> Optional[Reserve]:

@@ -26,6 +26,9 @@ A failure climbs the ladder only as far as it must (docs/architecture.md, docs/r
   node's slots, or a spare), 17 sends the suspect node to a spare; either stops when that cannot
   help or cannot be done. They are re-runs: never counted as cycles without progress or as the
   same error again.
+- kind `grow` (`--elastic`): a node joined a job that trains on fewer than MAX nodes: the job
+  re-forms with it, in place where the failure would have (`in_place_possible`), every healthy
+  rank kept; no failure, so no budget spent.
 - no restart: the restart budget is spent (`restart` False, exit 1), or kind `stop` (exit 93):
   a rank asked for it (ShutdownWorkload), a node's leaving leaves fewer than the job's minimum
   (`max nodes - excluded < min nodes`), a failure after `max_no_progress_cycles` cycles in a
@@ -210,6 +213,10 @@ class RestartPolicy:
     def decide(self, report: dict, facts: RoundFacts, inputs: PolicyInputs) -> Verdict:
         verdict = Verdict.from_report(report)
         verdict.next_round = facts.number + 1
+        if verdict.kind == "grow":              # --elastic: a node joined a job below MAX nodes
+            verdict.restart, verdict.restarts_used = True, inputs.restarts_used   # no failure: no budget spent
+            verdict.rung = "in_process" if self.in_place_possible(facts, inputs.restartable) else "job"
+            return verdict
         if verdict.kind != "failure":
             return verdict                      # complete, shutdown, stop: no restart
         leaving = verdict.detail.pop("leaving", None)   # a rank's ExcludeThisNode: its node leaves

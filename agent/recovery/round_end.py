@@ -71,7 +71,8 @@ class RoundEnd:
         report = proto.claim_interrupt(number, reason)
         if report is not None:
             if facts is None:
-                facts = self.facts(rnd or number) if report.get("kind") == "failure" else RoundFacts(number, [], [], {})
+                facts = (self.facts(rnd or number) if report.get("kind") in ("failure", "grow")
+                         else RoundFacts(number, [], [], {}))
             inputs = self.policy_inputs(report, facts)
             verdict = self.policy.decide(report, facts, inputs)
             if verdict.restarts_used > inputs.restarts_used:   # the budget this restart spends
@@ -87,10 +88,14 @@ class RoundEnd:
 
     def policy_inputs(self, report: dict, facts: RoundFacts) -> PolicyInputs:
         """What the restart policy decides a failure of round `facts.number` from (the store's
-        side of it; agent.recovery.restart_policy.PolicyInputs). Other reports need none."""
+        side of it; agent.recovery.restart_policy.PolicyInputs). A grow needs the budget spent and who
+        is restartable; other reports need none."""
+        proto, number = self.proto, facts.number
+        if report.get("kind") == "grow":
+            return PolicyInputs(restarts_used=proto.count(store_keys.restarts_used()),
+                                restartable=proto.count(store_keys.restartable(number)))
         if report.get("kind") != "failure":
             return PolicyInputs()
-        proto, number = self.proto, facts.number
         self.progress.judge(proto, number)   # checkpoint_iteration_file: this cycle's progress, by the file
         origins = {}
         back = max(NODE_FAILURE_LIMIT, self.policy.no_progress_limit + 1)   # re-runs are not counted as no progress

@@ -65,6 +65,7 @@ PROGRESS_EVERY = 5.0  # seconds between "still waiting for ..." lines
 UNRESOLVED_SAY_GAPS = (5.0, 10.0, 20.0, 30.0)
 UNRESOLVED_RETRY = 1.0
 WATCHED_PEERS = 2     # nodes each agent watches: the next ones in the round's order
+ELASTIC_LOOK = 0.1    # seconds between looks at the missing nodes of an elastic restart round
 NAMES_UP_TO = 32      # a "waiting for nodes" line names the nodes while no more have joined
 
 
@@ -473,10 +474,15 @@ class RoundProtocol:
         _mark("joined_at")
         if target is None:
             target = int(raw) if raw else None
-        need = self.training_nodes
+        need = self.needed_nodes
         start = time.monotonic()
         timer = None   # the last-call deadline, kept by the joiner that brought the round to its minimum
+        # --elastic, a restart round: the nodes still missing are looked at every ELASTIC_LOOK s (dead:
+        # the round closes on those there, at once; too few left: one line, exit 1)
+        elastic = self.cfg.elastic and bool(target)
         if me.seq >= self.cfg.max_nodes or (target and me.seq >= max(target, need)):
+            self._close(number, me.seq)
+        elif elastic and self._elastic_close_due(number, me.seq, target):
             self._close(number, me.seq)
         elif me.seq == need:
             timer = start + self._last_call
@@ -495,8 +501,10 @@ class RoundProtocol:
                 said[0] = now + PROGRESS_EVERY
                 self.store.say(f"rendezvous round {number}: waiting for nodes: joined as node {me.seq} of "
                                f"{self.cfg.min_nodes} needed [{now - start:.0f}s of join_timeout {join_timeout:g}s]")
+        next_look = start + ELASTIC_LOOK
         while True:
-            deadline = min(next_progress if reads else float("inf"), start + join_timeout, timer or float("inf"))
+            deadline = min(next_progress if reads else float("inf"), start + join_timeout, timer or float("inf"),
+                           next_look if elastic else float("inf"))
             try:
                 self._call(self.s.wait, [assigned], max(0.0, deadline - time.monotonic()), None if reads else line)
                 break
@@ -506,6 +514,12 @@ class RoundProtocol:
                 self.abandon(number, exc.signum)
                 raise
             now = time.monotonic()
+            if elastic and now >= next_look:
+                next_look = now + ELASTIC_LOOK
+                joined = self._call(self.s.add, self.k(store_keys.joined(number)), 0)
+                if self._elastic_close_due(number, joined, target):
+                    self._close(number, joined)
+                    continue
             if timer is not None and now >= timer:
                 timer = None
                 self._close(number, self._call(self.s.add, self.k(store_keys.joined(number)), 0))
@@ -533,11 +547,28 @@ class RoundProtocol:
                     f"{self.cfg.min_nodes - joined} missing")
         return self._my_round(number, me)
 
+    def _elastic_close_due(self, number: int, joined: int, target: int) -> bool:
+        """--elastic, restart round `number` (expecting `target` nodes back) with `joined` in: True when
+        at least the minimum joined and every node still missing is dead (the round goes on without
+        them, at once); raises RendezvousError (exit 1) when the nodes alive are fewer than the
+        minimum (--nnodes MIN): the job cannot go on."""
+        expected = self._expected(number)
+        if not expected:
+            return False
+        alive = _Liveness(self, expected).alive_count(number, joined, time.monotonic())
+        need = self.needed_nodes
+        if alive < need:
+            self.abandon_with(number, {"kind": "stop", "what": f"too few nodes left: {alive} of the {need} needed"})
+            raise RendezvousError(
+                f"elastic: the job cannot go on: {alive} node{'s' if alive != 1 else ''} left, fewer than the "
+                f"{need} --nnodes {self.cfg.min_nodes}:{self.cfg.max_nodes} needs (no hot spare left) -> exiting 1")
+        return joined >= need and alive <= joined
+
     def _late_close_due(self, number: int, seq: int, joined: int, target: Optional[int], waited: float) -> bool:
         """A round that nobody closed in time: the first joiner of a restart round finds that
         the nodes still missing are dead; or the minimum is there and the last-call timer's
         keeper is gone (any agent, after twice the last call)."""
-        if joined < self.training_nodes:
+        if joined < self.needed_nodes:
             return False
         expected = self._expected(number) if target and seq == 1 and joined < target else []
         if expected:
@@ -653,8 +684,16 @@ class RoundProtocol:
     def training_nodes(self) -> int:
         """How many nodes train in a round (the first in order); the others wait as hot spares.
         `--nnodes MIN:MAX`: MIN; with active_world_size: that many ranks' worth of nodes, the rest
-        of the job's nodes being warm reserve nodes."""
+        of the job's nodes being warm reserve nodes; --elastic: up to MAX."""
+        if self.cfg.elastic:
+            return self.cfg.max_nodes
         return min(self.cfg.active_nodes, self.cfg.min_nodes) if self.cfg.active_nodes else self.cfg.min_nodes
+
+    @property
+    def needed_nodes(self) -> int:
+        """How many nodes a round needs before it may close: the training nodes, or with --elastic
+        MIN (a round closes on fewer than MAX after the last call, or once the missing are dead)."""
+        return self.cfg.min_nodes if self.cfg.elastic else self.training_nodes
 
     def _check_join_stop(self, number: int) -> None:
         """Stopped if another joiner's signal abandoned the round; NoRestart if too few nodes can remain."""

@@ -65,24 +65,37 @@ def _coordinate(mesh) -> list:
 
 
 def identity_entries(state) -> list:
-    """Which part of a sharded state this rank holds, from its DTensors: per DTensor, its mesh's
-    shape, placements and this rank's coordinate on every mesh dimension it is not replicated on.
-    [] for plain tensors (every rank holds the same: data parallelism)."""
+    """Which part of a sharded state this rank holds, from its DTensors: per DTensor, its placements
+    and, on every mesh dimension it is not replicated on, that dimension's size and this rank's
+    coordinate. The replicated dimensions' sizes are not part of it: a replica is the same state
+    whatever the number of replicas (an elastic job that lost a replica keeps it); a sharded
+    dimension of another size is another shard. [] for plain tensors (every rank holds the same:
+    data parallelism)."""
     out = []
     for path, t in W.flat(state).items():
         if not _is_dtensor(t):
             continue
         mesh = t.device_mesh
         coord = _coordinate(mesh)
-        sharded = tuple((d, coord[d] if d < len(coord) else None) for d, p in enumerate(t.placements)
+        sharded = tuple((d, mesh.shape[d], coord[d] if d < len(coord) else None) for d, p in enumerate(t.placements)
                         if not p.is_replicate())
-        out.append((path, tuple(mesh.shape), tuple(str(p) for p in t.placements), sharded))
+        out.append((path, len(mesh.shape), tuple(str(p) for p in t.placements), sharded))
     return out
 
 
 def _same_sharding(a, b) -> bool:
     """Two DTensors on equal meshes with the same placements."""
     return _is_dtensor(a) and _is_dtensor(b) and a.device_mesh == b.device_mesh and a.placements == b.placements
+
+
+def _fewer_replicas(old, new, placements) -> bool:
+    """`new` is `old` with other sizes only on the dimensions the placements replicate (an elastic
+    job that lost or gained whole replicas): the same device type, dimension names and number, and
+    the same size on every sharded dimension, so a local shard means the same part on both."""
+    if (str(old.device_type) != str(new.device_type) or old.mesh_dim_names != new.mesh_dim_names
+            or len(old.shape) != len(new.shape) or len(placements) != len(old.shape)):
+        return False
+    return all(p.is_replicate() or old.shape[d] == new.shape[d] for d, p in enumerate(placements))
 
 
 def distinct_meshes(tensors) -> list:
@@ -275,8 +288,8 @@ class Tracked:
             mesh = t.device_mesh
             if any(mesh is m for m in meshes):
                 return t
-            for m in meshes:
-                if m == mesh:
+            for m in sorted(meshes, key=lambda m: m != mesh):   # an equal mesh first, else one of fewer replicas
+                if m == mesh or _fewer_replicas(mesh, m, t.placements):
                     return DTensor.from_local(t.to_local(), m, t.placements, run_check=False, shape=t.shape,
                                               stride=t.stride())
             raise Unbound(f"'{self.name}' holds a DTensor at {W.path_text(path)} on {mesh}, a device mesh "
@@ -419,6 +432,6 @@ def describe_identity(entries: list, shard: Optional[int]) -> str:
     coords = collections.OrderedDict()
     for _, mesh, placements, sharded in entries:
         coords[(mesh, placements, sharded)] = True
-    for mesh, placements, sharded in list(coords)[:2]:
-        parts.append(f"mesh {list(mesh)} {'/'.join(placements)} at " + ", ".join(f"dim {d}={c}" for d, c in sharded))
+    for ndim, placements, sharded in list(coords)[:2]:
+        parts.append(f"{ndim}-d mesh {'/'.join(placements)} at " + ", ".join(f"dim {d}={c} of {n}" for d, n, c in sharded))
     return "; ".join(parts) or "unsharded"

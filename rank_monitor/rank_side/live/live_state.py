@@ -399,7 +399,10 @@ class LiveState:
         idents = [(name, ident) for name, (_, _, ident) in sorted(fresh.items()) if ident]
         self._described = {
             "world": world,
-            "identity": W.digest64(world, self.shard, idents),
+            # replicated state (no `shard=`; DTensors name only their sharded dimensions) is the same
+            # state under any number of replicas: an elastic job that lost or gained replicas keeps it;
+            # a `shard=` number means something only under the world size it was given in
+            "identity": W.digest64(world if self.shard is not None else None, self.shard, idents),
             "identity_text": O.describe_identity([e for _, ident in idents for e in ident], self.shard),
             "layout": W.digest64(sorted(per_object.items())),
             "objects": per_object,
@@ -810,8 +813,9 @@ def _plan(live: LiveState, rows: List[_Row], world: int, copies: Optional[list] 
     if refused:
         return Plan(None, [None] * world, ""), (f"LiveState '{live.name}' was refused on {_ranks(refused)}: "
                                                 f"{live.refused or 'see the line above'}")
+    # offers made under another world size count: the identity says whether the shard is the same
     offers = [Offer(r, row.step, row.offer_id, row.offer_layout) for r, row in enumerate(rows)
-              if row.status == HOLDS and row.offer_world == world] + list(copies or [])
+              if row.status == HOLDS] + list(copies or [])
     other_world = sorted({row.offer_world for row in rows if row.status == HOLDS and row.offer_world != world})
     plan = plan_recovery(offers, [Need(row.need_id, row.need_layout) for row in rows])
     if plan.resume is not None and rows[0].rank0_buffers and not plan.kept(0):
@@ -826,9 +830,10 @@ def _plan(live: LiveState, rows: List[_Row], world: int, copies: Optional[list] 
         if copies else ""
     if lost:
         return plan, f"LiveState '{live.name}': {lost}"
-    if not offers and other_world:
+    if other_world and "no rank holds the shard" in plan.reason:
         return plan, (f"the world size changed ({'/'.join(map(str, other_world))} -> {world}) since the live state "
-                      f"'{live.name}' was committed")
+                      f"'{live.name}' was committed, and the shards with it: {plan.reason}; this rank's shard: "
+                      f"{live._describe()['identity_text']}")
     if not offers:
         by_status = collections.defaultdict(list)
         for r, row in enumerate(rows):
