@@ -270,6 +270,7 @@ def test_a_store_lost_during_the_liveness_check_is_a_store_loss_not_a_traceback(
         liveness.alive_count(0, 0, time.monotonic())
 
 
+@pytest.mark.slow
 def test_a_thread_stuck_in_a_store_call_does_not_abort_the_exit(launcher):
     """torch aborts a process whose daemon thread comes back from a store call during interpreter
     exit (SIGABRT: 134, where the agent meant 0, 1 or 93). The agent's exit goes past such a

@@ -223,6 +223,7 @@ def told(job):
     return evs[0]
 
 
+@pytest.mark.slow
 def test_one_node_pure_fsdp_a_killed_rank_restores_its_shard_from_host_memory(launcher, tmp_path, clean):
     """1 x 2, no replica: rank 1 killed at the start of step 137. Its buddy (rank 0) is on the same
     node here (one node: a copy survives its rank, not the node); its own copy of step 136 is in this
@@ -239,6 +240,7 @@ def test_one_node_pure_fsdp_a_killed_rank_restores_its_shard_from_host_memory(la
                                            if "live recovery: resumed at step 136" in ln][0]
 
 
+@pytest.mark.slow
 def test_a_host_that_cannot_hold_the_copies_refuses_them_in_one_line(launcher, tmp_path, clean):
     """A 1 MB limit (the copies need more): one line at the start, no copies; the kill at 137 then
     falls back to the checkpoint of step 100, with its line, and ends exact."""

@@ -200,6 +200,7 @@ def test_a_job_learns_timeouts_and_the_next_run_catches_a_hang_with_them(launche
     assert hang[0]["detail"]["timeout"] == pytest.approx(step) and hang[0]["detail"]["elapsed"] < 10
 
 
+@pytest.mark.slow
 def test_two_jobs_computing_into_one_file_leave_one_valid_file(launcher, tmp_path):
     state = tmp_path / "shared" / "ft_state.json"
     jobs = [_job(launcher, tmp_path, name, state, steps=60) for name in ("a", "b")]

@@ -105,6 +105,7 @@ def _gather(calls, *args):
                           capture_output=True, text=True, timeout=60 + 12 * calls, env=env)
 
 
+@pytest.mark.slow
 def test_a_call_that_ends_with_a_gather_and_a_destroyed_group_ends_under_the_hold():
     """Issue 39: ranks restarted in place hung at the job's end, the main thread freeing DDP's
     Reducer (the group's last reference) as the training function returned while a gloo worker

@@ -54,6 +54,7 @@ def test_unwritable_output_path_is_one_line_before_anything_starts(launcher, tmp
     assert not list(tmp_path.glob("rank_*.json"))  # no rank ran
 
 
+@pytest.mark.slow
 def test_a_state_file_that_cannot_be_written_later_is_a_warning_not_a_failure(launcher, tmp_path):
     logs, state_dir = tmp_path / "logs", tmp_path / "state"
     proc = launcher.start(["--standalone", "--nproc-per-node", "2", "--log-dir", logs,

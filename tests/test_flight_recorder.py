@@ -41,6 +41,7 @@ def test_hang_dumps_every_rank_and_names_the_collective_never_joined(launcher, t
     assert "rank 1 done cycle 1" in res.stdout
 
 
+@pytest.mark.slow
 def test_without_a_log_dir_the_line_names_dumps_that_outlive_the_launcher(launcher, tmp_path):
     """No --log-dir: the flight-recorder line names a folder that still holds the dumps and the
     analysis once the launcher has exited (the agent's run dir in the temp dir, kept like the stack
@@ -120,6 +121,7 @@ def test_reading_dumps_runs_nothing_they_name(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_recorder_off_keeps_the_python_stack_dump(launcher, tmp_path):
     logs = tmp_path / "logs"
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs]

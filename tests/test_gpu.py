@@ -73,6 +73,7 @@ def rank_envs(launcher, tmp_path, flags, extra_env=None, nproc=2):
     return res, [read_json(tmp_path / f"rank_{r}.json") for r in range(nproc)]
 
 
+@pytest.mark.slow
 def test_ranks_get_nccl_watchdog_defaults_that_wait_for_our_monitors(launcher, tmp_path):
     logs = tmp_path / "logs"
     _, envs = rank_envs(launcher, tmp_path, ["--log-dir", logs, "--ft-rank-section-timeouts", "setup:600,step:30"])
@@ -89,6 +90,7 @@ def test_ranks_get_nccl_watchdog_defaults_that_wait_for_our_monitors(launcher, t
     assert not any("TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in e for e in envs)
 
 
+@pytest.mark.slow
 def test_nccl_variables_the_user_set_pass_unchanged_and_a_short_heartbeat_warns(launcher, tmp_path):
     user = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "30",
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "100"}
@@ -102,6 +104,7 @@ def test_nccl_variables_the_user_set_pass_unchanged_and_a_short_heartbeat_warns(
             "stack and trace (unset it for 480)") in res.stderr
 
 
+@pytest.mark.slow
 def test_cuda_visible_devices_reach_every_rank_unchanged_in_order(launcher, tmp_path):
     # As torchrun: never set, never reordered; LOCAL_RANK n is the n-th visible device.
     _, envs = rank_envs(launcher, tmp_path, [], extra_env={"CUDA_VISIBLE_DEVICES": "3,1"})
@@ -205,6 +208,7 @@ def test_a_gpu_that_keeps_a_dead_ranks_memory_fails_the_nodes_health_check(launc
             f"memory of dead rank process(es) {cycle0[0]}, {cycle0[1]} after 10s") in res.stderr
 
 
+@pytest.mark.slow
 def test_gpu_memory_reclaim_timeout_and_tolerance_are_configurable(launcher, tmp_path):
     """NVRx 0.7's --ft-gpu-memory-reclaim-timeout bounds the wait; with --ft-gpu-memory-tolerance-mb
     above what a dead rank's process still holds (the stand-in lists 1024 MB), it counts as gone."""

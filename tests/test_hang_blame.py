@@ -102,6 +102,7 @@ def test_only_the_rank_that_hung_is_replaced(launcher, tmp_path, reference, how,
         assert len(hangs) >= 2, hangs
 
 
+@pytest.mark.slow
 def test_without_the_flight_recorder_the_stacks_decide(launcher, tmp_path, reference):
     job, culprit = run_hang(launcher, tmp_path, "1x2", "sleep", "step", env={"TORCH_FR_BUFFER_SIZE": "0"})
     check_blame(job, reference, culprit, "stacks")

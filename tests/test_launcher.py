@@ -49,6 +49,7 @@ def test_two_agents_form_one_job_in_infrastructure_order(launcher, tmp_path):
     assert len(pids) == 2
 
 
+@pytest.mark.slow
 def test_rank_failure_restarts_and_resumes_exactly_from_checkpoint(launcher, tmp_path):
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
     base = ["--standalone", "--nproc-per-node", "2", "--log-dir", tmp_path / "logs"]
@@ -73,6 +74,7 @@ def test_rank_failure_restarts_and_resumes_exactly_from_checkpoint(launcher, tmp
     assert "[rank 0] resumed from step 20" in res.stdout  # teed lines carry the rank
 
 
+@pytest.mark.slow
 def test_spent_budget_exits_1_naming_rank_code_and_cycle(launcher, tmp_path):
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", FAIL_RANK, "1", "-1"])
     assert res.returncode == 1
@@ -81,6 +83,7 @@ def test_spent_budget_exits_1_naming_rank_code_and_cycle(launcher, tmp_path):
     assert "restart budget spent (1/1" in last
 
 
+@pytest.mark.slow
 def test_failure_on_agent_b_restarts_ranks_on_agent_a(launcher, tmp_path):
     port = free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
@@ -206,6 +209,7 @@ def test_a_rendezvous_host_name_that_does_not_resolve_is_said_at_once_and_while_
     assert not any("Traceback" in l for _, l in lines)
 
 
+@pytest.mark.slow
 def test_redirects_keep_console_clean_and_filter_selects_ranks(launcher, tmp_path):
     logs = tmp_path / "logs"
     res = launcher.run(["--standalone", "--nproc-per-node", "2", "--log-dir", logs, "--redirects", "3",
@@ -219,6 +223,7 @@ def test_redirects_keep_console_clean_and_filter_selects_ranks(launcher, tmp_pat
     assert "[rank 1] hello from rank 1" in res.stdout and "hello from rank 0" not in res.stdout
 
 
+@pytest.mark.slow
 def test_the_culprit_is_named_first_and_a_victims_collective_error_is_one_line(launcher, tmp_path):
     """The operator reads who failed before its consequences: rank 1 crashes in 'step' (exit 1 at
     once), rank 0 then fails in its collective (gloo: connection closed by peer). The launcher's line
@@ -255,6 +260,7 @@ def test_the_culprit_is_named_first_and_a_victims_collective_error_is_one_line(l
             assert "traceback folded; --log-dir keeps every rank's output)" in line
 
 
+@pytest.mark.slow
 def test_a_real_error_prints_its_whole_traceback_at_once(launcher, tmp_path):
     """Only a victim's collective error is held back and folded: rank 1's own exception (raised in
     its step) reaches the console whole, before the launcher's line about it."""
@@ -269,6 +275,7 @@ def test_a_real_error_prints_its_whole_traceback_at_once(launcher, tmp_path):
     assert "in train" in "\n".join(lines[:raised]) and "hooks.at" in "\n".join(lines[:raised])   # its frames, all of them
 
 
+@pytest.mark.slow
 def test_the_same_error_again_before_any_progress_stops_the_job_with_its_traceback_printed_once(launcher, tmp_path):
     """A script that cannot import a module fails the same way in every rank and cycle: its
     traceback is printed once, every later one is a line naming where it was first; the second

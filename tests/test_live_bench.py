@@ -41,6 +41,7 @@ def test_torchft_absent_is_a_clear_error(monkeypatch, capsys):
     assert args.only == ["ckpt"]
 
 
+@pytest.mark.slow
 def test_dry_run(launcher, tmp_path):
     """One tiny ft_launcher case: rank 1 killed at step 8, checkpoint at 5: 3 steps redone (6..8),
     every rank stepping again, the state from disk; nothing left behind (the fixture checks)."""

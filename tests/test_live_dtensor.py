@@ -217,6 +217,7 @@ def run_1x4(launcher, tmp_path, flags):
     return res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state", ["app", pytest.param("app-flat", marks=pytest.mark.slow),
                                    pytest.param("parts", marks=pytest.mark.slow)])
 def test_hsdp_through_a_dcp_appstate_heals_a_killed_rank_exactly(launcher, tmp_path, clean, state):
@@ -233,6 +234,7 @@ def test_hsdp_through_a_dcp_appstate_heals_a_killed_rank_exactly(launcher, tmp_p
     assert "no live state" not in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_heal_whose_load_raises_falls_back_on_every_rank_with_one_line(launcher, tmp_path, clean):
     """As above, and the healed rank 3's AppState.load_state_dict raises: every rank's restore()
     returns None, rank 0 says in one line which rank, which object and what it raised; every rank

@@ -222,6 +222,7 @@ def test_a_fault_inside_restore_leaves_the_next_cycle_live(launcher, tmp_path, r
 
 
 # ---- 7. state a peer could not receive ------------------------------------------------------------------
+@pytest.mark.slow
 def test_an_unsendable_scheduler_is_refused_at_once_with_one_line(launcher, tmp_path):
     """LambdaLR over a callable object that holds a lambda: its state_dict() holds the lambda. The
     LiveState refuses it before training (one line naming where), the job trains on; the fault at
@@ -355,6 +356,7 @@ def test_live_memory_twenty_recoveries_leave_a_kept_rank_within_1_1x_of_its_memo
 SHORT = ["--steps", 30, "--ckpt-every", 50]   # no checkpoint before the end: a fallback would train from step 0
 
 
+@pytest.mark.slow
 def test_a_hang_in_the_cycle_after_an_in_place_restart_blames_the_rank_that_hung(launcher, tmp_path, references):
     """1 agent x 3 ranks, in place, LiveState: rank 1 raises after the commit of step 12 (cycle 0;
     the three stay in their processes, rank 1 heals from a peer); in cycle 1 rank 0 hangs after the
@@ -411,6 +413,7 @@ def test_twenty_2x2_runs_that_end_with_a_gather_after_an_in_place_recovery_all_e
         assert any(r[1] for r in started(evs, 1).values()), run   # some ranks restarted in place
 
 
+@pytest.mark.slow
 def test_a_rank_that_hangs_after_its_last_step_is_ended_within_the_grace(launcher, tmp_path):
     """1 agent x 2 ranks; rank 1 sleeps for ever after its last step, outside any section, while
     rank 0 exits 0. With teardown_hang_grace 2 s the agent dumps its stack, ends it, says so in one

@@ -388,6 +388,7 @@ def test_a_killed_rank_heals_from_a_peer_and_the_job_loses_no_step(launcher, tmp
     check_live(job, reference, fault_rank, resume=FAULT_STEP - 1)
 
 
+@pytest.mark.slow
 def test_a_rank_that_raised_is_suspect_and_heals_from_a_peer(launcher, tmp_path, reference):
     """Rank 1 raises at the end of step 137 (its optimizer step done): its state counts as
     suspect; its peers completed 137, so the job resumes there and rank 1 receives it. Every rank
@@ -398,6 +399,7 @@ def test_a_rank_that_raised_is_suspect_and_heals_from_a_peer(launcher, tmp_path,
     check_live(job, reference, 1, resume=FAULT_STEP)
 
 
+@pytest.mark.slow
 def test_a_hang_keeps_its_victims_state_and_the_rank_that_hung_heals_from_a_peer(launcher, tmp_path, reference):
     """Rank 3 completes step 137 and then sleeps inside it; its peers block in step 138's
     all-reduce until their step timers run out too. The hang blame (agent/recovery.hang_blame.py) finds
@@ -425,6 +427,7 @@ def run_1x2(launcher, tmp_path, ft_args, job_args, logs="logs"):
     return out, err, read_events(str(tmp_path / logs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["node", pytest.param("job", marks=pytest.mark.slow)])
 def test_no_healthy_copy_falls_back_to_the_checkpoint_with_one_line(launcher, tmp_path, granularity):
     """1 agent x 2 ranks, rank 1 killed at step 17, checkpoint every 10: with node granularity both
@@ -445,6 +448,7 @@ def test_no_healthy_copy_falls_back_to_the_checkpoint_with_one_line(launcher, tm
     assert [s for c, s, _ in rows if c == 1][0] == 11
 
 
+@pytest.mark.slow
 def test_a_restart_signal_inside_commit_leaves_every_replica_equal(launcher, tmp_path):
     """live_commit.py: rank 1 is inside its commit (after the all-reduce, in its optimizer step)
     when the restart signal comes; it finishes that step and keeps its state, rank 2 (which raised)
@@ -471,6 +475,7 @@ def test_a_restart_signal_inside_commit_leaves_every_replica_equal(launcher, tmp
     assert finals == clean and len({json.dumps(f) for f in finals}) == 1, (finals, clean)
 
 
+@pytest.mark.slow
 def test_restore_reads_each_object_once_on_every_rank_moves_the_kept_state_and_frees_the_previous(launcher,
                                                                                                  tmp_path):
     """live_restore_calls.py, 3 ranks: rank 2 raises after the commit of step 4 and receives; ranks
@@ -665,6 +670,7 @@ def test_a_kept_fsdp2_module_s_state_is_its_sharded_parameters_even_mid_step():
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     assert "('2.weight', 'DTensor')" in res.stdout, res.stdout
 
+@pytest.mark.slow
 def test_fully_shard_after_an_in_place_restart_is_on_the_new_mesh_and_exact(launcher, tmp_path):
     """tests/scripts/fsdp_two_calls.py: fully_shard as HSDP over 2 ranks (2 replicas x 1 shard), AdamW,
     LiveState; rank 1 SIGKILLed at step 5 of 8. Rank 0 restarts in place and keeps its state, rank 1

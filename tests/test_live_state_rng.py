@@ -41,6 +41,7 @@ def run(job):
     return "".join(r[1] for r in results), elapsed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["killed", pytest.param("raised", marks=pytest.mark.slow)])
 def test_rng_state_is_kept_and_a_replaced_rank_receives_it_from_its_peer(launcher, tmp_path, fault):
     """killed: rank 0 dies at the start of step 17 (every rank held 0.5 s after step 16's
@@ -116,6 +117,7 @@ def test_hsdp_a_rank_killed_inside_the_fsdp_forward_heals_from_the_other_replica
     assert after[0][0] != before[0][0], (before, after)
 
 
+@pytest.mark.slow
 def test_three_replicas_of_a_script_that_seeds_torch_only_heal_exactly(launcher, tmp_path):
     """examples/ddp_train.py --live-rng without --noise seeds torch only and never touches Python's
     `random`: each rank's stream is its own, from os.urandom, and nothing draws from it. 1 agent x

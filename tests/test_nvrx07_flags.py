@@ -308,7 +308,9 @@ def test_the_cycle_info_writer_says_once_when_it_cannot_write(tmp_path):
 
 
 # ---- built: --ft-checkpoint-iteration-file, --ft-min-progress-iterations -------------------------
-@pytest.mark.parametrize("advance,minimum,code", [(0, 1, 93), (5, 10, 93), (20, 10, 1), (None, 1, 1)],
+@pytest.mark.parametrize("advance,minimum,code", [pytest.param(0, 1, 93, marks=pytest.mark.slow),
+                                                   pytest.param(5, 10, 93, marks=pytest.mark.slow), (20, 10, 1),
+                                                   pytest.param(None, 1, 1, marks=pytest.mark.slow)],
                          ids=["stuck", "too_little", "progress", "no_file"])
 def test_progress_is_the_checkpoint_iteration_and_feeds_the_no_progress_stop(launcher, tmp_path, advance, minimum, code):
     """The only rank fails in every cycle after adding `advance` to the checkpoint iteration (100 at
@@ -527,6 +529,7 @@ def test_the_client_runs_nvrx07_keyword_calls_outside_the_launcher(monkeypatch):
     client.shutdown_workload_monitoring()
 
 
+@pytest.mark.slow
 def test_a_rank_restarted_in_place_goes_on_in_the_next_cycles_applog(launcher, tmp_path):
     """ft.restartable, rank 1 raises in step: both ranks restart in their own processes, and what
     they print from then on goes to job_cycle1.log (agent.ranks.rank_output's redirect)."""

@@ -178,6 +178,7 @@ def steps_done(out, rank):
     return [(int(c), int(s), int(p)) for c, s, p in rows]
 
 
+@pytest.mark.slow
 def test_megatron_bridge_sequence_with_nvrx_client_through_a_hang_and_a_kill(launcher, tmp_path):
     out, logs = tmp_path / "out", tmp_path / "logs"
     (out / "ckpt").mkdir(parents=True)
@@ -235,6 +236,7 @@ def two_agents(launcher, tmp_path, nnodes, nproc, max_restarts, bridge_args, tim
     return first, second, err0, err1, out, logs
 
 
+@pytest.mark.slow
 def test_megatron_bridge_exclude_this_node_hands_the_job_to_the_spare(launcher, tmp_path):
     """--nnodes 1:2: the training node's rank asks, through NVRx's client, to exclude its node;
     the spare takes over and finishes; the excluded node exits 93."""

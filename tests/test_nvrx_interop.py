@@ -268,6 +268,7 @@ def report(out, name, rank, cycle):
     return json.loads((out / f"{name}_rank{rank}_cycle{cycle}.json").read_text())
 
 
+@pytest.mark.slow
 def test_nvrx_sections_script_keeps_its_computed_timeouts_through_a_hang_and_a_kill(launcher, tmp_path):
     logs, out, hang, err = run_through_hang_and_kill(launcher, tmp_path, "nvrx_sections_train.py", SECTIONS_YAML)
     # the hang was caught by a timeout computed in cycle 0, not the configured 30 s

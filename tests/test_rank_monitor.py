@@ -218,6 +218,7 @@ def test_a_hang_in_a_rank_without_the_client_says_there_is_no_stack_dump(launche
     assert events(tmp_path / "logs", "hang")[0]["detail"]["stack_file"] is None
 
 
+@pytest.mark.slow
 def test_a_rank_warning_is_said_once_per_agent_not_per_cycle(launcher, tmp_path):
     """'setup' and 'checkpointing' have no timeout here: each is said once, though rank 0 runs
     them again in the cycle after the failure (a new process)."""

@@ -109,6 +109,7 @@ def kill_and_hang_job(tmp_path_factory):
     return tmp, logs, stopped_at
 
 
+@pytest.mark.slow
 def test_report_of_a_kill_and_a_hang(kill_and_hang_job):
     tmp, logs, stopped_at = kill_and_hang_job
     res = run_cli(["report", logs, "-o", tmp / "report.html"], cwd=tmp)
@@ -558,7 +559,8 @@ def test_incident_of_a_simulated_hang_says_what_the_console_says(launcher, tmp_p
 CKPT_BARRIER = os.path.join(SCRIPTS, "ckpt_barrier.py")
 
 
-@pytest.mark.parametrize("path", ["cold", "warm", "in_place"])
+@pytest.mark.parametrize("path", ["cold", pytest.param("warm", marks=pytest.mark.slow),
+                                  pytest.param("in_place", marks=pytest.mark.slow)])
 def test_steps_redone_follow_the_checkpoint_resumed_from_on_every_restart_path(launcher, tmp_path, path):
     """Rank 1 hangs in step 20; rank 0 has written the step-20 checkpoint and waits for rank 1 in the
     checkpoint's barrier, its `checkpointing` section still open when the cycle ends (in place: left

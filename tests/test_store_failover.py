@@ -76,6 +76,7 @@ def _kill_the_host_and_wait_for_the_others(job):
     return outs
 
 
+@pytest.mark.slow
 def test_a_successor_that_cannot_host_is_skipped_and_everyone_reaches_the_next(launcher, tmp_path):
     # The first successor's port (rdzv port + 1) is the local port of another connection: it
     # cannot host, and moves on at once. The spare, next in order, waits its window for it, then

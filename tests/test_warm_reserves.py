@@ -41,7 +41,8 @@ def reserve_procs(agent_pid):
             if " ".join(p.cmdline()).startswith("ft_launcher: warm_reserve")]
 
 
-@pytest.mark.parametrize("mode", ["script", "module", "run_path"])
+@pytest.mark.parametrize("mode", ["script", pytest.param("module", marks=pytest.mark.slow),
+                                  pytest.param("run_path", marks=pytest.mark.slow)])
 def test_restart_activates_a_warm_reserve_that_runs_the_script_as_a_cold_rank_would(launcher, tmp_path, mode):
     logs, out, go, hold = tmp_path / "logs", tmp_path / "out", tmp_path / "go", tmp_path / "hold"
     out.mkdir()

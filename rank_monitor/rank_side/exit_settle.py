@@ -37,7 +37,7 @@ from typing import Callable, List, Optional
 
 STEP_S = 0.002      # each sleep with the GIL released
 QUIET_LOOKS = 3     # looks in a row that find no other thread runnable
-SETTLE_S = 1.0      # at most this long (a thread that never stops running: a user's spinning daemon thread)
+SETTLE_S = 3.0      # at most this long (a thread that never stops running: a user's spinning daemon thread)
 
 _HOOKS: List[Callable[[], None]] = []
 _installed: Optional[int] = None   # the pid that registered the handler (a fork's child has none)
