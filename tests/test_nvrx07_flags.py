@@ -413,7 +413,7 @@ def test_segments_put_a_whole_domain_to_work_and_the_odd_node_on_standby(launche
     out = {order: proc.communicate(timeout=90) for order, proc in procs.items()}
     for order, proc in procs.items():
         assert proc.returncode == 0, out[order][1]
-    assert "hot spare" in out[0][1] and "rank 0 cycle 0" not in out[0][0] and "rank 1 cycle 0" not in out[0][0]
+    assert "hot spare: " in out[0][1] and "rank 0 cycle 0" not in out[0][0] and "rank 1 cycle 0" not in out[0][0]
     assert "rank 0 cycle 0 to stdout" in out[1][0] and "rank 1 cycle 0 to stdout" in out[2][0]
 
 

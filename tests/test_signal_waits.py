@@ -99,7 +99,7 @@ def test_sigterm_ends_a_hot_spares_wait(launcher, tmp_path):
     wait_for(lambda: (tmp_path / "pids_0").exists(), 60, "the trainer's rank to start")
     spare = launcher.start(common, extra_env={"GROUP_RANK": "1"})
     spare_lines = Lines(spare.stderr)
-    spare_lines.wait("hot spare", 60)
+    spare_lines.wait("hot spare: ", 60)   # not the --nnodes note, said before the handlers
     spare.send_signal(signal.SIGTERM)
     elapsed = _exit_time(spare)
     assert spare.returncode == 143 and elapsed < EXIT_BOUND, spare_lines.text()
