@@ -263,7 +263,7 @@ class LiveState:
             loss, grad_norm = self._checked
             self._checked = None
             t0 = time.perf_counter()
-            step_guard._POSITION[0] = self._loader_position()
+            step_guard._POSITION[0] = self._loader_position
             if step_guard.check(self, self._pending, loss, grad_norm) == step_guard.Decision.SKIP:
                 self._drop_gradients()
             self.stats["guard_s"] += time.perf_counter() - t0   # the guard's per-step cost (bench/step_guard.py)

@@ -439,11 +439,12 @@ def _data(step, table, pending: Pending, v, cfg: GuardConfig, rank: int, why: st
     return Decision.GO   # not reached
 
 
-_POSITION = ["?"]   # the loader position of the step being checked (LiveState sets it)
+_POSITION = [lambda: "?"]   # how to read the loader position of the step being checked (LiveState sets it;
+#                             read only when a decision names it, never on the step's path)
 
 
 def loader_position() -> str:
-    return _POSITION[0]
+    return _POSITION[0]()
 
 
 def describe_position(states: Dict[str, Any]) -> str:
