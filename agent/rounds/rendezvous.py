@@ -468,6 +468,14 @@ class RoundProtocol:
         """Join round `number`; returns once it is closed and this agent knows its place.
         `target`: how many nodes a restart round expects back (a failover's survivors); else the
         target the verdict of the previous round left in the store, if any."""
+        try:
+            return self._join(number, target)
+        except Stopped as exc:   # our signal anywhere in the join (its first call included) stops the others too
+            if not exc.by_peer:
+                self.abandon(number, exc.signum)
+            raise
+
+    def _join(self, number: int, target: Optional[int]) -> Round:
         me = dataclasses.replace(self.me)
         me.seq, raw = self._call(self.s.join_step, self.k(store_keys.records(number)), _record(me) + "\n",
                                  self.k(store_keys.joined(number)), self.k(store_keys.target(number)))   # one round trip
@@ -510,9 +518,6 @@ class RoundProtocol:
                 break
             except StoreTimeout:
                 pass
-            except Stopped as exc:
-                self.abandon(number, exc.signum)
-                raise
             now = time.monotonic()
             if elastic and now >= next_look:
                 next_look = now + ELASTIC_LOOK
