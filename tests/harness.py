@@ -48,7 +48,7 @@ from conftest import EXAMPLE, ROOT, SCRIPTS, Launcher, free_port, read_events, w
 
 # ---- the example job ------------------------------------------------------------------------------
 STEPS, CKPT_EVERY, HOLD_STEP, SEED = 20, 3, 3, 7
-HOLD, DELAY = 12.0, 8.0      # phase held HOLD s; a simulated fault is due DELAY..DELAY*1.2 s after start
+HOLD, DELAY = 16.0, 12.0     # phase held HOLD s; a simulated fault is due DELAY..DELAY*1.2 s after start (2x2 on 2 loaded cores: ~9.5 s to step 1)
 JOB = [EXAMPLE, "--steps", STEPS, "--ckpt-every", CKPT_EVERY, "--hold-step", HOLD_STEP, "--seed", SEED,
        "--step-time", "0.02"]
 LONG = 30  # a timeout that should not fire

@@ -81,7 +81,8 @@ def _can_mount(tmp_path):
     return ok
 
 
-@pytest.mark.parametrize("fault", ["full", "read-only", "removed"])
+@pytest.mark.parametrize("fault", ["full", pytest.param("read-only", marks=pytest.mark.slow),   # the same warning path
+                                   pytest.param("removed", marks=pytest.mark.slow)])
 def test_a_failing_log_disk_costs_one_warning_line_not_the_job(launcher, tmp_path, fault):
     if fault != "removed" and not _can_mount(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
@@ -207,6 +208,7 @@ def test_a_rank_sigkill_cannot_end_makes_its_node_leave_in_one_line(launcher, tm
     assert read_events(logs, "node_left")
 
 
+@pytest.mark.slow   # 9 s of waiting on purpose
 def test_a_verdict_that_never_comes_ends_the_wait_after_close_timeout(launcher, tmp_path):
     """The deciding node won the round's interrupt and died before writing the verdict (here:
     the test writes the interrupt of a node that does not exist). Each agent waits close_timeout,

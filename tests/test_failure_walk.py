@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, SCRIPTS, read_events
 
 WALK = [   # the step, and the call that makes it
@@ -25,6 +27,7 @@ WALK = [   # the step, and the call that makes it
 ]
 
 
+@pytest.mark.slow   # a killed rank's path runs by default in test_live_exact and test_warm_reserves
 def test_a_killed_rank_walks_through_each_part_once(launcher, tmp_path):
     walk_file = tmp_path / "walk.json"
     args = ["--standalone", "--nproc-per-node", 2, "--max-restarts", 2, "--log-dir", tmp_path / "logs",

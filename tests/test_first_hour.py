@@ -95,6 +95,7 @@ def test_readme_rank_hung_example_fires_is_caught_and_resumes(launcher, tmp_path
     assert kinds[-1] == "job_complete"
 
 
+@pytest.mark.slow   # a whole job to its end for one line
 def test_a_fault_planned_after_the_end_of_the_job_says_so(launcher, tmp_path):
     res = launcher.run(["--standalone", "--log-dir", tmp_path / "logs", "--ft-simulate-fault", "true",
                         "--ft-simulated-fault-type", "rank_killed", "--ft-simulated-fault-base-delay", "60",

@@ -184,7 +184,8 @@ def test_busy_port_and_rendezvous_timeout_are_one_line_errors(launcher, tmp_path
 
 @pytest.mark.parametrize("flags,origin", [
     (["--rdzv-endpoint", "nosuchhost.invalid:29400"], "from --rdzv-endpoint"),
-    (["--rdzv-backend", "static", "--node-rank", "1", "--master-addr", "nosuchhost.invalid"], "from --master-addr"),
+    pytest.param(["--rdzv-backend", "static", "--node-rank", "1", "--master-addr", "nosuchhost.invalid"],
+                 "from --master-addr", marks=pytest.mark.slow),   # the same lookup as --rdzv-endpoint's
 ], ids=["rdzv-endpoint", "master-addr"])
 def test_a_rendezvous_host_name_that_does_not_resolve_is_said_at_once_and_while_waiting(launcher, flags, origin):
     """A mistyped endpoint host: the agent says the name does not resolve as soon as it looks for the

@@ -113,7 +113,7 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("keys", ["nested", "flat"])
+@pytest.mark.parametrize("keys", ["nested", pytest.param("flat", marks=pytest.mark.slow)])   # flat: torchtitan's keys, slow
 def test_an_appstate_crosses_the_wire_as_dtensors_on_the_receivers_mesh(keys):
     """examples/hsdp_train.py's AppState (DCP recipe) over fully_shard on a 1 x 1 mesh: a kept
     state (3 AdamW steps) sent, received by a fresh AppState (another mesh object, an optimizer

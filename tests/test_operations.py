@@ -160,6 +160,7 @@ def test_a_rank_asking_to_shut_down_stops_every_agent_with_93_and_no_restart(lau
 
 
 # ---- a node leaves: ExcludeThisNode, failed health checks -----------------------------------------
+@pytest.mark.slow   # a node leaving for a spare runs by default in test_store_failover
 def test_exclude_this_node_hands_the_job_to_the_spare_while_the_excluded_store_host_keeps_serving(
         launcher, tmp_path):
     """--nnodes 1:2: the training node hosts the store and its rank asks to exclude the node. The
@@ -225,6 +226,7 @@ def test_an_unwritable_checkpoint_dir_fails_the_health_check_with_the_chosen_exi
     assert not (tmp_path / "out").exists()   # no rank ran
 
 
+@pytest.mark.slow   # by default test_an_unwritable_checkpoint_dir_fails_the_health_check_with_the_chosen_exit_code
 def test_too_little_free_disk_fails_the_health_check(launcher, tmp_path):
     """min_free_disk_gb is the room a checkpoint directory must have; a log directory below it
     only warns (tests/test_agent_environment.py: a small log disk)."""

@@ -45,7 +45,7 @@ def rank_pids(logs):
     return {r["pid"] for e in read_events(logs, "ranks_started") for r in e["detail"]["ranks"]}
 
 
-@pytest.mark.parametrize("layout", ["modules", "packages"])
+@pytest.mark.parametrize("layout", [pytest.param("modules", marks=pytest.mark.slow), "packages"])   # packages shadow more
 def test_user_agent_and_rank_monitor_beside_the_script_reach_only_the_ranks(launcher, tmp_path, layout):
     """`python -m ft_launcher` run from the directory that holds train.py, agent and rank_monitor:
     monitors, watchdog and reserves come up with our code, a restart activates warm reserves, and

@@ -49,7 +49,12 @@ DETECTION_PATHS = [
 ]
 
 
-@pytest.mark.parametrize("fault,flags,reason,section", DETECTION_PATHS, ids=[p[0] for p in DETECTION_PATHS])
+# by default: a section (setup, step), out of section, a heartbeat; the others are slow
+DEFAULT_PATHS = ("setup", "step", "oos", "no_heartbeat")
+
+
+@pytest.mark.parametrize("fault,flags,reason,section", [
+    pytest.param(*p, id=p[0], marks=() if p[0] in DEFAULT_PATHS else pytest.mark.slow) for p in DETECTION_PATHS])
 def test_each_detection_path_fires_for_the_hung_rank_only(launcher, tmp_path, fault, flags, reason, section):
     steps = 100 if fault in ("no_heartbeat", "heartbeat_stops") else 40  # long enough to be caught
     res, logs, out = run_job(launcher, tmp_path, flags, fault=fault, steps=steps)
@@ -73,6 +78,7 @@ def test_each_detection_path_fires_for_the_hung_rank_only(launcher, tmp_path, fa
     assert "rank 1" in line and (section or reason.replace("_", " ")) in line and "timeout" in line and "stopping" in line
 
 
+@pytest.mark.slow   # by default test_sigstopped_rank_is_detected_killed_and_restarted_with_its_stack checks a hung rank's stack
 def test_stack_dump_of_a_hung_rank_names_where_it_hangs(launcher, tmp_path):
     res, logs, _ = run_job(launcher, tmp_path, ["--ft-rank-section-timeouts", LOOSE + ",step:1"], fault="step")
     assert res.returncode == 0, res.stderr

@@ -405,6 +405,7 @@ def test_report_renders_in_a_headless_browser(kill_and_hang_job):
     assert green > 5000, green
 
 
+@pytest.mark.slow   # two jobs; by default test_status_of_a_killed_agent_says_it_is_gone reads the same registry
 def test_status_with_no_argument_finds_this_users_running_jobs(launcher, tmp_path):
     """Two jobs of this user (one with --log-dir, one without) are both shown by a bare
     `ft_launcher status` run from another dir; once they end, it says no job runs (exit 1), and

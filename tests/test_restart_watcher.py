@@ -37,7 +37,7 @@ def _read(out, name):
         return fh.read().split(" ", 1)
 
 
-@pytest.mark.parametrize("how", ["sleep", "recv", "store"])
+@pytest.mark.parametrize("how", ["sleep", pytest.param("recv", marks=pytest.mark.slow), "store"])   # recv: a blocked call as store's
 def test_the_watcher_acts_within_50_ms_while_the_main_thread_is_blocked(launcher, tmp_path, how):
     """Three requests to one rank, each while its main thread is blocked (cycles 0-2); the median
     latency is the figure (one descheduling of a loaded 2-core machine must not decide it)."""

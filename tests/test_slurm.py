@@ -253,6 +253,7 @@ def test_srun_job_has_world_size_4_and_group_rank_follows_procid(job, tmp_path):
     assert not task_errors(out)
 
 
+@pytest.mark.slow   # 48 s; -m slurm runs it; by default a killed rank restarts in test_live_exact and test_warm_reserves
 def test_rank_killed_mid_run_restarts_ranks_on_both_nodes(job, tmp_path, reference):
     prog = tmp_path / "progress"
     rc, out = job.srun(2, ddp_args(tmp_path / "ckpt", "--fail-at-step", 25, "--fail-rank", 3,

@@ -210,6 +210,7 @@ def test_a_reserve_stuck_warming_is_not_taken_by_an_early_restart(launcher, tmp_
     assert "stuck, not taken" in stderr
 
 
+@pytest.mark.slow   # by default test_a_reserve_stuck_warming_is_not_taken_by_an_early_restart[spinning] reads the same CPU evidence
 def test_a_reserve_starved_of_cpu_is_taken_not_called_stuck(launcher, tmp_path):
     """A reserve warms at nice +10: while the job keeps both cores busy (--spin) it gets little CPU
     and is still warming long after a cold start would have finished. That is not evidence that
