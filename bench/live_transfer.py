@@ -66,7 +66,7 @@ def rank_main(rank, port, args):
                 nbytes = 0
                 for t in tracked:
                     state, n = live_wire.recv_state(t.fresh()[0], cpu, lambda x: dist.recv(x, 0))
-                    t.obj.load_state_dict(t.bind(state))
+                    t.obj.load_state_dict(t.bind(state, t.meshes))
                     nbytes += n
         times.append(time.perf_counter() - t0)
         if rank == 1:
