@@ -1,24 +1,36 @@
-"""Elastic mode against torchrun's `--nnodes 2:3`, same job, one run (issue 41).
+"""Elastic mode against torchrun's `--nnodes 2:3` and TorchFT 0.2.0, same job, one run (issue 41).
 
     python bench/elastic.py [--steps 900] [--step-time 0.05]
 
 The job: examples/live_train.py (DDP on gloo, torchdata's StatefulDataLoader, everything in one
-ft.LiveState, a checkpoint every 50 steps), 3 nodes x 1 rank on this machine. Each launcher:
+ft.LiveState, a checkpoint every 50 steps), 3 nodes x 1 rank on this machine; for TorchFT the same
+model, data, batch, optimizer and step sleep in bench/torchft_train.py, written as TorchFT's
+train_ddp.py and README tell users to: `torchft_lighthouse --min_replicas 2 --quorum_tick_ms 100
+--join_timeout_ms 10000` (its README's line, its default 5 s heartbeat timeout), 3 replica groups
+of one rank, each its own `torchrun --standalone` with REPLICA_GROUP_ID, its Manager with
+`min_replica_size=2` on ProcessGroupGloo, torchft's DDP and Optimizer wrappers, torchft's
+DistributedSampler. Each launcher:
 1. steady: the step time without faults, against plain DDP (the same script on the same 3 nodes
    under torchrun --nnodes 3, where every ft call is a no-op): the median time between rank 0's
-   consecutive steps, steps 50 to the end, no --step-time; every rank with OMP_NUM_THREADS=1 (3
-   nodes share this machine's 2 cores; torchrun sets it only for several ranks per node);
-2. lost: the third node's launcher and its rank SIGKILLed for good when rank 2 has completed
-   step 136 (every step sleeps --step-time, a window to kill in), no spare: seconds from the kill
-   to rank 0's first step completed again, and the completed steps done twice (the last step
-   completed before the kill, minus the step the job resumed from);
-3. grow: once rank 0 is past step 200, that node's launcher started again: seconds from its start
-   to every rank's first step on 3 replicas (ours: also from its ask, `elastic_join`, which comes
-   once its warm reserve is ready), and whether the kept ranks kept their processes.
+   (replica group 0's) consecutive steps, steps 50 to the end, no --step-time; every rank with
+   OMP_NUM_THREADS=1 (3 nodes share this machine's 2 cores; torchrun sets it only for several
+   ranks per node); TorchFT pays a quorum and a should_commit round trip every step;
+2. lost: the third node's launcher and its rank (TorchFT: group 2's torchrun and its rank)
+   SIGKILLed for good when rank 2 has completed step 136 (every step sleeps --step-time, a window
+   to kill in), no spare: seconds from the kill to rank 0's first step completed again, and the
+   completed steps done twice (the last step completed before the kill, minus the step the job
+   resumed from; TorchFT's groups never roll back: 0 by design, measured all the same, and the
+   lost group's shard of the data is skipped while it is away);
+3. grow: once rank 0 is past step 200, that node's launcher (TorchFT: group 2's torchrun) started
+   again: seconds from its start to the first step on 3 replicas (DDP: rank 2's first step; TorchFT:
+   the first step with 3 participants, as a group that has just healed from a peer sits out its
+   first step), ours also from its ask (`elastic_join`, which comes once its warm reserve is
+   ready), and whether the kept ranks kept their processes.
 ours: ft_launcher --elastic --nnodes 2:3; torchrun: torch.distributed.run --nnodes 2:3
 --max-restarts 3 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it torchrun's restarts on gloo
-often fail, docs/architecture.md's traps). TorchFT is measured only where `import torchft` works.
-Timings on a busy machine are fragile: compare within one run.
+often fail, docs/architecture.md's traps). TorchFT is measured only where `import torchft` works and
+torchft_lighthouse is on PATH (else one line says so). Timings on a busy machine are fragile:
+compare within one run.
 """
 from __future__ import annotations
 
@@ -39,7 +51,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_jobs import ROOT, bench_env, read_progress, wait_until  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "examples", "live_train.py")
+TORCHFT_SCRIPT = os.path.join(ROOT, "bench", "torchft_train.py")
 FAULT = 137
+LABELS = {"ours": "ours --elastic", "torchft": "TorchFT 0.2.0"}
 
 
 def free_port() -> int:
@@ -73,6 +87,8 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 class Run:
     """One job of one launcher on 3 local nodes x 1 rank (or torchrun --standalone x 3)."""
+    script = SCRIPT
+    group_env = "RANK"         # the variable that tells the script's processes apart
 
     def __init__(self, kind: str, base: str, script_args, flags=()):
         self.flags = [str(f) for f in flags]
@@ -81,19 +97,22 @@ class Run:
         self.port = free_port()
         # one OpenMP thread per rank, as torchrun sets for several ranks per node: 3 "nodes" share 2 cores here
         self.env = bench_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
-        self.script = [SCRIPT] + [str(a) for a in script_args] + ["--progress-dir", self.prog, "--ckpt-dir", self.ckpt]
+        self.argv = [self.script] + [str(a) for a in script_args] + self.paths()
         self.agents = []
+
+    def paths(self) -> list:
+        return ["--progress-dir", self.prog, "--ckpt-dir", self.ckpt]
 
     def command(self) -> list:
         common = ["--nnodes", "2:3", "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "c10d",
                   "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"el{self.port}"]
         if self.kind == "ours":
             return [sys.executable, "-m", "ft_launcher", "--elastic", "--log-dir", self.logs, "--rdzv-conf",
-                    "join_timeout=60,last_call_timeout=20"] + self.flags + common + self.script
+                    "join_timeout=60,last_call_timeout=20"] + self.flags + common + self.argv
         if self.kind == "plain":   # plain DDP: torchrun on the same 3 nodes, fixed
             common[1] = "3"
         return [sys.executable, "-m", "torch.distributed.run", "--rdzv-conf",
-                "join_timeout=60,last_call_timeout=20"] + common + self.script
+                "join_timeout=60,last_call_timeout=20"] + common + self.argv
 
     def start(self, node: int) -> None:
         if node:
@@ -113,9 +132,12 @@ class Run:
             try:
                 a.wait(timeout=max(1.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
-                for b in self.agents:
-                    kill_tree(b)
+                self.kill()
                 raise RuntimeError(f"{self.kind}: the job did not end within {bound}s")
+
+    def kill(self) -> None:
+        for a in self.agents:
+            kill_tree(a)
 
     def events(self, kind: str):
         path = os.path.join(self.logs, "events.jsonl")
@@ -124,6 +146,71 @@ class Run:
         with open(path) as fh:
             return [e for e in map(json.loads, fh) if e["kind"] == kind]
 
+    def first_on_three(self, since: float):
+        """(step, time) of the first step after `since` that the third replica took part in."""
+        got = [(s, t) for _, s, t in rows(self.prog, 2) if t > since]   # a DDP step needs every rank
+        return got[0] if got else None
+
+
+class TorchFTRun(Run):
+    """TorchFT 0.2.0 as its README runs it: torchft_lighthouse, then one torchrun per replica group
+    (REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE) of bench/torchft_train.py."""
+    script = TORCHFT_SCRIPT
+    group_env = "REPLICA_GROUP_ID"
+
+    def __init__(self, kind: str, base: str, script_args, flags=()):
+        super().__init__(kind, base, script_args, flags)
+        self.env = bench_env(OMP_NUM_THREADS="1", NUM_REPLICA_GROUPS="3",
+                             TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{self.port}")
+        self.lighthouse = None
+
+    def paths(self) -> list:
+        return ["--progress-dir", self.prog]
+
+    def command(self) -> list:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                "--nproc-per-node", "1"] + self.argv
+
+    def start(self, node: int) -> None:
+        self.agents.append(subprocess.Popen(self.command(), env=dict(self.env, REPLICA_GROUP_ID=str(node)),
+                                            cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def launch(self) -> "Run":
+        self.lighthouse = subprocess.Popen(
+            ["torchft_lighthouse", "--min_replicas", "2", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000",
+             "--bind", f"127.0.0.1:{self.port}"], cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: _listening(self.port), 60, "the lighthouse")
+        return super().launch()
+
+    def finish(self, bound: float = 600) -> None:
+        try:
+            super().finish(bound)
+        finally:
+            self.lighthouse.kill()
+            self.lighthouse.wait()
+
+    def kill(self) -> None:
+        super().kill()
+        self.lighthouse.kill()
+
+    def first_on_three(self, since: float):
+        """TorchFT counts a group that has just healed out of its first step: the first step with
+        3 participants."""
+        path = os.path.join(self.prog, "participants_2.txt")
+        if not os.path.exists(path):
+            return None
+        with open(path) as fh:
+            got = [(int(s), float(t)) for s, n, t in (line.split() for line in fh if len(line.split()) == 3)
+                   if int(n) == 3 and float(t) > since]
+        return got[0] if got else None
+
+
+def make_run(kind: str, base: str, steps: int, step_time: float = 0.0) -> Run:
+    if kind == "torchft":
+        return TorchFTRun(kind, base, ["--steps", steps, "--step-time", step_time])
+    extra = ["--step-time", step_time, "--step-time-always"] if step_time else []
+    return Run(kind, base, ["--steps", steps, "--ckpt-every", 50] + extra)
+
 
 def _listening(port: int) -> bool:
     with socket.socket() as s:
@@ -131,16 +218,22 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def steady(kind: str, base: str, steps: int, flags=()) -> float:
-    run = Run(kind, base, ["--steps", steps, "--ckpt-every", 50], flags).launch()
+def steady(kind: str, base: str, steps: int) -> float:
+    run = make_run(kind, base, steps).launch()
     run.finish()
     times = [t for _, s, t in rows(run.prog, 0) if s >= 50]
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
 def lost_and_grow(kind: str, base: str, steps: int, step_time: float) -> dict:
-    run = Run(kind, base, ["--steps", steps, "--ckpt-every", 50, "--step-time", step_time,
-                           "--step-time-always"]).launch()
+    run = make_run(kind, base, steps, step_time).launch()
+    try:
+        return _lost_and_grow(run, step_time)
+    finally:
+        run.kill()   # nothing left behind if a wait timed out (a no-op once the job ended)
+
+
+def _lost_and_grow(run: Run, step_time: float) -> dict:
     wait_until(lambda: last_step(run.prog, 2) >= FAULT - 10, 300, "rank 2 near the fault", 0.05)
     wait_until(lambda: last_step(run.prog, 2) >= FAULT - 1, 60, "rank 2 at step 136")
     kill_tree(run.agents[2])
@@ -152,9 +245,8 @@ def lost_and_grow(kind: str, base: str, steps: int, step_time: float) -> dict:
     pids_before = _rank_pids(run)
     rejoined = time.time()
     run.start(2)
-    grown = wait_until(lambda: [(c, s, t) for c, s, t in rows(run.prog, 2) if t > rejoined], 300, "rank 2 on 3 replicas", 0.02)
-    # a DDP step needs every rank: rank 2's first step completed is the 3 replicas' first
-    back, resumed = grown[0][2], grown[0][1] - 1
+    step, back = wait_until(lambda: run.first_on_three(rejoined), 300, "rank 2 on 3 replicas", 0.02)
+    resumed = step - 1
     peak = max(s for _, s, t in rows(run.prog, 0) if t < back - step_time / 2)   # before the 3 replicas' first
     kept = pids_before == _rank_pids(run, (0, 1))
     run.finish()
@@ -169,7 +261,7 @@ def lost_and_grow(kind: str, base: str, steps: int, step_time: float) -> dict:
 
 
 def _rank_pids(run: Run, ranks=(0, 1)) -> dict:
-    """Rank -> pid of the live processes running the script (by their RANK), where readable."""
+    """Rank (replica group) -> pid of the live processes running the script, where readable."""
     out = {}
     for p in psutil.process_iter(["cmdline", "environ"]):
         try:
@@ -177,9 +269,22 @@ def _rank_pids(run: Run, ranks=(0, 1)) -> dict:
             env = p.info["environ"] or {}
         except (psutil.Error, TypeError):
             continue
-        if SCRIPT in cmd and run.prog in cmd and env.get("RANK") is not None and int(env["RANK"]) in ranks:
-            out[int(env["RANK"])] = p.pid
+        if (run.script in cmd and run.prog in cmd and "torch.distributed.run" not in cmd
+                and env.get(run.group_env) is not None and int(env[run.group_env]) in ranks):
+            out[int(env[run.group_env])] = p.pid
     return out
+
+
+def torchft_installed() -> bool:
+    try:
+        import torchft  # noqa: F401
+    except Exception as e:   # not installed, or built against another torch
+        print(f"TorchFT: `import torchft` fails here ({type(e).__name__}: {e}): no TorchFT figures")
+        return False
+    if shutil.which("torchft_lighthouse") is None:
+        print("TorchFT: torchft_lighthouse is not on PATH: no TorchFT figures")
+        return False
+    return True
 
 
 def main() -> None:
@@ -191,22 +296,20 @@ def main() -> None:
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench_elastic_")
     try:
-        try:
-            import torchft  # noqa: F401
-            print("torchft is importable, but this bench has no TorchFT job yet")
-        except ImportError:
-            print("TorchFT: not installed here (`import torchft` fails): no TorchFT figures")
-        plain, ours_steady = [], []
+        kinds = ["plain", "ours"] + (["torchft"] if torchft_installed() else [])
+        got = {k: [] for k in kinds}
         for _ in range(args.reps):   # alternating
-            plain.append(steady("plain", base, args.steady_steps))
-            ours_steady.append(steady("ours", base, args.steady_steps))
-        p, o = statistics.median(plain), statistics.median(ours_steady)
+            for k in kinds:
+                got[k].append(steady(k, base, args.steady_steps))
+        p = statistics.median(got["plain"])
+        others = ", ".join(f"{LABELS[k]} {statistics.median(got[k]) * 1e3:.2f} ms "
+                           f"({(statistics.median(got[k]) / p - 1) * 100:+.1f} %)" for k in kinds[1:])
         print(f"steady step time (median of {args.reps} runs' medians, steps 50-{args.steady_steps}): plain DDP under "
-              f"torchrun {p * 1e3:.2f} ms, ours --elastic {o * 1e3:.2f} ms ({(o / p - 1) * 100:+.1f} %); runs: "
-              f"{[round(x * 1e3, 2) for x in plain]} vs {[round(x * 1e3, 2) for x in ours_steady]}", flush=True)
-        for kind in ("ours", "torchrun"):
-            got = lost_and_grow(kind, base, args.steps, args.step_time)
-            print(f"{kind:8s} " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in got.items()}),
+              f"torchrun {p * 1e3:.2f} ms, {others}; runs: "
+              + " vs ".join(str([round(x * 1e3, 2) for x in got[k]]) for k in kinds), flush=True)
+        for kind in ["ours", "torchrun"] + kinds[2:]:
+            res = lost_and_grow(kind, base, args.steps, args.step_time)
+            print(f"{kind:8s} " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}),
                   flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
