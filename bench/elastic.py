@@ -1,6 +1,6 @@
 """Elastic mode against torchrun's `--nnodes 2:3` and TorchFT 0.2.0, same job, one run (issue 41).
 
-    python bench/elastic.py [--steps 900] [--step-time 0.05]
+    python bench/elastic.py [--steps 900] [--step-time 0.05] [--reps 2] [--steady-only]
 
 The job: examples/live_train.py (DDP on gloo, torchdata's StatefulDataLoader, everything in one
 ft.LiveState, a checkpoint every 50 steps), 3 nodes x 1 rank on this machine; for TorchFT the same
@@ -293,6 +293,7 @@ def main() -> None:
     ap.add_argument("--steady-steps", type=int, default=400)
     ap.add_argument("--step-time", type=float, default=0.05)
     ap.add_argument("--reps", type=int, default=2, help="steady runs of each, alternating")
+    ap.add_argument("--steady-only", action="store_true", help="only the steady step times (no fault, no grow)")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="bench_elastic_")
     try:
@@ -307,7 +308,7 @@ def main() -> None:
         print(f"steady step time (median of {args.reps} runs' medians, steps 50-{args.steady_steps}): plain DDP under "
               f"torchrun {p * 1e3:.2f} ms, {others}; runs: "
               + " vs ".join(str([round(x * 1e3, 2) for x in got[k]]) for k in kinds), flush=True)
-        for kind in ["ours", "torchrun"] + kinds[2:]:
+        for kind in [] if args.steady_only else ["ours", "torchrun"] + kinds[2:]:
             res = lost_and_grow(kind, base, args.steps, args.step_time)
             print(f"{kind:8s} " + json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}),
                   flush=True)
