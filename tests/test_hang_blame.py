@@ -192,6 +192,13 @@ def test_a_released_rank_is_left_alone_and_an_agent_gone_stops_a_held_one(launch
         handle.hang_verdict(rank.pid, kill=False)
         with pytest.raises(subprocess.TimeoutExpired):
             rank.wait(timeout=2.5)   # well past the hold: released, the monitor does not stop it
+    # the held process restarted in place for the next cycle: that hang's cycle is over, it is released
+    (tmp_path / "c").mkdir()
+    with _held_rank(launcher, tmp_path / "c", monkeypatch) as (handle, rank, _):
+        handle.rank_started(rank.pid, 0, 1, time.monotonic_ns())
+        handle.rank_stopped()   # (this rank is still in its step: the test stops watching its cycle 1)
+        with pytest.raises(subprocess.TimeoutExpired):
+            rank.wait(timeout=2.5)   # past the hold: the stale hang stops nothing
     # a monitor whose agent is gone stops the rank it holds at once, verdict or not
     (tmp_path / "b").mkdir()
     with _held_rank(launcher, tmp_path / "b", monkeypatch) as (handle, rank, reported):

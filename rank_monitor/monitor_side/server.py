@@ -16,7 +16,9 @@ environment), the monitor does not stop the rank after the stack dump but holds 
 agent's verdict (agent.recovery.hang_blame): `{"op": "hang_verdict", "pid", "kill"}` either stops it as
 above (the rank hung) or releases it (it only waited on the rank that hung: it restarts in place,
 and this monitor leaves it alone). Without a verdict within VERDICT_HOLD seconds of the hang, or
-once the agent's channel closes, the monitor stops the rank as before. NVRx's RankMonitorClient: with `--nvrx-socket PATH` the monitor also serves NVRx's client on that
+once the agent's channel closes, the monitor stops the rank as before. A `rank_started` for the
+same process in a later cycle (the agent kept it for an in-place restart) releases a hang still
+being handled from its earlier cycle: that cycle is over, and the verdict on it never comes. NVRx's RankMonitorClient: with `--nvrx-socket PATH` the monitor also serves NVRx's client on that
 Unix socket, in the same select loop, never blocking on it (monitor_side.nvrx_peers): what that
 client sends becomes the same record writes as our own client's.
 
@@ -174,13 +176,21 @@ class Incident:
 
     def _after_dump(self) -> None:
         """Stop the rank, or hold it for the agent's verdict (hang blame) when the agent asked."""
-        if not self.hold or self.verdict is True:
-            self._terminate()
-        elif self.verdict is False:
+        if self.verdict is False:
             self._release()
+        elif not self.hold or self.verdict is True:
+            self._terminate()
         else:
             self.phase = "verdict"
             self.deadline = max(self.found_ns + int(VERDICT_HOLD * 1e9), _mono() + 50_000_000)
+
+    def supersede(self) -> None:
+        """The agent restarted this process in place for a later cycle: the hang it was found in
+        belongs to a cycle that is over (the in-place restart ends it, or its own timeout stops a
+        rank that misses its restart point). Released, never stopped; a dump not yet begun is skipped."""
+        self.verdict = False
+        if self.phase == "flight":
+            self._release()
 
     def _release(self) -> None:
         log.debug("local_rank=%s: rank pid %s released: it waited on the rank that hung",
@@ -312,6 +322,10 @@ class Server:
     def handle(self, msg: dict) -> None:
         op = msg.get("op")
         if op == "rank_started":
+            for incident in self.incidents:   # a hang of this process's earlier cycle, kept in place
+                if (incident.inc.pid == int(msg["pid"]) and incident.inc.cycle < int(msg.get("cycle", 0))
+                        and incident.phase in ("flight", "dump", "verdict")):
+                    incident.supersede()
             self._drop_inc()
             self.inc = Incarnation(int(msg["pid"]), int(msg.get("rank", -1)), int(msg.get("cycle", 0)),
                                    int(msg.get("start_ns") or _mono()))
