@@ -22,7 +22,9 @@ first commit), --hang-rank / --hang-cycle (the rank and cycle --hang-at-step hit
 section: a rank that hangs in its teardown), --gather-at-end (the run ends as many scripts do: an
 all_gather_object of every rank's checksum, destroy_process_group(), DDP freed as the function
 returns; under ft.restartable the call's groups are held until torch's threads settle), --guard
-(`live.commit(step, loss=loss)`: the step guard, rank_side.live.step_guard; with --skip-bad-batches),
+(`live.commit(step, loss=loss)`: the step guard, rank_side.live.step_guard; with --skip-bad-batches;
+--grad-norm: also `grad_norm=clip_grad_norm_(...)`, the clip at --clip; --scaler: a GradScaler in the
+LiveState, `scaler.scale(loss).backward()`, `unscale_`, the clip, `scaler.step(opt)` in the commit),
 --poison-step S / --spike-step S (--poison-rank's batch at step S gets a NaN, on every run of the
 step / its targets x1000), --fsdp (the model under torch's fully_shard over every rank, no replicas, without
 `shard=`: a replaced rank has no peer to heal from; no checkpoint either: a fallback trains from
@@ -96,8 +98,11 @@ def train(args):
             fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, Warmup(20, args.unsendable_scheduler))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16) if args.scaler else None
+        extra = {"scaler": scaler} if scaler is not None else {}
         live = ft.LiveState(model=model, optimizer=opt, scheduler=sched, loader=loader,
-                            skip_bad_batches=args.skip_bad_batches, **hooks.objects())
+                            skip_bad_batches=args.skip_bad_batches, fingerprint_every=args.fingerprint_every,
+                            **extra, **hooks.objects())
         teacher = teacher_live = None
         if args.ema:
             teacher = build(args, rank, world)[0].requires_grad_(False)
@@ -107,7 +112,7 @@ def train(args):
             start = None                                # both live at the same step, or both from the checkpoint
         rng = None
         if start is None:
-            start, rng = load_checkpoint(args, model, opt, sched, loader, teacher)
+            start, rng = load_checkpoint(args, model, opt, sched, loader, teacher, scaler)
         elif rank == 0:
             print(f"resumed from live state at step {start} (cycle {cycle})", flush=True)
         ddp = model if args.fsdp else nn.parallel.DistributedDataParallel(model)
@@ -133,10 +138,20 @@ def train(args):
                 x, y = next(batches)
             x, y = hooks.batch(step, x, y)
             loss = nn.functional.mse_loss(ddp(x), y)
-            loss.backward()
-            checked = live.commit(step, loss=loss) if args.guard else live.commit(step)   # the step guard
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            norm = None
+            if args.grad_norm or scaler is not None:
+                if scaler is not None:
+                    scaler.unscale_(opt)
+                norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
+            checked = live.commit(step, loss=loss, grad_norm=norm if args.grad_norm else None) if args.guard \
+                else live.commit(step)   # the step guard
             with checked, (teacher_live.commit(step) if teacher_live else _nothing()):
-                opt.step()
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
                 sched.step()
                 if teacher is not None:
                     with torch.no_grad():
@@ -148,7 +163,7 @@ def train(args):
         hooks.progress(step)
         if step % args.ckpt_every == 0 or step == args.steps:
             with ft.section("checkpointing"):
-                save_checkpoint(args, rank, step, model, opt, sched, loader, teacher)
+                save_checkpoint(args, rank, step, model, opt, sched, loader, teacher, scaler)
     finish(args, rank, world, cycle, model, teacher, loss)
     if args.gather_at_end:   # as many scripts end: DDP alive, a closing gather, the group destroyed
         sums = [None] * world
@@ -182,13 +197,14 @@ class _nothing:
         return False
 
 
-def save_checkpoint(args, rank, step, model, opt, sched, loader, teacher):
+def save_checkpoint(args, rank, step, model, opt, sched, loader, teacher, scaler=None):
     if args.fsdp:   # this example keeps no checkpoint of sharded state: a fallback trains from step 0
         return
     sched_state = dict(sched.state_dict(), lr_lambdas=[None])   # the schedule's function is code: the script's
     state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched_state,
              "loader": loader.state_dict(), "teacher": teacher.state_dict() if teacher is not None else None,
-             "rng": torch.get_rng_state(), "py_rng": random.getstate(), "step": step}
+             "rng": torch.get_rng_state(), "py_rng": random.getstate(), "step": step,
+             "scaler": scaler.state_dict() if scaler is not None else None}
     os.makedirs(args.ckpt_dir, exist_ok=True)
     if rank == 0:
         path = os.path.join(args.ckpt_dir, "ckpt.pt")
@@ -197,7 +213,7 @@ def save_checkpoint(args, rank, step, model, opt, sched, loader, teacher):
     dist.barrier()
 
 
-def load_checkpoint(args, model, opt, sched, loader, teacher):
+def load_checkpoint(args, model, opt, sched, loader, teacher, scaler=None):
     """The checkpoint's step and its RNG state, which the caller restores once the loader has made
     its iterator; (0, None) without a checkpoint."""
     path = os.path.join(args.ckpt_dir, "ckpt.pt")
@@ -210,6 +226,8 @@ def load_checkpoint(args, model, opt, sched, loader, teacher):
     loader.load_state_dict(state["loader"])
     if teacher is not None:
         teacher.load_state_dict(state["teacher"])
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
     if dist.get_rank() == 0:
         print(f"resumed from step {state['step']} (checkpoint)", flush=True)
     return state["step"], {"torch": state["rng"], "python": state["py_rng"]}
@@ -227,9 +245,20 @@ def checksum(*modules):
         return total
 
 
+def digest(model):
+    """Every bit of the parameters (a checksum of floats can hide a low bit): sha256 of their bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def finish(args, rank, world, cycle, model, teacher, loss):
     result = {"step": args.steps, "checksum": checksum(model, teacher), "loss": float(loss), "world_size": world,
-              "cycle": cycle}
+              "cycle": cycle, "digest": digest(model)}
     os.makedirs(args.ckpt_dir, exist_ok=True)
     with open(os.path.join(args.ckpt_dir, f"final_rank_{rank}.json"), "w") as fh:
         json.dump(result, fh)
@@ -345,6 +374,10 @@ def parse_args(argv=None):
     p.add_argument("--unsendable-scheduler", action="store_true")
     p.add_argument("--guard", action="store_true", help="commit(step, loss=loss): the step guard")
     p.add_argument("--skip-bad-batches", action="store_true")
+    p.add_argument("--grad-norm", action="store_true", help="commit(step, loss=loss, grad_norm=clip_grad_norm_(...))")
+    p.add_argument("--fingerprint-every", type=int, default=None, help="LiveState's fingerprint_every")
+    p.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_'s max_norm")
+    p.add_argument("--scaler", action="store_true", help="a GradScaler (cpu) in the loop and the LiveState")
     p.add_argument("--poison-step", type=int, default=None, help="a NaN in --poison-rank's batch at this step")
     p.add_argument("--spike-step", type=int, default=None, help="--poison-rank's targets x1000 at this step")
     p.add_argument("--poison-rank", type=int, default=1)

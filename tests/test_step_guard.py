@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from conftest import EXAMPLE as DDP_EXAMPLE, ROOT
 from harness import JOB, ExampleAgents, Job, progress
-from ft_launcher.rank_monitor.rank_side.live import step_guard as G
+from ft_launcher.rank_monitor.rank_side.live import sdc_sim as S, step_guard as G
 
 LIVE = f"{ROOT}/examples/live_train.py"
 STEPS, FAULT = 150, 137
@@ -76,23 +76,29 @@ def test_every_rank_reads_the_same_verdict_and_the_suspect_is_the_rank_whose_own
     assert G.judge(tables[0], G.GuardConfig(spike_fatal=True))["fatal"] == [1]
 
 
-def test_the_simulated_fault_puts_a_nan_or_a_flipped_exponent_bit_into_the_first_gradient(monkeypatch):
+def test_the_simulated_fault_puts_a_nan_an_inf_or_a_flipped_bit_where_its_place_says(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr(G, "MEM", G._Memory())
     g = torch.full((3,), 0.25)
-    monkeypatch.setenv(G.ENV_SDC, "bitflip:7:device:1")
-    assert G.inject_sdc(6, [g]) is None and g.tolist() == [0.25] * 3
-    assert G.inject_sdc(7, [g]) and g[0].item() == 2.0 ** 126 and g[1].item() == 0.25   # 2**-2 -> 2**126
-    assert G.inject_sdc(8, [g]) is not None   # device: every step from then on
-    monkeypatch.setenv(G.ENV_SDC, "nan:7:once:*")
-    monkeypatch.setattr(G, "MEM", G._Memory())
-    g = torch.zeros(2)
-    assert G.inject_sdc(7, [g]) and math.isnan(g[0].item())
-    g = torch.zeros(2)
-    assert G.inject_sdc(7, [g]) is None and g.tolist() == [0.0, 0.0]   # once
-    monkeypatch.setenv(G.ENV_SDC, "nan:7:device:0")
-    assert G.inject_sdc(7, [torch.zeros(1)]) is None   # another slot's device
-    assert G.parse_sdc("nan:x:once:1") is None and G.parse_sdc("rot:1:once:1") is None
+    monkeypatch.setenv(S.ENV_SDC, "bitflip:7:device:1")   # four parts: the backward place
+    spec = S.spec()
+    assert spec.place == "backward" and not spec.due(6, "backward") and not spec.due(7, "reduced")
+    assert spec.due(7, "backward") and spec.due(8, "backward")   # device: every step from then on
+    S.corrupt(g, "bitflip")
+    assert g[0].item() == 2.0 ** 126 and g[1].item() == 0.25   # 2**-2 -> 2**126
+    for kind, value in (("expflip", 0.125), ("mantflip", 0.375), ("inf", float("inf"))):   # 0.25 = 1.0 x 2**-2
+        g = torch.full((2,), 0.25)
+        S.corrupt(g, kind)
+        assert g.tolist() == [value, 0.25], kind
+    monkeypatch.setenv(S.ENV_SDC, "nan:7:once:*:memory")
+    spec = S.spec()
+    assert spec.due(7, "memory") and not spec.due(7, "memory")   # once
+    g = torch.zeros(2, dtype=torch.float64)
+    S.corrupt(g, "nan")
+    assert math.isnan(g[0].item()) and g[1].item() == 0.0
+    monkeypatch.setenv(S.ENV_SDC, "nan:7:device:0:reduced")
+    assert not S.spec().due(7, "reduced")   # another slot's device
+    assert S.parse("nan:x:once:1") is None and S.parse("rot:1:once:1") is None
+    assert S.parse("nan:1:once:1:elsewhere") is None
     words = G.describe_position({"loader": {"_num_yielded": 36, "_sampler_iter_state": {"samples_yielded": 576,
                                                                                          "epoch": 0}}})
     assert words.startswith("num_yielded=36") and "samples_yielded=576" in words and "epoch=0" in words

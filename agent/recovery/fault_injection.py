@@ -8,10 +8,11 @@ that hosts the chosen rank acts. A job-wide counter in the store makes a fault f
 by default (`simulated_fault_count`, -1 for every cycle).
 
 `rank_sdc` is silent data corruption: the agent hosting the chosen rank at the job's first cycle
-gives its ranks ENV_SDC (`rank_env`: `simulated_sdc`'s MODE:STEP:PERSIST and the local slot, `*`
-for a whole node), and the rank's step guard puts a NaN or a flipped bit into that rank's
-gradient at STEP (rank_monitor.rank_side.live.step_guard): once, or on every step from STEP on for
-as long as the rank runs on that device (`device`) or node (`node`); a rank moved elsewhere is
+gives its ranks ENV_SDC (`rank_env`: `simulated_sdc`'s KIND:STEP:PERSIST, the local slot (`*`
+for a whole node) and PLACE), and the rank puts a NaN, an Inf or a flipped bit where PLACE says
+(rank_monitor.rank_side.live.sdc_sim: its gradient before or after the all-reduce, or a parameter
+after the optimizer step) at STEP: once, or on every step from STEP on for as long as the rank
+runs on that device (`device`) or node (`node`); a rank moved elsewhere is
 clean. It fires by the training step, not by time, and sends no signal.
 
 `FaultInjector` is the agent's part for it: `plan` arms a cycle's fault (and says a drawn one),
@@ -28,7 +29,7 @@ from typing import Callable, Optional
 
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
-ENV_SDC = "FT_LAUNCHER_SIM_SDC"   # read by rank_monitor.rank_side.live.step_guard
+ENV_SDC = "FT_LAUNCHER_SIM_SDC"   # read by rank_monitor.rank_side.live.sdc_sim
 
 
 @dataclasses.dataclass
@@ -90,11 +91,12 @@ class FaultInjector:
             self._sdc = ""
             plan = plan_for_cycle(ft, 0, world_size) if cycle == 0 else None
             if plan is not None and first_rank <= plan.rank < first_rank + nproc:
-                mode, step, persist = ft.simulated_sdc.split(":")
+                mode, step, persist, place = (ft.simulated_sdc.split(":") + ["backward"])[:4]
                 local = "*" if persist == "node" else str(plan.rank - first_rank)
-                self._sdc = f"{mode}:{step}:{persist}:{local}"
+                self._sdc = f"{mode}:{step}:{persist}:{local}:{place}"
                 self.events.event("fault_injected", f"simulated fault: rank_sdc ({mode}) armed in rank {plan.rank}'s "
-                                  f"gradient at step {step} ({persist})", rank=plan.rank, fault="rank_sdc",
+                                  f"{'parameters' if place == 'memory' else 'gradient'} at step {step} ({place}, "
+                                  f"{persist})", rank=plan.rank, fault="rank_sdc",
                                   sdc=ft.simulated_sdc, chosen=plan.chosen)
         return {ENV_SDC: self._sdc} if self._sdc else {}
 

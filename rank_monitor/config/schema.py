@@ -95,9 +95,11 @@ class FaultToleranceConfig:
     simulated_fault_base_delay: float = key(10.0, number, "seconds after the rank's start (plus up to 20% jitter)")
     simulated_fault_seed: int = key(0, as_int, "seed of the fault plan (rank, type, jitter)")
     # rank_sdc (rank_side.live.step_guard): what, at which training step, and on which hardware for how long
-    simulated_sdc: str = key("nan:100:once", sdc_spec,
-                             "rank_sdc: MODE:STEP:PERSIST, nan or bitflip in the rank's gradient at that step, "
-                             "once or on its device or node from then on")
+    simulated_sdc: str = key("nan:100:once:backward", sdc_spec,
+                             "rank_sdc: KIND:STEP[:PERSIST[:PLACE]]: nan, inf, bitflip (top exponent bit), "
+                             "expflip or mantflip (finite) at that step, once or on its device or node from then "
+                             "on, in the rank's gradient before the all-reduce (backward), after it (reduced) or "
+                             "in a parameter after the optimizer step (memory)")
     # faults per job, one per cycle at most; -1: every cycle
     simulated_fault_count: int = key(1, fault_count, "faults per job (-1 or every: one per cycle)")
     # Warm reserves (agent.ranks.reserve_pool): warm interpreters per local rank slot that restarts use

@@ -224,14 +224,18 @@ def fault_count(key: str, value: Any, source: str) -> int:
 
 
 def sdc_spec(key: str, value: Any, source: str) -> str:
-    """rank_sdc's fault: MODE:STEP[:PERSIST], MODE nan or bitflip, PERSIST once (default), device or node."""
+    """rank_sdc's fault: KIND:STEP[:PERSIST[:PLACE]] (rank_side.live.sdc_sim): KIND nan, inf, bitflip,
+    expflip or mantflip; PERSIST once (default), device or node; PLACE backward (default), reduced or
+    memory."""
+    from ft_launcher.rank_monitor.rank_side.live import sdc_sim
+
     parts = [p.strip().lower() for p in str(value).split(":")]
-    if len(parts) == 2:
-        parts.append("once")
-    if (len(parts) != 3 or parts[0] not in ("nan", "bitflip") or not parts[1].isdigit()
-            or parts[2] not in ("once", "device", "node")):
-        raise ConfigError(f"{source}: {key} must be MODE:STEP[:PERSIST] (nan or bitflip; a step; once, device or "
-                          f"node), e.g. nan:137:once, got {value!r}")
+    parts += ["once", "backward"][len(parts) - 2:] if 2 <= len(parts) < 4 else []
+    if (len(parts) != 4 or parts[0] not in sdc_sim.KINDS or not parts[1].isdigit()
+            or parts[2] not in sdc_sim.PERSISTS or parts[3] not in sdc_sim.PLACES):
+        raise ConfigError(f"{source}: {key} must be KIND:STEP[:PERSIST[:PLACE]] ({', '.join(sdc_sim.KINDS)}; a "
+                          f"step; {', '.join(sdc_sim.PERSISTS)}; {', '.join(sdc_sim.PLACES)}), e.g. "
+                          f"nan:137:once:backward, got {value!r}")
     return ":".join(parts)
 
 

@@ -74,7 +74,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ft_launcher.rank_monitor.rank_side import comm_backend, exit_settle, inprocess
-from ft_launcher.rank_monitor.rank_side.live import buddy_copy, gpu_commit, step_guard
+from ft_launcher.rank_monitor.rank_side.live import buddy_copy, gpu_commit, guard_targets, sdc_sim, step_guard
+from ft_launcher.rank_monitor.rank_side.live.backward_watch import BackwardWatch
 from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer, Plan, plan_recovery
@@ -183,13 +184,16 @@ class LiveState:
       10: a loss or gradient norm above that x the running maximum is a spike), `spike_fatal`
       (default False: a spike is said, not re-run), `skip_bad_batches` (default False: a batch found
       to be the data's fault stops the job; True: its update is dropped, said), `transient_window_s`
-      (default 3600: a second transient on one device within it is persistent).
+      (default 3600: a second transient on one device within it is persistent); the replica
+      fingerprint (rank_side.live.replica_fingerprint): `fingerprint_every` (None, default: every K
+      steps, K from `fingerprint_budget`, default 0.01 of a step; 0: off).
     """
 
     def __init__(self, *, name: Optional[str] = None, shard: Optional[int] = None, rng: bool = True,
                  verify: bool = True, buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
                  spike_factor: float = 10.0, spike_fatal: bool = False, skip_bad_batches: bool = False,
-                 transient_window_s: float = 3600.0, **objects: Any) -> None:
+                 transient_window_s: float = 3600.0, fingerprint_every: Optional[int] = None,
+                 fingerprint_budget: float = 0.01, **objects: Any) -> None:
         for key, obj in objects.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"LiveState({key}=...): a {type(obj).__name__} has no state_dict/load_state_dict")
@@ -206,10 +210,20 @@ class LiveState:
         self.verify = verify
         if not float(spike_factor) > 1.0:
             raise ValueError(f"LiveState(spike_factor={spike_factor}): a factor above 1")
+        if fingerprint_every is not None and int(fingerprint_every) < 0:
+            raise ValueError(f"LiveState(fingerprint_every={fingerprint_every}): a number of steps, 0 for off")
+        if not 0.0 < float(fingerprint_budget) <= 1.0:
+            raise ValueError(f"LiveState(fingerprint_budget={fingerprint_budget}): a share of a step, in (0, 1]")
         self.guard = step_guard.GuardConfig(spike_factor=float(spike_factor), spike_fatal=bool(spike_fatal),
                                             skip_bad_batches=bool(skip_bad_batches),
-                                            transient_window_s=float(transient_window_s))
+                                            transient_window_s=float(transient_window_s),
+                                            fingerprint_every=None if fingerprint_every is None
+                                            else int(fingerprint_every),
+                                            fingerprint_budget=float(fingerprint_budget))
         self._checked = None   # (loss, grad_norm) of the commit being entered, for the guard
+        self._guarded: Optional[bool] = None   # every rank runs the guard (agreed at the first commit)
+        self._targets: Optional[guard_targets.Targets] = None
+        self._watch: Optional[BackwardWatch] = None
         if int(buddy_every) < 0:
             raise ValueError(f"LiveState(buddy_every={buddy_every}): a number of steps, 0 for off")
         self._buddy_every = int(buddy_every)
@@ -259,9 +273,11 @@ class LiveState:
         return self
 
     def __enter__(self) -> "LiveState":
-        if self._words is not None and self._checked is not None and self.refused is None:
-            loss, grad_norm = self._checked
-            self._checked = None
+        checked, self._checked = self._checked, None
+        if self._words is not None and self._guarded is None:
+            self._guarded = self._agree_guarded(checked is not None)
+        if self._words is not None and self._guarded and self.refused is None:
+            loss, grad_norm = checked or (None, None)
             t0 = time.perf_counter()
             step_guard._POSITION[0] = self._loader_position
             if step_guard.check(self, self._pending, loss, grad_norm) == step_guard.Decision.SKIP:
@@ -278,6 +294,9 @@ class LiveState:
             return False
         try:
             if exc_type is None:
+                spec = sdc_sim.spec()
+                if spec is not None and spec.due(self._pending, "memory") and self.guard_targets().params:
+                    sdc_sim.corrupt(self.guard_targets().params[0].detach(), spec.kind)   # rank_sdc's memory place
                 self._completed(self._pending)
             else:
                 held = _REG.held.get(self.name)
@@ -300,13 +319,56 @@ class LiveState:
         return step_guard.describe_position(loaders)
 
     def _drop_gradients(self) -> None:
-        """The guard skips this step's batch: every gradient of this LiveState's objects goes, so the
+        """The guard skips this step's batch: every gradient the optimizers would apply goes, so the
         optimizer step in the commit's body changes no parameter."""
-        for t in self.tracked.values():
-            params = t.obj.parameters() if hasattr(t.obj, "parameters") else \
-                (p for g in getattr(t.obj, "param_groups", []) for p in g["params"])
-            for p in params:
-                p.grad = None
+        for p in self.guard_targets().params:
+            p.grad = None
+
+    # ---- the step guard's view of the objects (rank_side.live.step_guard) ---------------------------
+    def _agree_guarded(self, mine: bool) -> bool:
+        """Whether the guard runs at every commit of this LiveState, on every rank: some rank gave a
+        loss or a norm at its first commit (one all_reduce, once), so a rank without one (a pipeline
+        stage with no loss) still joins every guard collective."""
+        import torch
+        import torch.distributed as dist
+
+        if self.refused is not None or not (dist.is_available() and dist.is_initialized()):
+            return False
+        flag = torch.tensor([int(mine)], dtype=torch.int64, device=comm_backend.transfer_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        guarded = bool(flag.item())
+        if guarded:
+            step_guard.MEM.guarded = True
+            if not self.guard_targets().found:
+                _say(f"LiveState '{self.name}': the step guard finds no module or optimizer among its objects "
+                     f"({', '.join(sorted(self.objects))}): it checks only the loss= and grad_norm= given, sees "
+                     f"no gradient of its own, cannot drop a skipped batch's update and compares no replicas; "
+                     f"pass model=/optimizer=, or a Stateful that holds them as attributes")
+        return guarded
+
+    def guard_targets(self) -> guard_targets.Targets:
+        """The parameters, optimizer state and GradScaler among this LiveState's objects (found once)."""
+        if self._targets is None:
+            self._targets = guard_targets.find(self.objects)
+        return self._targets
+
+    def backward_watch(self, step: int) -> Optional[BackwardWatch]:
+        """The hooks on this call's parameters that see each rank's own gradients (installed at the
+        first guarded commit, or at restore() when this process ran the guard before)."""
+        if self._watch is None and self.guard_targets().found:
+            self._watch = BackwardWatch(self.guard_targets().params, step + 1)
+        return self._watch
+
+    def shard_identity(self) -> Optional[int]:
+        """The identity that this rank's replicas share (known once the first commit described the
+        objects; None before: the fingerprint waits for it)."""
+        return None if self._described is None else self._described["identity"]
+
+    def state_suspect(self) -> None:
+        """This rank's committed state is not to be trusted: the next restore() heals it from a peer."""
+        held = _REG.held.get(self.name)
+        if held is not None and held.live is self:
+            held.dirty = True
 
     # ---- buddy copies (rank_side.live.buddy_copy) ----------------------------------------------------------
     def committed_states(self) -> Dict[str, dict]:
@@ -433,10 +495,11 @@ class LiveState:
         import torch
 
         words, cycle = self._words, _cycle()
-        if inprocess._STATE.rerun:   # a step re-run from memory (step_guard): every rank holds its state
-            return self._rerun_restore()
+        heal = inprocess._STATE.rerun and step_guard.MEM.heal == "peer"   # replicas disagreed (step_guard)
+        if inprocess._STATE.rerun and not heal:   # a step re-run from memory (step_guard): every rank holds its state
+            return self._watched(self._rerun_restore())
         words[L.H_LIVE_STEP] = 0
-        if cycle == 0:   # a first start: nothing to exchange, and nothing read: a fresh optimizer's
+        if cycle == 0 and not heal:   # a first start: nothing to exchange, and nothing read: a fresh optimizer's
             # state_dict() through DCP's get_state_dict would make its state by a step at lr 0 (AdamW's
             # step count 1), so a job with a LiveState would train differently from one without. Its
             # state is checked at the first commit instead.
@@ -465,7 +528,7 @@ class LiveState:
                                "init_process_group (and before DDP is constructed)")
         rank, world = dist.get_rank(), dist.get_world_size()
         device = comm_backend.transfer_device()   # the group's real backend per device
-        buddy = self._start_buddy(cycle)
+        buddy = self._buddy = _REG.buddy if heal else self._start_buddy(cycle)   # a heal keeps the cycle's copies
         held = _REG.held.get(self.name)
         row = _Row.mine(self, held, mine, failed=bool(failed))
         values = row.values + (buddy_copy.holdings(buddy.slots, world) if buddy is not None else [])
@@ -568,7 +631,14 @@ class LiveState:
         if plan.resume is None:
             return None
         words[L.H_LIVE_STEP] = plan.resume + 1
-        return plan.resume
+        return self._watched(plan.resume)
+
+    def _watched(self, step: Optional[int]) -> Optional[int]:
+        """restore()'s result; where this process ran the guard before, its backward watch is on from
+        the first step after `step` (a re-run's own backward is watched too)."""
+        if step is not None and step_guard.MEM.guarded:
+            self.backward_watch(step)
+        return step
 
     def _rerun_restore(self) -> Optional[int]:
         """restore() in a re-run from memory (rank_side.live.step_guard): every rank raised StepRerun
@@ -580,8 +650,9 @@ class LiveState:
 
         held = _REG.held.get(self.name)
         names = sorted(self.tracked)
-        failed = ("" if held is not None and not held.dirty and not _REG.suspect
-                  else f"LiveState '{self.name}' held no clean state for the re-run")
+        failed = (step_guard.MEM.heal or "" if held is not None and not held.dirty and not _REG.suspect
+                  else f"LiveState '{self.name}' held no clean state for the re-run"
+                  + (" (no step committed yet in this process)" if held is None else ""))
         step = held.step if held is not None else None
         if not failed:
             name = None
@@ -603,8 +674,7 @@ class LiveState:
         flag = torch.tensor([int(bool(failed))], dtype=torch.int64, device=comm_backend.transfer_device())
         dist.all_reduce(flag)
         if flag.item():
-            _REG.held.pop(self.name, None)
-            step_guard.MEM.pending = None
+            _REG.held.pop(self.name, None)   # (a pending verdict stays: the checkpoint trains up to its step)
             if dist.get_rank() == 0:
                 print(f"ft_launcher: the re-run from memory could not restore its state ({failed or 'on another rank'})"
                       f": every rank loads its checkpoint", file=sys.stderr, flush=True)

@@ -72,17 +72,18 @@ import time
 import zlib
 from typing import Any, Dict, List, Optional
 
+from ft_launcher.rank_monitor.rank_side.live import replica_fingerprint, sdc_sim
 from ft_launcher.rank_monitor.workload_requests import STEP_GUARD_PREFIX
 
 EXIT_OTHER_HARDWARE = 16   # Megatron's "re-run on a different GPU to disambiguate"
 EXIT_NODE_SUSPECT = 17     # Megatron's "validation failed": the node is suspect, no restart in place on it
-ENV_SDC = "FT_LAUNCHER_SIM_SDC"
 PEER_WAIT_S = 120.0        # seconds the suspect's peers wait for the restart its exit brings
 
-# The table's columns (one row per rank, float64; node keys stay below 2**53, exact).
+# The table's columns (one row per rank, float64; node keys and digest halves stay below 2**53, exact).
 (LOSS, NORM, NODE, LOSS_MAX, NORM_MAX, SEEN, P_STEP, P_STAGE, P_SUSPECT, P_NODE, P_LOSS, P_NORM, GROUP,
- LOCAL, P_GROUP, P_DEVICE) = range(16)
-COLS = 16
+ LOCAL, P_GROUP, P_DEVICE, LOCAL_NORM, SCALER, FP_ON, FP_ID, FP_HI, FP_LO, FP_K) = range(23)
+COLS = 23
+MAX_HITS = 3               # fresh hits of one step in one process before the data verdict (never a loop)
 NONE, SAME_DEVICE, OTHER_HARDWARE = 0, 1, 2   # the pending record's stages
 
 
@@ -94,6 +95,8 @@ class GuardConfig:
     spike_after: int = 10             # committed steps before spikes count (the running maximum settles)
     skip_bad_batches: bool = False    # the data's fault: drop that batch's update instead of stopping
     transient_window_s: float = 3600.0   # a second transient on a device within this: persistent
+    fingerprint_every: Optional[int] = None   # replicas compare digests every K steps (0: off; None: budget)
+    fingerprint_budget: float = 0.01  # the share of a step the fingerprint may cost (K from it)
 
 
 @dataclasses.dataclass
@@ -118,7 +121,11 @@ class _Memory:
         self.loss_max = 0.0
         self.norm_max = 0.0
         self.seen = 0                  # committed steps the maxima cover
-        self.fired = False             # a once-only simulated fault fired in this process
+        self.hits: Dict[int, int] = {}  # fresh hits per step (a step re-run MAX_HITS times is the data's)
+        self.guarded = False           # some LiveState of this process runs the guard (its watch goes on)
+        self.fp = replica_fingerprint.Schedule(None, 0.01)   # the fingerprint's K (agreed through the table)
+        self.heal: Optional[str] = None   # the re-run's restore: "peer" (odd replicas heal), or the
+        #                                   words of a checkpoint fallback
         self.spikes_said = set()       # steps whose spike was said
         self.reruns = 0                # re-runs from memory in this process
         self.hit_at = 0.0              # perf_counter of the last fatal hit (the re-run's cost is said from it)
@@ -167,65 +174,17 @@ def _request(action: str, text: str) -> bool:
     return False
 
 
-# ---- the simulated fault ------------------------------------------------------------------------
-def parse_sdc(text: Optional[str]) -> Optional[tuple]:
-    """ENV_SDC -> (mode, step, persist, local) or None."""
-    if not text:
-        return None
-    parts = text.split(":")
-    if len(parts) != 4 or parts[0] not in ("nan", "bitflip") or parts[2] not in ("once", "device", "node"):
-        return None
-    try:
-        return parts[0], int(parts[1]), parts[2], parts[3]
-    except ValueError:
-        return None
-
-
-def inject_sdc(step: int, grads: list) -> Optional[str]:
-    """The simulated fault, when due on this rank: a NaN or a flipped top exponent bit in its first
-    gradient (in place). -> what was done, or None."""
-    spec = parse_sdc(os.environ.get(ENV_SDC))
-    if spec is None or not grads:
-        return None
-    mode, at, persist, local = spec
-    if local != "*" and local != os.environ.get("LOCAL_RANK", "0"):
-        return None
-    if step < at or (persist == "once" and (step != at or MEM.fired)):
-        return None
-    MEM.fired = True
-    import torch
-
-    g = grads[0].view(-1)
-    with torch.no_grad():
-        if mode == "nan":
-            g[0] = float("nan")
-        else:
-            ints = {torch.float32: (torch.int32, 30), torch.float64: (torch.int64, 62),
-                    torch.float16: (torch.int16, 14), torch.bfloat16: (torch.int16, 14)}
-            itype, bit = ints.get(g.dtype, (None, 0))
-            if itype is None:
-                g[0] = float("nan")
-            else:
-                g[:1].view(itype).bitwise_xor_(1 << bit)
-    return f"simulated {mode} in rank {_rank()}'s gradient at step {step} ({persist})"
-
-
 # ---- the check ------------------------------------------------------------------------------------
-def _grads(modules: list) -> list:
-    out = []
-    for m in modules:
-        for p in m.parameters():
-            if p.grad is not None:
-                out.append(p.grad)
-    return out
-
-
-def local_row(loss, grad_norm, modules: list, step: int, device) -> Any:
-    """This rank's row (a device tensor), after the simulated fault if due."""
+def local_row(loss, grad_norm, targets, watch, step: int, device, fp_identity: Optional[int]) -> Any:
+    """This rank's row (a device tensor), after the simulated fault if due (`reduced` place: in this
+    rank's first gradient, after the all-reduce and the loop's own norm). `fp_identity`: this
+    step's fingerprint is due (the shard identity replicas share), or None."""
     import torch
 
-    grads = _grads(modules)
-    inject_sdc(step, grads)
+    grads = targets.grads()
+    spec = sdc_sim.spec()
+    if spec is not None and grads and spec.due(step, "reduced"):
+        sdc_sim.corrupt(grads[0], spec.kind)
     if grad_norm is None:
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     row = torch.zeros(COLS, dtype=torch.float64, device=device)
@@ -233,6 +192,9 @@ def local_row(loss, grad_norm, modules: list, step: int, device) -> Any:
         else float(0.0 if loss is None else loss)
     row[NORM] = grad_norm.detach().to(device, torch.float64).reshape(()) if isinstance(grad_norm, torch.Tensor) \
         else float(grad_norm)
+    if watch is not None:
+        row[LOCAL_NORM] = watch.local(device)
+    row[SCALER] = float(targets.scaler_enabled())
     p = MEM.pending
     row[NODE] = node_key()
     row[GROUP], row[LOCAL] = int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
@@ -242,6 +204,16 @@ def local_row(loss, grad_norm, modules: list, step: int, device) -> Any:
         row[P_LOSS], row[P_NORM], row[P_GROUP], row[P_DEVICE] = p.loss, p.norm, p.group, p.device
     else:
         row[P_STEP] = -1
+    row[FP_K] = MEM.fp.proposal()
+    if fp_identity is not None:
+        timed = MEM.fp.cost is None or device.type == "cpu"
+        t0 = time.perf_counter()
+        d = replica_fingerprint.digest(targets.state(), device)
+        if timed:   # its cost, its device work included (K comes from it): on a GPU the first one only
+            d.item()
+            MEM.fp.measured(time.perf_counter() - t0)
+        row[FP_ON], row[FP_ID] = 1.0, float(fp_identity & replica_fingerprint.MASK)
+        row[FP_HI], row[FP_LO] = replica_fingerprint.halves(d)
     return row
 
 
@@ -277,15 +249,22 @@ def _pending_of(table: List[List[float]]) -> Optional[Pending]:
 
 
 def judge(table: List[List[float]], cfg: GuardConfig) -> dict:
-    """The verdict of one step's table (pure): fatal ranks, spikes, the suspect."""
-    bad = [r for r, row in enumerate(table) if not (_finite(row[LOSS]) and _finite(row[NORM]))]
+    """The verdict of one step's table (pure): fatal ranks, spikes, the suspect, diverged replicas."""
+    from ft_launcher.rank_monitor.rank_side.live.backward_watch import bad as bad_norm
+
+    nonfinite = [r for r, row in enumerate(table) if not (_finite(row[LOSS]) and _finite(row[NORM]))]
+    # an Inf or NaN gradient that a GradScaler will skip (its loss finite) is its routine overflow
+    scaled = [r for r in nonfinite if table[r][SCALER] and _finite(table[r][LOSS])]
+    bad = [r for r in nonfinite if r not in scaled]
+    # each rank's own backward, before any all-reduce (backward_watch): where it arose
+    own = [] if scaled else [r for r, row in enumerate(table) if bad_norm(row[LOCAL_NORM])]
     seen = max(row[SEEN] for row in table)
     loss_max = max(row[LOSS_MAX] for row in table)
     norm_max = max(row[NORM_MAX] for row in table)
     spikes = []
     if seen >= cfg.spike_after:
         for r, row in enumerate(table):
-            if r in bad:
+            if r in nonfinite or r in own:
                 continue
             what = []
             if loss_max > 0 and abs(row[LOSS]) > cfg.spike_factor * loss_max:
@@ -295,18 +274,41 @@ def judge(table: List[List[float]], cfg: GuardConfig) -> dict:
                             f"{norm_max:.4g}")
             if what:
                 spikes.append((r, "; ".join(what)))
-    fatal = list(bad)
+    fatal = sorted(set(bad) | set(own))
     if cfg.spike_fatal:
         fatal += [r for r, _ in spikes if r not in fatal]
-    # the suspect: a rank whose own loss is not finite (the loss is not all-reduced), else one whose
-    # gradient alone is not (it came after the all-reduce, on that rank); none when all ranks are alike
+    # the ranks where it arose: one whose own loss is not finite (the loss is not all-reduced), else one
+    # whose own backward made it (before the all-reduce spread it), else one whose gradient alone is not
+    # finite (it came after the all-reduce, on that rank); none when every rank is alike
     by_loss = [r for r in fatal if not _finite(table[r][LOSS])]
-    # the ranks where it arose: a NaN on every rank came through the all-reduce (it says nothing of
-    # where it arose), so then only the ranks whose own loss is not finite
-    local = fatal if len(fatal) < len(table) else by_loss if len(by_loss) < len(table) else []
+    n = len(table)
+    local = (by_loss if 0 < len(by_loss) < n else own if 0 < len(own) < n
+             else fatal if len(fatal) < n else [])
     suspect = local[0] if local else -1
-    return {"fatal": fatal, "local": local, "spikes": spikes, "suspect": suspect, "loss_max": loss_max, "norm_max": norm_max,
-            "seen": seen, "pending": _pending_of(table)}
+    return {"fatal": fatal, "local": local, "spikes": spikes, "suspect": suspect, "loss_max": loss_max,
+            "norm_max": norm_max, "seen": seen, "pending": _pending_of(table), "scaled": scaled,
+            "diverged": diverged(table), "k": int(max(row[FP_K] for row in table))}
+
+
+def diverged(table: List[List[float]]) -> List[dict]:
+    """Replica groups (ranks with the same shard identity that digested this step) whose digests
+    differ: [{"ranks", "odd" (the minority; None without a majority), "good"}]."""
+    groups: Dict[float, List[int]] = {}
+    for r, row in enumerate(table):
+        if row[FP_ON]:
+            groups.setdefault(row[FP_ID], []).append(r)
+    out = []
+    for ranks in groups.values():
+        by_digest: Dict[tuple, List[int]] = {}
+        for r in ranks:
+            by_digest.setdefault((table[r][FP_HI], table[r][FP_LO]), []).append(r)
+        if len(by_digest) < 2:
+            continue
+        top = max(by_digest.values(), key=len)
+        major = len(top) * 2 > len(ranks)
+        out.append({"ranks": ranks, "good": top if major else [],
+                    "odd": sorted(r for r in ranks if r not in top) if major else None})
+    return out
 
 
 def _what(table, r: int) -> str:
@@ -327,9 +329,10 @@ class Decision:
 
 
 def check(live, step: int, loss, grad_norm) -> str:
-    """The guard of `live`'s commit of `step` (a collective: every rank calls it). -> Decision.GO or
-    Decision.SKIP; raises StepRerun (every rank together) to re-run the step from memory; exits 16
-    or 17, or waits for the restart a peer's exit brings, as the module docstring says."""
+    """The guard of `live`'s commit of `step` (a collective: every rank calls it, with or without a
+    loss or norm of its own). -> Decision.GO or Decision.SKIP; raises StepRerun (every rank
+    together) to re-run the step from memory; exits 16 or 17, or waits for the restart a peer's exit
+    brings, as the module docstring says."""
     import torch.distributed as dist
 
     from ft_launcher.rank_monitor.rank_side import comm_backend
@@ -337,20 +340,38 @@ def check(live, step: int, loss, grad_norm) -> str:
     cfg: GuardConfig = live.guard
     rank, world = dist.get_rank(), dist.get_world_size()
     device = comm_backend.transfer_device()
-    modules = [t.obj for t in live.tracked.values() if hasattr(t.obj, "parameters") and hasattr(t.obj, "forward")]
-    table = exchange(local_row(loss, grad_norm, modules, step, device), world, rank)
+    targets, watch = live.guard_targets(), live.backward_watch(step)
+    MEM.fp.fixed, MEM.fp.budget = cfg.fingerprint_every, cfg.fingerprint_budget
+    if MEM.fp.fixed:
+        MEM.fp.k = MEM.fp.fixed
+    MEM.fp.tick()
+    identity = live.shard_identity() if MEM.fp.due(step) and targets.found and world > 1 else None
+    table = exchange(local_row(loss, grad_norm, targets, watch, step, device, identity), world, rank)
+    if watch is not None:
+        watch.next(step + 1)
     v = judge(table, cfg)
+    MEM.fp.agree(v["k"], step, identity is not None and not v["diverged"])
+    MEM.heal = None
     MEM.last = dict(v, step=step, pending=None if v["pending"] is None else dataclasses.asdict(v["pending"]))
     MEM.loss_max, MEM.norm_max, MEM.seen = v["loss_max"], v["norm_max"], int(v["seen"])
-    pending = v["pending"] if v["pending"] is not None and v["pending"].step == step else None
-    if v["pending"] is not None and pending is None:   # a record for another step: stale (a fallback moved on)
+    if v["diverged"]:   # the state committed at step-1 differs between replicas: before anything else
+        return _diverged(live, step, table, v, targets, cfg, rank, world, device)
+    held = v["pending"]
+    pending = held if held is not None and held.step == step else None
+    if held is not None and held.step < step:   # a record for a step passed: stale
         MEM.pending = None
+    # (a record for a later step stays: a checkpoint fallback trains up to it, and its step is then judged
+    # as the re-run's result)
     fatal = v["fatal"]
     if pending is None:
         if not fatal:
             _count(table, cfg, v)
             return Decision.GO
         suspect = v["suspect"]
+        MEM.hits[step] = MEM.hits.get(step, 0) + 1
+        if MEM.hits[step] > MAX_HITS:   # never a loop: the step came back too often
+            hit = Pending(step, SAME_DEVICE, suspect, -1, -1, -1, table[fatal[0]][LOSS], table[fatal[0]][NORM])
+            return _data(step, table, hit, v, cfg, rank, f"hit {MEM.hits[step]} times in this process")
         who = _ranks_text(fatal) if suspect < 0 else f"rank {suspect}"
         MEM.pending = Pending(step, SAME_DEVICE, suspect, int(table[suspect][NODE]) if suspect >= 0 else -1,
                               int(table[suspect][GROUP]) if suspect >= 0 else -1,
@@ -358,14 +379,11 @@ def check(live, step: int, loss, grad_norm) -> str:
                               table[fatal[0]][LOSS], table[fatal[0]][NORM])
         MEM.reruns += 1
         MEM.hit_at = time.perf_counter()
-        say(f"step {step}: {_what(table, fatal[0])} on {who}: not committed; re-running it from memory on the "
-            f"same devices")
-        from ft_launcher.rank_monitor.rank_side.inprocess import StepRerun
-        from ft_launcher.rank_monitor.rank_side.live import gpu_commit
-
-        gpu_commit.COMMITS.settle()   # step S-1 counts (the table's read waited for its GPU work)
-
-        raise StepRerun(f"step {step} is re-run from memory (the step guard)")
+        arose = (f" (made in rank {suspect}'s own backward, before the all-reduce)"
+                 if suspect >= 0 and _finite(table[suspect][LOSS]) and suspect in _own(table) else "")
+        say(f"step {step}: {_what(table, fatal[0])} on {who}{arose}: not committed; re-running it from memory "
+            f"on the same devices")
+        _rerun(step)
     MEM.pending = pending
     if pending.stage == SAME_DEVICE:
         if not fatal:
@@ -420,6 +438,84 @@ def check(live, step: int, loss, grad_norm) -> str:
         _await_restart(f"node {pending.group} leaves")
     return _data(step, table, pending, v, cfg, rank, "reproducible on other hardware" +
                  ("" if moved_node else " (another device of the same node)"))
+
+
+def _own(table) -> List[int]:
+    from ft_launcher.rank_monitor.rank_side.live.backward_watch import bad as bad_norm
+
+    return [r for r, row in enumerate(table) if bad_norm(row[LOCAL_NORM])]
+
+
+def _rerun(step: int, why: str = "the step guard"):
+    """Every rank re-runs `step` from memory (rank_side.inprocess.StepRerun); the replicas compare
+    their digests at the re-run."""
+    from ft_launcher.rank_monitor.rank_side.inprocess import StepRerun
+    from ft_launcher.rank_monitor.rank_side.live import gpu_commit
+
+    gpu_commit.COMMITS.settle()   # step S-1 counts (the table's read waited for its GPU work)
+    MEM.fp.forced = step
+    raise StepRerun(f"step {step} is re-run from memory ({why})")
+
+
+def _diverged(live, step: int, table, v: dict, targets, cfg: GuardConfig, rank: int, world: int, device) -> str:
+    """Replicas of a shard hold different committed states (found by the fingerprint): the odd ones
+    heal from a good replica and the step is re-run; with no majority (two replicas), a replica
+    whose state is not finite is the odd one; else every rank loads its checkpoint. One collective
+    first: each rank's state finite, and whether this is its device's second divergence within
+    `transient_window_s` (then its node leaves, exit 17)."""
+    import torch
+    import torch.distributed as dist
+
+    groups = v["diverged"]
+    flags = torch.zeros(world, 2, dtype=torch.int64, device=device)
+    flags[rank, 0] = int(not replica_fingerprint.finite(targets.state()))
+    dist.all_reduce(flags)
+    nonfinite = {r for r in range(world) if flags[r, 0]}
+    for g in groups:
+        if g["odd"] is None:
+            odd = [r for r in g["ranks"] if r in nonfinite]
+            if 0 < len(odd) < len(g["ranks"]):
+                g["odd"], g["good"] = odd, [r for r in g["ranks"] if r not in odd]
+    where = "; ".join(f"{_ranks_text(g['ranks'])} disagree" + (
+        f" ({_ranks_text(g['odd'])} against {_ranks_text(g['good'])})" if g["odd"] is not None else
+        " and no majority names the odd one") for g in groups)
+    head = (f"step {step}: the replicas' parameters and optimizer state as of step {step - 1} differ ({where}): "
+            f"silent data corruption in memory or in an optimizer step")
+    if any(g["odd"] is None for g in groups):
+        MEM.pending, MEM.heal = None, f"{head}; none is known good"
+        say(f"{head}: none is known good: every rank loads its checkpoint")
+        _rerun(step, "replicas disagree")
+    odd = sorted(r for g in groups for r in g["odd"])
+    second = torch.zeros(world, dtype=torch.int64, device=device)
+    second[rank] = int(rank in odd and _count_transient(cfg))
+    dist.all_reduce(second)
+    leaving = [r for r, x in enumerate(second.tolist()) if x]
+    if leaving:
+        say(f"{head}: the second on {_ranks_text(leaving)}'s device within {cfg.transient_window_s:g} s: "
+            f"persistent, its node leaves", by=leaving[0])
+        if rank in leaving:
+            _leave_node(step, f"a second divergence of this device's state within {cfg.transient_window_s:g} s")
+        _await_restart(f"{_ranks_text(leaving)}'s node leaves")
+    late = "" if MEM.fp.exact(step) else (
+        f"; the digests last agreed at step {MEM.fp.agreed}, so the odd replica's gradients may have gone into its "
+        f"peers' updates since: the replicas are equal again, but may differ from a run without the fault "
+        f"(fingerprint_every=1 makes every heal exact)")
+    MEM.pending, MEM.heal = None, "peer"
+    if rank in odd:
+        live.state_suspect()
+    say(f"{head}: not committed; {_ranks_text(odd)} heal{'s' if len(odd) == 1 else ''} from a good replica "
+        f"and the step is re-run{late}")
+    _rerun(step, "replicas disagree")
+    return Decision.GO   # not reached
+
+
+def _count_transient(cfg: GuardConfig) -> bool:
+    """One transient fault against this rank's device -> whether it is its second within the window."""
+    now = time.monotonic()
+    times = [t for t in MEM.transients.get(device_name(), []) if now - t <= cfg.transient_window_s]
+    times.append(now)
+    MEM.transients[device_name()] = times
+    return len(times) >= 2
 
 
 def _data(step, table, pending: Pending, v, cfg: GuardConfig, rank: int, why: str) -> str:
@@ -481,13 +577,7 @@ def _transient(pending: Pending, rank: int, cfg: GuardConfig) -> bool:
     import torch
     import torch.distributed as dist
 
-    second = 0
-    if rank == pending.suspect:
-        now = time.monotonic()
-        times = [t for t in MEM.transients.get(device_name(), []) if now - t <= cfg.transient_window_s]
-        times.append(now)
-        MEM.transients[device_name()] = times
-        second = int(len(times) >= 2)
+    second = int(rank == pending.suspect and _count_transient(cfg))
     from ft_launcher.rank_monitor.rank_side import comm_backend
 
     flag = torch.tensor([second], dtype=torch.int64, device=comm_backend.transfer_device())
@@ -511,6 +601,8 @@ def _count(table, cfg: GuardConfig, v: dict) -> None:
             by_text.setdefault(what, []).append(r)
         parts = [f"{_ranks_text(ranks)}: {what}" for what, ranks in sorted(by_text.items(), key=lambda i: i[1])]
         say(f"step {step}: spike on " + "; ".join(parts) + ": not fatal, training goes on")
+    if v["scaled"]:   # a GradScaler's overflow: skipped by the scaler, not a value to learn from
+        return
     spiked = {r for r, _ in v["spikes"]}
     for r, row in enumerate(table):
         if r not in spiked:
