@@ -72,6 +72,7 @@ import time
 import zlib
 from typing import Any, Dict, List, Optional
 
+from ft_launcher.rank_monitor import rerun_env
 from ft_launcher.rank_monitor.rank_side.live import replica_fingerprint, sdc_sim
 from ft_launcher.rank_monitor.workload_requests import STEP_GUARD_PREFIX
 
@@ -122,6 +123,7 @@ class _Memory:
         self.norm_max = 0.0
         self.seen = 0                  # committed steps the maxima cover
         self.hits: Dict[int, int] = {}  # fresh hits per step (a step re-run MAX_HITS times is the data's)
+        self.env_used = False          # the agent's re-run environment (after a 16) was taken as the record
         self.guarded = False           # some LiveState of this process runs the guard (its watch goes on)
         self.fp = replica_fingerprint.Schedule(None, 0.01)   # the fingerprint's K (agreed through the table)
         self.heal: Optional[str] = None   # the re-run's restore: "peer" (odd replicas heal), or the
@@ -357,6 +359,12 @@ def check(live, step: int, loss, grad_norm) -> str:
     if v["diverged"]:   # the state committed at step-1 differs between replicas: before anything else
         return _diverged(live, step, table, v, targets, cfg, rank, world, device)
     held = v["pending"]
+    if held is None and v["fatal"] and not MEM.env_used and os.environ.get(rerun_env.ENV_RERUN_RANK):
+        # this cycle follows a 16 but no rank kept the record (every rank is a new process: nothing
+        # was committed, the checkpoint): the agent's environment says who moved, so its first hit here
+        # is the re-run on other hardware, not a fresh one (never a second round of 16s)
+        MEM.env_used = True
+        held = Pending(step, OTHER_HARDWARE, int(os.environ[rerun_env.ENV_RERUN_RANK]), -1, -1, -1, 0.0, 0.0)
     pending = held if held is not None and held.step == step else None
     if held is not None and held.step < step:   # a record for a step passed: stale
         MEM.pending = None
@@ -381,7 +389,7 @@ def check(live, step: int, loss, grad_norm) -> str:
         MEM.hit_at = time.perf_counter()
         arose = (f" (made in rank {suspect}'s own backward, before the all-reduce)"
                  if suspect >= 0 and _finite(table[suspect][LOSS]) and suspect in _own(table) else "")
-        say(f"step {step}: {_what(table, fatal[0])} on {who}{arose}: not committed; re-running it from memory "
+        say(f"step {step}: {_what(table, max(suspect, fatal[0]))} on {who}{arose}: not committed; re-running it from memory "
             f"on the same devices")
         _rerun(step)
     MEM.pending = pending
