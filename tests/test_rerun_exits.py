@@ -10,6 +10,9 @@ the rotation; 17 with a spare) are tests/test_nvrx_client.py's `test_megatron_ex
 - 17: the suspect node (its own, or the 16's whose re-run it ends) leaves for a spare, else the job
   stops with one line; 17 again before any progress stops.
 - Neither counts as a cycle without progress.
+- Under `--elastic --nnodes MIN:MAX` with no spare, the node that must leave (a 17's suspect, a 16's
+  node of one rank) is dropped and the job goes on while MIN remain (real jobs: 3 agents x 1 rank,
+  the others finish on 2 nodes; 2 agents, fewer than MIN would remain: one line, exit 93).
 """
 import os
 
@@ -270,6 +273,12 @@ def test_with_elastic_a_rank_that_exits_17_drops_its_node_and_the_others_go_on(l
     assert [c[0] for c in zero] == [0, 1] and [c[0] for c in one] == [0, 1]   # cycle 1 on 2 nodes, in place
     assert zero[1][2] == zero[0][2] and one[1][2] == one[0][2]
     assert [c[0] for c in calls(out, 2)] == [0]
+    from ft_launcher.report.analysis import analyse   # the report's incident tells it
+    from ft_launcher.report.reading import load
+    events, statuses, notes = load([str(agents.logs)])
+    [incident] = analyse([str(agents.logs)], events, statuses, notes).incidents
+    assert incident.cause.startswith("exit 17: failed result validation")
+    assert "the suspect node was dropped (--elastic, no hot spare): the job went on with 2 nodes" in incident.action
 
 
 def test_with_elastic_a_17_that_would_leave_fewer_than_min_stops_with_one_line(launcher, tmp_path):
