@@ -130,7 +130,8 @@ def test_with_elastic_and_no_spare_a_16_on_a_node_of_one_rank_drops_the_node():
     v = decide(elastic, 0, exited(16, 2, nproc=1), nodes=3, nproc=1)
     assert v.restart and v.exclude == ["node-c"] and v.detail["dropped"]["nodes"] == 2
     assert v.rerun["suspect"] == {"node_id": "node-c", "host": "host-c", "device": "0"} and not v.rerun["swap"]
-    assert "its node is dropped (--elastic, no hot spare): the job goes on with 2 nodes" in v.what
+    assert ("exited 16; its node (one rank: no other device there) is dropped (--elastic, no hot spare): the job goes "
+            "on with 2 nodes (--nnodes 2:3), rank 2's step re-runs without that GPU") in v.what
     stop = decide(elastic, 0, exited(16, 1, nproc=1), nproc=1)
     assert stop.kind == "stop" and "1 node would remain, fewer than the 2 of --elastic --nnodes 2:3" in stop.what
     # the 16 again for the same iteration, on the nodes that went on: the data or the model

@@ -27,7 +27,7 @@ Both are re-runs, not failures to make progress: a cycle that ended in one is ne
 `max_no_progress_cycles` nor by `max_identical_failures`. A stop is the policy's kind `stop` (every
 agent exits `no_restart_exit_code`, 93). Each decision is one line (`Verdict.what`) and its
 `rerun` record (the event `rerun`, the ranks' environment: rank_monitor.rerun_env); a node dropped
-under `--elastic` is also the verdict's `detail["dropped"]` ({node_id, nodes: how many go on}).
+under `--elastic` is also the verdict's `detail["dropped"]` ({node_id, nodes: how many go on, exitcode}).
 
 The failing node's report carries `hardware` ({node_id, host, slot, device, slots: its slot ->
 rank-index map}); the decider keeps it, with the exit code and the iteration, in the round's origin
@@ -197,9 +197,8 @@ class RerunDecision:
                 v.exclude = list(v.exclude) + [node]
             v.what += f"; its node leaves for a hot spare, where rank {v.rank} re-runs"
         elif node in facts.active and self.drop(node) is not None:
-            v.what += (f"; no other hardware on its node (one rank) and no hot spare: its node is "
-                       f"{self.gone_on(self.verdict.detail['dropped']['nodes'])}, rank {v.rank}'s step re-runs "
-                       f"without that GPU")
+            v.what += (f"; its node (one rank: no other device there) is "
+                       f"{self.gone_on(v.detail['dropped']['nodes'])}, rank {v.rank}'s step re-runs without that GPU")
         else:
             return (f"{v.what}: no other hardware to re-run rank {v.rank} on (one rank on its node, no hot spare"
                     f"{self.too_few(node) if node in facts.active else ''}); restarting would give it the same GPU "

@@ -25,8 +25,8 @@ A failure climbs the ladder only as far as it must (docs/architecture.md, docs/r
   16 re-runs the rank on other hardware (`Verdict.rerun`: a swap of two slots, a rotation of every
   node's slots, or a spare), 17 sends the suspect node to a spare; with no spare under `--elastic`
   the node is dropped and the job goes on with the others while at least MIN remain (`elastic`);
-  either stops when that cannot help or cannot be done. They are re-runs: never counted as cycles without progress or as the
-  same error again.
+  either stops when that cannot help or cannot be done. They are re-runs: never counted as cycles
+  without progress or as the same error again.
 - kind `grow` (`--elastic`): a node joined a job that trains on fewer than MAX nodes: the job
   re-forms with it, in place where the failure would have (`in_place_possible`), every healthy
   rank kept; no failure, so no budget spent.
