@@ -481,16 +481,24 @@ class NodeAgent:
             return
         world, nodes, names = before
         full = self.cfg.max_nodes
-        gone = [label for node_id, label in names.items() if node_id not in self._trained_on[2]]
+        gone = [node_id for node_id in names if node_id not in self._trained_on[2]]
         came = [label for node_id, label in self._trained_on[2].items() if node_id not in names]
-        why = (f"node{'s' if len(gone) > 1 else ''} {', '.join(gone)} lost, no spare" if rnd.world_size < world
-               else f"node{'s' if len(came) > 1 else ''} {', '.join(came)} joined")
+        # a node that left the job (excluded: an exit 17 or 16 under --elastic, ExcludeThisNode) was dropped, not lost
+        out = self.proto.get_raw([store_keys.excluded_node(n) for n in gone]) if rnd.world_size < world else []
+        lost = [names[n] for n, mark in zip(gone, out) if not mark]
+        dropped = [names[n] for n, mark in zip(gone, out) if mark]
+        if rnd.world_size < world:
+            why = "; ".join(f"node{'s' if len(labels) > 1 else ''} {', '.join(labels)} {how}"
+                            for how, labels in (("lost", lost), ("dropped", dropped)) if labels) or "nodes lost"
+            why += ", no spare"
+        else:
+            why = f"node{'s' if len(came) > 1 else ''} {', '.join(came)} joined"
         self.events.event(
             "elastic_resize",
             f"training on {rnd.nnodes} of {full} nodes, world size {rnd.world_size} instead of {world}: the global "
             f"batch is {rnd.world_size}/{world} of the previous one, the learning rate as it was ({why})",
             world_size=rnd.world_size, previous_world_size=world, nnodes=rnd.nnodes, previous_nnodes=nodes,
-            lost=gone, joined=came)
+            lost=lost, dropped=dropped, joined=came)
 
     def _start_ranks(self, rnd: Round, master: tuple, in_place: dict) -> None:
         """This node's ranks of cycle `rnd.number` (agent.ranks.node_ranks.start_ranks), then said."""
@@ -662,14 +670,17 @@ class NodeAgent:
             line = reason["what"]
         else:   # with what the policy added (a straggler left out, a node that keeps failing)
             what = verdict.what if ours else reason["what"]
-            line = f"{what} -> {'restarting in place' if verdict.in_process else 'stopping all ranks'}"
+            then = ("this node leaves the job" if self.me.node_id in verdict.exclude else
+                    "restarting in place" if verdict.in_process else "stopping all ranks")
+            line = f"{what} -> {then}"
         self.events.event("failure", line, rank=reason.get("rank"),
                           **{k: v for k, v in reason.items() if k not in ("rank",)})
         if ours and rerun_exits.code_of(reason):   # the decision's record (its line is the failure's)
             self.events.event("rerun", None, rank=reason.get("rank"), exitcode=reason["exitcode"],
                               meaning=rerun_exits.MEANING[reason["exitcode"]], hardware=reason["hardware"],
                               decision=verdict.what, restart=verdict.restart, exclude=verdict.exclude,
-                              replace_ranks=verdict.replace_ranks, move=verdict.rerun)
+                              replace_ranks=verdict.replace_ranks, move=verdict.rerun,
+                              dropped=verdict.detail.get("dropped"))
         self._name_culprit(rnd.number, verdict if not ours else None, reason.get("rank"))
         return self._announce(rnd, verdict)
 

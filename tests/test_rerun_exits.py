@@ -10,6 +10,9 @@ the rotation; 17 with a spare) are tests/test_nvrx_client.py's `test_megatron_ex
 - 17: the suspect node (its own, or the 16's whose re-run it ends) leaves for a spare, else the job
   stops with one line; 17 again before any progress stops.
 - Neither counts as a cycle without progress.
+- Under `--elastic --nnodes MIN:MAX` with no spare, the node that must leave (a 17's suspect, a 16's
+  node of one rank) is dropped and the job goes on while MIN remain (real jobs: 3 agents x 1 rank,
+  the others finish on 2 nodes; 2 agents, fewer than MIN would remain: one line, exit 93).
 """
 import os
 
@@ -95,6 +98,46 @@ def test_a_17_sends_its_node_to_a_spare_or_stops_with_one_line():
     assert v.restart and v.exclude == ["node-a"] and "its node (host-a device 1), leaves the job" in v.what
     stop = decide(RestartPolicy(5), 0, exited(17, 1))
     assert stop.kind == "stop" and "must not restart in place and no hot spare can take its place" in stop.what
+
+
+def test_with_elastic_and_no_spare_a_17s_node_is_dropped_while_min_remain_else_the_job_stops():
+    elastic = RestartPolicy(5, nodes=(2, 3), elastic=True)
+    v = decide(elastic, 0, exited(17, 5), PolicyInputs(restartable=3), nodes=3)   # rank 5: node-c
+    assert v.kind == "failure" and v.restart and v.in_process and v.exclude == ["node-c"]
+    assert v.detail["dropped"] == {"node_id": "node-c", "nodes": 2, "exitcode": 17}
+    assert ("the suspect, its node (host-c device 1), is dropped (--elastic, no hot spare): the job goes on with "
+            "2 nodes (--nnodes 2:3)") in v.what
+    assert v.keeps(0, "node-a") and not v.keeps(4, "node-c") and not v.rerun
+    # a spare there: it takes the node's place, nothing dropped
+    spare = decide(elastic, 0, exited(17, 3), spares=1)
+    assert spare.exclude == ["node-b"] and "a hot spare takes its place" in spare.what and "dropped" not in spare.detail
+    # below MIN: the job stops with one line that says why
+    stop = decide(elastic, 0, exited(17, 3), nodes=2)
+    assert stop.kind == "stop" and not stop.restart and not stop.exclude and stop.restarts_used == 0
+    assert stop.what.endswith("must not restart in place and no hot spare can take its place, and without it "
+                              "1 node would remain, fewer than the 2 of --elastic --nnodes 2:3; stopping the job")
+    # a fixed-size job (no --elastic) with the same nodes: stops as before
+    fixed = decide(RestartPolicy(5, nodes=(2, 3)), 0, exited(17, 5), nodes=3)
+    assert fixed.kind == "stop" and fixed.what.endswith("no hot spare can take its place; stopping the job")
+    # a 17 after an elastic drop, with progress between: the next node may go too, down to MIN only
+    two = RestartPolicy(5, nodes=(1, 3), elastic=True)
+    assert decide(two, 1, exited(17, 3), PolicyInputs(progress=["progress"]), nodes=2).exclude == ["node-b"]
+    assert decide(two, 1, exited(17, 1), nodes=1).kind == "stop"
+
+
+def test_with_elastic_and_no_spare_a_16_on_a_node_of_one_rank_drops_the_node():
+    elastic = RestartPolicy(5, nodes=(2, 3), elastic=True)
+    v = decide(elastic, 0, exited(16, 2, nproc=1), nodes=3, nproc=1)
+    assert v.restart and v.exclude == ["node-c"] and v.detail["dropped"]["nodes"] == 2
+    assert v.rerun["suspect"] == {"node_id": "node-c", "host": "host-c", "device": "0"} and not v.rerun["swap"]
+    assert ("exited 16; its node (one rank: no other device there) is dropped (--elastic, no hot spare): the job goes "
+            "on with 2 nodes (--nnodes 2:3), rank 2's step re-runs without that GPU") in v.what
+    stop = decide(elastic, 0, exited(16, 1, nproc=1), nproc=1)
+    assert stop.kind == "stop" and "1 node would remain, fewer than the 2 of --elastic --nnodes 2:3" in stop.what
+    # the 16 again for the same iteration, on the nodes that went on: the data or the model
+    again = decide(elastic, 1, exited(16, 1, nproc=1), PolicyInputs(origins={0: v.origin}, progress=["none"]),
+                   nproc=1)
+    assert again.kind == "stop" and "exit 16 again for the same iteration" in again.what
 
 
 def test_a_17_that_ends_a_16s_rerun_blames_the_16s_node_and_17_again_stops():
@@ -189,3 +232,63 @@ def test_17_with_no_spare_stops_with_one_line(launcher, tmp_path):
     assert ("exited 17 (failed result validation: its node is suspect): the suspect, its node (127.0.0.1 "
             "device 0), must not restart in place and no hot spare can take its place") in last, last
     assert len(read_events(logs, "cycle_start")) == 1
+
+
+def elastic_agents(launcher, tmp_path, nodes, nnodes, *script_args):
+    """`nodes` agents x 1 rank of RANK_SCRIPT under `--elastic --nnodes nnodes`, no hot spare."""
+    from harness import ExampleAgents
+    out = tmp_path / "out"
+    out.mkdir()
+    agents = ExampleAgents(launcher, tmp_path, nodes, 1, RANK_SCRIPT, [out, *script_args], ["--elastic"],
+                           max_restarts=3)
+    agents.args[agents.args.index("--nnodes") + 1] = nnodes
+    # every agent in the first round (it closes once all MAX joined), whatever their start's skew
+    agents.args[agents.args.index("--rdzv-conf") + 1] = f"join_timeout=30,last_call_timeout={20 if nodes == 3 else 1}"
+    return agents.launch(), out
+
+
+def test_with_elastic_a_rank_that_exits_17_drops_its_node_and_the_others_go_on(launcher, tmp_path):
+    """3 agents x 1 rank, `--elastic --nnodes 2:3`, no spare: rank 2 exits 17 at its 100th step. Its node
+    leaves (its agent exits 93, this node's own line), ranks 0 and 1 keep their processes and finish
+    on 2 nodes (exit 0); one line says the node was dropped for the 17 and the job goes on with 2 nodes."""
+    agents, out = elastic_agents(launcher, tmp_path, 3, "2:3", 2, 17, 100)
+    results = agents.wait(bound=120, lost=(2,))
+    assert results[2][0] == 93, results[2][2][-3000:]
+    dropped = ("exited 17 (failed result validation: its node is suspect); the suspect, its node (localhost device 0), "
+               "is dropped (--elastic, no hot spare): the job goes on with 2 nodes (--nnodes 2:3)")
+    for i, (code, _, err) in enumerate(results):   # one line on each node; the leaving node's last says why it left
+        lines = [ln for ln in err.splitlines() if dropped in ln and "exiting 93" not in ln]
+        assert len(lines) == 1, err[-3000:]
+        assert lines[0].endswith("-> this node leaves the job" if i == 2 else
+                                 "(on another node) -> restarting this node's ranks in place"), lines
+    last = results[2][2].strip().splitlines()[-1]
+    assert "error: this node leaves the job: " in last and dropped in last and "exiting 93 (no restart)" in last
+    [rerun] = read_events(agents.logs, "rerun")
+    assert rerun["detail"]["dropped"]["nodes"] == 2 and rerun["detail"]["exclude"] == [rerun["detail"]["dropped"]["node_id"]]
+    [resize] = read_events(agents.logs, "elastic_resize")
+    assert resize["detail"]["world_size"] == 2 and resize["detail"]["previous_world_size"] == 3
+    resized = [ln for ln in results[0][2].splitlines() if "training on 2 of 3 nodes, world size 2 instead of 3" in ln]
+    assert len(resized) == 1 and "(node localhost order=2 dropped, no spare)" in resized[0], resized
+    assert resize["detail"]["dropped"] == ["localhost order=2"] and resize["detail"]["lost"] == []
+    zero, one = calls(out, 0), calls(out, 1)
+    assert [c[0] for c in zero] == [0, 1] and [c[0] for c in one] == [0, 1]   # cycle 1 on 2 nodes, in place
+    assert zero[1][2] == zero[0][2] and one[1][2] == one[0][2]
+    assert [c[0] for c in calls(out, 2)] == [0]
+    from ft_launcher.report.analysis import analyse   # the report's incident tells it
+    from ft_launcher.report.reading import load
+    events, statuses, notes = load([str(agents.logs)])
+    [incident] = analyse([str(agents.logs)], events, statuses, notes).incidents
+    assert incident.cause.startswith("exit 17: failed result validation")
+    assert "the suspect node was dropped (--elastic, no hot spare): the job went on with 2 nodes" in incident.action
+
+
+def test_with_elastic_a_17_that_would_leave_fewer_than_min_stops_with_one_line(launcher, tmp_path):
+    """2 agents x 1 rank, `--elastic --nnodes 2:3`: rank 1 exits 17; dropping its node would leave 1 of the 2
+    needed: the job stops, every agent exits 93 with the line that says so."""
+    agents, out = elastic_agents(launcher, tmp_path, 2, "2:3", 1, 17, 25)
+    results = agents.wait(bound=120, lost=(0, 1))
+    for code, _, err in results:
+        last = err.strip().splitlines()[-1]
+        assert code == 93 and ("no hot spare can take its place, and without it 1 node would remain, fewer than "
+                               "the 2 of --elastic --nnodes 2:3; stopping the job") in last and "exiting 93" in last, err[-3000:]
+    assert len(read_events(agents.logs, "cycle_start")) == 2   # cycle 0 on both nodes, no other

@@ -10,20 +10,24 @@ our launcher: what the restart policy (agent.recovery.restart_policy) does with 
   - every rank restarts (Megatron's scripts): every node rotates its ranks by one slot (`rotate`),
     so every rank runs on another device. Megatron's ranks all exit 16 together (the decision is
     collective) and only its log names the suspect, so every rank moves;
-  - a node of one rank: a hot spare takes the node's place (the node leaves); with none, the job
-    stops with one line (no other hardware to re-run on).
+  - a node of one rank: a hot spare takes the node's place (the node leaves); with none and
+    `--elastic`, the node is dropped and the job goes on with the others while at least MIN
+    (`--nnodes MIN:MAX`) remain; else the job stops with one line (no other hardware to re-run on).
   A second 16 for the same iteration (no progress since the first, and the checkpoint iteration, when
   `checkpoint_iteration_file` says it, the same) came from other hardware: the result reproduces
   there, so the data or the model is to blame: the job stops with one line.
 - **17, "failed validation"**: no restart in place on that device: its node is suspect. A 17
   right after a 16's re-run (no progress since) ends that re-run: the suspect is the node the 16
   came from. The suspect node leaves when a hot spare can take its place (it has already left:
-  the job goes on); with no spare the job stops with one line. A 17 again before any progress stops
-  the job (Megatron's 17 after its re-run would come back from its checkpoint every time).
+  the job goes on); with no spare and `--elastic` it is dropped and the job goes on with the
+  others while at least MIN remain (an elastic node loss: the next round closes on fewer nodes);
+  else the job stops with one line. A 17 again before any progress stops the job (Megatron's 17
+  after its re-run would come back from its checkpoint every time).
 Both are re-runs, not failures to make progress: a cycle that ended in one is never counted by
 `max_no_progress_cycles` nor by `max_identical_failures`. A stop is the policy's kind `stop` (every
 agent exits `no_restart_exit_code`, 93). Each decision is one line (`Verdict.what`) and its
-`rerun` record (the event `rerun`, the ranks' environment: rank_monitor.rerun_env).
+`rerun` record (the event `rerun`, the ranks' environment: rank_monitor.rerun_env); a node dropped
+under `--elastic` is also the verdict's `detail["dropped"]` ({node_id, nodes: how many go on, exitcode}).
 
 The failing node's report carries `hardware` ({node_id, host, slot, device, slots: its slot ->
 rank-index map}); the decider keeps it, with the exit code and the iteration, in the round's origin
@@ -78,8 +82,9 @@ def iteration_words(cycle: int, iteration: Optional[int]) -> str:
 class RerunDecision:
     """What the policy does with a 16 or 17 (`decide_*`): `stop` (one line) or changes to the verdict."""
 
-    def __init__(self, verdict, facts, inputs):
+    def __init__(self, verdict, facts, inputs, elastic: Optional[Tuple[int, int]] = None):
         self.verdict, self.facts, self.inputs = verdict, facts, inputs
+        self.elastic = elastic   # --elastic: the job's (MIN, MAX) nodes; None: a job of fixed size
         self.code = verdict.detail.get("exitcode")
         self.hw = verdict.detail["hardware"]
         self.history = earlier(facts.number, inputs)
@@ -115,8 +120,41 @@ class RerunDecision:
             return o["hardware"]["node_id"], why
         return self.hw["node_id"], f"its node ({where(self.hw)})"
 
+    def remaining(self, node: str) -> int:
+        """How many training nodes go on once `node` leaves with the verdict's other leavers (and
+        the dead), with no spare to take their places."""
+        gone = set(self.verdict.exclude) | {d.get("node_id") for d in self.verdict.dead_nodes} | {node}
+        return len([n for n in self.facts.active if n not in gone])
+
+    def drop(self, node: str) -> Optional[int]:
+        """--elastic, no spare: `node` leaves and the job goes on with the others (an elastic node
+        loss) when at least MIN remain: how many go on (the verdict's `exclude` and `detail["dropped"]`
+        set), or None (not elastic, or too few would remain)."""
+        left = self.remaining(node)
+        if self.elastic is None or left < self.elastic[0]:
+            return None
+        if node not in self.verdict.exclude:
+            self.verdict.exclude = list(self.verdict.exclude) + [node]
+        self.verdict.detail["dropped"] = {"node_id": node, "nodes": left, "exitcode": self.code}
+        return left
+
+    def too_few(self, node: str) -> str:
+        """--elastic: why dropping `node` cannot keep the job going ('' for a job of fixed size)."""
+        if self.elastic is None:
+            return ""
+        left, (low, high) = self.remaining(node), self.elastic
+        return (f", and without it {left} node{'s' if left != 1 else ''} would remain, fewer than the "
+                f"{low} of --elastic --nnodes {low}:{high}")
+
+    def gone_on(self, left: int) -> str:
+        """The words of a node dropped under --elastic."""
+        low, high = self.elastic
+        return (f"dropped (--elastic, no hot spare): the job goes on with {left} node{'s' if left != 1 else ''} "
+                f"(--nnodes {low}:{high})")
+
     def place_17(self) -> Optional[str]:
-        """A 17: the suspect node leaves for a spare; the line's tail, or a stop's line (None: applied)."""
+        """A 17: the suspect node leaves for a spare, or under --elastic is dropped; the line's tail,
+        or a stop's line (None: applied)."""
         v, facts = self.verdict, self.facts
         node, why = self.suspect()
         if node not in facts.active:
@@ -127,8 +165,12 @@ class RerunDecision:
                 v.exclude = list(v.exclude) + [node]
             v.what += f"; the suspect, {why}, leaves the job: a hot spare takes its place"
             return None
-        return (f"{v.what}: the suspect, {why}, must not restart in place and no hot spare can take its place; "
-                f"stopping the job")
+        left = self.drop(node)
+        if left is not None:
+            v.what += f"; the suspect, {why}, is {self.gone_on(left)}"
+            return None
+        return (f"{v.what}: the suspect, {why}, must not restart in place and no hot spare can take its place"
+                f"{self.too_few(node)}; stopping the job")
 
     def place_16(self, in_process: bool) -> Optional[str]:
         """A 16: put the job's rank elsewhere (the verdict's `rerun`, `replace_ranks`, `exclude`); None,
@@ -154,8 +196,12 @@ class RerunDecision:
             if node not in v.exclude:
                 v.exclude = list(v.exclude) + [node]
             v.what += f"; its node leaves for a hot spare, where rank {v.rank} re-runs"
+        elif node in facts.active and self.drop(node) is not None:
+            v.what += (f"; its node (one rank: no other device there) is "
+                       f"{self.gone_on(v.detail['dropped']['nodes'])}, rank {v.rank}'s step re-runs without that GPU")
         else:
-            return (f"{v.what}: no other hardware to re-run rank {v.rank} on (one rank on its node, no hot spare); "
-                    f"restarting would give it the same GPU again")
+            return (f"{v.what}: no other hardware to re-run rank {v.rank} on (one rank on its node, no hot spare"
+                    f"{self.too_few(node) if node in facts.active else ''}); restarting would give it the same GPU "
+                    f"again")
         v.rerun = rerun
         return None

@@ -23,9 +23,10 @@ A failure climbs the ladder only as far as it must (docs/architecture.md, docs/r
   NODE_FAILURE_LIMIT times in a row without progress, while a spare is there to take over.
 - a rank's exit 16 or 17 (Megatron's rerun state machine, an SDC guard: agent.recovery.rerun_exits):
   16 re-runs the rank on other hardware (`Verdict.rerun`: a swap of two slots, a rotation of every
-  node's slots, or a spare), 17 sends the suspect node to a spare; either stops when that cannot
-  help or cannot be done. They are re-runs: never counted as cycles without progress or as the
-  same error again.
+  node's slots, or a spare), 17 sends the suspect node to a spare; with no spare under `--elastic`
+  the node is dropped and the job goes on with the others while at least MIN remain (`elastic`);
+  either stops when that cannot help or cannot be done. They are re-runs: never counted as cycles
+  without progress or as the same error again.
 - kind `grow` (`--elastic`): a node joined a job that trains on fewer than MAX nodes: the job
   re-forms with it, in place where the failure would have (`in_place_possible`), every healthy
   rank kept; no failure, so no budget spent.
@@ -197,7 +198,7 @@ class RestartPolicy:
 
     def __init__(self, max_restarts: int, granularity: str = "auto", straggler_exclude: bool = False,
                  nodes: Tuple[int, int] = (1, 1), no_progress_limit: int = 0, min_progress_iterations: int = 1,
-                 iteration_file: Optional[str] = None, identical_failure_limit: int = 0):
+                 iteration_file: Optional[str] = None, identical_failure_limit: int = 0, elastic: bool = False):
         if granularity not in RESTART_GRANULARITIES:
             raise ValueError(f"restart granularity {granularity!r}: expected one of {', '.join(RESTART_GRANULARITIES)}")
         self.max_restarts = max_restarts
@@ -208,6 +209,7 @@ class RestartPolicy:
         self.min_progress_iterations = max(1, int(min_progress_iterations))
         self.iteration_file = iteration_file                 # progress by checkpoint iteration, else by steps
         self.identical_failure_limit = identical_failure_limit   # max_identical_failures (0: off)
+        self.elastic = elastic   # --elastic: a node that must leave with no spare is dropped while MIN remain
 
     # -- the decision --------------------------------------------------------------------------
     def decide(self, report: dict, facts: RoundFacts, inputs: PolicyInputs) -> Verdict:
@@ -227,7 +229,7 @@ class RestartPolicy:
         if leaving:
             verdict.exclude = list(verdict.exclude) + [leaving]
         # a rank's exit 16 or 17 is a re-run, never a failure to progress (agent.recovery.rerun_exits)
-        rerun = RerunDecision(verdict, facts, inputs) if code_of(report) else None
+        rerun = RerunDecision(verdict, facts, inputs, self.nodes if self.elastic else None) if code_of(report) else None
         pointless = (rerun.before_restart() if rerun else
                      self.same_error_again(verdict.what, inputs) or self.no_progress(inputs, facts.number))
         if pointless:                           # a stop, the budget untouched

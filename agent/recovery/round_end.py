@@ -38,7 +38,7 @@ class RoundEnd:
         self.policy = RestartPolicy(cfg.max_restarts, ft.restart_granularity, ft.straggler_exclude,
                                     (cfg.min_nodes, cfg.max_nodes), ft.max_no_progress_cycles,
                                     ft.min_progress_iterations, ft.checkpoint_iteration_file,
-                                    ft.max_identical_failures)
+                                    ft.max_identical_failures, cfg.elastic)
         # this node's progress: its agent polls it; when this node decides a verdict, it judges the
         # cycle and reads the history the policy counts
         self.progress = ProgressTracker(ft.max_no_progress_cycles, ft.min_progress_iterations,

@@ -351,6 +351,10 @@ def _incident(number: int, events: List[dict], cycles: Dict[int, dict], max_rest
     if moved:
         action += "; " + ", ".join(f"rank {e.get('rank')} re-ran on device {e['detail'].get('device')} "
                                    f"(it left {e['detail'].get('left')})" for e in moved)
+    dropped = reruns[0]["detail"].get("dropped") if reruns and restarts else None
+    if dropped:   # --elastic, no hot spare: the node that had to leave was dropped
+        action += (f"; the suspect node was dropped (--elastic, no hot spare): the job went on with "
+                   f"{dropped.get('nodes')} nodes")
     told = [e["detail"] for e in _by_kind(events, "live_recovery") if nxt is not None and e["cycle"] == nxt]
     if told:
         action += "; " + live_words(told[0])
