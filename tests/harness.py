@@ -21,7 +21,9 @@ file imports from another test file.
   run examples/hsdp_train.py on it.
 - `SleeperJob` / `sleepers_with_spare`: agents whose ranks run tests/scripts/cycle_sleeper.py (no
   torch: a cycle starts in milliseconds); `await_spare`: a third agent waits as a hot spare.
-- Plumbing: `listening(port)` (the store host is up), `paused` (processes SIGSTOPped for a block), `communicate_all` (every agent's end within
+- Plumbing: `listening(port)` (the store host is up), `paused` (processes SIGSTOPped for a block),
+  `await_state` (a process in a /proc state), `fill_backlog` / `unanswered` (a liveness port
+  whose connects time out, as across a network blip: not refused), `communicate_all` (every agent's end within
   a bound, else all killed and the test failed), `own_launcher` (a launcher of its own for a run
   a fixture makes outside any test), `sample_each_cycle` / `check_flat` (a healthy rank's RSS,
   fds and threads across many restarts), `write` (a file in the test's dir), `bench_module` (a
@@ -34,6 +36,7 @@ import glob
 import importlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -112,6 +115,55 @@ def paused(procs):
                 proc.send_signal(signal.SIGCONT)
             except psutil.NoSuchProcess:
                 pass
+
+
+def await_state(pid, states, timeout=5.0):
+    """Wait until process `pid` is in one of `states` (/proc/<pid>/stat's letters, e.g. "T": stopped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] in states:
+                return
+        select.select([], [], [], 0.01)
+    raise AssertionError(f"process {pid} never reached state {states}")
+
+
+def fill_backlog(host, port, settle=0.3):
+    """Connections to `port`, whose process is stopped (nothing accepts), until its listen backlog
+    is full: the kernel then drops a new connect's SYN, and that connect times out as if the host
+    were unreachable (never refused). The connections held, for the caller to close."""
+    held = []
+    while len(held) < 10000:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setblocking(False)
+        sock.connect_ex((host, port))
+        _, writable, _ = select.select([], [sock], [], settle)
+        if not writable or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            sock.close()
+            return held
+        held.append(sock)
+    raise AssertionError(f"the backlog of {host}:{port} never filled")
+
+
+@contextlib.contextmanager
+def unanswered(agent, host="127.0.0.1"):
+    """For the block, agent `agent`'s liveness port (a psutil process; not the store host's agent:
+    that port is then the only one it listens on) answers no connect, as across a network blip:
+    connects time out, none is refused. Stopping the agent is not enough (its kernel would still
+    complete handshakes into the listen backlog): it is stopped and its backlog filled. After the
+    block it runs again, accepts those connections (their peer gone) and answers. Yields the port."""
+    ports = [c.laddr.port for c in agent.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    assert len(ports) == 1, f"agent {agent.pid} listens on {ports}, not on its liveness port alone"
+    agent.send_signal(signal.SIGSTOP)
+    held = []
+    try:
+        await_state(agent.pid, ("T", "t"))
+        held = fill_backlog(host, ports[0])
+        yield ports[0]
+    finally:
+        agent.send_signal(signal.SIGCONT)
+        for sock in held:
+            sock.close()
 
 
 def progress(progress_dir, rank):

@@ -35,9 +35,12 @@ def is_excluded(proto, node_id: str) -> bool:
 def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callable[[], Optional[int]],
                     give_up: float) -> None:
     """An excluded node that hosts the store keeps it up until no other agent of the last two
-    rounds is alive any more (its liveness port, agent.rounds.keepalive, no longer answers) or
-    `give_up` s have passed. Ends early (returns) on a signal. `silent_limit`: seconds between looks."""
-    from ft_launcher.agent.rounds.keepalive import probe
+    rounds is alive any more (its liveness port, agent.rounds.keepalive, refuses, or has not
+    answered over a window: Misses) or `give_up` s have passed. Ends early (returns) on a signal.
+    `silent_limit`: seconds between looks."""
+    from ft_launcher.agent.rounds.keepalive import Misses
+
+    misses = Misses.of(proto.cfg, within=0.5)
 
     def everyone_gone() -> bool:
         try:
@@ -49,6 +52,6 @@ def park_store_host(proto, store, me_id: str, silent_limit: float, stop: Callabl
         except Exception:  # noqa: BLE001 - nobody left to serve
             return True
         others = [n for i, n in nodes.items() if i != me_id and n.alive_port]
-        return bool(others) and not any(probe(n.host, n.alive_port, 0.5) for n in others)
+        return bool(others) and all([misses.gone(n.host, n.alive_port) for n in others])
 
     store.linger(everyone_gone, give_up, stop=lambda: bool(stop()), poll=min(silent_limit, 1.0))

@@ -9,14 +9,23 @@ never answers on it. A peer that watches it holds one connection there (RoundWat
 - it is alive but slow (paused, starved, busy): its kernel keeps the connection up and answers
   the probes: never taken for dead.
 So liveness costs the store host nothing, and a node that lives is never declared lost.
-`probe` asks the same question once (a connect: refused means dead).
+`probe` asks the same question once, by a connect: answered (alive), refused (its process is
+dead), or silent (no answer within the probe's time: a slow host, or the network between: no
+verdict on its own). `Misses` asks it again and again and says when a node is gone: at the first
+refused connect, or once the silent probes in a row span `window` s (keep_alive_interval x
+keep_alive_max_attempt, 3 s by default: what TCP keep-alive allows a held connection), never
+on one slow answer or one timeout (a network blip shorter than the window drops nobody).
 """
 from __future__ import annotations
 
 import socket
-from typing import Optional
+import time
+from typing import Dict, Optional, Tuple
 
+from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.rounds.store_client import configure
+
+ANSWERED, REFUSED, SILENT = "answered", "refused", "silent"   # what a probe gets
 
 
 class AliveListener:
@@ -78,12 +87,46 @@ def watch_connection(host: str, port: int, gone_after: float) -> socket.socket:
     return sock
 
 
-def probe(host: str, port: int, within: float = 1.0) -> bool:
-    """Does a process still hold that liveness port? A refused or unanswered connect: no."""
+def probe(host: str, port: int, within: float = 1.0) -> str:
+    """What a connect to a node's liveness port gets: ANSWERED (a process holds the port), REFUSED
+    (none does: its agent is dead), SILENT (no answer within `within` s, or another error: a slow
+    or unreachable host; one is no verdict). A node without a liveness port (an older agent) is
+    not judged: ANSWERED."""
     if not port:
-        return True   # a node that has no liveness port (an older agent) is not judged
+        return ANSWERED
     try:
         with socket.create_connection((host, port), timeout=within):
-            return True
+            return ANSWERED
+    except (ConnectionRefusedError, ConnectionResetError):
+        return REFUSED
     except OSError:
-        return False
+        return SILENT
+
+
+class Misses:
+    """Which probed nodes are gone, from their probes over time (one instance per question: a
+    round's missing nodes, a lingering store host's peers). Gone: a refused connect, or silent
+    probes in a row (at least two) spanning at least `window` s from the first one's start to the
+    last one's end. An answer starts the count again."""
+
+    def __init__(self, window: float, within: float = 1.0):
+        self.window = window
+        self.within = within
+        self._silent: Dict[Tuple[str, int], Tuple[float, int]] = {}   # (host, port) -> (since, count)
+
+    @classmethod
+    def of(cls, cfg: LaunchConfig, within: float = 1.0) -> "Misses":
+        return cls(cfg.conf("keep_alive_interval") * cfg.conf("keep_alive_max_attempt"), within)
+
+    def gone(self, host: str, port: int) -> bool:
+        """Probe `host:port` once more: is that node gone?"""
+        start = time.monotonic()
+        answer = probe(host, port, self.within)
+        if answer == ANSWERED:
+            self._silent.pop((host, port), None)
+            return False
+        if answer == REFUSED:
+            return True
+        since, count = self._silent.get((host, port), (start, 0))
+        self._silent[(host, port)] = (since, count + 1)
+        return count + 1 >= 2 and time.monotonic() - since >= self.window

@@ -50,7 +50,7 @@ import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ft_launcher.agent.rounds import segments, store_client, store_keys
-from ft_launcher.agent.rounds.keepalive import probe
+from ft_launcher.agent.rounds.keepalive import Misses
 from ft_launcher.agent.rounds.store_client import NotAStore, StoreClient, StoreTimeout, StoreUnreachable
 from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.rounds.round_types import (HEAD, NodeInfo, NoRestart, RendezvousError, Round, Stopped,
@@ -411,6 +411,7 @@ class RoundProtocol:
         self.too_few_left: Callable[[int], Optional[str]] = lambda excluded: None
         self.token = secrets.token_hex(8)   # this agent, in the interrupts it writes
         self._members: tuple = (None, None)   # (round, its member lists) once read
+        self._misses: tuple = (None, None)    # (round, Misses of its missing nodes) once probed
         if not me.stable:
             me.stable = self._call(self.s.add, self.k(store_keys.agents()), 1)
 
@@ -485,8 +486,9 @@ class RoundProtocol:
         need = self.needed_nodes
         start = time.monotonic()
         timer = None   # the last-call deadline, kept by the joiner that brought the round to its minimum
-        # --elastic, a restart round: the nodes still missing are looked at every ELASTIC_LOOK s (dead:
-        # the round closes on those there, at once; too few left: one line, exit 1)
+        # --elastic, a restart round: the nodes still missing are looked at every ELASTIC_LOOK s (dead,
+        # agent.rounds.keepalive.Misses: refused, or unanswered over a window: the round closes on
+        # those there, at once; too few left: one line, exit 1)
         elastic = self.cfg.elastic and bool(target)
         if me.seq >= self.cfg.max_nodes or (target and me.seq >= max(target, need)):
             self._close(number, me.seq)
@@ -560,7 +562,7 @@ class RoundProtocol:
         expected = self._expected(number)
         if not expected:
             return False
-        alive = _Liveness(self, expected).alive_count(number, joined, time.monotonic())
+        alive = self._alive(number, expected)
         need = self.needed_nodes
         if alive < need:
             self.abandon_with(number, {"kind": "stop", "what": f"too few nodes left: {alive} of the {need} needed"})
@@ -577,8 +579,18 @@ class RoundProtocol:
             return False
         expected = self._expected(number) if target and seq == 1 and joined < target else []
         if expected:
-            return _Liveness(self, expected).alive_count(number, joined, time.monotonic()) <= joined
+            return self._alive(number, expected) <= joined
         return waited > 2 * self._last_call + PROGRESS_EVERY
+
+    def _alive(self, number: int, expected: List[NodeInfo]) -> int:
+        """How many of the nodes restart round `number` expects are alive: those that joined, and
+        those still missing that are not gone (agent.rounds.keepalive.Misses: a refused connect
+        to their liveness port, or silent probes over a window; one slow answer is not enough)."""
+        if self._misses[0] != number:
+            self._misses = (number, Misses.of(self.cfg))
+        misses = self._misses[1]
+        joined = {n.node_id for n in self._records(number)}
+        return len(expected) - sum(1 for n in expected if n.node_id not in joined and misses.gone(n.host, n.alive_port))
 
     def _expected(self, number: int) -> List[NodeInfo]:
         raw = self._call(self.s.get_now, self.k(store_keys.expect(number)))
@@ -824,21 +836,6 @@ class RoundProtocol:
 
     def left_count(self, number: int) -> int:
         return self.count(store_keys.left(number))
-
-
-class _Liveness:
-    """Which of the nodes a restart round expects are still alive: those that joined, and those
-    whose liveness port still answers (agent.rounds.keepalive)."""
-
-    def __init__(self, proto: RoundProtocol, expected: List[NodeInfo]):
-        self.proto = proto
-        self.expected = {n.node_id: n for n in expected}
-
-    def alive_count(self, number: int, joined: int, now: float) -> int:
-        joined_ids = {n.node_id for n in self.proto._records(number)}
-        missing = [n for i, n in self.expected.items() if i not in joined_ids]
-        dead = [n for n in missing if not probe(n.host, n.alive_port)]
-        return len(self.expected) - len(dead)
 
 
 # ---- optional call counting (bench/rendezvous_scale.py) ---------------------------------------
