@@ -38,8 +38,12 @@ when there is no live state (without it, a fallback trains from step 0). `--prog
 each rank append `cycle step time` lines to rank_<r>.txt there. `--fail-how kill` SIGKILLs the
 fault rank instead of its exit 1.
 
+`--guard` checks each step before its commit (`live.commit(step, loss=loss)`, the step guard,
+docs/sdc-and-nan.md); `--grad-norm` also passes `grad_norm=clip_grad_norm_(...)`.
+
 Deterministic (the batch of step s on rank r is a function of (s, r)). Rank 0 prints `FINAL
-step=<n> checksum=<c>` (the full parameters' sum).
+step=<n> checksum=<c> shards=<d0>,<d1>,...` (the full parameters' sum; each rank's local shards'
+sha256, so replicas of a shard print the same).
 """
 import argparse
 import os
@@ -187,8 +191,10 @@ def train(args):
         x = torch.randn(8, 16, generator=g)
         with ft.section("step"):
             opt.zero_grad()
-            nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
-            with live.commit(step):
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0) if args.grad_norm else None
+            with live.commit(step, loss=loss, grad_norm=norm) if args.guard else live.commit(step):
                 opt.step()
         if progress:
             progress.write(f"{cycle} {step} {time.time():.6f}\n")
@@ -198,11 +204,24 @@ def train(args):
             time.sleep(args.step_time)
     with torch.no_grad():
         total = float(sum(p.full_tensor().double().sum() for p in model.parameters()))
+    digests = [None] * world
+    dist.all_gather_object(digests, _digest(model))   # each rank's shards' bytes: replicas must be bit-equal
     if rank == 0:
-        print(f"FINAL step={args.steps} checksum={total!r}", flush=True)
+        print(f"FINAL step={args.steps} checksum={total!r} shards={','.join(digests)}", flush=True)
     if progress:
         progress.close()
     dist.destroy_process_group()
+
+
+def _digest(model) -> str:
+    """Every bit of this rank's local shards (sha256): replicas of a shard print the same."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        h.update(local.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:12]
 
 
 def save_checkpoint(args, model, opt, step, rank, states):
@@ -278,6 +297,8 @@ def main():
     p.add_argument("--ckpt-every", type=int, default=0, help="a checkpoint every N steps (0: none)")
     p.add_argument("--ckpt-dir", default="ckpt")
     p.add_argument("--progress-dir", default=None, help="each rank appends 'cycle step time' lines here")
+    p.add_argument("--guard", action="store_true", help="live.commit(step, loss=loss): the step guard")
+    p.add_argument("--grad-norm", action="store_true", help="also grad_norm=clip_grad_norm_(...)")
     ft.restartable(train)(p.parse_args())
 
 

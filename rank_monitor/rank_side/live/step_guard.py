@@ -189,6 +189,7 @@ def local_row(loss, grad_norm, targets, watch, step: int, device, fp_identity: O
         sdc_sim.corrupt(grads[0], spec.kind)
     if grad_norm is None:
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    loss, grad_norm = (x.full_tensor() if hasattr(x, "full_tensor") else x for x in (loss, grad_norm))   # DTensors
     row = torch.zeros(COLS, dtype=torch.float64, device=device)
     row[LOSS] = loss.detach().to(device, torch.float64).reshape(()) if isinstance(loss, torch.Tensor) \
         else float(0.0 if loss is None else loss)
