@@ -61,7 +61,7 @@ def main(argv=None) -> None:
             loads.append(time.perf_counter() - t0)
     finally:
         slot.close()
-        S.remove(prefix)
+        S.remove_agent_dir(os.getpid())
     w, ld = statistics.median(writes[1:]), statistics.median(loads[1:])
     print(f"device {dev}, state {nbytes / 1e6:.1f} MB ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
           f"parameters + AdamW): copy into host memory {w * 1000:.1f} ms ({nbytes / w / 1e9:.2f} GB/s), "
