@@ -55,7 +55,7 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()   # a restore from the host copy: read into the objects' tensors, load
             ready, _ = buddy_copy.read_snapshot(slot, {name: t.fresh() for name, t in tracked.items()}, dev)
             for name in sorted(ready):
-                objects[name].load_state_dict(tracked[name].bind(ready[name]))
+                objects[name].load_state_dict(tracked[name].bind(ready[name], []))   # no DTensor here
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             loads.append(time.perf_counter() - t0)
