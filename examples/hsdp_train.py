@@ -30,8 +30,9 @@ state_dict() is `get_state_dict(model, optimizer)` and whose load_state_dict() i
 parts` as torchtitan's CheckpointManager holds it: `model` (get/set_model_state_dict) and
 `optimizer`, an Optimizer subclass whose state_dict() is get_optimizer_state_dict with flattened
 keys (torchtitan's OptimizersContainer). `--fail-load-rank R` makes rank R's first load_state_dict
-of the state raise in a cycle after the first (a heal that fails: the job falls back to its
-checkpoint, saying why in one line).
+of the state raise in cycle 1 (a heal that fails: the job falls back to its checkpoint, saying why
+in one line). `--fail-again-at-step S` makes --fail-rank fail again, at step S of cycle 1 (a second
+failure after a restart).
 
 `--ckpt-every N` saves a torch.distributed.checkpoint every N steps into --ckpt-dir, the fallback
 when there is no live state (without it, a fallback trains from step 0). `--progress-dir` makes
@@ -162,7 +163,7 @@ def train(args):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         flat = StateDictOptions(flatten_optimizer_state_dict=True) if args.state == "app-flat" else None
         states = {"model": model, "optimizer": opt} if args.state == "objects" else {"app": AppState(model, opt, flat)}
-    if rank == args.fail_load_rank and cycle > 0:
+    if rank == args.fail_load_rank and cycle == 1:
         _failing_load(states[sorted(states)[0]], rank)
     live = ft.LiveState(**states, buddy_every=args.buddy_every, buddy_memory_limit_mb=args.buddy_memory_limit_mb)
     start = live.restore()
@@ -177,7 +178,7 @@ def train(args):
         os.makedirs(args.progress_dir, exist_ok=True)
         progress = open(os.path.join(args.progress_dir, f"rank_{rank}.txt"), "a", buffering=1)
     for step in range(start + 1, args.steps + 1):
-        if step == args.fail_at_step and rank == args.fail_rank and cycle == 0:
+        if rank == args.fail_rank and (step, cycle) in ((args.fail_at_step, 0), (args.fail_again_at_step, 1)):
             if args.fail_in == "forward":
                 model[2].register_forward_pre_hook(_die_in_forward(rank, step))
             elif args.fail_in == "reduce_scatter":
@@ -278,6 +279,7 @@ def main():
     p.add_argument("--fail-at-step", type=int, default=None)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (time for a fault to land)")
     p.add_argument("--fail-rank", type=int, default=3)
+    p.add_argument("--fail-again-at-step", type=int, default=None, help="--fail-rank fails again at this step of cycle 1")
     p.add_argument("--mesh", choices=("replicate,shard", "shard,replicate"), default="replicate,shard",
                    help="the order of the mesh's dimensions over the ranks (default: a replica's shards on "
                         "neighbouring ranks)")
@@ -293,7 +295,7 @@ def main():
                    help="what LiveState holds: the model and optimizer (default), a DCP AppState (app; app-flat: "
                         "flattened optimizer keys), or torchtitan-like Stateful containers (parts)")
     p.add_argument("--fail-load-rank", type=int, default=None,
-                   help="this rank's first load_state_dict after a restart raises")
+                   help="this rank's first load_state_dict in cycle 1 (after the first restart) raises")
     p.add_argument("--ckpt-every", type=int, default=0, help="a checkpoint every N steps (0: none)")
     p.add_argument("--ckpt-dir", default="ckpt")
     p.add_argument("--progress-dir", default=None, help="each rank appends 'cycle step time' lines here")
