@@ -127,9 +127,9 @@ def test_replicas_whose_digests_differ_are_found_and_the_majority_names_the_odd_
     d = G.judge(_table([same, odd, same]), G.GuardConfig())["diverged"]
     assert d == [{"ranks": [0, 1, 2], "good": [0, 2], "odd": [1]}]
     assert G.judge(_table([same, odd]), G.GuardConfig())["diverged"][0]["odd"] is None   # two: no majority
-    other = dict(odd, **{G.FP_ID: 8})   # another shard's replicas are not compared with these
+    other = {**odd, G.FP_ID: 8}   # another shard's replicas are not compared with these
     assert G.judge(_table([same, other, same, dict(other)]), G.GuardConfig())["diverged"] == []
-    assert G.judge(_table([same, dict(odd, **{G.FP_ON: 0})]), G.GuardConfig())["diverged"] == []
+    assert G.judge(_table([same, {**odd, G.FP_ON: 0}]), G.GuardConfig())["diverged"] == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -274,9 +274,13 @@ def test_a_persistent_bit_flip_on_node_1_names_its_device_and_the_node_leaves_fo
     rank 1's backward on every step from FAULT on (its node), `grad_norm=` given."""
     job = ["--grad-norm"]
     ref = reference(launcher, tmp_path, "2_norm", 2, job)
-    run = GuardRun(launcher, tmp_path / "sdc", 1, job, sdc(f"bitflip:{FAULT}:node"), nodes=2, spares=1,
-                   max_restarts=3).run(bound=500, lost=(1,))
+    run = GuardRun(launcher, tmp_path / "sdc", 1, job + ["--step-time", 0.5], sdc(f"bitflip:{FAULT}:node"), nodes=2,
+                   spares=1, max_restarts=3).run(bound=500, lost=(1,))   # (cycle 0's slow steps: the spare waits by then)
     assert run.codes[1] == 93, run.err[-3000:]   # node 1 left the job
     assert run.digests() == ref, (run.digests(), ref, run.said())
     lines = run.lines()
-    assert "own backward" in lines[0] and "device" in " ".join(lines), lines
+    assert len(lines) == 3, lines
+    assert "made in rank 1's own backward" in lines[0] and "moves to other hardware (exit 16)" in lines[1], lines
+    assert "a persistent hardware fault on node 1 (device 0 first), which has left the job" in lines[2], lines
+    live = [e["detail"] for e in run.agents.events() if e["kind"] == "live_recovery"]
+    assert live and all(d["resume_step"] == FAULT - 1 and d["steps_redone"] == 0 for d in live), live
