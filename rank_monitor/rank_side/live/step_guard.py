@@ -483,6 +483,12 @@ def _diverged(live, step: int, table, v: dict, targets, cfg: GuardConfig, rank: 
     import torch.distributed as dist
 
     groups = v["diverged"]
+    MEM.hits[step] = MEM.hits.get(step, 0) + 1
+    if MEM.hits[step] > MAX_HITS:   # it comes back after every heal or fallback: persistent, and no majority places it
+        MEM.pending = None
+        _stop_job(f"step {step}: the replicas' state as of step {step - 1} disagrees again "
+                  f"({'; '.join(_ranks_text(g['ranks']) for g in groups)}), hit {MEM.hits[step]} times in this "
+                  f"process: a persistent fault that no majority of replicas places", rank)
     flags = torch.zeros(world, 2, dtype=torch.int64, device=device)
     flags[rank, 0] = int(not replica_fingerprint.finite(targets.state()))
     dist.all_reduce(flags)
@@ -544,11 +550,16 @@ def _data(step, table, pending: Pending, v, cfg: GuardConfig, rank: int, why: st
     if cfg.skip_bad_batches:
         say(text + "; skipping that batch (skip_bad_batches): its update is dropped on every rank")
         return Decision.SKIP
-    if rank == 0 and not _request("ShutdownWorkload", text):   # the agent's line says it
+    _stop_job(text, rank)
+    return Decision.GO   # not reached
+
+
+def _stop_job(text: str, rank: int) -> None:
+    """Stop the job with one line (global rank 0's ShutdownWorkload: the agent's line says it)."""
+    if rank == 0 and not _request("ShutdownWorkload", text):
         print(f"ft_launcher: {text}: stopping the job", file=sys.stderr, flush=True)
         _exit(1)
     _await_restart("the job stops")
-    return Decision.GO   # not reached
 
 
 _POSITION = [lambda: "?"]   # how to read the loader position of the step being checked (LiveState sets it;
