@@ -448,10 +448,16 @@ def check(live, step: int, loss, grad_norm) -> str:
         _await_restart(f"rank {pending.suspect} moves to other hardware")
     # OTHER_HARDWARE: the suspect's rank re-ran the step elsewhere (another node, or at least another
     # device of its node: the agent may swap it with a sibling slot, which then runs on the suspect device)
-    moved_node = int(table[pending.suspect][NODE]) != pending.node
-    old_node = [r for r, row in enumerate(table) if int(row[NODE]) == pending.node]
-    hardware = ""
     local = v["local"]
+    node = pending.node
+    if node == -1 and any(r != pending.suspect for r in local):   # the record came from the agent's environment
+        # (every rank new, the old node unknown): the node the fault now shows on is the one it follows
+        node = int(table[next(r for r in local if r != pending.suspect)][NODE])
+    group, device = ((pending.group, pending.device) if pending.node != -1 or node == -1 else
+                     next((int(row[GROUP]), int(row[LOCAL])) for row in table if int(row[NODE]) == node))
+    moved_node = int(table[pending.suspect][NODE]) != node
+    old_node = [r for r, row in enumerate(table) if int(row[NODE]) == node]
+    hardware = ""
     if pending.suspect not in local and not (fatal and not local):
         hardware = f"on other hardware rank {pending.suspect} is clean"
     elif any(r != pending.suspect and r in old_node for r in local):
@@ -463,16 +469,16 @@ def check(live, step: int, loss, grad_norm) -> str:
         # the ranks still on that node leave with it; a suspect that moved to another node (a spare) stays
         leaving = sorted(set(old_node) | (set() if moved_node else {pending.suspect}))
         if not leaving:   # the node left already (the 16 sent the suspect to a spare): nothing more leaves
-            say(f"step {step}: {hardware}: a persistent hardware fault on node {pending.group} (device "
-                f"{pending.device} first), which has left the job; training goes on")
+            say(f"step {step}: {hardware}: a persistent hardware fault on node {group} (device "
+                f"{device} first), which has left the job; training goes on")
             _count(table, cfg, v)
             return Decision.GO
-        say(f"step {step}: {hardware}: a persistent hardware fault on node {pending.group} (device "
-            f"{pending.device} first): it leaves the job ({_ranks_text(leaving)} exit {EXIT_NODE_SUSPECT})",
+        say(f"step {step}: {hardware}: a persistent hardware fault on node {group} (device "
+            f"{device} first): it leaves the job ({_ranks_text(leaving)} exit {EXIT_NODE_SUSPECT})",
             by=leaving[0])
         if rank in leaving:
             _exit(EXIT_NODE_SUSPECT)
-        _await_restart(f"node {pending.group} leaves")
+        _await_restart(f"node {group} leaves")
     return _data(step, table, pending, v, cfg, rank, "reproducible on other hardware" +
                  ("" if moved_node else " (another device of the same node)"))
 
