@@ -296,6 +296,46 @@ def test_a_stateful_s_commit_reads_parameters_and_optimizer_state_in_place(form,
     assert "copied per commit: 520 in place:" in res.stdout, res.stdout
 
 
+def test_a_state_copied_whole_is_said_at_the_first_commit_with_its_bytes():
+    """A Stateful whose state_dict() clones its model's tensors cannot be read in place: its commit
+    copies all 8,396,800 bytes and its note says why; an object holding no module or optimizer with
+    1.2 MB of state says that; a small one (a position) says nothing."""
+    import torch
+    import torch.nn as nn
+
+    from ft_launcher.rank_monitor.rank_side.live import live_objects as O
+
+    class Copies:
+        def __init__(self, model):
+            self.model = model
+
+        def state_dict(self):
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+        def load_state_dict(self, state_dict):
+            self.model.load_state_dict(state_dict)
+
+    class Position:
+        def __init__(self, n):
+            self.n = n
+
+        def state_dict(self):
+            return {"pos": torch.zeros(self.n)}
+
+        def load_state_dict(self, state_dict):
+            pass
+
+    copies = O.Tracked("app", Copies(nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))))
+    big, small = O.Tracked("loader", Position(300_000)), O.Tracked("sampler", Position(4))
+    for t in (copies, big, small):
+        t.snapshot()
+        t.snapshot()   # the second commit copies into the first one's tensors: the same bytes
+    assert (copies.copied, copies.in_place) == (8_396_800, 0)
+    assert "'app': 8.4 MB of its state dict are copies that its state_dict() makes" in copies.note
+    assert big.copied == 1_200_000 and "'loader': its state dict (1.2 MB) is copied at every commit" in big.note
+    assert small.copied == 16 and small.note is None
+
+
 # ---- end to end ---------------------------------------------------------------------------------------
 def final(text):
     lines = [ln.split("FINAL ", 1)[1] for ln in text.splitlines() if "FINAL " in ln]
