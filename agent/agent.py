@@ -251,13 +251,14 @@ class NodeAgent:
             self.monitor_set.stop_all()
         pool.shutdown(wait=True)
         # the ranks' said-once marks and their buddy copies (rank_monitor.buddy_store: host memory that
-        # outlived the ranks; the orphan watchdog removes them too if the agent is killed)
-        for marker in (glob.glob(shm_layout.warned_prefix(os.getpid()) + "*")
-                       + glob.glob(buddy_store.agent_files(os.getpid()))):
+        # outlived the ranks, in the agent's own directory; the orphan watchdog removes them too if the
+        # agent is killed)
+        for marker in glob.glob(shm_layout.warned_prefix(os.getpid()) + "*"):
             try:
                 os.unlink(marker)
             except OSError:
                 pass
+        buddy_store.remove_agent_dir(os.getpid())
         self.watchdog.close()
         if self.output is not None:
             self.output.flush()   # a traceback still held back goes out whole

@@ -55,13 +55,13 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()   # a restore from the host copy: read into the objects' tensors, load
             ready, _ = buddy_copy.read_snapshot(slot, {name: t.fresh() for name, t in tracked.items()}, dev)
             for name in sorted(ready):
-                objects[name].load_state_dict(tracked[name].bind(ready[name]))
+                objects[name].load_state_dict(tracked[name].bind(ready[name], []))   # no DTensor here
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             loads.append(time.perf_counter() - t0)
     finally:
         slot.close()
-        S.remove(prefix)
+        S.remove_agent_dir(os.getpid())
     w, ld = statistics.median(writes[1:]), statistics.median(loads[1:])
     print(f"device {dev}, state {nbytes / 1e6:.1f} MB ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
           f"parameters + AdamW): copy into host memory {w * 1000:.1f} ms ({nbytes / w / 1e9:.2f} GB/s), "

@@ -53,8 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--guard", choices=("off", "norm", "given"), default="off",
                    help="ddp mode, --live: the step guard, live.commit(step, loss=loss) (norm: it takes the "
                         "gradients' norm itself; given: the loop's clip_grad_norm_ value is passed, grad_norm=)")
-    p.add_argument("--guard-every", type=int, default=1,
-                   help="--guard on every Nth step only (2: the bench compares guarded and plain steps of one job)")
+    p.add_argument("--fingerprint-every", type=int, default=None,
+                   help="--guard: LiveState's fingerprint_every (default: K from the 1 %% budget; 0: off)")
     p.add_argument("--heartbeat-ms", type=int, default=100, help="torchft mode: the Manager's heartbeat interval")
     args = p.parse_args(argv)
     if args.buddy_every:
@@ -184,7 +184,8 @@ def train_ddp(args):
         live = None
         peak = None
         if args.live:
-            live = ft.LiveState(model=model, optimizer=opt, scheduler=sched, buddy_every=args.buddy_every)
+            live = ft.LiveState(model=model, optimizer=opt, scheduler=sched, buddy_every=args.buddy_every,
+                                fingerprint_every=args.fingerprint_every)
             with PeakRss() as peak:
                 start = live.restore()
             if start is not None:
@@ -214,7 +215,7 @@ def train_ddp(args):
             opt.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
-            guard = args.guard != "off" and step % args.guard_every == 0
+            guard = args.guard != "off"
             norm = (nn.utils.clip_grad_norm_(model.parameters(), float("inf")) if args.guard == "given" else None)
             if live is not None:
                 with (live.commit(step, loss=loss, grad_norm=norm) if guard else live.commit(step)):
@@ -239,6 +240,8 @@ def train_ddp(args):
         if live is not None:   # the per-step cost of keeping the committed state (snapshots at commit)
             extra.update(commits=live.stats["commits"], snapshot_s=live.stats["snapshot_s"],
                          guarded=live.stats["guarded"], guard_s=live.stats["guard_s"])
+            from ft_launcher.rank_monitor.rank_side.live import step_guard
+            extra.update(fingerprint_k=step_guard.MEM.fp.k, fingerprint_s=step_guard.MEM.fp.cost)
         final(args, model, rank, world, cycle, extra)
     stats = live.buddy_stats() if live is not None else None
     if stats is not None:   # this cycle's buddy-copy figures (the bench's per-step cost)

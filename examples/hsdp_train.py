@@ -30,16 +30,21 @@ state_dict() is `get_state_dict(model, optimizer)` and whose load_state_dict() i
 parts` as torchtitan's CheckpointManager holds it: `model` (get/set_model_state_dict) and
 `optimizer`, an Optimizer subclass whose state_dict() is get_optimizer_state_dict with flattened
 keys (torchtitan's OptimizersContainer). `--fail-load-rank R` makes rank R's first load_state_dict
-of the state raise in a cycle after the first (a heal that fails: the job falls back to its
-checkpoint, saying why in one line).
+of the state raise in cycle 1 (a heal that fails: the job falls back to its checkpoint, saying why
+in one line). `--fail-again-at-step S` makes --fail-rank fail again, at step S of cycle 1 (a second
+failure after a restart).
 
 `--ckpt-every N` saves a torch.distributed.checkpoint every N steps into --ckpt-dir, the fallback
 when there is no live state (without it, a fallback trains from step 0). `--progress-dir` makes
 each rank append `cycle step time` lines to rank_<r>.txt there. `--fail-how kill` SIGKILLs the
 fault rank instead of its exit 1.
 
+`--guard` checks each step before its commit (`live.commit(step, loss=loss)`, the step guard,
+docs/sdc-and-nan.md); `--grad-norm` also passes `grad_norm=clip_grad_norm_(...)`.
+
 Deterministic (the batch of step s on rank r is a function of (s, r)). Rank 0 prints `FINAL
-step=<n> checksum=<c>` (the full parameters' sum).
+step=<n> checksum=<c> shards=<d0>,<d1>,...` (the full parameters' sum; each rank's local shards'
+sha256, so replicas of a shard print the same).
 """
 import argparse
 import os
@@ -158,7 +163,7 @@ def train(args):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         flat = StateDictOptions(flatten_optimizer_state_dict=True) if args.state == "app-flat" else None
         states = {"model": model, "optimizer": opt} if args.state == "objects" else {"app": AppState(model, opt, flat)}
-    if rank == args.fail_load_rank and cycle > 0:
+    if rank == args.fail_load_rank and cycle == 1:
         _failing_load(states[sorted(states)[0]], rank)
     live = ft.LiveState(**states, buddy_every=args.buddy_every, buddy_memory_limit_mb=args.buddy_memory_limit_mb)
     start = live.restore()
@@ -173,7 +178,7 @@ def train(args):
         os.makedirs(args.progress_dir, exist_ok=True)
         progress = open(os.path.join(args.progress_dir, f"rank_{rank}.txt"), "a", buffering=1)
     for step in range(start + 1, args.steps + 1):
-        if step == args.fail_at_step and rank == args.fail_rank and cycle == 0:
+        if rank == args.fail_rank and (step, cycle) in ((args.fail_at_step, 0), (args.fail_again_at_step, 1)):
             if args.fail_in == "forward":
                 model[2].register_forward_pre_hook(_die_in_forward(rank, step))
             elif args.fail_in == "reduce_scatter":
@@ -187,8 +192,10 @@ def train(args):
         x = torch.randn(8, 16, generator=g)
         with ft.section("step"):
             opt.zero_grad()
-            nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
-            with live.commit(step):
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0) if args.grad_norm else None
+            with live.commit(step, loss=loss, grad_norm=norm) if args.guard else live.commit(step):
                 opt.step()
         if progress:
             progress.write(f"{cycle} {step} {time.time():.6f}\n")
@@ -198,11 +205,24 @@ def train(args):
             time.sleep(args.step_time)
     with torch.no_grad():
         total = float(sum(p.full_tensor().double().sum() for p in model.parameters()))
+    digests = [None] * world
+    dist.all_gather_object(digests, _digest(model))   # each rank's shards' bytes: replicas must be bit-equal
     if rank == 0:
-        print(f"FINAL step={args.steps} checksum={total!r}", flush=True)
+        print(f"FINAL step={args.steps} checksum={total!r} shards={','.join(digests)}", flush=True)
     if progress:
         progress.close()
     dist.destroy_process_group()
+
+
+def _digest(model) -> str:
+    """Every bit of this rank's local shards (sha256): replicas of a shard print the same."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        h.update(local.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:12]
 
 
 def save_checkpoint(args, model, opt, step, rank, states):
@@ -259,6 +279,7 @@ def main():
     p.add_argument("--fail-at-step", type=int, default=None)
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (time for a fault to land)")
     p.add_argument("--fail-rank", type=int, default=3)
+    p.add_argument("--fail-again-at-step", type=int, default=None, help="--fail-rank fails again at this step of cycle 1")
     p.add_argument("--mesh", choices=("replicate,shard", "shard,replicate"), default="replicate,shard",
                    help="the order of the mesh's dimensions over the ranks (default: a replica's shards on "
                         "neighbouring ranks)")
@@ -274,10 +295,12 @@ def main():
                    help="what LiveState holds: the model and optimizer (default), a DCP AppState (app; app-flat: "
                         "flattened optimizer keys), or torchtitan-like Stateful containers (parts)")
     p.add_argument("--fail-load-rank", type=int, default=None,
-                   help="this rank's first load_state_dict after a restart raises")
+                   help="this rank's first load_state_dict in cycle 1 (after the first restart) raises")
     p.add_argument("--ckpt-every", type=int, default=0, help="a checkpoint every N steps (0: none)")
     p.add_argument("--ckpt-dir", default="ckpt")
     p.add_argument("--progress-dir", default=None, help="each rank appends 'cycle step time' lines here")
+    p.add_argument("--guard", action="store_true", help="live.commit(step, loss=loss): the step guard")
+    p.add_argument("--grad-norm", action="store_true", help="also grad_norm=clip_grad_norm_(...)")
     ft.restartable(train)(p.parse_args())
 
 

@@ -24,7 +24,8 @@ all_gather_object of every rank's checksum, destroy_process_group(), DDP freed a
 returns; under ft.restartable the call's groups are held until torch's threads settle), --guard
 (`live.commit(step, loss=loss)`: the step guard, rank_side.live.step_guard; with --skip-bad-batches;
 --grad-norm: also `grad_norm=clip_grad_norm_(...)`, the clip at --clip; --scaler: a GradScaler in the
-LiveState, `scaler.scale(loss).backward()`, `unscale_`, the clip, `scaler.step(opt)` in the commit),
+LiveState, `scaler.scale(loss).backward()`, `unscale_`, the clip, `scaler.step(opt)` in the commit;
+--no-loss-rank R: rank R commits without a loss, as a pipeline stage without one),
 --poison-step S / --spike-step S (--poison-rank's batch at step S gets a NaN, on every run of the
 step / its targets x1000), --fsdp (the model under torch's fully_shard over every rank, no replicas, without
 `shard=`: a replaced rank has no peer to heal from; no checkpoint either: a fallback trains from
@@ -144,8 +145,12 @@ def train(args):
                 if scaler is not None:
                     scaler.unscale_(opt)
                 norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
-            checked = live.commit(step, loss=loss, grad_norm=norm if args.grad_norm else None) if args.guard \
-                else live.commit(step)   # the step guard
+            if rank == args.no_loss_rank:   # a pipeline stage without a loss of its own
+                checked = live.commit(step)
+            elif args.guard:   # the step guard
+                checked = live.commit(step, loss=loss, grad_norm=norm if args.grad_norm else None)
+            else:
+                checked = live.commit(step)
             with checked, (teacher_live.commit(step) if teacher_live else _nothing()):
                 if scaler is not None:
                     scaler.step(opt)
@@ -164,7 +169,7 @@ def train(args):
         if step % args.ckpt_every == 0 or step == args.steps:
             with ft.section("checkpointing"):
                 save_checkpoint(args, rank, step, model, opt, sched, loader, teacher, scaler)
-    finish(args, rank, world, cycle, model, teacher, loss)
+    finish(args, rank, world, cycle, model, teacher, loss, scaler.get_scale() if scaler is not None else None)
     if args.gather_at_end:   # as many scripts end: DDP alive, a closing gather, the group destroyed
         sums = [None] * world
         dist.all_gather_object(sums, checksum(model))
@@ -256,9 +261,9 @@ def digest(model):
     return h.hexdigest()[:16]
 
 
-def finish(args, rank, world, cycle, model, teacher, loss):
+def finish(args, rank, world, cycle, model, teacher, loss, scale=None):
     result = {"step": args.steps, "checksum": checksum(model, teacher), "loss": float(loss), "world_size": world,
-              "cycle": cycle, "digest": digest(model)}
+              "cycle": cycle, "digest": digest(model), "scale": scale}
     os.makedirs(args.ckpt_dir, exist_ok=True)
     with open(os.path.join(args.ckpt_dir, f"final_rank_{rank}.json"), "w") as fh:
         json.dump(result, fh)
@@ -377,6 +382,7 @@ def parse_args(argv=None):
     p.add_argument("--grad-norm", action="store_true", help="commit(step, loss=loss, grad_norm=clip_grad_norm_(...))")
     p.add_argument("--fingerprint-every", type=int, default=None, help="LiveState's fingerprint_every")
     p.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_'s max_norm")
+    p.add_argument("--no-loss-rank", type=int, default=None, help="this rank commits without loss= (a loss-less stage)")
     p.add_argument("--scaler", action="store_true", help="a GradScaler (cpu) in the loop and the LiveState")
     p.add_argument("--poison-step", type=int, default=None, help="a NaN in --poison-rank's batch at this step")
     p.add_argument("--spike-step", type=int, default=None, help="--poison-rank's targets x1000 at this step")

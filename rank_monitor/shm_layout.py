@@ -88,6 +88,7 @@ H_LIVE_RESUME = 38      # that restore's resume step + 1 (0: no live state, the 
 H_LIVE_SOURCE = 39      # where this rank's state came from: LIVE_* below, LIVE_PEER + peer rank, LIVE_BUDDY - rank
 H_LIVE_TEXT_LEN = 40    # global rank 0: bytes of the recovery summary (JSON, rank_monitor.live_summary) in the live text area
 H_CLIENT_KIND = 41      # who writes the client words: CLIENT_OWN (the rank's own client) or CLIENT_NVRX
+H_REQUEST_READ = 42     # the agent: the H_REQUEST_SEQ it last read (a writer of several requests awaits it)
 HEADER_WORDS = 48
 
 # ---- per-section slot words ---------------------------------------------------------------------
@@ -243,6 +244,20 @@ def write_request(mm: mmap.mmap, words: memoryview, action: int, description: st
     words[H_REQUEST_LEN] = len(data)
     words[H_REQUEST_SEQ] += 1
     words[H_REQUEST_ACTION] = action + 1   # publish last
+
+
+def await_request_read(words: memoryview, timeout: float = 1.0) -> bool:
+    """Wait (at most `timeout` s) until the agent has read the last request, so that a request
+    written now does not overwrite one it has not seen (the step guard's lines come in bursts).
+    -> whether it was read."""
+    import time
+
+    end = time.monotonic() + timeout
+    while words[H_REQUEST_SEQ] and words[H_REQUEST_READ] != words[H_REQUEST_SEQ]:
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 def write_ip_text(mm: mmap.mmap, words: memoryview, text: str) -> None:

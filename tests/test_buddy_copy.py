@@ -177,6 +177,109 @@ def test_a_snapshot_in_a_slot_file_reads_back_into_fresh_objects_bit_exactly(tmp
     slots.close()
     again.close()
     S.remove(prefix)
+    assert os.listdir(os.path.dirname(prefix)) == []
+    S.remove_agent_dir(1)
+    assert os.listdir(tmp_path) == []
+
+
+def _copy_in(slot, step, cycle=0):
+    """A real snapshot of a small model in `slot` (world 2, rank 0)."""
+    from ft_launcher.rank_monitor.rank_side.live import buddy_copy
+
+    built = build(0)
+    states = {"model": built["model"].state_dict(), "optimizer": built["optimizer"].state_dict()}
+    return buddy_copy.write_snapshot(slot, states, step, 11, 22, 2, 0, cycle)
+
+
+def test_a_planted_or_foreign_or_open_slot_file_is_refused_in_one_line_and_never_offered(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """The agent's slot directory is its own (mkdtemp: 0700); a slot file that is a symbolic link,
+    another user's, or open to group or others is refused with one line, never mapped, so never
+    offered to a restore (holdings: none); writing the slot replaces it with a file of this user's
+    (0600, O_EXCL). A directory open to others refuses every slot in it."""
+    import stat
+
+    from ft_launcher.rank_monitor import buddy_store as S
+    from ft_launcher.rank_monitor.rank_side.live import buddy_copy
+
+    monkeypatch.setattr(S.shm_layout, "default_shm_dir", lambda: str(tmp_path))
+    prefix = S.prefix_for(os.getpid(), 0)
+    where = os.path.dirname(prefix)
+    assert os.path.basename(where).startswith(f"ft_launcher_{os.getpid()}_buddy_")
+    assert stat.S_IMODE(os.lstat(where).st_mode) == 0o700 and os.lstat(where).st_uid == os.getuid()
+    slots = S.SlotSet(prefix)
+    for i in range(2):   # complete copies, as a rank writes them
+        _copy_in(slots.slots[i], 136 - i)
+    slots.close()
+    assert buddy_copy.holdings(S.SlotSet(prefix), 2)[0::4] == [136, 135, -1, -1]
+    assert stat.S_IMODE(os.stat(prefix + "_own0").st_mode) == 0o600
+    capsys.readouterr()
+
+    os.chmod(prefix + "_own0", 0o666)                        # open to every local user
+    os.rename(prefix + "_own1", prefix + "_elsewhere")       # a symbolic link planted in its place
+    os.symlink(prefix + "_elsewhere", prefix + "_own1")
+    foreign = os.getuid() == 0
+    if foreign:                                              # another user's file (root can make one)
+        os.rename(prefix + "_elsewhere", prefix + "_in0")
+        os.chown(prefix + "_in0", 65534, 65534)
+    for _ in range(2):   # a restart looks again: still refused, still one line each
+        planted = S.SlotSet(prefix)
+        assert buddy_copy.holdings(planted, 2) == [-1, 0, 0, 0] * 4
+        planted.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"ft_launcher: buddy copy {prefix}_own0 refused: mode 0666 lets other users in (a slot is " \
+                       f"0600 in a 0700 directory); it is never loaded", lines
+    assert lines[1].startswith(f"ft_launcher: buddy copy {prefix}_own1 refused: Too many levels of symbolic links")
+    if foreign:
+        assert lines[2] == (f"ft_launcher: buddy copy {prefix}_in0 refused: owned by uid 65534, not by this user "
+                            f"(uid 0); it is never loaded"), lines
+    assert len(lines) == 2 + foreign, lines
+
+    # the rank's next copy replaces a refused file with its own (the planted file itself is not written)
+    again = S.SlotSet(prefix)
+    _copy_in(again.slots[1], 137, cycle=1)
+    assert not os.path.islink(prefix + "_own1") and stat.S_IMODE(os.lstat(prefix + "_own1").st_mode) == 0o600
+    assert buddy_copy.holdings(again, 2)[0::4] == [-1, 137, -1, -1]
+    again.close()
+
+    # a directory open to others: every slot in it refused, nothing written there
+    os.chmod(where, 0o777)
+    open_dir = S.SlotSet(prefix)
+    assert buddy_copy.holdings(open_dir, 2) == [-1, 0, 0, 0] * 4
+    with pytest.raises(OSError, match="lets other users in"):
+        open_dir.slots[0].ensure(10)
+    assert capsys.readouterr().err.splitlines() == [
+        f"ft_launcher: buddy copy directory {where} refused: mode 0777 lets other users in (a slot is 0600 in a "
+        f"0700 directory); no copy in it is loaded or written"]
+    os.chmod(where, 0o700)
+    S.remove_agent_dir(os.getpid())
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_fallback_abandons_every_copy_held_also_one_an_old_exchange_completes_later(tmp_path, monkeypatch):
+    """A fallback to the checkpoint in cycle 1 (SlotSet.abandon): the copies of steps 135-136 are never
+    offered again, neither in this process nor in a new one, nor one that an exchange of cycle 0
+    completes after the fallback; a copy written in cycle 1 is."""
+    from ft_launcher.rank_monitor import buddy_store as S
+    from ft_launcher.rank_monitor.rank_side.live import buddy_copy
+
+    monkeypatch.setattr(S.shm_layout, "default_shm_dir", lambda: str(tmp_path))
+    prefix = S.prefix_for(os.getpid(), 0)
+    old = S.SlotSet(prefix)                 # cycle 0's mapping (an exchange a restart left running holds it)
+    sizes = [_copy_in(old.slots[i], step) for i, step in enumerate((136, 135, 136, 135))]
+    now = S.SlotSet(prefix)                 # cycle 1's
+    assert buddy_copy.holdings(now, 2)[0::4] == [136, 135, 136, 135]
+    now.abandon(1)
+    assert buddy_copy.holdings(now, 2)[0::4] == [-1, -1, -1, -1]
+    old.slots[2].begin()                    # cycle 0's exchange completes late
+    old.slots[2].finish(137, 11, 22, 2, 1, 0, sizes[2])
+    assert buddy_copy.holdings(now, 2)[0::4] == [-1, -1, -1, -1]
+    _copy_in(now.slots[0], 101, cycle=1)    # the checkpoint's timeline: step 101 of cycle 1
+    later = S.SlotSet(prefix)               # a new process
+    assert buddy_copy.holdings(later, 2)[0::4] == [101, -1, -1, -1]
+    for s in (old, now, later):
+        s.close()
+    S.remove_agent_dir(os.getpid())
     assert os.listdir(tmp_path) == []
 
 
@@ -203,12 +306,13 @@ def clean(tmp_path_factory):
     """The fault-free run's final line per layout (nodes, nproc), once per module."""
     cache = {}
 
-    def checksum(nodes, nproc):
-        if (nodes, nproc) not in cache:
+    def checksum(nodes, nproc, args=()):
+        key = (nodes, nproc, tuple(args))
+        if key not in cache:
             root = tmp_path_factory.mktemp(f"clean_{nodes}x{nproc}")
             with own_launcher(root) as helper:
-                cache[(nodes, nproc)] = final_checksum(FsdpJob(helper, root, nodes, nproc).launch().wait())
-        return cache[(nodes, nproc)]
+                cache[key] = final_checksum(FsdpJob(helper, root, nodes, nproc, args).launch().wait())
+        return cache[key]
 
     return checksum
 
@@ -308,3 +412,27 @@ def test_a_node_and_its_buddys_node_both_lost_fall_back_to_the_checkpoint_with_o
     lines = [ln for ln in out.splitlines() if "no live state to resume from" in ln]
     assert len(lines) == 1 and "a node and its buddy's node" in lines[0], out[-3000:]
     assert "resumed from the checkpoint at step" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_fallback_then_a_second_failure_never_resumes_forward_onto_the_abandoned_timeline(launcher, tmp_path,
+                                                                                            clean):
+    """1 x 2 (a DCP AppState), a buddy copy every step: rank 1 killed at the start of step 137; the heal
+    fails (rank 1's load raises) and the job falls back to the checkpoint of step 100, its slots still
+    holding copies of steps 135-136. Rank 1 killed again at the start of step 102 (cycle 1, within 2 x buddy_every of
+    the fallback): the job resumes at step 101 of the checkpoint's timeline (rank 0 kept, rank 1 its
+    host copy of 101), never forward at 136 (the abandoned copies), and ends exact."""
+    app = ["--state", "app"]
+    job = FsdpJob(launcher, tmp_path, 1, 2, app + ["--buddy-every", 1, "--fail-at-step", FAULT, "--fail-rank", 1,
+                                                   "--fail-load-rank", 1, "--fail-again-at-step", 102],
+                  max_restarts=2).launch()
+    results = job.wait()
+    out, err = results[0][1], results[0][2]
+    assert final_checksum(results) == clean(1, 2, app), err[-3000:]
+    evs = [e["detail"] for e in job.events() if e["kind"] == "live_recovery"]
+    assert len(evs) == 2, evs
+    assert evs[0]["resume_step"] is None and "on rank 1, load_state_dict() of 'app' raised" in evs[0]["reason"], evs[0]
+    assert "resumed from the checkpoint at step 100 (cycle 1)" in out, out[-3000:]
+    assert evs[1]["resume_step"] == 101 and per_rank(evs[1]["sources"]) == {"0": "kept", "1": "host copy"}, evs[1]
+    assert "resumed from live state at step 101 (cycle 2)" in out, out[-3000:]
+    assert first_steps(job, 2, cycle=2) == {0: 102, 1: 102}

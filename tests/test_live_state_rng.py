@@ -12,10 +12,13 @@
   inside the FSDP forward pass of step 17 (a forward pre-hook on the second layer, after FSDP's
   all-gather for it), its peers inside that step's collectives: the job recovers live, rank 0
   heals from its shard in the other replica, and the job ends exactly as a fault-free run (slow).
+- CUDA: the generator of the rank's current device only is kept, compared and loaded (a fake of
+  two visible devices, torch.cuda's functions monkeypatched: no GPU needed).
 """
 import os
 
 import pytest
+import torch
 
 from conftest import ROOT, read_events
 from harness import Job, started
@@ -137,3 +140,56 @@ def test_three_replicas_of_a_script_that_seeds_torch_only_heal_exactly(launcher,
     assert per_rank(told[0]["sources"])["0"].startswith("peer "), told
     assert "differ in '_rng'" not in out, out[-3000:]
     assert job.final()["checksum"] == ref.final()["checksum"] and job.final()["cycle"] == 1
+
+
+class _TwoGpus:
+    """A process that sees two CUDA devices (CUDA_VISIBLE_DEVICES left whole) and draws on `current`:
+    each device's generator state, as torch.cuda's functions read and set them."""
+
+    def __init__(self, current, states):
+        self.current, self.states = current, dict(states)
+
+    def install(self, monkeypatch):
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(cuda, "get_rng_state", lambda device="cuda": self.states[self._index(device)].clone())
+        monkeypatch.setattr(cuda, "set_rng_state", lambda state, device="cuda": self.states.__setitem__(
+            self._index(device), state.clone()))
+
+        def every_device(*args):
+            raise AssertionError("the generators of every visible device were read or set")
+        monkeypatch.setattr(cuda, "get_rng_state_all", every_device)
+        monkeypatch.setattr(cuda, "set_rng_state_all", every_device)
+
+    def _index(self, device):
+        if isinstance(device, int):
+            return device
+        device = torch.device(device)
+        return self.current if device.index is None else device.index
+
+
+def test_cuda_rng_is_the_current_devices_only_so_replicas_on_different_gpus_agree(monkeypatch):
+    """Two replicas on one node, rank 0 on cuda:0 and rank 1 on cuda:1, seeded alike: each drew the
+    same stream on its own device, and each sees the other device's generator as it was seeded. The
+    kept state is the current device's generator alone, so the replicas' states (and their digests,
+    as the check after a heal compares them) agree; a rank that heals from rank 1's state on cuda:0
+    loads it into its current device, the other device's generator untouched."""
+    from ft_launcher.rank_monitor.rank_side.live import live_objects as O
+    from ft_launcher.rank_monitor.rank_side.live import live_wire as W
+
+    seeded, drawn = torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)
+    states = []
+    for rank in (0, 1):
+        gpus = _TwoGpus(rank, {rank: drawn, 1 - rank: seeded})
+        gpus.install(monkeypatch)
+        states.append(O.Rng().state_dict())
+    assert all(torch.equal(s["cuda"], drawn) for s in states), states
+    assert W.digest(O.Rng.unused(states[0])) == W.digest(O.Rng.unused(states[1]))
+
+    healed = _TwoGpus(0, {0: seeded, 1: seeded})   # a replaced rank on cuda:0
+    healed.install(monkeypatch)
+    O.Rng().load_state_dict(states[1])
+    assert torch.equal(healed.states[0], drawn) and torch.equal(healed.states[1], seeded), healed.states

@@ -154,7 +154,8 @@ def test_a_transient_nan_in_rank_1s_gradient_is_re_run_in_place_and_ends_bit_equ
     assert all(f["cycle"] == 0 for f in finals)   # no restart: no process replaced
     lines = job.guard_lines()
     assert len(lines) == 2, lines
-    assert lines[0].startswith(f"step {FAULT}: gradient norm nan on rank 1: not committed; re-running"), lines
+    assert lines[0].startswith(f"step {FAULT}: gradient norm nan on rank 1 (made in rank 1's own backward, before "
+                               f"the all-reduce): not committed; re-running"), lines
     assert "a transient fault on rank 1" in lines[1] and "node 0 device 1" in lines[1], lines
     kinds = [e["kind"] for e in job.events()]
     assert "live_recovery" not in kinds and kinds.count("ranks_started") == 2, kinds

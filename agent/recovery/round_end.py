@@ -58,6 +58,11 @@ class RoundEnd:
             number, active, spares = rnd.number, rnd.active, rnd.spares
         else:
             number, (active, spares) = rnd, self.proto.members(rnd)
+        try:   # hot spares that joined during the round wait too (a 16 or 17 in cycle 0 can use them)
+            known = {n.node_id for n in active} | {n.node_id for n in spares}
+            spares = list(spares) + [n for n in self.proto.late_joiners(number) if n.node_id not in known]
+        except RendezvousError:
+            pass
         return RoundFacts(number, [n.node_id for n in active], [n.node_id for n in spares],
                           {n.node_id: n.nproc for n in active}, {n.node_id: n.host for n in active})
 

@@ -261,6 +261,7 @@ class MonitorHandle:
         self._request_seen = key
         n = max(0, min(w[L.H_REQUEST_LEN], L.REQUEST_BYTES))
         text = bytes(self._mm[L.REQUEST_OFFSET:L.REQUEST_OFFSET + n]).decode("utf-8", "replace")
+        w[L.H_REQUEST_READ] = key[1]   # read: the rank may write its next one (L.await_request_read)
         return {"action": w[L.H_REQUEST_ACTION] - 1, "description": text}
 
     def record(self):

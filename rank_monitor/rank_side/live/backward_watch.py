@@ -8,9 +8,10 @@ bucket: the value is this rank's own. Each hook takes one norm of its gradient (
 tensor: no host sync) and keeps it; the guard reads the largest once per step (`local()`), at its
 table's one host read. A norm at or above LIMIT (2**60: a squared element past fp32's range, a
 flipped top exponent bit of any value not tiny) or not finite is this rank's corruption.
-The simulated fault's `backward` place (rank_side.live.sdc_sim) lands here too, in the first
-gradient the step's backward produces on the hit rank: the check then sees what a bad device
-would have made.
+The simulated fault's `backward` place (rank_side.live.sdc_sim) lands here too, on the hit rank:
+a once-only fault in the first gradient of its step's backward, a persistent one in every gradient
+of every backward from its step on (a re-run's too, whatever else runs a backward first): the
+check then sees what a bad device would have made.
 
 FSDP: a parameter sharded by fully_shard is not the tensor its backward fills (FSDP2 computes into
 an unsharded copy and reduce-scatters it), so no hook fires there and the guard falls back to the
@@ -31,19 +32,16 @@ class BackwardWatch:
         self.step = next_step            # the step whose backward runs next (the guard moves it on)
         self.norms: List[Any] = []       # this window's per-gradient norms (device tensors)
         self.injected: Optional[str] = None
-        self._first = True               # the next gradient is the window's first
         self.handles = [p.register_hook(self._hook) for p in params if p.requires_grad]
 
     def _hook(self, grad):
         import torch
 
-        if self._first:
-            self._first = False
-            spec = sdc_sim.spec()
-            if spec is not None and spec.due(self.step, "backward"):
-                grad = grad.clone()
-                sdc_sim.corrupt(grad, spec.kind)
-                self.injected = spec.text(self.step)
+        spec = sdc_sim.spec()
+        if spec is not None and spec.due(self.step, "backward"):   # (a once-only fault: its first gradient)
+            grad = grad.clone()
+            sdc_sim.corrupt(grad, spec.kind)
+            self.injected = spec.text(self.step)
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         if local.numel():
             self.norms.append(torch.linalg.vector_norm(local, 2, dtype=torch.float32))
@@ -54,7 +52,7 @@ class BackwardWatch:
         gradient came), and a new window for `step`'s successor."""
         import torch
 
-        norms, self.norms, self._first = self.norms, [], True
+        norms, self.norms = self.norms, []
         if not norms:
             return torch.zeros((), dtype=torch.float64, device=device)
         return torch.stack([n.to(device) for n in norms]).max().to(torch.float64)

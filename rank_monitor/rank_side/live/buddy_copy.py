@@ -36,7 +36,14 @@ complete slots (step, shard identity, layout, size), offered to the plan (live_p
 processes' committed states: the job resumes at the newest step every rank's need is met at; a
 rank at that step keeps its state, one with its own copy of it loads that ("host copy"), one with a
 live replica receives from it ("peer N"), any other receives the copy rank N holds ("buddy N": over
-the buddy group into one of its own slots, then read like a host copy).
+the buddy group into one of its own slots, then read like a host copy). A restore that falls back
+to the checkpoint abandons every copy held (`abandon`): the job's timeline starts again at the
+checkpoint, and a copy of a later step of the old one is never offered (it would resume the job
+forward onto the timeline it left).
+
+Trust: the slot files lie in the agent's own 0700 directory; one that is not this user's, a
+symbolic link, or open to group or others is refused in one line and never loaded
+(rank_monitor.buddy_store).
 """
 from __future__ import annotations
 
@@ -317,6 +324,13 @@ class BuddyCopy:
                 _say("buddy copies off from now on: a rank could not hold its copies (its line says why); "
                      "a lost rank without a replica falls back to the checkpoint")
 
+    def abandon(self) -> None:
+        """A fallback to the checkpoint (LiveState.restore returns None on every rank): every copy
+        this rank holds is of the timeline the job leaves, and is never offered again (the exchange
+        in flight, if any, first: a re-run's; buddy_store.SlotSet.abandon)."""
+        self.wait()
+        self.slots.abandon(self.cycle)
+
     def own_target(self) -> S.Slot:
         return _older([self.slots.slots[i] for i in S.OWN])
 
@@ -488,8 +502,9 @@ def fetch(copy: "BuddyCopy", plan, rows: List[List[int]], fresh: Dict[str, tuple
             source = copy.slots.slots[j]
         else:
             busy = {int(o.kind[4:]) for o in plan.sources if is_copy(o) and o.holder == rank}
-            free = [i for i in S.OWN if i not in busy]
-            source = copy.slots.slots[free[0]] if free else S.Slot(copy.prefix + "_staging")
+            free = [i for i in S.OWN if i not in busy] if copy.slots.refused is None else []
+            source = copy.slots.slots[free[0]] if free else S.Slot(copy.prefix + "_staging") \
+                if copy.slots.refused is None else S.Slot.anonymous(nbytes)   # (no file in a refused directory)
             source.ensure(nbytes)
             source.begin()
             works.append(dist.irecv(source.payload(nbytes), mine.holder, group=copy.group))
@@ -512,5 +527,6 @@ def fetch(copy: "BuddyCopy", plan, rows: List[List[int]], fresh: Dict[str, tuple
     finally:
         if source not in copy.slots.slots:
             source.close()
-            os.unlink(source.path)
+            if source.refused is None:
+                os.unlink(source.path)
     return ready, total, time.perf_counter() - t0

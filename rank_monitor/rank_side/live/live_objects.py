@@ -557,9 +557,16 @@ def load_order(names) -> List[str]:
 
 
 class Rng:
-    """The RNG state as of the last commit (torch's CPU and CUDA generators, Python's `random`):
-    a LiveState object (`rng=True`, the default). Its state_dict() is a new snapshot each call
-    (new tensors, an immutable tuple): Tracked keeps it without a copy.
+    """The RNG state as of the last commit (torch's CPU generator, the CUDA generator of the rank's
+    current device, Python's `random`): a LiveState object (`rng=True`, the default). Its
+    state_dict() is a new snapshot each call (new tensors, an immutable tuple): Tracked keeps it
+    without a copy.
+
+    CUDA: the current device's generator only (torch.cuda.current_device(), the one the rank set and
+    draws from). The launcher leaves CUDA_VISIBLE_DEVICES whole, so every rank sees every GPU of its
+    node and the generators of the others are its neighbours' streams: kept and compared, replicas
+    on different GPUs would never agree (every heal would fail its check). Loaded into the loading
+    rank's own current device.
 
     Python's `random` is often left unseeded (scripts seed torch), so each rank's state differs,
     from os.urandom, while nothing draws from it. Its state is marked `python_drawn` once it has
@@ -584,7 +591,7 @@ class Rng:
         self._python_last = python
         state = {"torch": torch.get_rng_state(), "python": python, "python_drawn": self._python_drawn}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+            state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -598,7 +605,7 @@ class Rng:
             random.setstate(state["python"])
         self._python_last = random.getstate()
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+            torch.cuda.set_rng_state(state["cuda"].cpu(), torch.cuda.current_device())
 
     @staticmethod
     def unused(state: dict) -> dict:

@@ -636,6 +636,8 @@ class LiveState:
         if rank == 0:
             inprocess._wake_agent()
         if plan.resume is None:
+            if buddy is not None:
+                buddy.abandon()   # the checkpoint's timeline: no copy of the old one is offered again
             return None
         words[L.H_LIVE_STEP] = plan.resume + 1
         return self._watched(plan.resume)
@@ -682,6 +684,8 @@ class LiveState:
         dist.all_reduce(flag)
         if flag.item():
             _REG.held.pop(self.name, None)   # (a pending verdict stays: the checkpoint trains up to its step)
+            if _REG.buddy is not None:
+                _REG.buddy.abandon()   # as at restore's fallback
             if dist.get_rank() == 0:
                 print(f"ft_launcher: the re-run from memory could not restore its state ({failed or 'on another rank'})"
                       f": every rank loads its checkpoint", file=sys.stderr, flush=True)

@@ -169,6 +169,7 @@ def _request(action: str, text: str) -> bool:
         from ft_launcher.rank_monitor.workload_requests import WorkloadAction
 
         if _ATT.ensure():
+            L.await_request_read(_ATT.words)   # a burst of lines (a hit, then its verdict): none overwritten
             L.write_request(_ATT.mm, _ATT.words, WorkloadAction[action].value, text[:L.REQUEST_BYTES - 1])
             return True
     except Exception as exc:  # noqa: BLE001 - the line is said on stderr instead
@@ -189,6 +190,7 @@ def local_row(loss, grad_norm, targets, watch, step: int, device, fp_identity: O
         sdc_sim.corrupt(grads[0], spec.kind)
     if grad_norm is None:
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    loss, grad_norm = (x.full_tensor() if hasattr(x, "full_tensor") else x for x in (loss, grad_norm))   # DTensors
     row = torch.zeros(COLS, dtype=torch.float64, device=device)
     row[LOSS] = loss.detach().to(device, torch.float64).reshape(()) if isinstance(loss, torch.Tensor) \
         else float(0.0 if loss is None else loss)
@@ -437,7 +439,13 @@ def check(live, step: int, loss, grad_norm) -> str:
                     f"was on: it follows that node, not the batch")
     if hardware:
         MEM.pending = None
-        leaving = sorted(set(old_node) | {pending.suspect})
+        # the ranks still on that node leave with it; a suspect that moved to another node (a spare) stays
+        leaving = sorted(set(old_node) | (set() if moved_node else {pending.suspect}))
+        if not leaving:   # the node left already (the 16 sent the suspect to a spare): nothing more leaves
+            say(f"step {step}: {hardware}: a persistent hardware fault on node {pending.group} (device "
+                f"{pending.device} first), which has left the job; training goes on")
+            _count(table, cfg, v)
+            return Decision.GO
         say(f"step {step}: {hardware}: a persistent hardware fault on node {pending.group} (device "
             f"{pending.device} first): it leaves the job ({_ranks_text(leaving)} exit {EXIT_NODE_SUSPECT})",
             by=leaving[0])

@@ -1,0 +1,286 @@
+"""The step guard on every loop form the docs show (issue 45), with corruption simulated where it
+really lands (rank_side.live.sdc_sim): in one rank's gradient before the all-reduce (`backward`),
+after it and after the loop's own clip_grad_norm_ (`reduced`), or in a parameter after the
+optimizer step (`memory`); NaN, Inf, a flipped top exponent bit and finite flips.
+
+Every whole job runs a real ft_launcher with real ranks (gloo) and ends either bit-equal to its
+fault-free run (each rank's sha256 of its parameters, `digest` in final_rank_<r>.json or the shard
+digests of examples/hsdp_train.py, compared against the fault-free run's) with the guard's lines
+saying what happened, or with one line saying why not. The forms:
+- `live.commit(step, loss=loss)` and `live.commit(step, loss=loss, grad_norm=clip_grad_norm_(...))`
+  on DDP (examples/live_train.py), with 2 replicas (no majority: the re-run, the non-finite one,
+  or the checkpoint decides) and 3 (the majority names the odd one);
+- FSDP/HSDP through DCP's `AppState` and through torchtitan-shaped containers (examples/hsdp_train.py
+  `--state app|parts`, 2 replicas x 2 shards);
+- a GradScaler's routine overflow, a loss-less pipeline stage, a NaN at the very first step.
+
+The default suite runs the verdict's pure parts, the digest and the target search, and two short
+jobs (a transient before the all-reduce named and healed with `grad_norm=`; a first-step NaN that
+ends with the data's line); the rest are `slow`.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import ROOT
+from harness import ExampleAgents
+from ft_launcher.rank_monitor.rank_side.live import guard_targets, replica_fingerprint as F, step_guard as G
+
+LIVE = f"{ROOT}/examples/live_train.py"
+HSDP = f"{ROOT}/examples/hsdp_train.py"
+STEPS, FAULT = 40, 27
+
+
+def sdc(spec, rank=1):
+    return ["--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_sdc", "--ft-simulated-fault-rank", rank,
+            "--ft-simulated-sdc", spec]
+
+
+class GuardRun:
+    """One examples/live_train.py job (1 agent x `nproc`, --guard, a checkpoint every 20 steps)."""
+
+    def __init__(self, launcher, root, nproc, job_args=(), ft_args=(), max_restarts=2, script=LIVE, nodes=1,
+                 spares=0):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        base = ([*job_args, "--ckpt-dir", root / "ckpt"] if script == HSDP else
+                ["--steps", STEPS, "--ckpt-every", 20, "--guard", "--ckpt-dir", root / "ckpt", *job_args])
+        self.agents = ExampleAgents(launcher, root, nodes, nproc, script, base, ft_args=list(ft_args), spares=spares,
+                                    max_restarts=max_restarts)
+        self.world = nodes * nproc
+
+    def run(self, bound=240, lost=()):
+        self.agents.launch()
+        if self.agents.spares:
+            self.agents.add_spares()
+        results = self.agents.wait(bound=bound, lost=lost)
+        self.codes = [r[0] for r in results]
+        self.out = "".join(r[1] for r in results)
+        self.err = "".join(r[2] for r in results)
+        return self
+
+    def digests(self):
+        return [json.loads((self.root / "ckpt" / f"final_rank_{r}.json").read_text())["digest"]
+                for r in range(self.world)]
+
+    def finals(self):
+        return [json.loads((self.root / "ckpt" / f"final_rank_{r}.json").read_text()) for r in range(self.world)]
+
+    def shards(self):
+        line = [x for x in self.out.splitlines() if "FINAL" in x][-1]
+        return line.split("shards=")[1].strip()
+
+    def lines(self):
+        return [e["detail"]["decision"] for e in self.agents.events() if e["kind"] == "step_guard"]
+
+    def said(self):
+        """The guard's lines and the fallback lines the ranks printed."""
+        return self.lines() + [x for x in self.err.splitlines() if "every rank loads its checkpoint" in x]
+
+
+_REFS = {}
+
+
+def reference(launcher, tmp_path, key, nproc, job_args=(), script=LIVE):
+    """The fault-free run's digests (once per module and form)."""
+    if key not in _REFS:
+        run = GuardRun(launcher, tmp_path / f"ref_{key}", nproc, job_args, script=script).run()
+        assert run.lines() == [], run.lines()
+        _REFS[key] = run.shards() if script == HSDP else run.digests()
+    return _REFS[key]
+
+
+# ---- the default suite: the pure parts --------------------------------------------------------------------
+def _table(rows):
+    table = []
+    for values in rows:
+        row = [0.0] * G.COLS
+        row[G.P_STEP], row[G.SEEN], row[G.LOSS_MAX], row[G.NORM_MAX], row[G.FP_K] = -1, 20, 1.0, 1.0, 1
+        for k, v in values.items():
+            row[k] = v
+        table.append(row)
+    return table
+
+
+def test_the_verdict_names_the_rank_whose_own_backward_went_bad_and_spares_a_scalers_overflow():
+    nan, inf = float("nan"), float("inf")
+    # a NaN from rank 2's backward, all-reduced into every rank: every norm NaN, every loss finite
+    v = G.judge(_table([{G.NORM: nan, G.LOCAL_NORM: 1.0}, {G.NORM: nan, G.LOCAL_NORM: 2.0},
+                        {G.NORM: nan, G.LOCAL_NORM: nan}]), G.GuardConfig())
+    assert v["fatal"] == [0, 1, 2] and v["suspect"] == 2
+    # a flipped top exponent bit before the all-reduce: finite everywhere, but rank 1's own norm is past 2**60
+    v = G.judge(_table([{G.NORM: 3e18, G.LOCAL_NORM: 0.5}, {G.NORM: 3e18, G.LOCAL_NORM: 6e18}]), G.GuardConfig())
+    assert v["fatal"] == [1] and v["suspect"] == 1
+    # a GradScaler's overflow: Inf gradients with a finite loss are the scaler's to skip
+    v = G.judge(_table([{G.NORM: inf, G.LOCAL_NORM: inf, G.SCALER: 1}, {G.NORM: inf, G.SCALER: 1}]), G.GuardConfig())
+    assert v["fatal"] == [] and v["scaled"] == [0, 1]
+    # ...but not a NaN loss
+    v = G.judge(_table([{G.NORM: inf, G.LOSS: nan, G.SCALER: 1}, {G.NORM: inf, G.SCALER: 1}]), G.GuardConfig())
+    assert v["fatal"] == [0] and v["suspect"] == 0
+
+
+def test_replicas_whose_digests_differ_are_found_and_the_majority_names_the_odd_one():
+    same, odd = {G.FP_ON: 1, G.FP_ID: 7, G.FP_HI: 1, G.FP_LO: 2}, {G.FP_ON: 1, G.FP_ID: 7, G.FP_HI: 1, G.FP_LO: 3}
+    assert G.judge(_table([same, same, same]), G.GuardConfig())["diverged"] == []
+    d = G.judge(_table([same, odd, same]), G.GuardConfig())["diverged"]
+    assert d == [{"ranks": [0, 1, 2], "good": [0, 2], "odd": [1]}]
+    assert G.judge(_table([same, odd]), G.GuardConfig())["diverged"][0]["odd"] is None   # two: no majority
+    other = {**odd, G.FP_ID: 8}   # another shard's replicas are not compared with these
+    assert G.judge(_table([same, other, same, dict(other)]), G.GuardConfig())["diverged"] == []
+    assert G.judge(_table([same, {**odd, G.FP_ON: 0}]), G.GuardConfig())["diverged"] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_fingerprint_digest_changes_with_every_single_bit_flip(dtype):
+    g = torch.Generator().manual_seed(0)
+    state = [torch.randn(5, 3, generator=g).to(dtype), torch.randn(4, generator=g).to(dtype)]
+    base = int(F.digest(state, torch.device("cpu")))
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[state[1].element_size()]
+    for bit in range(state[1].element_size() * 8):
+        flipped = [state[0], state[1].clone()]
+        flipped[1][2:3].view(ints).bitwise_xor_(torch.tensor(1, dtype=ints) << bit)
+        assert int(F.digest(flipped, torch.device("cpu"))) != base, bit
+    hi, lo = F.halves(torch.tensor(base))
+    assert (int(hi) << 32 | int(lo)) == base & ((1 << 64) - 1)
+
+
+def test_the_targets_are_found_through_dcps_appstate_torchtitan_shaped_containers_and_a_grad_scaler():
+    class AppState:   # PyTorch's DCP recipe
+        def __init__(self, model, optimizer):
+            self.model, self.optimizer = model, optimizer
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, sd):
+            pass
+
+    class Container(torch.optim.Optimizer):   # torchtitan's OptimizersContainer shape
+        def __init__(self, parts):
+            self.optimizers = [torch.optim.AdamW(m.parameters()) for m in parts]
+            torch.optim.Optimizer.__init__(self, [p for m in parts for p in m.parameters()], {})
+
+    class ModelWrapper:   # torchtitan's ModelWrapper shape
+        def __init__(self, parts):
+            self.model = parts
+
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    app = guard_targets.find({"app": AppState(torch.nn.Sequential(a, b), torch.optim.SGD([*a.parameters()], 0.1))})
+    assert app.found and [id(p) for p in app.params] == [id(p) for p in a.parameters()]   # what the optimizer updates
+    tt = guard_targets.find({"model": ModelWrapper([a, b]), "optimizer": Container([a, b])})
+    assert len(tt.optimizers) == 2 and len(tt.params) == 4 and len(tt.modules) == 2
+    scaler = torch.amp.GradScaler("cpu")
+    assert guard_targets.find({"model": a, "scaler": scaler}).scaler_enabled()
+    assert not guard_targets.find({"loader": object()}).found
+
+
+# ---- short whole jobs (default) ----------------------------------------------------------------------------
+@pytest.mark.timeout(400)
+def test_grad_norm_form_a_nan_from_rank_1s_backward_is_named_re_run_and_ends_bit_equal(launcher, tmp_path):
+    form = ["--grad-norm"]
+    ref = reference(launcher, tmp_path, "2_norm", 2, form)
+    run = GuardRun(launcher, tmp_path / "sdc", 2, form, sdc(f"nan:{FAULT}:once")).run()
+    assert run.codes == [0], run.err[-3000:]
+    assert run.digests() == ref
+    lines = run.lines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"step {FAULT}: ") and "on rank 1 (made in rank 1's own backward, before the " \
+                                                     "all-reduce): not committed" in lines[0], lines
+    assert "a transient fault on rank 1" in lines[1] and "node 0 device 1" in lines[1], lines
+    assert all(f["cycle"] == 0 for f in run.finals())   # in place: no process replaced
+
+
+@pytest.mark.timeout(300)
+def test_a_nan_at_the_first_step_ends_with_the_datas_line_never_in_a_loop(launcher, tmp_path):
+    run = GuardRun(launcher, tmp_path, 2, ["--poison-step", 1, "--poison-rank", 1]).run(bound=200, lost=(0,))
+    assert run.codes == [93], run.err[-3000:]
+    stop = [x for x in run.err.splitlines() if "sent ShutdownWorkload" in x]
+    assert stop and "step 1: " in stop[0] and "on rank 1, reproducible on other hardware" in stop[0], run.err[-3000:]
+    assert len([x for x in run.lines() if "not committed" in x]) <= 2, run.lines()
+
+
+# ---- whole jobs (slow) ---------------------------------------------------------------------------------------
+CASES = [   # (replicas, form, fault, what the lines say)
+    (3, "norm", "nan:{}:once:reduced", "heals from a good replica"),
+    (3, "norm", "expflip:{}:once:reduced", "heals from a good replica"),
+    (3, "loss", "bitflip:{}:once:memory", "heals from a good replica"),
+    (3, "norm", "mantflip:{}:once:memory", "heals from a good replica"),
+    (3, "loss", "inf:{}:once", "a transient fault on rank 1"),
+    (3, "norm", "bitflip:{}:once", "a transient fault on rank 1"),
+    (2, "loss", "nan:{}:once:reduced", "a transient fault on rank 1"),
+    (2, "norm", "nan:{}:once:reduced", "heals from a good replica"),
+    (2, "loss", "mantflip:{}:once:memory", "none is known good: every rank loads its checkpoint"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("replicas,form,fault,says", CASES, ids=[f"{r}x-{f}-{s.split(':')[0]}-{(s.split(':')[3:] or ['backward'])[0]}"
+                                                              for r, f, s, _ in CASES])
+def test_ddp_every_place_and_kind_ends_bit_equal_with_its_line(launcher, tmp_path, replicas, form, fault, says):
+    job = ["--grad-norm"] if form == "norm" else []
+    ref = reference(launcher, tmp_path, f"{replicas}_{form}", replicas, job)
+    run = GuardRun(launcher, tmp_path / "sdc", replicas, job, sdc(fault.format(FAULT))).run()
+    assert run.codes == [0], run.err[-3000:]
+    assert run.digests() == ref, (run.digests(), ref, run.said())   # every replica equal, and equal to the fault-free run
+    assert any(says in x for x in run.said()), run.said()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("state,fault,says", [
+    ("app", "nan:10:once:reduced", "heals from a good replica"),
+    ("app", "expflip:10:once:memory", "every rank loads its checkpoint"),
+    ("parts", "bitflip:10:once:reduced", "heals from a good replica"),
+])
+def test_hsdp_through_dcps_appstate_and_torchtitan_shaped_containers(launcher, tmp_path, state, fault, says):
+    job = ["--steps", 24, "--guard", "--grad-norm", "--ckpt-every", 8, "--state", state]
+    ref = reference(launcher, tmp_path, f"hsdp_{state}", 4, job, script=HSDP)
+    run = GuardRun(launcher, tmp_path / "sdc", 4, job, sdc(fault), script=HSDP).run(bound=400)
+    assert run.codes == [0], run.err[-3000:]
+    assert run.shards() == ref, (run.shards(), ref, run.said())
+    assert any(says in x for x in run.said()), run.said()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_grad_scalers_overflow_is_skipped_by_the_scaler_not_taken_for_corruption(launcher, tmp_path):
+    run = GuardRun(launcher, tmp_path, 2, ["--scaler", "--grad-norm"], sdc(f"inf:{FAULT}:once")).run()
+    assert run.codes == [0], run.err[-3000:]
+    assert run.lines() == [], run.lines()   # no re-run, no stop: the scaler skipped the step and lowered its scale
+    finals = run.finals()
+    assert len({f["digest"] for f in finals}) == 1
+    assert finals[0]["scale"] < 2.0 ** 16, finals[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_loss_less_pipeline_stage_joins_every_guard_collective(launcher, tmp_path):
+    """Rank 1 commits with no loss (a stage without one): it still joins the guard's table, so
+    rank 0's checked commits never hang, and a NaN in rank 1's backward is still named."""
+    run = GuardRun(launcher, tmp_path, 2, ["--no-loss-rank", 1], sdc(f"nan:{FAULT}:once")).run(bound=200)
+    assert run.codes == [0], run.err[-3000:]
+    lines = run.lines()
+    assert len(lines) == 2 and "own backward" in lines[0] and "transient fault on rank 1" in lines[1], lines
+    assert len(set(run.digests())) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_persistent_bit_flip_on_node_1_names_its_device_and_the_node_leaves_for_a_spare(launcher, tmp_path):
+    """The issue's silent case: 2 agents x 1 rank plus a hot spare, a top exponent bit flipped in
+    rank 1's backward on every step from FAULT on (its node), `grad_norm=` given."""
+    job = ["--grad-norm"]
+    ref = reference(launcher, tmp_path, "2_norm", 2, job)
+    run = GuardRun(launcher, tmp_path / "sdc", 1, job + ["--step-time", 0.5], sdc(f"bitflip:{FAULT}:node"), nodes=2,
+                   spares=1, max_restarts=3).run(bound=500, lost=(1,))   # (cycle 0's slow steps: the spare waits by then)
+    assert run.codes[1] == 93, run.err[-3000:]   # node 1 left the job
+    assert run.digests() == ref, (run.digests(), ref, run.said())
+    lines = run.lines()
+    assert len(lines) == 3, lines
+    assert "made in rank 1's own backward" in lines[0] and "moves to other hardware (exit 16)" in lines[1], lines
+    assert "a persistent hardware fault on node 1 (device 0 first), which has left the job" in lines[2], lines
+    live = [e["detail"] for e in run.agents.events() if e["kind"] == "live_recovery"]
+    assert live and all(d["resume_step"] == FAULT - 1 and d["steps_redone"] == 0 for d in live), live
