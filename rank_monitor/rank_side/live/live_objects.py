@@ -154,6 +154,7 @@ class Tracked:
         self.copied = 0              # bytes the last commit copied (snapshot())
         self.in_place = 0            # bytes of tensors the last commit read in place (parameters, optimizer state)
         self._copies: dict = {}      # SNAPSHOT: path -> the copy the last commit made (reused when it fits)
+        self.snapped = False         # snapshot() ran (a commit or an adopt)
 
     # ---- set up once: check the state and settle the kind -------------------------------------
     def setup(self, sd=None) -> None:
@@ -215,9 +216,9 @@ class Tracked:
         """What changes outside commit, as of now (the end of a commit)."""
         import torch
 
-        first = not self.ready
-        if first:
+        if not self.ready:
             self.setup()
+        first, self.snapped = not self.snapped, True   # (setup may have run at fresh(): the first describe)
         if self.kind == SNAPSHOT:
             try:
                 with torch.no_grad():
