@@ -284,3 +284,16 @@ def test_a_persistent_bit_flip_on_node_1_names_its_device_and_the_node_leaves_fo
     assert "a persistent hardware fault on node 1 (device 0 first), which has left the job" in lines[2], lines
     live = [e["detail"] for e in run.agents.events() if e["kind"] == "live_recovery"]
     assert live and all(d["resume_step"] == FAULT - 1 and d["steps_redone"] == 0 for d in live), live
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_seeded_sdc_soak_ends_with_no_silent_divergence(tmp_path):
+    """bench/sdc_soak.py with a few seeded faults (the note's figure is its 50-fault run): each
+    ends bit-equal to its fault-free run or with a line saying why not."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, f"{ROOT}/bench/sdc_soak.py", "--faults", "6", "--seed", "7"],
+                          capture_output=True, text=True, timeout=1400, cwd=tmp_path)
+    assert done.returncode == 0 and "silent divergence: 0" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]

@@ -1,29 +1,37 @@
 """The guard before commit (silent data corruption and NaN): a step whose loss or gradients are not
-finite never becomes the live state; it is re-run from memory to tell a transient fault, a bad
-device and bad data apart. Used by `LiveState.commit(step, loss=..., grad_norm=...)`; the user
-guide is docs/sdc-and-nan.md.
+finite, or whose replicas no longer hold the same state, never becomes the live state; it is re-run
+from memory to tell a transient fault, a bad device and bad data apart. Used by
+`LiveState.commit(step, loss=..., grad_norm=...)`; the user guide is docs/sdc-and-nan.md.
 
     loss.backward()
-    with live.commit(step, loss=loss):                  # or grad_norm=clip_grad_norm_(...)'s value
+    with live.commit(step, loss=loss):                  # and/or grad_norm=clip_grad_norm_(...)'s value
         opt.step(); sched.step()
 
-What is checked, in the commit's `__enter__`, before its body (so before the optimizer step):
+Whether a LiveState is guarded is agreed at its first commit (LiveState._agree_guarded: some rank
+gave a loss or a norm); from then on every rank runs `check` at every commit, values or not, so
+every rank joins every collective below. What is checked, in the commit's `__enter__`, before its
+body (so before the optimizer step):
+- this rank's own backward, before the all-reduce (backward_watch: the largest norm of a gradient
+  as the backward produced it): not finite or past 2**60 names this rank even where DDP then
+  spreads the NaN to every replica;
 - this rank's own loss (its micro-batch's, not all-reduced) and the norm of the gradients the
   optimizer will apply on this rank (`grad_norm=` given: that value, no second pass; else the norm
-  of the LiveState's modules' `.grad`, torch.nn.utils.get_total_norm). Under DDP the gradients are
-  the all-reduced ones: a NaN that one rank's device made before the all-reduce is on every rank;
-  one made after it (the optimizer's input on one device) only on that rank;
-- NaN or Inf in either: fatal. Above `spike_factor` x the running maximum of committed steps (from
-  the `spike_after`-th committed step on): a spike, said in one line, not fatal unless `spike_fatal`.
+  of the optimizers' parameters' `.grad` found by guard_targets, in any state form);
+- NaN or Inf: fatal, except where an enabled GradScaler will skip the step (Inf/NaN gradients with
+  a finite loss: its routine overflow). Above `spike_factor` x the running maximum of committed steps
+  (from the `spike_after`-th committed step on): a spike, said in one line, not fatal unless
+  `spike_fatal`;
+- every K steps (and at the re-run after any hit), a digest of the state committed at the step
+  before (replica_fingerprint): replicas of a shard that disagree come before any other verdict.
 
 Every rank learns every rank's values through ONE all_reduce (SUM) of a (world x COLS) float64
-tensor in which each rank fills its own row: its loss, its gradient norm, its node, its running
-maxima and the pending verdict it holds (below). All ranks read the same table, so all decide the
-same. The row is built on the device the group communicates on, from the loss and norm as device
-tensors; the table is read back once (`tolist`). That read is the only host sync the guard adds:
-on a CPU group it is free; on a GPU it is one sync per step, at the point where the optimizer's
-inputs are ready anyway. A loop that already reads the loss or the norm on the host each step
-(logging, GradScaler's inf check, `clip_grad_norm_(error_if_nonfinite=True)`) has that sync already.
+tensor in which each rank fills its own row: its loss, its gradient norms, its node, its running
+maxima, its digest and the pending verdict it holds (below). All ranks read the same table, so all
+decide the same. The row is built on the device the group communicates on, from device tensors;
+the table is read back once (`tolist`). That read is the only host sync the guard adds: on a CPU
+group it is free; on a GPU it is one sync per step, at the point where the optimizer's inputs are
+ready anyway. A loop that already reads the loss or the norm on the host each step (logging,
+GradScaler's inf check, `clip_grad_norm_(error_if_nonfinite=True)`) has that sync already.
 
 The decisions (one line each, on global rank 0's stderr and as a `step_guard` event through the
 agent; a stop is the agent's `workload_request` line):
@@ -32,35 +40,40 @@ agent; a stop is the agent's `workload_request` line):
    raises `StepRerun` out of the training function; `ft.restartable` calls it again in the same
    process with the same process group (rank_side.inprocess), `LiveState.restore()` gives every
    rank back its state as of step S-1's commit (loader position and RNG included), and the loop
-   runs step S again.
+   runs step S again. The suspect: the rank whose own loss is not finite, else the one whose own
+   backward made it, else the one whose gradient alone is not finite (after the all-reduce).
 2. The re-run of S on the same device is clean: **transient**. Training goes on with the re-run's
    result; it counts against the suspect's device. A second transient on the same device within
    `transient_window_s`: **persistent** (rule 4's exit 17).
-3. The re-run hits again on the same device: reproducible. With a known suspect (a rank whose own
-   loss or gradient is not finite, others being finite), the suspect exits 16 (EXIT_OTHER_HARDWARE:
-   the agent restarts it on other hardware) and its peers wait for the in-place restart that its
-   exit brings; they keep the pending record in memory. The new process heals from the live state,
-   learns the record from its peers through the guard's table, and the job re-runs S.
+3. The re-run hits again on the same device: reproducible. With a known suspect, the suspect exits
+   16 (EXIT_OTHER_HARDWARE: the agent restarts it on other hardware) and its peers wait for the
+   in-place restart that its exit brings; they keep the pending record in memory. The new process
+   heals from the live state, learns the record from its peers through the guard's table (or, where
+   every rank is new, from the agent's re-run environment), and the job re-runs S.
 4. On the other hardware (another node, or at least another device of its node: under in-place
    restarts the agent swaps the suspect with a sibling slot, which then runs on the suspect device):
    the suspect is clean, or it hits again together with another rank on the node it was on (the
-   fault follows the node, not the batch): **persistent hardware fault**: the suspect and every
-   rank still on that node exit 17 (EXIT_NODE_SUSPECT: the node leaves the job, a spare takes its
-   place or the job stops; the agent takes a 17 that follows a 16 as the 16's node). The suspect
-   alone hits again: **the data or the model**: the job stops with one line naming the step, the
-   rank and the loader position (a ShutdownWorkload request), or, with `skip_bad_batches`, the
-   batch's update is dropped (every gradient set to None before the optimizer step) and the line
-   says which batch. No suspect (every rank saw the NaN: it came before the all-reduce) is
-   treated as the data too, said so.
+   fault follows the node, not the batch): **persistent hardware fault**: every rank still on that
+   node exits 17 (EXIT_NODE_SUSPECT: the node leaves the job, a spare takes its place, --elastic
+   drops it, or the job stops; the agent takes a 17 that follows a 16 as the 16's node); a suspect
+   that moved to another node stays. The suspect alone hits again: **the data or the model**: the
+   job stops with one line naming the step, the rank and the loader position (a ShutdownWorkload
+   request), or, with `skip_bad_batches`, the batch's update is dropped (every gradient set to None
+   before the optimizer step) and the line says which batch. No suspect (every rank saw the NaN
+   and nothing says where it arose) is treated as the data too, said so.
+5. Replicas disagree (`_diverged`): the odd ones (a minority; of two, the one whose state is not
+   finite) heal from a good replica through restore()'s exchange and S is re-run; none known good:
+   every rank loads its checkpoint; a device's second divergence within the window: its node leaves.
+Bounded: a step hit more than MAX_HITS times in one process is the data's (or, for replicas that
+keep disagreeing, a stop with one line); a pending record outlives a checkpoint fallback.
 
-What survives where: the pending record, the device's transient count and the running maxima live
-in this module (one process): peers that stay keep them across in-place restarts; a new process
-learns the record and the maxima from its peers' rows, never the transient count (said in the docs).
+What survives where: the pending record, the device's transient count, the running maxima and the
+fingerprint's schedule live in this module (one process): peers that stay keep them across
+in-place restarts; a new process learns the record and the maxima from its peers' rows, never the
+transient count (said in the docs).
 
-A simulated fault (`rank_sdc`, agent.recovery.fault_injection) reaches the rank as ENV_SDC
-("nan|bitflip:STEP:once|device|node:LOCAL_RANK|*"), set only on the hardware it hits: at step
-STEP (once: the first time this process runs it; device/node: every step from STEP on) the first
-gradient of this rank gets a NaN, or its top exponent bit flipped, before the check.
+A simulated fault (`rank_sdc`) is rank_side.live.sdc_sim's: this module injects its `reduced`
+place (in local_row), backward_watch its `backward` place, LiveState its `memory` place.
 """
 from __future__ import annotations
 
@@ -137,10 +150,12 @@ class _Memory:
 MEM = _Memory()
 
 
+_HOST = zlib.crc32(socket.gethostname().encode()) & 0xFFFFFFFF
+
+
 def node_key() -> int:
     """This rank's hardware's node: its host and its agent (the parent process), as an exact float."""
-    host = zlib.crc32(socket.gethostname().encode()) & 0xFFFFFFFF
-    return float(host * (1 << 20) + (os.getppid() & 0xFFFFF))
+    return float(_HOST * (1 << 20) + (os.getppid() & 0xFFFFF))
 
 
 def device_name() -> str:
@@ -191,24 +206,31 @@ def local_row(loss, grad_norm, targets, watch, step: int, device, fp_identity: O
     if grad_norm is None:
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     loss, grad_norm = (x.full_tensor() if hasattr(x, "full_tensor") else x for x in (loss, grad_norm))   # DTensors
-    row = torch.zeros(COLS, dtype=torch.float64, device=device)
-    row[LOSS] = loss.detach().to(device, torch.float64).reshape(()) if isinstance(loss, torch.Tensor) \
-        else float(0.0 if loss is None else loss)
-    row[NORM] = grad_norm.detach().to(device, torch.float64).reshape(()) if isinstance(grad_norm, torch.Tensor) \
-        else float(grad_norm)
+    # the host's values in one tensor (the step's hot path: one copy, not a write per column), then
+    # the device's own values in place (no host sync)
+    values = [0.0] * COLS
+    values[NODE] = node_key()
+    values[GROUP], values[LOCAL] = int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    values[LOSS_MAX], values[NORM_MAX], values[SEEN] = MEM.loss_max, MEM.norm_max, MEM.seen
+    values[SCALER] = float(targets.scaler_enabled())
+    values[FP_K] = MEM.fp.proposal()
+    if fp_identity is not None:
+        values[FP_ON], values[FP_ID] = 1.0, float(fp_identity & replica_fingerprint.MASK)
+    p = MEM.pending
+    if p is not None:
+        values[P_STEP], values[P_STAGE], values[P_SUSPECT], values[P_NODE] = p.step, p.stage, p.suspect, p.node
+        values[P_LOSS], values[P_NORM], values[P_GROUP], values[P_DEVICE] = p.loss, p.norm, p.group, p.device
+    else:
+        values[P_STEP] = -1
+    for col, x in ((LOSS, loss), (NORM, grad_norm)):
+        if not isinstance(x, torch.Tensor):
+            values[col] = float(0.0 if x is None else x)
+    row = torch.tensor(values, dtype=torch.float64, device=device)
+    for col, x in ((LOSS, loss), (NORM, grad_norm)):
+        if isinstance(x, torch.Tensor):
+            row[col] = x.detach().to(device, torch.float64).reshape(())
     if watch is not None:
         row[LOCAL_NORM] = watch.local(device)
-    row[SCALER] = float(targets.scaler_enabled())
-    p = MEM.pending
-    row[NODE] = node_key()
-    row[GROUP], row[LOCAL] = int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    row[LOSS_MAX], row[NORM_MAX], row[SEEN] = MEM.loss_max, MEM.norm_max, MEM.seen
-    if p is not None:
-        row[P_STEP], row[P_STAGE], row[P_SUSPECT], row[P_NODE] = p.step, p.stage, p.suspect, p.node
-        row[P_LOSS], row[P_NORM], row[P_GROUP], row[P_DEVICE] = p.loss, p.norm, p.group, p.device
-    else:
-        row[P_STEP] = -1
-    row[FP_K] = MEM.fp.proposal()
     if fp_identity is not None:
         timed = MEM.fp.cost is None or device.type == "cpu"
         t0 = time.perf_counter()
@@ -216,7 +238,6 @@ def local_row(loss, grad_norm, targets, watch, step: int, device, fp_identity: O
         if timed:   # its cost, its device work included (K comes from it): on a GPU the first one only
             d.item()
             MEM.fp.measured(time.perf_counter() - t0)
-        row[FP_ON], row[FP_ID] = 1.0, float(fp_identity & replica_fingerprint.MASK)
         row[FP_HI], row[FP_LO] = replica_fingerprint.halves(d)
     return row
 
@@ -483,6 +504,12 @@ def _diverged(live, step: int, table, v: dict, targets, cfg: GuardConfig, rank: 
     import torch.distributed as dist
 
     groups = v["diverged"]
+    MEM.hits[step] = MEM.hits.get(step, 0) + 1
+    if MEM.hits[step] > MAX_HITS:   # it comes back after every heal or fallback: persistent, and no majority places it
+        MEM.pending = None
+        _stop_job(f"step {step}: the replicas' state as of step {step - 1} disagrees again "
+                  f"({'; '.join(_ranks_text(g['ranks']) for g in groups)}), hit {MEM.hits[step]} times in this "
+                  f"process: a persistent fault that no majority of replicas places", rank)
     flags = torch.zeros(world, 2, dtype=torch.int64, device=device)
     flags[rank, 0] = int(not replica_fingerprint.finite(targets.state()))
     dist.all_reduce(flags)
@@ -544,11 +571,16 @@ def _data(step, table, pending: Pending, v, cfg: GuardConfig, rank: int, why: st
     if cfg.skip_bad_batches:
         say(text + "; skipping that batch (skip_bad_batches): its update is dropped on every rank")
         return Decision.SKIP
-    if rank == 0 and not _request("ShutdownWorkload", text):   # the agent's line says it
+    _stop_job(text, rank)
+    return Decision.GO   # not reached
+
+
+def _stop_job(text: str, rank: int) -> None:
+    """Stop the job with one line (global rank 0's ShutdownWorkload: the agent's line says it)."""
+    if rank == 0 and not _request("ShutdownWorkload", text):
         print(f"ft_launcher: {text}: stopping the job", file=sys.stderr, flush=True)
         _exit(1)
     _await_restart("the job stops")
-    return Decision.GO   # not reached
 
 
 _POSITION = [lambda: "?"]   # how to read the loader position of the step being checked (LiveState sets it;
