@@ -55,3 +55,27 @@ def test_dry_run(launcher, tmp_path):
     assert cells[3] == "3" and cells[5] == "disk" and cells[-1] == "1/1", row[0]
     assert float(cells[1]) > 0
     assert not [n for n in os.listdir(tmp_path) if n.startswith("ftbench_")], "scratch dirs left behind"
+
+
+@pytest.mark.slow
+def test_live_overhead_dry_run(launcher, tmp_path):
+    """bench/live_overhead.py --dry-run: 4 real 2-rank jobs (DDP and a DCP AppState over fully_shard,
+    each with and without a LiveState). With it, a commit copies only the RNG state (torch's CPU
+    generator: 5,056 bytes; no buffers, no tensor hyperparameters) and reads every byte of each
+    rank's parameters and AdamW state in place; nothing is left behind."""
+    import json
+
+    env = launcher.env({"TMPDIR": str(tmp_path)})
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "live_overhead.py"), "--dry-run", "--json",
+                          str(tmp_path / "o.json")], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads((tmp_path / "o.json").read_text())
+    assert [(r["form"], r["live"]) for r in rows] == [("ddp", False), ("ddp", True), ("app", False), ("app", True)]
+    for row in rows:
+        assert len(row["ranks"]) == 2 and all(r["peak_rss_kb"] > 0 for r in row["ranks"]), row
+        if row["live"]:
+            assert all(r["commit_bytes"] == 5056 and r["in_place_bytes"] == r["state_bytes"] > 0
+                       for r in row["ranks"]), row
+    assert "peak RSS MiB" in out.stdout, out.stdout
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("ftbench_")], "scratch dirs left behind"

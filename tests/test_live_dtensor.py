@@ -176,6 +176,166 @@ def test_a_receiver_that_cannot_take_a_state_reads_all_of_it_first():
     assert next(msgs, None) is None
 
 
+# ---- zero-copy commits of a Stateful, in one process ---------------------------------------------------
+_ZERO = r"""
+import os, sys, tempfile
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+sys.path.insert(0, os.path.join(sys.argv[1], "examples"))
+from hsdp_train import AppState, ModelWrapper, OptimizersContainer
+import ft_launcher as ft
+from ft_launcher.rank_monitor.rank_side.live import live_objects as O, live_wire as W
+
+dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+form, fsdp = sys.argv[2], sys.argv[3] == "fsdp"
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.Tanh(), nn.Linear(64, 1))
+    if fsdp:
+        for m in (model[0], model[3], model):
+            fully_shard(m, mesh=mesh)
+    if form == "parts":   # torchtitan's containers: ModelWrapper, OptimizersContainer (flattened keys)
+        opt = OptimizersContainer([model], torch.optim.AdamW, {"lr": 1e-2})
+        return model, opt, {"model": ModelWrapper(model), "optimizer": opt}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True) if form == "app-flat" else None
+    return model, opt, {"app": AppState(model, opt, flat)}
+
+def step(model, opt, s):
+    g = torch.Generator().manual_seed(s)
+    x = torch.randn(8, 16, generator=g)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward()
+    opt.step()
+
+def local(t):
+    return t.to_local() if W.is_dtensor(t) else t
+
+def nbytes(ts):
+    return sum(local(t).numel() * local(t).element_size() for t in ts)
+
+def inner(opt):
+    return getattr(opt, "optimizers", [opt])
+
+def live_bytes(model, opt):
+    return nbytes(list(model.parameters())) + nbytes(
+        [v for o in inner(opt) for st in o.state.values() for v in st.values() if torch.is_tensor(v)])
+
+def check_in_place(tracked, model, opt):
+    live = {local(t).untyped_storage().data_ptr() for t in list(model.parameters()) + [
+        v for o in inner(opt) for st in o.state.values() for v in st.values() if torch.is_tensor(v)]}
+    held = [local(t).untyped_storage().data_ptr() for t in W.flat(tracked.committed()).values()]
+    return sum(p in live for p in held)
+
+buffers = nbytes(list(model_buffers for model_buffers in build()[0].buffers()))   # running mean, var, count
+
+# the reference: 4 steps without a restart
+ref_model, ref_opt, _ = build()
+for s in range(1, 5):
+    step(ref_model, ref_opt, s)
+
+# 2 steps, each committed; the state dict's parameters and AdamW state are read in place, the buffers copied
+model, opt, states = build()
+tracked = {n: O.Tracked(n, o) for n, o in states.items()}
+for s in (1, 2):
+    step(model, opt, s)
+    for t in tracked.values():
+        t.snapshot()
+copied = sum(t.copied for t in tracked.values())
+in_place = sum(t.in_place for t in tracked.values())
+assert copied == buffers, (copied, buffers)
+assert in_place == live_bytes(model, opt) > 0, (in_place, live_bytes(model, opt))
+assert sum(check_in_place(t, model, opt) for t in tracked.values()) == 6 + 18, "params and AdamW state held in place"
+assert not any(t.note for t in tracked.values()), [t.note for t in tracked.values()]
+committed = {n: t.committed() for n, t in tracked.items()}
+digest = {n: W.digest(c)[0] for n, c in committed.items()}
+
+# outside commit: step 3's forward moves BatchNorm's statistics, then the step fails before its commit
+g = torch.Generator().manual_seed(3)
+model(torch.randn(8, 16, generator=g) * 5)
+assert {n: W.digest(t.committed())[0] for n, t in tracked.items()} == digest, "the committed state moved"
+
+# an in-place restart: the next call's objects, a kept rank's move and load (LiveState._load's path)
+model2, opt2, states2 = build()
+live = ft.LiveState(**states2, rng=False)
+fresh = {n: live.tracked[n].fresh() for n in sorted(states2)}
+ready = {n: W.move_state(committed[n], fresh[n][0]) for n in sorted(states2)}
+assert live._load(ready, fresh) == ""
+del model, opt, states, tracked, committed, ready
+assert {n: W.digest(t.committed())[0] for n, t in live.tracked.items()} == digest, "not the committed state"
+assert sum(check_in_place(t, model2, opt2) for t in live.tracked.values()) == 24, "after the load: in place again"
+for s in (3, 4):   # the steps again, each committed: still nothing but the buffers copied
+    step(model2, opt2, s)
+    for t in live.tracked.values():
+        t.snapshot()
+    assert sum(t.copied for t in live.tracked.values()) == buffers
+for (k, a), b in zip(ref_model.state_dict().items(), model2.state_dict().values()):
+    assert torch.equal(local(a), local(b)), k
+print("copied per commit:", copied, "in place:", in_place)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("form,fsdp", [("app", "fsdp"), ("app", "plain"), ("app-flat", "fsdp"), ("parts", "fsdp")])
+def test_a_stateful_s_commit_reads_parameters_and_optimizer_state_in_place(form, fsdp):
+    """examples/hsdp_train.py's DCP AppState (nested and flattened optimizer keys) and its
+    torchtitan-like containers over a Linear-BatchNorm-Linear model with AdamW, fully_shard on a
+    1 x 1 mesh or a plain module: a commit copies only the BatchNorm buffers (520 bytes), the
+    parameters and AdamW state are held in place (every one of the 24 tensors: AdamW's step counts too); a forward outside
+    commit leaves the committed state as it was; an in-place restart moves it into the next call's
+    objects (LiveState._load), whose commits again copy only the buffers, and two more steps end
+    bit-equal to a run without the restart."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", _ZERO, ROOT, form, fsdp], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert "copied per commit: 520 in place:" in res.stdout, res.stdout
+
+
+def test_a_state_copied_whole_is_said_at_the_first_commit_with_its_bytes():
+    """A Stateful whose state_dict() clones its model's tensors cannot be read in place: its commit
+    copies all 8,396,800 bytes and its note says why; an object holding no module or optimizer with
+    1.2 MB of state says that; a small one (a position) says nothing."""
+    import torch
+    import torch.nn as nn
+
+    from ft_launcher.rank_monitor.rank_side.live import live_objects as O
+
+    class Copies:
+        def __init__(self, model):
+            self.model = model
+
+        def state_dict(self):
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+        def load_state_dict(self, state_dict):
+            self.model.load_state_dict(state_dict)
+
+    class Position:
+        def __init__(self, n):
+            self.n = n
+
+        def state_dict(self):
+            return {"pos": torch.zeros(self.n)}
+
+        def load_state_dict(self, state_dict):
+            pass
+
+    copies = O.Tracked("app", Copies(nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))))
+    big, small = O.Tracked("loader", Position(300_000)), O.Tracked("sampler", Position(4))
+    for t in (copies, big, small):
+        t.snapshot()
+        t.snapshot()   # the second commit copies into the first one's tensors: the same bytes
+    assert (copies.copied, copies.in_place) == (8_396_800, 0)
+    assert "'app': 8.4 MB of its state dict are copies that its state_dict() makes" in copies.note
+    assert big.copied == 1_200_000 and "'loader': its state dict (1.2 MB) is copied at every commit" in big.note
+    assert small.copied == 16 and small.note is None
+
+
 # ---- end to end ---------------------------------------------------------------------------------------
 def final(text):
     lines = [ln.split("FINAL ", 1)[1] for ln in text.splitlines() if "FINAL " in ln]

@@ -147,8 +147,9 @@ class _OptimizerState:
     first start), the first real step would see step 2, and its bias correction would change the
     whole run (seen: the loss differed from step 2 on). So a read of a fresh optimizer clears the
     state it materialized: the optimizer is fresh again, exactly. It is not a torch Optimizer to the
-    LiveState (its state dict has not torch's shape: no `param_groups` list), so its state dict is
-    copied at each commit, as any Stateful's is; loading goes through torchtitan's own
+    LiveState (its state dict has not torch's shape: no `param_groups` list): it is read as any
+    Stateful is, at each commit, its tensors being the inner optimizers' own state (found through
+    `self.optimizers`), held in place, not copied; loading goes through torchtitan's own
     `load_state_dict`."""
 
     def __init__(self, optimizers) -> None:

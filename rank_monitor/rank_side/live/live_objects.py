@@ -14,9 +14,16 @@ back to the commit, so each kind keeps what it must:
   changes only in `step()`, inside commit; its
   param groups' hyperparameters (a scheduler may change the learning rate outside commit) are
   copied at each commit.
-- anything else (a StatefulDataLoader, a sampler, a scheduler, RNG, a user's object, a module
-  whose state_dict() returns copies such as FSDP1's): its `state_dict()` copied at each commit
-  (live_wire.copy: containers rebuilt, tensors cloned).
+- anything else (a DCP `Stateful` such as PyTorch's recipe `AppState(model, optimizer)`, torchtitan's
+  `ModelWrapper` and `OptimizersContainer`, a StatefulDataLoader, a sampler, a scheduler, RNG, a
+  user's object, a module whose state_dict() returns copies such as FSDP1's): its `state_dict()`
+  read at each commit, containers rebuilt; a tensor of it whose storage is one of the live tensors
+  of the modules and optimizers the object holds (`LiveTensors`: parameters and optimizer state,
+  found through its attributes as the step guard finds them) is kept as it is (read in place:
+  it changes only inside commit), every other tensor is copied (buffers, a loader's or scheduler's
+  tensors, copies its state_dict() makes) into the previous commit's copy where it fits.
+Each commit counts the bytes it copies and those it reads in place (`copied`, `in_place`); the
+first commit's `note` says what is copied whole and why (LiveState says it in one line).
 
 `committed()` is the state dict as of the last commit (a module's and an optimizer's read from
 the object, without a collective); `fresh()` reads a new object once (its own tensors, where a
@@ -143,6 +150,11 @@ class Tracked:
         self.groups: Optional[list] = None              # OPTIMIZER: param groups' hyperparameters
         self.meshes: list = []       # the device meshes of the new object's DTensors (read by fresh())
         self.placed: dict = {}       # path -> (mesh, placements) of the new object's state's DTensors (fresh())
+        self.live: Optional[LiveTensors] = None   # SNAPSHOT: the live tensors it holds (read in place)
+        self.copied = 0              # bytes the last commit copied (snapshot())
+        self.in_place = 0            # bytes of tensors the last commit read in place (parameters, optimizer state)
+        self._copies: dict = {}      # SNAPSHOT: path -> the copy the last commit made (reused when it fits)
+        self.snapped = False         # snapshot() ran (a commit or an adopt)
 
     # ---- set up once: check the state and settle the kind -------------------------------------
     def setup(self, sd=None) -> None:
@@ -156,6 +168,8 @@ class Tracked:
             raise
         if self.kind == MODULE:
             self._find_buffers(sd)
+        if self.kind == SNAPSHOT and not isinstance(self.obj, Rng):
+            self.live = LiveTensors.find(self.obj)
         self.ready = True
 
     def _find_buffers(self, sd) -> None:
@@ -204,16 +218,21 @@ class Tracked:
 
         if not self.ready:
             self.setup()
+        first, self.snapped = not self.snapped, True   # (setup may have run at fresh(): the first describe)
         if self.kind == SNAPSHOT:
             try:
-                sd = self.obj.state_dict()
-                self.state = sd if isinstance(self.obj, Rng) else W.copy(sd)   # Rng's is a new snapshot already
+                with torch.no_grad():
+                    self._snapshot_state(self.obj.state_dict(), first)
             except W.Refused as exc:
                 exc.name = self.name
                 raise
         elif self.kind == OPTIMIZER:
             self.groups = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                             for k, v in g.items() if k != "params"} for g in self.obj.param_groups]
+            self.copied = sum(_nbytes(v) for g in self.groups for v in g.values() if isinstance(v, torch.Tensor))
+            if first:
+                self.in_place = sum(_nbytes(v) for s in self.obj.state.values() for v in s.values()
+                                    if isinstance(v, torch.Tensor))
         else:
             if self.buffers:
                 now = [mod._buffers[b] for _, mod, b in self.buffers]
@@ -225,6 +244,64 @@ class Tracked:
                     torch._foreach_copy_(snaps, [t.detach() for t in now])
             if self.extra:
                 self.extra_snaps = [W.copy(mod.get_extra_state()) for _, mod in self.extra]
+            self.copied = (sum(_nbytes(t) for t in self.buffer_snaps)
+                           + sum(_nbytes(t) for t in W.flat(self.extra_snaps).values()))
+            if first:
+                self.in_place = sum(_nbytes(mod._parameters[a]) for _, mod, a, k in self.entries
+                                    if k == "param" and mod._parameters.get(a) is not None)
+
+    def _snapshot_state(self, sd, first: bool) -> None:
+        """A SNAPSHOT's commit: `sd` (its state_dict() just read) with each tensor that is one of its
+        live tensors kept as it is and every other one copied (into the previous commit's copy of
+        that path where shape, dtype and device fit: no new allocation per step)."""
+        if isinstance(self.obj, Rng):   # its state_dict() is a new snapshot already
+            self.state, self.in_place = sd, 0
+            self.copied = sum(_nbytes(t) for t in W.flat(sd).values())
+            return
+        live = self.live.storages() if self.live is not None else {}
+        previous, copies = self._copies, {}
+        counts = [0, 0]   # copied, read in place
+
+        def keep(path, t):
+            data = W.local(t)
+            size = _nbytes(data)
+            if live and _storage(t) in live:
+                counts[1] += size
+                return t
+            counts[0] += size
+            old = previous.get(path)
+            if (old is not None and not _is_dtensor(t) and not _is_dtensor(old) and old.shape == t.shape
+                    and old.dtype == t.dtype and old.device == t.device):
+                old.copy_(t.detach())
+                copy = old
+            else:
+                copy = t.detach().clone()
+            copies[path] = copy
+            return copy
+
+        self.state = W.walk(sd, keep)
+        self._copies = copies
+        self.copied, self.in_place = counts
+        if first and not self.note:
+            self.note = self._copied_note(sd)
+
+    def _copied_note(self, sd) -> Optional[str]:
+        """What a SNAPSHOT's commit copies whole and why (None when that is only small state: a
+        loader's or scheduler's position, buffers)."""
+        if self.copied < _NOTE_BYTES:
+            return None
+        if self.live is None:
+            return (f"'{self.name}': its state dict ({_mb(self.copied)}) is copied at every commit: it holds no "
+                    f"module or optimizer whose tensors could be read in place")
+        buffers = self.live.buffer_storages()
+        live = self.live.storages()
+        made = sum(_nbytes(W.local(t)) for t in W.flat(sd).values()
+                   if _storage(t) not in live and _storage(t) not in buffers)
+        if made < _NOTE_BYTES:
+            return None
+        return (f"'{self.name}': {_mb(made)} of its state dict are copies that its state_dict() makes, not the "
+                f"parameters' or optimizer's own tensors (full_state_dict or cpu_offload options? FSDP1?): they are "
+                f"copied at every commit")
 
     def committed(self) -> dict:
         """The object's state dict as of the last commit (or the last restore)."""
@@ -333,6 +410,10 @@ class Tracked:
 
         if self.kind == SNAPSHOT:
             self.state = loaded
+            if self.live is not None:   # what was loaded, read in place where the object's live tensors hold it
+                with torch.no_grad():
+                    self.live.refresh()
+                    self.state = self._in_place(loaded)
             if isinstance(self.obj, torch.utils.data.DataLoader) and hasattr(self.obj, "load_state_dict"):
                 # A StatefulDataLoader makes its iterator now, from the loaded state (state_dict()
                 # does; the script's iter() then continues it): making one draws a seed from torch's
@@ -341,6 +422,108 @@ class Tracked:
                 self.obj.state_dict()
         else:
             self.snapshot()
+
+    def before_load(self, state: dict) -> Optional[dict]:
+        """What `adopt` takes after `state` is loaded (a SNAPSHOT's: a copy made before
+        load_state_dict, which may change the dict or the tensors it is handed; one that holds
+        live tensors: its containers only, its tensors copied at adopt where the loaded object does
+        not hold them in place)."""
+        if self.kind != SNAPSHOT:
+            return None
+        if self.live is not None:
+            return W.walk(state, lambda path, t: t)
+        return W.copy(state)
+
+    def _in_place(self, loaded: dict) -> dict:
+        """The committed state of an object just loaded with `loaded`: the object's own tensor at
+        each path where its state dict holds one of its live tensors (read once more: the loaded
+        object's parameters and optimizer state), a copy of the loaded tensor elsewhere."""
+        live = self.live.storages()
+        now = W.flat(self.obj.state_dict())
+        copies = {}
+
+        def keep(path, t):
+            own = now.get(path)
+            if own is not None and _storage(own) in live and tuple(own.shape) == tuple(t.shape):
+                return own
+            copies[path] = t.detach().clone()
+            return copies[path]
+
+        state = W.walk(loaded, keep)
+        self._copies = copies
+        return state
+
+
+_NOTE_BYTES = 1 << 20   # a SNAPSHOT that copies less than this per commit is not said
+
+
+def _nbytes(t) -> int:
+    data = W.local(t)
+    return data.numel() * data.element_size()
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
+
+
+class LiveTensors:
+    """The tensors that change only inside commit among those an object holds: its modules'
+    parameters and its optimizers' parameters and state (found through its attributes, as the step
+    guard finds them: guard_targets), by storage. `storages()` maps each one's storage address to the
+    tensor itself (held: an address in the map is that storage's while the map lives); it is found
+    again when the optimizers' state grows (a new parameter's state) and after a load (`refresh`)."""
+
+    def __init__(self, modules: list, optimizers: list) -> None:
+        self.modules, self.optimizers = modules, optimizers
+        self._map: Optional[dict] = None
+        self._sig: Optional[tuple] = None
+
+    @classmethod
+    def find(cls, obj) -> Optional["LiveTensors"]:
+        from ft_launcher.rank_monitor.rank_side.live import guard_targets
+
+        found = guard_targets.find({"obj": obj})
+        if not found.modules and not found.optimizers:
+            return None
+        return cls(found.modules, found.optimizers)
+
+    def _signature(self) -> tuple:
+        return tuple(len(o.state) for o in self.optimizers)
+
+    def refresh(self) -> None:
+        self._map = None
+
+    def storages(self) -> dict:
+        import torch
+
+        sig = self._signature()
+        if self._map is not None and sig == self._sig:
+            return self._map
+        with torch.no_grad():
+            self._map, self._sig = self._find(), sig
+        return self._map
+
+    def _find(self) -> dict:
+        import torch
+
+        out = {}
+        for m in self.modules:
+            for p in m.parameters():
+                out[_storage(p)] = p
+        for o in self.optimizers:
+            for g in o.param_groups:
+                for p in g["params"]:
+                    out[_storage(p)] = p
+            for state in o.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        out[_storage(v)] = v
+        out.pop(-1, None)
+        out.pop(0, None)   # an empty tensor's storage has no address
+        return out
+
+    def buffer_storages(self) -> set:
+        return {_storage(b) for m in self.modules for b in m.buffers()}
 
 
 def _own_state_dict(obj, base) -> bool:

@@ -230,7 +230,10 @@ class LiveState:
         self._buddy_limit = None if buddy_memory_limit_mb is None else int(float(buddy_memory_limit_mb) * 1e6)
         self._buddy = None
         self.last_recovery: Optional[dict] = None   # restore()'s summary (rank 0's view), for tests and logs
-        self.stats = {"commits": 0, "snapshot_s": 0.0, "first_commit_s": 0.0, "guarded": 0, "guard_s": 0.0}
+        # commit_bytes: what the last commit copied (buffers, RNG, positions; whole states that cannot be read in
+        # place); in_place_bytes: what the first commit read in place instead (parameters, optimizer state)
+        self.stats = {"commits": 0, "snapshot_s": 0.0, "first_commit_s": 0.0, "guarded": 0, "guard_s": 0.0,
+                      "commit_bytes": 0, "commit_bytes_total": 0, "in_place_bytes": 0}
         self.refused: Optional[str] = None
         self._pending = 0
         self._described: Optional[dict] = None   # identity and layout of its objects (once read)
@@ -416,10 +419,14 @@ class LiveState:
         except W.Refused as exc:
             self._refuse(exc)
             return
+        copied = sum(t.copied for t in self.tracked.values())
+        self.stats["commit_bytes"] = copied
+        self.stats["commit_bytes_total"] += copied
         if first:
-            for tracked in self.tracked.values():
-                if tracked.note:
-                    _say(f"LiveState '{self.name}': {tracked.note}")
+            self.stats["in_place_bytes"] = sum(t.in_place for t in self.tracked.values())
+            notes = [t.note for t in self.tracked.values() if t.note]
+            if notes:   # what is still copied whole, and why: one line
+                _say(f"LiveState '{self.name}': " + "; ".join(notes))
         held = _REG.held.get(self.name)
         if held is None or held.live is not self:
             held = _REG.held[self.name] = _Held(self, step)
@@ -734,7 +741,7 @@ class LiveState:
             tracked = self.tracked[name]
             state = ready[name]
             try:
-                loaded = W.copy(state) if tracked.kind == O.SNAPSHOT else None
+                loaded = tracked.before_load(state)
                 own = fresh[name][0]
                 in_place = (tracked.kind == O.MODULE and not tracked.extra and len(own) == len(W.flat(state))
                             and all(own.get(p) is t for p, t in W.flat(state).items()))

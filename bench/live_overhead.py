@@ -1,0 +1,95 @@
+"""What a LiveState costs in memory and copies per commit, per state form, in one run.
+
+    python bench/live_overhead.py [--width 1024] [--layers 8] [--steps 8] [--buddy] [--json out.json]
+    python bench/live_overhead.py --dry-run      # a tiny model, seconds
+
+Real jobs under ft_launcher (1 agent x 2 gloo ranks; bench/live_overhead_rank.py, ft.restartable in
+every case), one MLP with AdamW, fault-free:
+  ddp        DDP, `ft.LiveState(model=model, optimizer=opt)`, against the same job without it
+  app        FSDP2 (`fully_shard` over both ranks) through PyTorch's DCP recipe,
+             `ft.LiveState(app=AppState(model, opt))`, against the same job without it
+  app+buddy  (--buddy) the app job with `buddy_every=1`
+Per contender and rank: the bytes the last commit copied (`live.stats["commit_bytes"]`), the bytes
+the first read in place (`in_place_bytes`: parameters and optimizer state), the rank's own state
+(parameters and AdamW state, its shard under FSDP), and its peak RSS (VmHWM), with the ratio to the
+job without the LiveState and the difference in units of the rank's state.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_jobs import Job  # noqa: E402
+
+RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "live_overhead_rank.py")
+
+
+def run(form: str, live: bool, buddy: int, args) -> list:
+    job = Job("ft_launcher", 2, ["--max-restarts", "0"],
+              ["--form", form, "--live", str(int(live)), "--buddy-every", str(buddy), "--width", str(args.width),
+               "--layers", str(args.layers), "--steps", str(args.steps), "--out", "out"], script=RANK)
+    try:
+        job.proc.wait(timeout=args.timeout)
+    except BaseException:
+        job.stop(keep_dir=True)
+        raise
+    out = os.path.join(job.dir, "out")
+    if job.proc.returncode != 0 or not os.path.isdir(out):
+        job.stop(keep_dir=True)
+        raise SystemExit(f"{form} live={live}: exit {job.proc.returncode}; see {job.log.name}")
+    ranks = [json.load(open(os.path.join(out, f))) for f in sorted(os.listdir(out))]
+    job.stop()
+    return ranks
+
+
+def mib(kb: int) -> str:
+    return f"{kb / 1024:,.0f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--buddy", action="store_true", help="also the app job with buddy_every=1")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--json", default=None, help="write every rank's figures here")
+    p.add_argument("--dry-run", action="store_true", help="a tiny model: the bench's own check")
+    args = p.parse_args()
+    if args.dry_run:
+        args.width, args.layers, args.steps = 64, 2, 3
+    cases = [("ddp", False, 0), ("ddp", True, 0), ("app", False, 0), ("app", True, 0)]
+    if args.buddy:
+        cases.append(("app", True, 1))
+    t0 = time.time()
+    results = {}
+    for form, live, buddy in cases:
+        results[(form, live, buddy)] = run(form, live, buddy, args)
+    print(f"live_overhead: MLP {args.layers} x {args.width}, AdamW, 2 gloo ranks, {args.steps} steps, "
+          f"{time.time() - t0:.0f} s")
+    print(f"{'form':10} {'LiveState':10} {'state MB/rank':>14} {'commit bytes':>13} {'in place MB':>12} "
+          f"{'peak RSS MiB (r0, r1)':>22} {'vs without':>11} {'extra / state':>14} {'step ms':>8}")
+    rows = []
+    for (form, live, buddy), ranks in results.items():
+        base = results[(form, False, 0)]
+        ratio = max(r["peak_rss_kb"] / b["peak_rss_kb"] for r, b in zip(ranks, base))
+        extra = max((r["peak_rss_kb"] - b["peak_rss_kb"]) * 1024 / r["state_bytes"] for r, b in zip(ranks, base))
+        name = form + ("+buddy" if buddy else "")
+        what = "on" if live else "off"
+        commit = "-" if not live else f"{max(r['commit_bytes'] for r in ranks):,}"
+        in_place = "-" if not live else f"{max(r['in_place_bytes'] for r in ranks) / 1e6:.1f}"
+        print(f"{name:10} {what:10} {max(r['state_bytes'] for r in ranks) / 1e6:14.1f} {commit:>13} {in_place:>12} "
+              f"{mib(ranks[0]['peak_rss_kb']) + ', ' + mib(ranks[1]['peak_rss_kb']):>22} "
+              f"{ratio:10.3f}x {extra:+13.2f}x {1e3 * max(r['step_s_median'] for r in ranks):8.1f}")
+        rows.append({"form": name, "live": live, "ranks": ranks, "rss_ratio": ratio, "extra_in_states": extra})
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
