@@ -335,7 +335,7 @@ class LiveState:
         import torch
         import torch.distributed as dist
 
-        if self.refused is not None or not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and dist.is_initialized()):
             return False
         flag = torch.tensor([int(mine)], dtype=torch.int64, device=comm_backend.transfer_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
