@@ -70,12 +70,11 @@ from ft_launcher.agent.ranks.gpu_env import slot_device
 from ft_launcher.agent.rounds.job_rounds import JobRounds
 from ft_launcher.agent.recovery.restart_policy import Verdict
 from ft_launcher.agent.recovery.round_end import RoundEnd
-from ft_launcher.agent.rounds.round_types import RendezvousError, Round, Stopped, StoreLost, StoreReplaced
+from ft_launcher.agent.rounds.round_types import NAMED_UP_TO, RendezvousError, Round, Stopped, StoreLost, StoreReplaced
 from ft_launcher.agent.recovery.supervisor import Finished, Interrupted, Supervisor
 from ft_launcher.agent.recovery.teardown_watch import TeardownWatch
 
 EXIT_OK, EXIT_FAILED = 0, 1
-NAMED_UP_TO = 256   # a round of at most this many nodes names them in its events (reading the list is O(N))
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -113,7 +112,6 @@ class NodeAgent:
         # Parts made once the run starts (_run), None until then: _teardown stops those that exist
         self.flight: Optional[FlightRecorder] = None
         self._deferred_restart: Optional[list] = None     # restart lines said once the cycle's ranks stopped
-        self._trained_on: Optional[tuple] = None   # the last cycle's (world size, nodes, {node id: label}): --elastic
 
     # this node's processes, by part (agent.ranks.node_ranks)
     carrier = property(lambda self: self.ranks.carrier)
@@ -473,33 +471,10 @@ class NodeAgent:
 
     def _say_resize(self, rnd: Round) -> None:
         """--elastic: the round trains on fewer (or again more) nodes than the previous one: one line
-        on node 0 (`elastic_resize`) saying what changed for the training (TorchFT's rule: the global
-        batch shrinks with the replicas, the learning rate stays; docs/migrating-from-torchrun.md)."""
-        before, self._trained_on = self._trained_on, (rnd.world_size, rnd.nnodes,
-                                                      {n.node_id: n.label() for n in rnd.active}
-                                                      if self.cfg.elastic and rnd.members <= NAMED_UP_TO else {})
-        if not self.cfg.elastic or before is None or before[0] == rnd.world_size or rnd.group_rank != 0:
-            return
-        world, nodes, names = before
-        full = self.cfg.max_nodes
-        gone = [node_id for node_id in names if node_id not in self._trained_on[2]]
-        came = [label for node_id, label in self._trained_on[2].items() if node_id not in names]
-        # a node that left the job (excluded: an exit 17 or 16 under --elastic, ExcludeThisNode) was dropped, not lost
-        out = self.proto.get_raw([store_keys.excluded_node(n) for n in gone]) if rnd.world_size < world else []
-        lost = [names[n] for n, mark in zip(gone, out) if not mark]
-        dropped = [names[n] for n, mark in zip(gone, out) if mark]
-        if rnd.world_size < world:
-            why = "; ".join(f"node{'s' if len(labels) > 1 else ''} {', '.join(labels)} {how}"
-                            for how, labels in (("lost", lost), ("dropped", dropped)) if labels) or "nodes lost"
-            why += ", no spare"
-        else:
-            why = f"node{'s' if len(came) > 1 else ''} {', '.join(came)} joined"
-        self.events.event(
-            "elastic_resize",
-            f"training on {rnd.nnodes} of {full} nodes, world size {rnd.world_size} instead of {world}: the global "
-            f"batch is {rnd.world_size}/{world} of the previous one, the learning rate as it was ({why})",
-            world_size=rnd.world_size, previous_world_size=world, nnodes=rnd.nnodes, previous_nnodes=nodes,
-            lost=lost, dropped=dropped, joined=came)
+        on node 0 (agent.rounds.elastic)."""
+        resized = self.proto.elastic_rules.resized(rnd, self.proto.get_raw)
+        if resized:
+            self.events.event("elastic_resize", resized[0], **resized[1])
 
     def _start_ranks(self, rnd: Round, master: tuple, in_place: dict) -> None:
         """This node's ranks of cycle `rnd.number` (agent.ranks.node_ranks.start_ranks), then said."""
@@ -786,8 +761,7 @@ class NodeAgent:
         sel.register(self._wake_r, selectors.EVENT_READ)
         # --elastic, the job trains on fewer than MAX nodes: this node asks it to grow, once its warm
         # reserves are ready (at most warm_reserve_timeout): the others stop only for what is left
-        grow_by = (time.monotonic() + self.cfg.ft.warm_reserve_timeout
-                   if self.cfg.elastic and rnd.late and rnd.nnodes < self.cfg.max_nodes else None)
+        grow_by = self.proto.elastic_rules.grow_deadline(rnd, self.cfg.ft.warm_reserve_timeout)
         try:
             while True:
                 sel.select(timeout=0.05 if grow_by else 1.0)
@@ -821,12 +795,10 @@ class NodeAgent:
     def _ask_to_grow(self, rnd: Round) -> Verdict:
         """--elastic: this node joined while the job trains on fewer than MAX nodes: it interrupts the
         round (kind `grow`); the verdict re-forms the job with it, the healthy ranks kept in place."""
-        what = (f"node {self.me.label()} joined: the job grows from {rnd.nnodes} to "
-                f"{min(self.cfg.max_nodes, rnd.nnodes + 1)} nodes")
-        self.events.event("elastic_join", f"{what} -> asking the job to re-form with it", what=what,
+        report = self.proto.elastic_rules.grow_report(rnd, self.me.label(), self.me.node_id)
+        self.events.event("elastic_join", f"{report['what']} -> asking the job to re-form with it", what=report["what"],
                           nnodes=rnd.nnodes, warm=self.reserves.enabled and self.reserves.ready())
-        verdict = self.round_end.interrupt(rnd.number, {"kind": "grow", "what": what, "node_id": self.me.node_id},
-                                           rnd=rnd)
+        verdict = self.round_end.interrupt(rnd.number, report, rnd=rnd)
         return self._announce(rnd, verdict)
 
     # ---- what the monitors report (agent.ranks.monitor_set) -------------------------------------

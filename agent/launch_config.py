@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Set, Tuple
 
+from ft_launcher.agent.rounds.elastic import Elastic
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
 # torch's c10d rendezvous defaults, in seconds, so `--rdzv-conf` keeps its meaning.
@@ -78,8 +79,7 @@ class LaunchConfig:
         nodes = str(self.min_nodes) if self.min_nodes == self.max_nodes else f"{self.min_nodes}:{self.max_nodes}"
         where = ("a local store on a free port" if self.standalone
                  else f"{self.rdzv_backend} rendezvous at {self.rdzv_host}:{self.rdzv_port}")
-        if self.elastic:
-            nodes += f" elastic (up to {self.max_nodes} train, down to {self.min_nodes} go on)"
+        nodes += Elastic.of(self).words()
         if self.active_nodes:
             nodes += f" ({self.active_nodes} train: active_world_size {self.active_nodes * self.nproc_per_node})"
         return (f"starting: nnodes {nodes} (from {self.origins.get('nnodes', 'default')}), "

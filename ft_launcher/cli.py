@@ -61,7 +61,8 @@ def _launch_config(args, origins):
     check_output_paths(log_dir, ft)
     check_nvrx_log_paths(args, ft)
     active_nodes = training_nodes(ft, nproc, rdzv.min_nodes, rdzv.max_nodes)
-    check_elastic(args, ft, rdzv.min_nodes, rdzv.max_nodes)
+    elastic = bool(args.elastic)   # the flag goes to elastic's room (agent.rounds.elastic) and nowhere else
+    check_elastic(elastic, ft, rdzv.min_nodes, rdzv.max_nodes)
     check_metrics_port(args.metrics_port)
     ranks_filter = parse_ranks_filter(args.local_ranks_filter)
     applog_prefix, nvrx_logfile = args.nvrx__ft_per_cycle_applog_prefix, args.nvrx__ft_nvrx_logfile
@@ -75,7 +76,7 @@ def _launch_config(args, origins):
         workers_stop_timeout=args.workers_stop_timeout, ft=ft, entry_kind=entry_kind(args),
         entry_target=args.training_script, entry_args=list(args.training_script_args),
         origins=origins.describe(args, slurm), metrics_port=args.metrics_port, active_nodes=active_nodes,
-        elastic=bool(args.elastic), signals=signals, applog_prefix=applog_prefix and os.path.abspath(applog_prefix),
+        elastic=elastic, signals=signals, applog_prefix=applog_prefix and os.path.abspath(applog_prefix),
         nvrx_logfile=nvrx_logfile and os.path.abspath(nvrx_logfile))
 
 

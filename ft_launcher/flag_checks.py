@@ -4,9 +4,9 @@ not whole segments, --elastic without a MIN:MAX to go on within. Each is a one-l
 """
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
+from ft_launcher.agent.rounds.elastic import check_flag
 from ft_launcher.flag_values import parse_active_nodes
 from ft_launcher.flags import UsageError
 
@@ -31,19 +31,8 @@ def training_nodes(ft, nproc: int, min_nodes: int, max_nodes: int) -> Optional[i
     return active_nodes
 
 
-def check_elastic(args, ft, min_nodes: int, max_nodes: int) -> None:
-    """--elastic needs --nnodes MIN:MAX with MIN < MAX (the fewest nodes the job goes on with), and
-    chooses the training nodes itself (no active_world_size, no --ft-segment); without it, a
-    MIN:MAX gets one note saying it means hot spares (NVRx's meaning, not torchrun's)."""
-    if not args.elastic:
-        if min_nodes < max_nodes:
-            print(f"ft_launcher: note: --nnodes {min_nodes}:{max_nodes}: {min_nodes} node(s) train and the others "
-                  f"wait as hot spares (NVRx's meaning); for torchrun's (up to {max_nodes} train, the job goes on "
-                  f"with as few as {min_nodes}) add --elastic", file=sys.stderr)
-        return
-    if min_nodes >= max_nodes:
-        raise UsageError(f"--elastic needs --nnodes MIN:MAX with MIN < MAX (the fewest nodes the job goes on with), "
-                         f"got {min_nodes}:{max_nodes}")
-    if ft.active_world_size is not None or ft.segment:
-        raise UsageError("--elastic chooses the training nodes itself: it cannot be combined with "
-                         + ("active_world_size" if ft.active_world_size is not None else "--ft-segment"))
+def check_elastic(on: bool, ft, min_nodes: int, max_nodes: int) -> None:
+    """--elastic's check is elastic's own (agent.rounds.elastic.check_flag): its error, a UsageError."""
+    error = check_flag(on, ft, min_nodes, max_nodes)
+    if error:
+        raise UsageError(error)

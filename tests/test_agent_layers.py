@@ -49,3 +49,43 @@ def test_the_order_names_every_folder():
     folders = {d for d in os.listdir(os.path.join(ROOT, "agent"))
                if os.path.isfile(os.path.join(ROOT, "agent", d, "__init__.py"))}
     assert folders == set(ORDER)
+
+
+# ---- elastic's room -------------------------------------------------------------------------------
+# --elastic (cfg.elastic, args.elastic) is read in elastic's room only: the rules of MIN/MAX, shrink,
+# grow, the spare's wait and the resize line; every other module asks it (agent.rounds.elastic). The
+# command line hands the option over once, where it builds the launch config.
+ELASTIC_ROOM = {"agent/rounds/elastic.py"}
+ELASTIC_DOOR = {"ft_launcher/cli.py": 1}   # where the option becomes the config: how many reads
+
+
+def _py_files(*tops):
+    for top in tops:
+        for folder, _dirs, files in os.walk(os.path.join(ROOT, top)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    yield os.path.relpath(path, ROOT), path
+
+
+def _elastic_reads(path):
+    """Lines that read an `elastic` attribute (x.elastic, getattr(x, "elastic"))."""
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Attribute) and node.attr == "elastic":
+            yield node.lineno
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "elastic"):
+            yield node.lineno
+
+
+def test_no_module_outside_elastics_room_reads_the_elastic_flag():
+    readers = []
+    for rel, path in _py_files("agent", "rank_monitor", "ft_launcher"):
+        if rel in ELASTIC_ROOM:
+            continue
+        lines = list(_elastic_reads(path))
+        if len(lines) > ELASTIC_DOOR.get(rel, 0):
+            readers.append(f"{rel}:{','.join(map(str, lines))} reads the elastic flag")
+    assert not readers, "\n".join(readers)
+    assert all(list(_elastic_reads(os.path.join(ROOT, rel))) for rel in ELASTIC_ROOM | set(ELASTIC_DOOR))
+

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+from ft_launcher.agent.rounds.elastic import Elastic
+
 RESUME_ELSEWHERE = 16      # Megatron's EXIT_CODE_RESUME_TO_DISAMBIGUATE
 FAILED_VALIDATION = 17     # Megatron's EXIT_CODE_FAILED_ON_RESULT_VALIDATION
 CODES = (RESUME_ELSEWHERE, FAILED_VALIDATION)
@@ -82,9 +84,9 @@ def iteration_words(cycle: int, iteration: Optional[int]) -> str:
 class RerunDecision:
     """What the policy does with a 16 or 17 (`decide_*`): `stop` (one line) or changes to the verdict."""
 
-    def __init__(self, verdict, facts, inputs, elastic: Optional[Tuple[int, int]] = None):
+    def __init__(self, verdict, facts, inputs, elastic_rules: Optional[Elastic] = None):
         self.verdict, self.facts, self.inputs = verdict, facts, inputs
-        self.elastic = elastic   # --elastic: the job's (MIN, MAX) nodes; None: a job of fixed size
+        self.elastic_rules = elastic_rules or Elastic(1, 1)   # who may be dropped (agent.rounds.elastic)
         self.code = verdict.detail.get("exitcode")
         self.hw = verdict.detail["hardware"]
         self.history = earlier(facts.number, inputs)
@@ -131,7 +133,7 @@ class RerunDecision:
         loss) when at least MIN remain: how many go on (the verdict's `exclude` and `detail["dropped"]`
         set), or None (not elastic, or too few would remain)."""
         left = self.remaining(node)
-        if self.elastic is None or left < self.elastic[0]:
+        if not self.elastic_rules.drops(left):
             return None
         if node not in self.verdict.exclude:
             self.verdict.exclude = list(self.verdict.exclude) + [node]
@@ -140,17 +142,7 @@ class RerunDecision:
 
     def too_few(self, node: str) -> str:
         """--elastic: why dropping `node` cannot keep the job going ('' for a job of fixed size)."""
-        if self.elastic is None:
-            return ""
-        left, (low, high) = self.remaining(node), self.elastic
-        return (f", and without it {left} node{'s' if left != 1 else ''} would remain, fewer than the "
-                f"{low} of --elastic --nnodes {low}:{high}")
-
-    def gone_on(self, left: int) -> str:
-        """The words of a node dropped under --elastic."""
-        low, high = self.elastic
-        return (f"dropped (--elastic, no hot spare): the job goes on with {left} node{'s' if left != 1 else ''} "
-                f"(--nnodes {low}:{high})")
+        return self.elastic_rules.too_few_words(self.remaining(node))
 
     def place_17(self) -> Optional[str]:
         """A 17: the suspect node leaves for a spare, or under --elastic is dropped; the line's tail,
@@ -167,7 +159,7 @@ class RerunDecision:
             return None
         left = self.drop(node)
         if left is not None:
-            v.what += f"; the suspect, {why}, is {self.gone_on(left)}"
+            v.what += f"; the suspect, {why}, is {self.elastic_rules.dropped_words(left)}"
             return None
         return (f"{v.what}: the suspect, {why}, must not restart in place and no hot spare can take its place"
                 f"{self.too_few(node)}; stopping the job")
@@ -198,7 +190,7 @@ class RerunDecision:
             v.what += f"; its node leaves for a hot spare, where rank {v.rank} re-runs"
         elif node in facts.active and self.drop(node) is not None:
             v.what += (f"; its node (one rank: no other device there) is "
-                       f"{self.gone_on(v.detail['dropped']['nodes'])}, rank {v.rank}'s step re-runs without that GPU")
+                       f"{self.elastic_rules.dropped_words(v.detail['dropped']['nodes'])}, rank {v.rank}'s step re-runs without that GPU")
         else:
             return (f"{v.what}: no other hardware to re-run rank {v.rank} on (one rank on its node, no hot spare"
                     f"{self.too_few(node) if node in facts.active else ''}); restarting would give it the same GPU "

@@ -58,9 +58,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 from ft_launcher.agent.recovery.rerun_exits import RerunDecision, code_of
+from ft_launcher.agent.rounds.elastic import Elastic
 from ft_launcher.agent.rounds.round_types import Verdict, rung_words  # noqa: F401 - the policy's verdict
 from ft_launcher.rank_monitor.config import RESTART_GRANULARITIES
 
@@ -198,7 +199,7 @@ class RestartPolicy:
 
     def __init__(self, max_restarts: int, granularity: str = "auto", straggler_exclude: bool = False,
                  nodes: Tuple[int, int] = (1, 1), no_progress_limit: int = 0, min_progress_iterations: int = 1,
-                 iteration_file: Optional[str] = None, identical_failure_limit: int = 0, elastic: bool = False):
+                 iteration_file: Optional[str] = None, identical_failure_limit: int = 0, elastic: Union[bool, Elastic] = False):
         if granularity not in RESTART_GRANULARITIES:
             raise ValueError(f"restart granularity {granularity!r}: expected one of {', '.join(RESTART_GRANULARITIES)}")
         self.max_restarts = max_restarts
@@ -209,7 +210,9 @@ class RestartPolicy:
         self.min_progress_iterations = max(1, int(min_progress_iterations))
         self.iteration_file = iteration_file                 # progress by checkpoint iteration, else by steps
         self.identical_failure_limit = identical_failure_limit   # max_identical_failures (0: off)
-        self.elastic = elastic   # --elastic: a node that must leave with no spare is dropped while MIN remain
+        # --elastic: a node that must leave with no spare is dropped while MIN remain (agent.rounds.elastic:
+        # its rules, or whether they are on for these nodes)
+        self.elastic_rules = elastic if isinstance(elastic, Elastic) else Elastic(nodes[0], nodes[1], elastic)
 
     # -- the decision --------------------------------------------------------------------------
     def decide(self, report: dict, facts: RoundFacts, inputs: PolicyInputs) -> Verdict:
@@ -229,7 +232,7 @@ class RestartPolicy:
         if leaving:
             verdict.exclude = list(verdict.exclude) + [leaving]
         # a rank's exit 16 or 17 is a re-run, never a failure to progress (agent.recovery.rerun_exits)
-        rerun = RerunDecision(verdict, facts, inputs, self.nodes if self.elastic else None) if code_of(report) else None
+        rerun = RerunDecision(verdict, facts, inputs, self.elastic_rules) if code_of(report) else None
         pointless = (rerun.before_restart() if rerun else
                      self.same_error_again(verdict.what, inputs) or self.no_progress(inputs, facts.number))
         if pointless:                           # a stop, the budget untouched

@@ -26,6 +26,7 @@ from ft_launcher.agent.recovery.progress import ProgressTracker
 from ft_launcher.agent.recovery.restart_policy import (NODE_FAILURE_LIMIT, PolicyInputs, RestartPolicy, RoundFacts,
                                                        Verdict)
 from ft_launcher.agent.rounds import store_keys
+from ft_launcher.agent.rounds.elastic import Elastic
 from ft_launcher.agent.rounds.round_types import RendezvousError, Round
 
 
@@ -38,7 +39,7 @@ class RoundEnd:
         self.policy = RestartPolicy(cfg.max_restarts, ft.restart_granularity, ft.straggler_exclude,
                                     (cfg.min_nodes, cfg.max_nodes), ft.max_no_progress_cycles,
                                     ft.min_progress_iterations, ft.checkpoint_iteration_file,
-                                    ft.max_identical_failures, cfg.elastic)
+                                    ft.max_identical_failures, Elastic.of(cfg))
         # this node's progress: its agent polls it; when this node decides a verdict, it judges the
         # cycle and reads the history the policy counts
         self.progress = ProgressTracker(ft.max_no_progress_cycles, ft.min_progress_iterations,

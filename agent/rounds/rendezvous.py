@@ -50,6 +50,7 @@ import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 from ft_launcher.agent.rounds import segments, store_client, store_keys
+from ft_launcher.agent.rounds.elastic import Elastic
 from ft_launcher.agent.rounds.keepalive import Misses
 from ft_launcher.agent.rounds.store_client import NotAStore, StoreClient, StoreTimeout, StoreUnreachable
 from ft_launcher.agent.launch_config import LaunchConfig
@@ -404,6 +405,7 @@ class RoundProtocol:
     def __init__(self, store: JobStore, cfg: LaunchConfig, me: NodeInfo):
         self.store = store
         self.cfg = cfg
+        self.elastic_rules = Elastic.of(cfg)   # --nnodes MIN:MAX and --elastic (agent.rounds.elastic)
         self.me = me
         self._last_call = cfg.conf("last_call_timeout")
         # why too few nodes can remain once `excluded` have left, or None: the restart policy's,
@@ -489,7 +491,7 @@ class RoundProtocol:
         # --elastic, a restart round: the nodes still missing are looked at every ELASTIC_LOOK s (dead,
         # agent.rounds.keepalive.Misses: refused, or unanswered over a window: the round closes on
         # those there, at once; too few left: one line, exit 1)
-        elastic = self.cfg.elastic and bool(target)
+        elastic = self.elastic_rules.closes_on_the_living(target)
         if me.seq >= self.cfg.max_nodes or (target and me.seq >= max(target, need)):
             self._close(number, me.seq)
         elif elastic and self._elastic_close_due(number, me.seq, target):
@@ -566,9 +568,7 @@ class RoundProtocol:
         need = self.needed_nodes
         if alive < need:
             self.abandon_with(number, {"kind": "stop", "what": f"too few nodes left: {alive} of the {need} needed"})
-            raise RendezvousError(
-                f"elastic: the job cannot go on: {alive} node{'s' if alive != 1 else ''} left, fewer than the "
-                f"{need} --nnodes {self.cfg.min_nodes}:{self.cfg.max_nodes} needs (no hot spare left) -> exiting 1")
+            raise RendezvousError(self.elastic_rules.too_few_to_go_on(alive, need))
         return joined >= need and alive <= joined
 
     def _late_close_due(self, number: int, seq: int, joined: int, target: Optional[int], waited: float) -> bool:
@@ -702,15 +702,14 @@ class RoundProtocol:
         """How many nodes train in a round (the first in order); the others wait as hot spares.
         `--nnodes MIN:MAX`: MIN; with active_world_size: that many ranks' worth of nodes, the rest
         of the job's nodes being warm reserve nodes; --elastic: up to MAX."""
-        if self.cfg.elastic:
-            return self.cfg.max_nodes
-        return min(self.cfg.active_nodes, self.cfg.min_nodes) if self.cfg.active_nodes else self.cfg.min_nodes
+        fixed = min(self.cfg.active_nodes, self.cfg.min_nodes) if self.cfg.active_nodes else self.cfg.min_nodes
+        return self.elastic_rules.trainers(fixed)
 
     @property
     def needed_nodes(self) -> int:
         """How many nodes a round needs before it may close: the training nodes, or with --elastic
         MIN (a round closes on fewer than MAX after the last call, or once the missing are dead)."""
-        return self.cfg.min_nodes if self.cfg.elastic else self.training_nodes
+        return self.elastic_rules.needed(self.training_nodes)
 
     def _check_join_stop(self, number: int) -> None:
         """Stopped if another joiner's signal abandoned the round; NoRestart if too few nodes can remain."""

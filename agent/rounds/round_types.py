@@ -132,6 +132,7 @@ class Round:
         return self.nnodes + self.nspares
 
 
+NAMED_UP_TO = 256   # a round of at most this many nodes names them in its events (reading the list is O(N))
 HEAD = 5   # members at the head of the order every agent knows: the store host and its next successors
 
 
