@@ -1,5 +1,6 @@
 """agent/'s folders import one way: recovery -> ranks -> observation -> rounds (each may import those
-after it, never one before it), and agent/agent.py above them all. The import statements of every
+after it, never one before it), and agent/agent.py above them all, on at most AGENT_IMPORTS of our
+modules; --elastic is read in elastic's room only. The import statements of every
 module are read, those inside functions too (a lazy import is an import all the same).
 
 - rounds: the job's store, its keys and the round protocol: what every other part stands on;
@@ -89,3 +90,48 @@ def test_no_module_outside_elastics_room_reads_the_elastic_flag():
     assert not readers, "\n".join(readers)
     assert all(list(_elastic_reads(os.path.join(ROOT, rel))) for rel in ELASTIC_ROOM | set(ELASTIC_DOOR))
 
+
+# ---- agent.py stays the node's loop ---------------------------------------------------------------
+# It keeps the node's life, the loop over rounds that switches on the cycle's next step
+# (agent.recovery.cycle_end), the signal path and the exit codes; running a cycle is
+# agent.recovery.node_cycle's. Every project module it imports counts, lazy ones too.
+AGENT_IMPORTS = 12
+PACKAGES = {"ft_launcher.agent": "agent", "ft_launcher.rank_monitor": "rank_monitor", "ft_launcher": "ft_launcher"}
+
+
+def _module_path(dotted):
+    """The file of project module `dotted` (a package's __init__), or None."""
+    for prefix, folder in PACKAGES.items():
+        if dotted == prefix or dotted.startswith(prefix + "."):
+            rest = dotted[len(prefix):].lstrip(".").split(".") if dotted != prefix else []
+            base = os.path.join(ROOT, folder, *rest)
+            for path in (base + ".py", os.path.join(base, "__init__.py")):
+                if os.path.isfile(path):
+                    return path
+            return None
+    return None
+
+
+def project_imports(path, package):
+    """The project modules a module imports (`from X import m` counts module m, `from X import name` X)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("ft_launcher"):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if _module_path(sub) else base)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("ft_launcher"))
+    return found
+
+
+def test_agent_py_imports_at_most_twelve_of_our_modules():
+    mods = project_imports(os.path.join(ROOT, "agent", "agent.py"), "ft_launcher.agent")
+    assert all(_module_path(m) for m in mods), mods
+    assert len(mods) <= AGENT_IMPORTS, f"{len(mods)} > {AGENT_IMPORTS}: " + ", ".join(sorted(mods))

@@ -14,7 +14,7 @@ from conftest import ROOT, SCRIPTS, read_events
 
 WALK = [   # the step, and the call that makes it
     ("the death is classified", "failure_cause.rank_ended"),
-    ("this node reports it", "agent.NodeAgent._fail"),
+    ("this node reports it", "cycle_end.CycleEnd.failed"),
     ("to the round's end", "round_end.RoundEnd.interrupt"),
     ("the verdict is decided", "restart_policy.RestartPolicy.decide"),
     ("the verdict is applied on this node", "in_place_carrier.InPlaceCarrier.ask"),
@@ -50,7 +50,7 @@ def test_a_killed_rank_walks_through_each_part_once(launcher, tmp_path):
     assert steps == [call for _, call in WALK], "\n".join(steps)
     # once the job runs (imports done), the failure is classified only before its report; each
     # report to the round (the failure, then the job's completion) is decided once
-    report = calls.index("agent.NodeAgent._fail", begin)
+    report = calls.index("cycle_end.CycleEnd.failed", begin)
     running = calls.index("supervisor.Supervisor.__init__")
     classified = [i for i, c in enumerate(calls) if c.startswith("failure_cause.") and i > running]
     assert classified and all(begin <= i < report for i in classified), [calls[i] for i in classified]

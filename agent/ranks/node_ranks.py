@@ -18,6 +18,7 @@ rank gets the re-run's variables (rank_monitor.rerun_env).
 """
 from __future__ import annotations
 
+import glob
 import os
 from typing import Dict, List, Optional
 
@@ -30,7 +31,7 @@ from ft_launcher.agent.ranks.process_wait import Unkillable
 from ft_launcher.agent.ranks.rank_output import RankOutput
 from ft_launcher.agent.ranks.reserve_pool import ReservePool
 from ft_launcher.agent.ranks.workers import WorkerGroup, rank_env, set_wake_fd
-from ft_launcher.rank_monitor import rerun_env
+from ft_launcher.rank_monitor import buddy_store, rerun_env, shm_layout
 
 __all__ = ["NodeRanks", "Unkillable"]
 
@@ -141,3 +142,22 @@ class NodeRanks:
             self.reserves.rank_started(local_rank, rank.warm)   # a cold start is timed: the early rung's yardstick
             if monitor:
                 monitor.rank_started(rank.pid, rank.rank, rnd.number, rank.start_ns)
+
+    def shut_down(self, sig: int, timeout: float) -> None:
+        """The job ends by signal `sig`: the ranks are told why (their monitors' records) and stopped,
+        SIGKILL after `timeout`."""
+        if self.group is not None:
+            self.monitor_set.mark_stopping(shm_layout.STOP_SHUTDOWN, timeout)
+            self.group.stop(sig, timeout)
+
+    @staticmethod
+    def remove_marks(agent_pid: int) -> None:
+        """The ranks' said-once marks and their buddy copies (rank_monitor.buddy_store: host memory that
+        outlived the ranks, in the agent's own directory; the orphan watchdog removes them too if the
+        agent is killed)."""
+        for marker in glob.glob(shm_layout.warned_prefix(agent_pid) + "*"):
+            try:
+                os.unlink(marker)
+            except OSError:
+                pass
+        buddy_store.remove_agent_dir(agent_pid)
