@@ -7,7 +7,7 @@
 #
 #   .ci/busy_neighbour.sh            # the suite once (about 20 minutes on 2 cores)
 #   REPEAT=2 .ci/busy_neighbour.sh   # twice, the proof
-#   .ci/busy_neighbour.sh python -m pytest -q tests/test_launcher.py   # another command, same setting
+#   .ci/busy_neighbour.sh python -m pytest -q tests/jobs/test_launcher.py   # another command, same setting
 #
 # Unlike .ci/run it does not opt in to installing packages or editing /etc/hosts
 # (FT_TEST_SYSTEM_SETUP): the SLURM and browser tests run where SLURM and chromium are already

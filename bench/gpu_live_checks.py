@@ -52,7 +52,7 @@ def env(**extra):
 # ---- the watcher -----------------------------------------------------------------------------
 class RankRecord:
     """A rank's shared-memory record made here as its monitor would, seen as the agent's handle sees
-    it (record(), shm_path): this script, and tests/test_restart_watcher.py, play the agent."""
+    it (record(), shm_path): this script, and tests/monitor/unit/test_restart_watcher.py, play the agent."""
 
     def __init__(self, shm_path):
         from ft_launcher.rank_monitor import shm_layout as L

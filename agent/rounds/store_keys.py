@@ -2,7 +2,7 @@
 and what a store failover does with it. Modules compose key names only through the functions
 here (the name under the run's prefix `ft/<run_id>/`, which JobStore.key adds); a test fails when
 a module composes one itself, or when a key is declared without saying what a failover does
-with it (tests/test_store_keys.py).
+with it (tests/agent/unit/test_store_keys.py).
 
 What a failover does with a key (`failover=`; agent.rounds.store_failover):
 - SEEDED: the successor writes it fresh from what every survivor knows (the round, the budget

@@ -13,7 +13,7 @@ torch keeps that tensor's Python object alive from C++, so the worker takes the 
 collective completes a few milliseconds (CPython's switch interval) before the interpreter's end,
 the worker asks for the GIL as the main thread starts to finalize. On this 2-core host that was
 3 of 160 gloo FSDP rank exits (bench/exit_race.py; none of 160 with the settle), and a kept rank of
-an in-place restart was lost so in 1 run of 3 of tests/test_buddy_copy.py's two-node case: the job
+an in-place restart was lost so in 1 run of 3 of tests/live/jobs/test_buddy_copy.py's two-node case: the job
 then ended with exit 1.
 
 What it does (`install()`, once per process; rank_side.inprocess and the client's attach call it):

@@ -1,5 +1,5 @@
 """A rank under ft.restartable whose main thread blocks, without the GIL, where the in-place restart
-signal's Python handler cannot run until the call returns (tests/test_restart_watcher.py and
+signal's Python handler cannot run until the call returns (tests/monitor/unit/test_restart_watcher.py and
 bench/gpu_live_checks.py act as its agent: they write the request and wake its watcher).
 
     blocked_rank.py OUT HOW SECONDS [--cycles K]

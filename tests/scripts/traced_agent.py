@@ -1,6 +1,6 @@
 """`python -m ft_launcher`, with every call the agent's main thread makes into ft_launcher.agent's
 modules recorded ("module.Qualified.name", the module by its own name without its package, in order) and written as JSON to $FT_TEST_WALK_FILE at
-exit: tests/test_node_state.py follows one failure's walk through the agent's parts with it."""
+exit: tests/agent/unit/test_node_state.py follows one failure's walk through the agent's parts with it."""
 import atexit
 import json
 import os

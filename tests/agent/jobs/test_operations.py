@@ -65,7 +65,7 @@ def test_bad_operations_settings_are_one_line_errors(launcher, tmp_path, flag, v
 STRAGGLER = ["--ft-straggler-window", "0.5", "--ft-straggler-windows", "2"]
 
 
-@pytest.mark.slow   # the detection itself: tests/test_stragglers.py
+@pytest.mark.slow   # the detection itself: tests/agent/unit/test_stragglers.py
 def test_a_slow_rank_is_reported_as_a_straggler_naming_rank_node_and_ratio(launcher, tmp_path):
     first, second, logs = two_agents(launcher, tmp_path, "2", ["--steps", 40, "--step-time", 0.05,
                                                                "--slow-rank", 1, "--slow-time", 0.15],
@@ -229,7 +229,7 @@ def test_an_unwritable_checkpoint_dir_fails_the_health_check_with_the_chosen_exi
 @pytest.mark.slow   # by default test_an_unwritable_checkpoint_dir_fails_the_health_check_with_the_chosen_exit_code
 def test_too_little_free_disk_fails_the_health_check(launcher, tmp_path):
     """min_free_disk_gb is the room a checkpoint directory must have; a log directory below it
-    only warns (tests/test_agent_environment.py: a small log disk)."""
+    only warns (tests/agent/jobs/test_agent_environment.py: a small log disk)."""
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
     res = launcher.run(["--standalone", "--nproc-per-node", 1, *QUIET, "--log-dir", logs, "--ft-checkpoint-dir", ckpt,
                         "--ft-min-free-disk-gb", "1e9", OPS, tmp_path / "out", "--steps", 3], timeout=60)

@@ -7,7 +7,7 @@ whose `what` is the operator's line.
   HangBlame deciding on a store this process hosts, with two real monitors to tell).
 - A rank raised under ft.restartable; peer nodes stopped answering; a rank's workload control
   request (ShutdownWorkload stops, ExcludeThisNode leaves, Continue and unknown actions do nothing).
-(How the supervisor gets there in a real job: tests/test_failure_walk.py.)
+(How the supervisor gets there in a real job: tests/agent/jobs/test_failure_walk.py.)
 """
 import signal
 

@@ -8,7 +8,7 @@
   and so does every examples/, tests/, bench/ or docs/ path a command names; YAML examples load;
 - every relative link between the docs resolves, to a file and to a heading in it;
 - every event kind the agent writes is listed in docs/operations.md;
-- the README's first two commands are what .ci/run runs and what tests/test_first_hour.py runs.
+- the README's first two commands are what .ci/run runs and what tests/jobs/test_first_hour.py runs.
 """
 import glob
 import io
@@ -430,7 +430,7 @@ def test_the_readme_first_commands_are_what_ci_and_the_first_hour_test_run():
     assert 'bash -eo pipefail -c "$command"' in ci   # and runs each
     first_block = next(lines for lang, lines in _blocks(readme) if lang == "bash")
     assert from_ci == first_block[:2], (from_ci, first_block[:2])
-    # tests/test_first_hour.py runs the first line's ft_launcher command (the part after its last &&)
+    # tests/jobs/test_first_hour.py runs the first line's ft_launcher command (the part after its last &&)
     first_hour = readme.split("```bash\n", 1)[1].splitlines()[0]
     assert first_hour == from_ci[0]
     run, test = from_ci

@@ -2,7 +2,7 @@
 every flag can come from its variable; the command line beats a variable, a variable beats SLURM;
 a malformed variable is a one-line error naming it; the agent's first line says where the node
 count and the endpoint came from. (A whole job configured by PET_* variables alone, surviving a
-killed rank and a lost pod: tests/test_k8s_examples.py.)"""
+killed rank and a lost pod: tests/jobs/test_k8s_examples.py.)"""
 import os
 
 import pytest

@@ -15,10 +15,11 @@ import tempfile
 import pytest
 import yaml
 
+from conftest import ROOT
 from ft_launcher import cli, nvrx_flags
 from ft_launcher.rank_monitor.config import FIELD_NAMES, FaultToleranceConfig, parse_value
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "env_dump.py")
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "env_dump.py")
 
 # (every spelling NVRx 0.7 accepts, a sample value; None for a switch)
 NVRX07_FLAGS = [
@@ -371,7 +372,7 @@ from ft_launcher.agent.rounds import segments  # noqa: E402
 from ft_launcher.agent.rounds.round_types import NodeInfo  # noqa: E402
 from conftest import free_port, wait_for as _wait_for  # noqa: E402
 
-FAKE_NVML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_nvml")
+FAKE_NVML = os.path.join(ROOT, "tests", "fake_nvml")
 DOMAIN_A, DOMAIN_B = "aaaaaaaa-0000-4000-8000-000000000001", "bbbbbbbb-0000-4000-8000-000000000002"
 
 
@@ -404,7 +405,7 @@ def test_segments_put_a_whole_domain_to_work_and_the_odd_node_on_standby(launche
     common = ["--nnodes", "2:3", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
               f"seg{port}", "--rdzv-conf", "join_timeout=60,last_call_timeout=1", "--ft-segment", "2",
               "--ft-warm-reserves", "0", CYCLE_RANK, "0", "0"]
-    env = {"PYTHONPATH": os.pathsep.join([FAKE_NVML, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))])}
+    env = {"PYTHONPATH": os.pathsep.join([FAKE_NVML, ROOT])}
     procs = {}
     for order, domain in ((1, DOMAIN_B), (0, DOMAIN_A), (2, DOMAIN_B)):
         procs[order] = launcher.start(common, extra_env=dict(env, GROUP_RANK=str(order), FAKE_NVML_CLUSTER_UUID=domain))
@@ -426,7 +427,7 @@ def _port_open(port):
 def test_segment_on_a_node_without_an_nvlink_domain_is_one_line(launcher, tmp_path):
     res = launcher.run(["--standalone", "--nproc-per-node", "1", "--ft-segment", "1", CYCLE_RANK, "0", "0"],
                        timeout=60, extra_env={"PYTHONPATH": os.pathsep.join(
-                           [FAKE_NVML, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))])})
+                           [FAKE_NVML, ROOT])})
     assert res.returncode == 1
     assert ("segment 1: this node's NVLink domain is unknown (GPU 0 reports no NVLink fabric cluster UUID)"
             in res.stderr) and "Traceback" not in res.stderr

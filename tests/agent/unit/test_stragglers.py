@@ -7,7 +7,7 @@ from the counters its monitor keeps, compared with the median of the other ranks
   one stepping ten times slower), the round's keys on a store this process hosts, a real event
   log; the windows are told by the caller's clock. The slow rank is reported once, after
   straggler_windows windows in a row, with its node kept for exclusion; a new cycle starts over.
-(A whole job naming its straggler: tests/test_operations.py.)
+(A whole job naming its straggler: tests/agent/jobs/test_operations.py.)
 """
 import json
 import os

@@ -12,7 +12,7 @@ import torch
 
 from ft_launcher.agent.ranks import gpu_memory
 from ft_launcher.agent.recovery.health_checks import HealthChecks
-from conftest import EXAMPLE, SCRIPTS, read_events
+from conftest import EXAMPLE, ROOT, SCRIPTS, read_events
 from harness import read_json
 from ft_launcher.rank_monitor.config import FaultToleranceConfig
 
@@ -178,13 +178,13 @@ def test_a_gpu_still_holding_a_dead_rank_fails_the_health_check_with_one_line(tm
         proc.wait()
 
 
-FAKE_NVML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_nvml")
+FAKE_NVML = os.path.join(ROOT, "tests", "fake_nvml")
 GPU_RANK = os.path.join(SCRIPTS, "gpu_rank.py")
 
 
 def fake_nvml_env(tmp_path, mode):
     (tmp_path / "gpu").mkdir()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     return {"PYTHONPATH": os.pathsep.join([FAKE_NVML, root, os.environ.get("PYTHONPATH", "")]),
             "FAKE_NVML_DIR": str(tmp_path / "gpu"), "FAKE_NVML_MODE": mode}
 

@@ -1,6 +1,6 @@
 """The restart decision (agent/recovery/restart_policy.py), pure: `RestartPolicy.decide(report,
 facts, inputs)` reads and writes nothing, so every rule is tested here from its inputs alone (the
-round protocol that gathers them and carries the verdict out is tests/test_round_protocol.py).
+round protocol that gathers them and carries the verdict out is tests/agent/unit/test_round_protocol.py).
 
 What is decided: the rung (in place only when every training node declared its ranks restartable
 and the granularity allows it); a rank that fails again at once in the same slot is replaced; a

@@ -101,7 +101,7 @@ def test_restart_activates_a_warm_reserve_that_runs_the_script_as_a_cold_rank_wo
         assert cold["argv"][0] == str(tmp_path / "probe_mod.py") and cold["path0"] == str(tmp_path)
 
 
-@pytest.mark.slow   # 40 s; activation is covered by the test above, an exact resume by tests/test_launcher.py
+@pytest.mark.slow   # 40 s; activation is covered by the test above, an exact resume by tests/jobs/test_launcher.py
 def test_example_resumes_exactly_from_warm_reserves(launcher, tmp_path):
     """The example DDP job, a rank killed once every reserve is warm: the restarted ranks are
     reserves and the model ends bit-identical to a fault-free run's."""

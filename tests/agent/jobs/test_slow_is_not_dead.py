@@ -24,7 +24,7 @@ def _pause(pid, seconds):
         time.sleep(seconds)   # the pause itself is the fault: nothing to await
 
 
-@pytest.mark.slow   # a paused store told from a dead one: tests/test_store_client.py
+@pytest.mark.slow   # a paused store told from a dead one: tests/agent/unit/test_store_client.py
 def test_a_paused_store_host_and_a_paused_agent_lose_no_node(launcher, tmp_path):
     port = free_port()
     logs, out = tmp_path / "logs", tmp_path / "ranks"

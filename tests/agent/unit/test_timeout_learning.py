@@ -8,7 +8,7 @@ the round's keys on a store this process hosts, files in the test's dir.
 - The writer (node 0) combines what the agents published, computes, logs each change, writes
   ft_state.json and publishes a version; another agent applies a new version once; the next job
   starts from the file, which a job that asked for neither computing nor the file never reads.
-(Whole jobs learning their timeouts: tests/test_computed_timeouts.py.)
+(Whole jobs learning their timeouts: tests/monitor/unit/test_computed_timeouts.py.)
 """
 import json
 import os

@@ -258,7 +258,7 @@ def hardware_rows(out, rank):
     return [(int(c), int(lr), of, moved) for c, _, lr, of, moved in rows]
 
 
-@pytest.mark.slow   # the rules: tests/test_rerun_exits.py (default, fast)
+@pytest.mark.slow   # the rules: tests/agent/jobs/test_rerun_exits.py (default, fast)
 @pytest.mark.parametrize("fatal", [False, True])
 def test_megatron_exit_16_reruns_every_rank_on_another_device_without_a_loop(launcher, tmp_path, fatal):
     """2 agents x 2 ranks, Megatron's shape through NVRx's client: rank 3's result is suspect at
@@ -288,7 +288,7 @@ def test_megatron_exit_16_reruns_every_rank_on_another_device_without_a_loop(lau
     assert "no hot spare can take its place; stopping the job -> the job stops without a restart: exiting 93" in last
 
 
-@pytest.mark.slow   # the rules: tests/test_rerun_exits.py (default, fast)
+@pytest.mark.slow   # the rules: tests/agent/jobs/test_rerun_exits.py (default, fast)
 def test_megatron_exit_17_hands_the_node_to_the_spare(launcher, tmp_path):
     """--nnodes 1:2, 2 ranks: every rank exits 17 at step 5 (a failed validation, Megatron's shape
     through NVRx's client); the node leaves (93), the spare resumes from the checkpoint and finishes."""

@@ -25,8 +25,8 @@ from harness import RESTARTABLE, Job, check_flat, in_phase, run_faulty, sample_e
 
 PHASES = ("setup", "step", "checkpointing")
 FAULTS = ("killed", "hung", "raise")
-# By default: a raise here; a kill in place on 2x2 runs by default in tests/test_live_state.py (the
-# same in-place path, plus live state) and a hang in place on 1x2 in tests/test_hang_blame.py
+# By default: a raise here; a kill in place on 2x2 runs by default in tests/live/jobs/test_live_state.py (the
+# same in-place path, plus live state) and a hang in place on 1x2 in tests/agent/jobs/test_hang_blame.py
 DEFAULT = {("raise", "step", "1x2")}
 
 
@@ -96,7 +96,7 @@ def test_in_place_restart(launcher, tmp_path, reference, fault, phase, topology)
         assert "(an exception); noticed by the rank itself" in incident[0], res.stdout
 
 
-@pytest.mark.slow   # the policy's granularity rules: tests/test_restart_policy.py
+@pytest.mark.slow   # the policy's granularity rules: tests/agent/unit/test_restart_policy.py
 def test_node_granularity_replaces_the_failed_node_and_keeps_the_other(launcher, tmp_path, reference):
     job = run_faulty(launcher, tmp_path, "2x2", "killed", "step", 3, ft_args=["--ft-restart-granularity", "node"])
     evs = check_in_place(job, reference, healthy=[0, 1], replaced=[2, 3])
@@ -144,7 +144,7 @@ def test_fifty_in_place_restarts_leave_a_healthy_rank_flat(launcher, tmp_path):
     restarts = 50
     args = ["--standalone", "--nproc-per-node", 2, "--max-restarts", restarts + 5, "--log-dir", tmp_path / "logs",
             "--ft-max-no-progress-cycles", 0, "--ft-warm-reserves", 2,
-            os.path.join(os.path.dirname(__file__), "..", "examples", "ddp_train.py"), "--restartable",
+            os.path.join(ROOT, "examples", "ddp_train.py"), "--restartable",
             "--steps", 8, "--ckpt-every", 1, "--fail-at-step", 5, "--fail-rank", 1, "--fail-cycles", restarts,
             "--ckpt-dir", tmp_path / "ckpt"]
     proc = launcher.start(args)
@@ -181,7 +181,7 @@ def test_restartable_outside_the_launcher_only_calls_the_function(tmp_path):
         "    train('boom')\n"
         "except ValueError:\n"
         "    print('propagated', calls)\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FT_", "TORCHELASTIC"))}
     env["PYTHONPATH"] = root
     res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)

@@ -2,7 +2,7 @@
 there with its shape, writer, readers and what a store failover does with it; no other module
 composes a key; and a failover carries exactly the keys marked CARRIED (a real store host, a real
 successor hosting the next store, the round protocol and the failover of agent/rounds).
-Whole jobs that fail over between failures: tests/test_store_failover.py.
+Whole jobs that fail over between failures: tests/agent/jobs/test_store_failover.py.
 """
 import ast
 import inspect

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from conftest import ROOT
 from harness import await_state, fill_backlog
 
 from ft_launcher.agent.rounds.keepalive import ANSWERED, REFUSED, SILENT, Misses, probe, watch_connection
@@ -27,7 +28,7 @@ LISTENER = ("import select, sys\n"
 
 def _listener():
     """A process holding an AliveListener that accepts every connection; and its port."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     proc = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=root))
     return proc, int(proc.stdout.readline())

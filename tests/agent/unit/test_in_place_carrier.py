@@ -11,7 +11,7 @@ sleeps for ranks that are not restartable), the round's keys on a store this pro
   exited, or did not get there within inprocess_timeout, is killed, and an `inprocess_timeout`
   event says so; a signal ends the wait at once;
 - `drop` kills carried ranks that will not restart, with a line each.
-(The whole path in a real job: tests/test_inprocess_restart.py, tests/test_failure_walk.py.)
+(The whole path in a real job: tests/agent/jobs/test_inprocess_restart.py, tests/agent/jobs/test_failure_walk.py.)
 """
 import os
 import signal

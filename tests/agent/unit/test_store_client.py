@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from conftest import ROOT
 from ft_launcher.agent.rounds import store_client
 from ft_launcher.agent.rounds.store_client import NotAStore, StoreClient, StoreTimeout, StoreUnreachable
 
@@ -25,7 +26,7 @@ SERVER = ("import socket, sys, time\n"
 @pytest.fixture
 def server():
     proc = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+                            env=dict(os.environ, PYTHONPATH=ROOT))
     try:
         port, libuv = proc.stdout.readline().split()
         assert libuv == "True"

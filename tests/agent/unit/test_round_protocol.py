@@ -3,7 +3,7 @@ real TCPStore: reporters racing in threads (each with its own store connection, 
 one verdict; what the protocol reads for the policy (PolicyInputs: restartable nodes, origins and
 progress of earlier rounds, stragglers, exclusions, the budget) and what it writes after (the
 budget, the origin) carry a job's history from round to round. The rules themselves are
-tests/test_restart_policy.py's, without a store.
+tests/agent/unit/test_restart_policy.py's, without a store.
 """
 import json
 import threading

@@ -8,7 +8,7 @@ By default, with a rank that does not import torch (tests/scripts/cycle_sleeper.
 - 2 agents, --nnodes 2: the survivor cannot go on; it exits 1 within a bound with one line.
 - the policy's history outlives the store host (ranks of tests/scripts/cycle_plan.py): a job that
   failed the same way twice before the loss stops at the same failure after it (93); slow: the
-  same for cycles without progress. Exactly what a failover carries: tests/test_store_keys.py.
+  same for cycles without progress. Exactly what a failover carries: tests/agent/unit/test_store_keys.py.
 Slow (the example DDP job, tests/harness.py's Job, checked against a fault-free run):
 - the same SIGKILL mid-training ends with exactly the model of a fault-free run; the time from
   the kill to every rank stepping again is printed;

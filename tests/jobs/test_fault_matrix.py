@@ -29,7 +29,7 @@ them (setup: before init_process_group completes nobody notices otherwise). Eith
 restarts once and the failure names the rank that left early.
 
 Every combination is slow (the default suite runs each path once elsewhere, see DEFAULT):
-    python -m pytest -q -m "slow or not slow" tests/test_fault_matrix.py   # the full matrix
+    python -m pytest -q -m "slow or not slow" tests/jobs/test_fault_matrix.py   # the full matrix
 """
 import os
 import signal

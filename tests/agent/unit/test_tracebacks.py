@@ -2,7 +2,7 @@
 agent.ranks.rank_output passes them on: where a block starts and when it is complete, its exception
 line (the last of a chain), whether it is only a collective's error from a peer that went away,
 the signature that tells two failures are the same, and the one-line form. Pure: lines and clock
-values in, words out. (A whole job's folded victims: tests/test_first_hour.py.)
+values in, words out. (A whole job's folded victims: tests/jobs/test_first_hour.py.)
 """
 import pytest
 

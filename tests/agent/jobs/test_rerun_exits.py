@@ -2,7 +2,7 @@
 RestartPolicy.decide): the decisions from their inputs (no store, no processes), then short real
 jobs (tests/scripts/rerun_exit_rank.py, no torch, ranks under ft.restartable): the swap of two slots,
 16 again, 17 with no spare. The Megatron-shaped jobs through NVRx's client (every rank restarts:
-the rotation; 17 with a spare) are tests/test_nvrx_client.py's `test_megatron_exit_*`, slow.
+the rotation; 17 with a spare) are tests/third_party/nvrx/test_nvrx_client.py's `test_megatron_exit_*`, slow.
 
 - 16: the rank re-runs on other hardware, never the same device: a swap of two slots (ranks
   restart in place), a rotation of every node's slots (every rank restarts), a hot spare (one rank
