@@ -1,7 +1,7 @@
 """Elastic's room: `--elastic --nnodes MIN:MAX`, torchrun's meaning (up to MAX nodes train, the job
 goes on down to MIN at once and grows back), and every rule that follows from it. The other modules
 ask `Elastic` (one per job: `Elastic.of(cfg)`); none of them reads the flag itself
-(tests/test_agent_layers.py holds it). Without `--elastic`, MIN train and the other nodes wait as
+(tests/house/test_agent_layers.py holds it). Without `--elastic`, MIN train and the other nodes wait as
 hot spares (NVRx's meaning).
 
 - **MIN/MAX**: how many nodes train (`trainers`) and how many a round needs before it closes

@@ -255,7 +255,7 @@ def test_a_store_lost_during_the_liveness_check_is_a_store_loss_not_a_traceback(
     """The restart round's liveness check (who of the previous round still ticks) reads the
     store through the protocol's one client: a lost store there is StoreLost, which fails over
     (it was torch's DistNetworkError, a traceback). In-process, a real store that goes away."""
-    from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol, _Liveness
+    from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
     from ft_launcher.agent.rounds.round_types import NodeInfo, StoreLost
     from ft_launcher.cli import launch_config
 
@@ -267,9 +267,8 @@ def test_a_store_lost_during_the_liveness_check_is_a_store_loss_not_a_traceback(
                           NodeInfo(node_id="me", host="127.0.0.1", order_key=None, nproc=1))
     assert host.is_host and not proto.store.is_host
     del host   # the store host is gone
-    liveness = _Liveness(proto, [NodeInfo(node_id="peer", host="127.0.0.1", order_key=None, nproc=1)])
     with pytest.raises(StoreLost, match="lost the rendezvous store at 127.0.0.1"):
-        liveness.alive_count(0, 0, time.monotonic())
+        proto._alive(0, [NodeInfo(node_id="peer", host="127.0.0.1", order_key=None, nproc=1)])
 
 
 @pytest.mark.slow
