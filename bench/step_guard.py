@@ -5,7 +5,8 @@ with ft.LiveState, a checkpoint every 50 steps), at two sizes (`--widths`: a sma
 costs show, and a step of >= 100 ms on this CPU):
 
 1. the steady step, jobs alternated `--reps` times (median of each job's median step, the ratio to
-   the LiveState job without the guard):
+   the LiveState job without the guard; `inside the guard`: LiveState's own timer per guarded step,
+   which includes waiting in the table's all_reduce for the slower rank):
    - `live`: LiveState, no guard (the baseline);
    - `loss=`: the guard takes the gradients' norm itself, the fingerprint's K from its 1 % budget;
    - `grad_norm=`: the loop's clip_grad_norm_ value given, K from the budget;
@@ -80,15 +81,16 @@ def steady(tmp: str, width: int, steps: int, reps: int) -> None:
     base = statistics.median(medians["live"])
     print(f"\nwidth {width}: {finals['live']['state_bytes'] / 1e6:.1f} MB of parameters and AdamW state per rank; "
           f"median step with LiveState, no guard: {base * 1e3:.2f} ms ({reps} jobs of {steps} steps per kind)")
-    print("| kind | median step | vs no guard | per step | K agreed | one digest |")
-    print("|---|---|---|---|---|---|")
+    print("| kind | median step | vs no guard | per step | inside the guard | K agreed | one digest |")
+    print("|---|---|---|---|---|---|---|")
     for kind in kinds:
         m = statistics.median(medians[kind])
         f = finals[kind]
         k = f.get("fingerprint_k") if kind != "live" else None
         cost = f"{f['fingerprint_s'] * 1e3:.3f} ms" if kind != "live" and f.get("fingerprint_s") else "-"
+        inside = f"{f['guard_s'] / f['guarded'] * 1e3:.2f} ms" if f.get("guarded") else "-"
         print(f"| {kind} | {m * 1e3:.2f} ms ({', '.join(f'{x * 1e3:.1f}' for x in medians[kind])}) | "
-              f"{m / base:.3f} | {(m - base) * 1e6:+.0f} us | {k if k is not None else '-'} | {cost} |")
+              f"{m / base:.3f} | {(m - base) * 1e6:+.0f} us | {inside} | {k if k is not None else '-'} | {cost} |")
 
 
 def faults(tmp: str, width: int, steps: int, fault: int) -> None:
@@ -113,7 +115,7 @@ def faults(tmp: str, width: int, steps: int, fault: int) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--widths", default="256,1280", help="the MLP's hidden widths, comma-separated")
+    p.add_argument("--widths", default="256,1792", help="the MLP's hidden widths, comma-separated")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--fault", type=int, default=30, help="the step of the simulated faults")
