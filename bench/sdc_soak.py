@@ -6,7 +6,8 @@ Each fault ends one of three ways, and only the last is a failure:
 - exact: exit 0, every replica's parameters bit-equal (sha256) to the fault-free run's;
 - explicit: the job stopped with a line that says why (exit 93: the data's line, or a node that
   must leave with no spare), or ended with a guard line that says its result may differ from a
-  run without the fault (a heal after a late digest);
+  run without the fault (a heal after a late digest), or with the line of the replicas' last
+  comparison at the job's end (a flip after the last digest: it names the odd replica);
 - SILENT: anything else (replicas that differ, or a result that differs with no line).
 Finite flips (`expflip`, `mantflip`) in the backward, before the all-reduce, are left out of the
 draw: every replica applies the same slightly different update, and docs/sdc-and-nan.md says the
@@ -79,6 +80,8 @@ def judge(result: dict, ref: list) -> str:
     if result["code"] == 0 and any("may differ" in x for x in lines) and result["digests"] \
             and len(set(result["digests"])) == (2 if len(set(ref)) == 2 else 1):
         return "explicit"
+    if result["code"] == 0 and any("at the job's end" in x and "not exact" in x for x in lines):
+        return "explicit"   # the replicas' last comparison (end_fingerprint) names the odd one
     return "SILENT"
 
 

@@ -218,8 +218,8 @@ def _teardown() -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         try:   # NCCL's communicators were aborted (restart_watcher.act): gloo's group is destroyed here
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            if dist.is_initialized():   # torch's own: the script's end (the replicas' last comparison) is not here
+                getattr(dist.destroy_process_group, "__wrapped__", dist.destroy_process_group)()
         except Exception as exc:  # noqa: BLE001 - an aborted group may complain; it is gone either way
             sys.stderr.write(f"ft_launcher: destroying the process group at the restart: {exc!r}\n")
     c10d = sys.modules.get("torch.distributed.distributed_c10d")

@@ -74,7 +74,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ft_launcher.rank_monitor.rank_side import comm_backend, exit_settle, inprocess
-from ft_launcher.rank_monitor.rank_side.live import buddy_copy, gpu_commit, guard_targets, sdc_sim, step_guard
+from ft_launcher.rank_monitor.rank_side.live import buddy_copy, end_fingerprint, gpu_commit, guard_targets, sdc_sim, step_guard
 from ft_launcher.rank_monitor.rank_side.live.backward_watch import BackwardWatch
 from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
@@ -342,6 +342,7 @@ class LiveState:
         guarded = bool(flag.item())
         if guarded:
             step_guard.MEM.guarded = True
+            _drain_before_destroy()
             if not self.guard_targets().found:
                 _say(f"LiveState '{self.name}': the step guard finds no module or optimizer among its objects "
                      f"({', '.join(sorted(self.objects))}): it checks only the loss= and grad_norm= given, sees "
@@ -845,8 +846,9 @@ def _source_name(plan: Plan, r: int) -> str:
 
 
 def _drain_before_destroy() -> None:
-    """The script's own `destroy_process_group()` (at its end) first waits for the buddy exchange in
-    flight: a group destroyed under it aborts the process."""
+    """The script's own `destroy_process_group()` (at its end) first compares the replicas once more
+    (end_fingerprint, when guarded) and waits for the buddy exchange in flight: a group destroyed
+    under it aborts the process. (A restart's teardown calls the unwrapped one.)"""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -855,6 +857,10 @@ def _drain_before_destroy() -> None:
     original = c10d.destroy_process_group
 
     def destroy_process_group(*args, **kwargs):
+        try:   # the replicas' last comparison (a flip within the fingerprint's last period)
+            end_fingerprint.compare()
+        except Exception as exc:  # noqa: BLE001 - the script's end goes on
+            print(f"ft_launcher: the replicas' last comparison failed: {exc!r}", file=sys.stderr, flush=True)
         if _REG.buddy is not None:
             _REG.buddy.close(join_for=60.0)
             _REG.buddy = None

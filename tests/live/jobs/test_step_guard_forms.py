@@ -297,3 +297,14 @@ def test_a_seeded_sdc_soak_ends_with_no_silent_divergence(tmp_path):
     done = subprocess.run([sys.executable, f"{ROOT}/bench/sdc_soak.py", "--faults", "6", "--seed", "7"],
                           capture_output=True, text=True, timeout=1400, cwd=tmp_path)
     assert done.returncode == 0 and "silent divergence: 0" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_a_flip_in_memory_after_the_last_comparison_is_said_at_the_jobs_end(launcher, tmp_path):
+    """A flip in rank 1's parameters at the last step: no later commit compares it during the run;
+    the replicas' last comparison (end_fingerprint, at destroy_process_group) names rank 1."""
+    run = GuardRun(launcher, tmp_path, 3, ft_args=sdc(f"mantflip:{STEPS}:once:memory")).run()
+    assert run.codes == [0], run.err[-3000:]
+    digests = run.digests()
+    assert digests[0] == digests[2] != digests[1], digests
+    end = [x for x in run.lines() if "at the job's end" in x]
+    assert len(end) == 1 and "(rank 1 against ranks 0, 2)" in end[0] and "not exact" in end[0], run.lines()
