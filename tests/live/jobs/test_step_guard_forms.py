@@ -134,14 +134,25 @@ def test_replicas_whose_digests_differ_are_found_and_the_majority_names_the_odd_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_the_fingerprint_digest_changes_with_every_single_bit_flip(dtype):
+    # every element of each layout the digest reads: whole int64 words and the elements past them
+    # (15 elements), a slice at an odd offset, a transposed (not contiguous) view
     g = torch.Generator().manual_seed(0)
-    state = [torch.randn(5, 3, generator=g).to(dtype), torch.randn(4, generator=g).to(dtype)]
-    base = int(F.digest(state, torch.device("cpu")))
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[state[1].element_size()]
-    for bit in range(state[1].element_size() * 8):
-        flipped = [state[0], state[1].clone()]
-        flipped[1][2:3].view(ints).bitwise_xor_(torch.tensor(1, dtype=ints) << bit)
-        assert int(F.digest(flipped, torch.device("cpu"))) != base, bit
+    bases = [torch.randn(5, 3, generator=g).to(dtype), torch.randn(5, 4, generator=g).to(dtype),
+             torch.randn(3, 4, generator=g).to(dtype), torch.randn(4, generator=g).to(dtype)]
+
+    def views(ts):   # (one view per base: an element seen twice would count 2 * 2**63 = 0 for bit 63)
+        return [ts[0], ts[1][1:, 1:], ts[2].t(), ts[3]]
+
+    base = int(F.digest(views(bases), torch.device("cpu")))
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[bases[0].element_size()]
+    for which in range(4):
+        for i in range(views(bases)[which].numel()):
+            for bit in range(bases[0].element_size() * 8):
+                flipped = [t.clone() for t in bases]
+                x = views(flipped)[which]
+                x[tuple(int(k) for k in torch.unravel_index(torch.tensor(i), x.shape))].view(ints).bitwise_xor_(
+                    torch.tensor(1, dtype=ints) << bit)
+                assert int(F.digest(views(flipped), torch.device("cpu"))) != base, (which, i, bit)
     hi, lo = F.halves(torch.tensor(base))
     assert (int(hi) << 32 | int(lo)) == base & ((1 << 64) - 1)
 
