@@ -103,6 +103,7 @@ def train(args):
         extra = {"scaler": scaler} if scaler is not None else {}
         live = ft.LiveState(model=model, optimizer=opt, scheduler=sched, loader=loader,
                             skip_bad_batches=args.skip_bad_batches, fingerprint_every=args.fingerprint_every,
+                            watch_every_step=args.watch_every_step,
                             **extra, **hooks.objects())
         teacher = teacher_live = None
         if args.ema:
@@ -381,6 +382,7 @@ def parse_args(argv=None):
     p.add_argument("--skip-bad-batches", action="store_true")
     p.add_argument("--grad-norm", action="store_true", help="commit(step, loss=loss, grad_norm=clip_grad_norm_(...))")
     p.add_argument("--fingerprint-every", type=int, default=None, help="LiveState's fingerprint_every")
+    p.add_argument("--watch-every-step", action="store_true", help="LiveState's watch_every_step")
     p.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_'s max_norm")
     p.add_argument("--no-loss-rank", type=int, default=None, help="this rank commits without loss= (a loss-less stage)")
     p.add_argument("--scaler", action="store_true", help="a GradScaler (cpu) in the loop and the LiveState")

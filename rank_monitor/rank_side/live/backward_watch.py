@@ -28,8 +28,9 @@ LIMIT = float(2 ** 60)
 
 
 class BackwardWatch:
-    def __init__(self, params: List[Any], next_step: int) -> None:
+    def __init__(self, params: List[Any], next_step: int, measure: bool = True) -> None:
         self.step = next_step            # the step whose backward runs next (the guard moves it on)
+        self.measure = measure           # take the norms (False: the hooks only land a simulated fault)
         self.norms: List[Any] = []       # this window's per-gradient norms (device tensors)
         self.injected: Optional[str] = None
         self.handles = [p.register_hook(self._hook) for p in params if p.requires_grad]
@@ -43,7 +44,7 @@ class BackwardWatch:
             sdc_sim.corrupt(grad, spec.kind)
             self.injected = spec.text(self.step)
         local = grad.to_local() if hasattr(grad, "to_local") else grad
-        if local.numel():
+        if self.measure and local.numel():
             self.norms.append(torch.linalg.vector_norm(local, 2, dtype=torch.float32))
         return grad
 

@@ -186,14 +186,17 @@ class LiveState:
       to be the data's fault stops the job; True: its update is dropped, said), `transient_window_s`
       (default 3600: a second transient on one device within it is persistent); the replica
       fingerprint (rank_side.live.replica_fingerprint): `fingerprint_every` (None, default: every K
-      steps, K from `fingerprint_budget`, default 0.01 of a step; 0: off).
+      steps, K from `fingerprint_budget`, default 0.01 of a step; 0: off); `watch_every_step`
+      (default False: each rank's own backward is watched from a hit's re-run on, for
+      `transient_window_s`; True: every step, so a first transient is named too, at one pass over
+      the gradients per step; rank_side.live.backward_watch).
     """
 
     def __init__(self, *, name: Optional[str] = None, shard: Optional[int] = None, rng: bool = True,
                  verify: bool = True, buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
                  spike_factor: float = 10.0, spike_fatal: bool = False, skip_bad_batches: bool = False,
                  transient_window_s: float = 3600.0, fingerprint_every: Optional[int] = None,
-                 fingerprint_budget: float = 0.01, **objects: Any) -> None:
+                 fingerprint_budget: float = 0.01, watch_every_step: bool = False, **objects: Any) -> None:
         for key, obj in objects.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"LiveState({key}=...): a {type(obj).__name__} has no state_dict/load_state_dict")
@@ -219,7 +222,8 @@ class LiveState:
                                             transient_window_s=float(transient_window_s),
                                             fingerprint_every=None if fingerprint_every is None
                                             else int(fingerprint_every),
-                                            fingerprint_budget=float(fingerprint_budget))
+                                            fingerprint_budget=float(fingerprint_budget),
+                                            watch_every_step=bool(watch_every_step))
         self._checked = None   # (loss, grad_norm) of the commit being entered, for the guard
         self._guarded: Optional[bool] = None   # every rank runs the guard (agreed at the first commit)
         self._targets: Optional[guard_targets.Targets] = None
@@ -356,12 +360,26 @@ class LiveState:
             self._targets = guard_targets.find(self.objects)
         return self._targets
 
-    def backward_watch(self, step: int) -> Optional[BackwardWatch]:
-        """The hooks on this call's parameters that see each rank's own gradients (installed at the
-        first guarded commit, or at restore() when this process ran the guard before)."""
-        if self._watch is None and self.guard_targets().found:
-            self._watch = BackwardWatch(self.guard_targets().params, step + 1)
-        return self._watch
+    def backward_watch(self, step: int, on: bool = True) -> Optional[BackwardWatch]:
+        """The hooks on this call's parameters that see each rank's own gradients from `step`'s
+        successor on (`on`; installed at restore() when this process ran the guard before: a re-run's
+        own backward is watched), or none (`on` False: the hooks removed). -> the watch, or None."""
+        if self._watch is not None and self._watch.measure != on:
+            self._watch.remove()
+            self._watch = None
+        # (off, the hooks stay only to land a simulated fault's `backward` place: rank_side.live.sdc_sim)
+        wanted = on or (sdc_sim.spec() is not None and sdc_sim.spec().place == "backward")
+        if self._watch is None and wanted and self.guard_targets().found:
+            self._watch = BackwardWatch(self.guard_targets().params, step + 1, measure=on)
+        elif self._watch is not None:
+            self._watch.next(step + 1)
+        return self._watch if self._watch is not None and self._watch.measure else None
+
+    def watching(self, step: int, every_step: bool) -> Optional[BackwardWatch]:
+        """The watch that saw `step`'s backward (its norms taken), or None (the guard's read)."""
+        if every_step:
+            return self.backward_watch(step)
+        return self._watch if self._watch is not None and self._watch.measure else None
 
     def shard_identity(self) -> Optional[int]:
         """The identity that this rank's replicas share (known once the first commit described the

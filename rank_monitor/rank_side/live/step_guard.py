@@ -111,6 +111,7 @@ class GuardConfig:
     transient_window_s: float = 3600.0   # a second transient on a device within this: persistent
     fingerprint_every: Optional[int] = None   # replicas compare digests every K steps (0: off; None: budget)
     fingerprint_budget: float = 0.01  # the share of a step the fingerprint may cost (K from it)
+    watch_every_step: bool = False    # the backward watch on at every step (else from a hit on, for the window)
 
 
 @dataclasses.dataclass
@@ -145,6 +146,7 @@ class _Memory:
         self.reruns = 0                # re-runs from memory in this process
         self.hit_at = 0.0              # perf_counter of the last fatal hit (the re-run's cost is said from it)
         self.last: Optional[dict] = None   # the last verdict, for tests and the bench
+        self.watch_until = 0.0         # monotonic time until which each rank's own backward stays watched
 
 
 MEM = _Memory()
@@ -365,16 +367,19 @@ def check(live, step: int, loss, grad_norm) -> str:
     cfg: GuardConfig = live.guard
     rank, world = dist.get_rank(), dist.get_world_size()
     device = comm_backend.transfer_device()
-    targets, watch = live.guard_targets(), live.backward_watch(step)
+    targets = live.guard_targets()
+    watch = live.watching(step, cfg.watch_every_step)   # this step's backward, if it was watched
     MEM.fp.fixed, MEM.fp.budget = cfg.fingerprint_every, cfg.fingerprint_budget
     if MEM.fp.fixed:
         MEM.fp.k = MEM.fp.fixed
     MEM.fp.tick()
     identity = live.shard_identity() if MEM.fp.due(step) and targets.found and world > 1 else None
     table = exchange(local_row(loss, grad_norm, targets, watch, step, device, identity), world, rank)
-    if watch is not None:
-        watch.next(step + 1)
     v = judge(table, cfg)
+    # the next step's backward: watched from a hit on (its re-run's restore puts the hooks on), for the
+    # transient window after one, or at every step (watch_every_step); else no hook costs a pass
+    live.backward_watch(step, on=bool(cfg.watch_every_step or v["fatal"] or v["pending"] is not None
+                                      or v["diverged"] or time.monotonic() < MEM.watch_until))
     MEM.fp.agree(v["k"], step, identity is not None and not v["diverged"])
     MEM.heal = None
     MEM.last = dict(v, step=step, pending=None if v["pending"] is None else dataclasses.asdict(v["pending"]))
@@ -411,14 +416,21 @@ def check(live, step: int, loss, grad_norm) -> str:
         MEM.reruns += 1
         MEM.hit_at = time.perf_counter()
         arose = (f" (made in rank {suspect}'s own backward, before the all-reduce)"
-                 if suspect >= 0 and _finite(table[suspect][LOSS]) and suspect in _own(table) else "")
+                 if suspect >= 0 and _finite(table[suspect][LOSS]) and suspect in _own(table) else
+                 " (each rank's own backward is watched in the re-run, to name the rank)"
+                 if suspect < 0 and watch is None else "")
         say(f"step {step}: {_what(table, max(suspect, fatal[0]))} on {who}{arose}: not committed; re-running it from memory "
             f"on the same devices")
         _rerun(step)
     MEM.pending = pending
     if pending.stage == SAME_DEVICE:
+        if fatal and pending.suspect < 0 and v["suspect"] >= 0:   # the re-run's watch names the rank
+            s = v["suspect"]
+            pending.suspect, pending.node = s, int(table[s][NODE])
+            pending.group, pending.device = int(table[s][GROUP]), int(table[s][LOCAL])
         if not fatal:
             MEM.pending = None
+            MEM.watch_until = time.monotonic() + cfg.transient_window_s   # the next one is named
             dev = device_name() if rank == pending.suspect else None
             line = (f"step {step}: the re-run on the same devices is clean: a transient fault"
                     + (f" on rank {pending.suspect}" if pending.suspect >= 0 else "")

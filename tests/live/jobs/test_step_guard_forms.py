@@ -189,17 +189,27 @@ def test_the_targets_are_found_through_dcps_appstate_torchtitan_shaped_container
 
 # ---- short whole jobs (default) ----------------------------------------------------------------------------
 @pytest.mark.timeout(400)
-def test_grad_norm_form_a_nan_from_rank_1s_backward_is_named_re_run_and_ends_bit_equal(launcher, tmp_path):
+@pytest.mark.parametrize("watch", ["after_hit", "every_step"])
+def test_grad_norm_form_a_nan_from_rank_1s_backward_is_re_run_and_ends_bit_equal(launcher, tmp_path, watch):
+    """The default watches each rank's own backward from the re-run on (no pass per step): a
+    once-only NaN is re-run, clean, unnamed; then the next one within the window is named.
+    watch_every_step names the first one."""
     form = ["--grad-norm"]
     ref = reference(launcher, tmp_path, "2_norm", 2, form)
-    run = GuardRun(launcher, tmp_path / "sdc", 2, form, sdc(f"nan:{FAULT}:once")).run()
+    every = ["--watch-every-step"] if watch == "every_step" else []
+    run = GuardRun(launcher, tmp_path / "sdc", 2, form + every, sdc(f"nan:{FAULT}:once")).run()
     assert run.codes == [0], run.err[-3000:]
     assert run.digests() == ref
     lines = run.lines()
     assert len(lines) == 2, lines
-    assert lines[0].startswith(f"step {FAULT}: ") and "on rank 1 (made in rank 1's own backward, before the " \
-                                                     "all-reduce): not committed" in lines[0], lines
-    assert "a transient fault on rank 1" in lines[1] and "node 0 device 1" in lines[1], lines
+    if watch == "every_step":
+        assert lines[0].startswith(f"step {FAULT}: ") and "on rank 1 (made in rank 1's own backward, before " \
+                                                         "the all-reduce): not committed" in lines[0], lines
+        assert "a transient fault on rank 1" in lines[1] and "node 0 device 1" in lines[1], lines
+    else:
+        assert lines[0].startswith(f"step {FAULT}: ") and "on ranks 0, 1 (each rank's own backward is watched " \
+                                                         "in the re-run, to name the rank): not committed" in lines[0]
+        assert "a transient fault;" in lines[1], lines
     assert all(f["cycle"] == 0 for f in run.finals())   # in place: no process replaced
 
 
