@@ -42,7 +42,8 @@ fault rank instead of its exit 1.
 `--guard` checks each step before its commit (`live.commit(step, loss=loss)`, the step guard,
 docs/sdc-and-nan.md); `--grad-norm` also passes `grad_norm=clip_grad_norm_(...)`.
 
-Deterministic (the batch of step s on rank r is a function of (s, r)). Rank 0 prints `FINAL
+Deterministic (the batch of step s on rank r is a function of (s, r); with `--data shard` of (s, the
+rank's shard), so replicas draw alike and the model is the same on any number of replicas). Rank 0 prints `FINAL
 step=<n> checksum=<c> shards=<d0>,<d1>,...` (the full parameters' sum; each rank's local shards'
 sha256, so replicas of a shard print the same).
 """
@@ -188,7 +189,7 @@ def train(args):
                 if args.fail_how == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 os._exit(1)
-        g = torch.Generator().manual_seed(step * 1009 + rank)
+        g = torch.Generator().manual_seed(step * 1009 + (_shard_index(mesh) if args.data == "shard" else rank))
         x = torch.randn(8, 16, generator=g)
         with ft.section("step"):
             opt.zero_grad()
@@ -212,6 +213,11 @@ def train(args):
     if progress:
         progress.close()
     dist.destroy_process_group()
+
+
+def _shard_index(mesh) -> int:
+    """This rank's place on the mesh's shard dimension (--data shard: replicas draw the same batch)."""
+    return mesh.get_local_rank("shard")
 
 
 def _digest(model) -> str:
@@ -299,6 +305,10 @@ def main():
     p.add_argument("--ckpt-every", type=int, default=0, help="a checkpoint every N steps (0: none)")
     p.add_argument("--ckpt-dir", default="ckpt")
     p.add_argument("--progress-dir", default=None, help="each rank appends 'cycle step time' lines here")
+    p.add_argument("--data", choices=("rank", "shard"), default="rank",
+                   help="the batch of a step is a function of (step, rank) (default), or of (step, shard): every "
+                        "replica of a shard draws the same, so the job trains the same model on any number of "
+                        "replicas (an elastic job that shrinks and grows back ends bit-equal to a fault-free one)")
     p.add_argument("--guard", action="store_true", help="live.commit(step, loss=loss): the step guard")
     p.add_argument("--grad-norm", action="store_true", help="also grad_norm=clip_grad_norm_(...)")
     ft.restartable(train)(p.parse_args())

@@ -38,7 +38,9 @@ The parts:
   4. a kept rank moves its committed state into the new objects (copied into their own tensors,
      the rest handed over, nothing staged), then frees the previous objects;
   5. the transfers, in one global order: the skeleton and tensors of each object (live_wire; a
-     DTensor arrives as a DTensor on this rank's mesh: live_objects.Tracked.place);
+     sender's DTensors first bound to this call's meshes, live_objects.Tracked.bind, so that a kept
+     rank's optimizer state from before an elastic resize names this call's rank grid; a DTensor
+     arrives as a DTensor on this rank's mesh: live_objects.Tracked.place);
   6. each state is bound to this call's device meshes (live_objects.Tracked.bind); the check
      (`verify=True`, the default): the replicas of each shard that a rank healed in compare a
      digest of their restored state (one all_gather); a mismatch falls back with one line;
@@ -595,7 +597,8 @@ class LiveState:
                     if src == rank:
                         for name in names:
                             try:
-                                sent += W.send_state(offered[name], device, _wire(dist.send, dst))
+                                sent += W.send_state(self._sendable(name, offered[name]), device,
+                                                     _wire(dist.send, dst))
                             except W.PeerLost:
                                 raise
                             except Exception as exc:  # noqa: BLE001 - the receiver was told (live_wire); said
@@ -736,14 +739,30 @@ class LiveState:
         self.tracked.clear()
         self.objects.clear()
 
-    def _bind(self, ready: Dict[str, Any], names: List[str]) -> str:
-        """Each state to load bound to this call's device meshes (live_objects.Tracked.bind: a kept
-        rank's DTensors are on the previous call's mesh), in place in `ready`. -> "" or, where a
-        DTensor's mesh has no equal in this call's objects, what (the job then falls back)."""
+    def _meshes(self) -> list:
+        """This call's device meshes: those of this LiveState's new objects' DTensors, each once."""
         meshes: list = []
         for m in (m for t in self.tracked.values() for m in t.meshes):
             if not any(m is seen for seen in meshes):
                 meshes.append(m)
+        return meshes
+
+    def _sendable(self, name: str, state: Any) -> Any:
+        """A state about to be sent, its DTensors on this call's device meshes (live_objects.Tracked.bind):
+        a kept rank's optimizer state was handed over still on the previous call's mesh (after an
+        elastic resize, one of another number of replicas, which a receiver of this call cannot place:
+        it places a DTensor on its mesh of the sender's rank grid). Where one cannot be bound, as it is
+        (the receiver says why it cannot place it; the job falls back)."""
+        try:
+            return self.tracked[name].bind(state, self._meshes())
+        except Exception:  # noqa: BLE001 - sent as it is: the receiver's place() decides and says
+            return state
+
+    def _bind(self, ready: Dict[str, Any], names: List[str]) -> str:
+        """Each state to load bound to this call's device meshes (live_objects.Tracked.bind: a kept
+        rank's DTensors are on the previous call's mesh), in place in `ready`. -> "" or, where a
+        DTensor's mesh has no equal in this call's objects, what (the job then falls back)."""
+        meshes = self._meshes()
         for n in names:
             try:
                 ready[n] = self.tracked[n].bind(ready[n], meshes)

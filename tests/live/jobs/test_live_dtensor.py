@@ -21,6 +21,9 @@ fault-free run of the same flags):
 - HSDP 2 agents x 2 ranks + a spare agent (`--nnodes 2:3`), `--state app`: the node of ranks 2, 3
   (one whole replica) killed; the spare takes its place and heals from the other replica, exact
   (slow).
+- HSDP 2 agents x 2 ranks, `--elastic --nnodes 1:2`, `model=`/`optimizer=` and `--state app`: the
+  node of ranks 2, 3 killed, the job goes on with ranks 0, 1, the node comes back and its ranks
+  heal from ranks 0, 1, exact (slow).
 """
 import os
 import subprocess
@@ -462,3 +465,47 @@ def test_hsdp_a_lost_node_holding_one_replica_heals_from_the_other_on_a_spare(la
         pytest.fail(f"fell back: {lines[0]}")
     sources = per_rank(live[0]["sources"])
     assert sources["0"] == sources["1"] == "kept" and {sources["2"], sources["3"]} == {"peer 0", "peer 1"}, live
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("state", ["objects", "app"])
+def test_hsdp_elastic_a_lost_node_comes_back_and_heals_from_its_replica_exactly(launcher, tmp_path, clean, state):
+    """2 agents x 2 ranks, mesh replicate 2 x shard 2 (a node holds one whole replica), `--elastic
+    --nnodes 1:2`, the state as `model=`/`optimizer=` (objects) or a DCP AppState (app), `--data
+    shard` (replicas draw the same batch, so the model is the same on 1 or 2 replicas: a fault-free
+    run of 4 ranks is the reference bit for bit). Node 1 (its agent and ranks 2, 3) SIGKILLed at
+    step 15: ranks 0, 1 go on alone, in place. Node 1's agent started again: the job grows back to
+    4 ranks, ranks 0, 1 kept, ranks 2, 3 heal from ranks 0, 1 (their optimizer state's DTensors
+    sent on this call's 2 x 2 mesh, not the 1 x 2 one they were committed on), the replicas'
+    digests agree, no checkpoint line, and every shard ends bit-equal to the fault-free run's."""
+    flags = ["--steps", 120, "--ckpt-every", 10, "--data", "shard", "--state", state]
+    job = Agents(launcher, tmp_path, 2, 2, flags + ["--step-time", 0.1])
+    job.args = ["--elastic"] + job.args
+    job.args[job.args.index("--nnodes") + 1] = "1:2"
+    job.args[job.args.index("--rdzv-conf") + 1] = "join_timeout=30,last_call_timeout=20"
+    job.launch()
+    prog = str(job.prog)
+    wait_for(lambda: any(c == 0 and s >= 15 for c, s, _ in progress(prog, 3)), 240, "rank 3 at step 15",
+             interval=0.01)
+    for proc in node_tree(job.agents[1].pid):
+        proc.kill()
+    shrunk = wait_for(lambda: events(tmp_path / "logs", "live_recovery"), 120, "the shrink's live recovery")
+    wait_for(lambda: [s for c, s, _ in progress(prog, 0) if c == 1 and s >= (shrunk[0]["resume_step"] or 0) + 5], 120,
+             "rank 0 five steps on 1 replica")
+    job.agents.append(launcher.start(job.args, extra_env={"GROUP_RANK": "1"}))   # node 1 comes back
+    out, err = job.run(lost=(1,))
+    live = events(tmp_path / "logs", "live_recovery")
+    assert len(live) == 2, (live, err[-3000:])
+    lines = [ln for ln in err.splitlines() if "no live state to resume from" in ln]
+    assert not lines, lines
+    shrink, grow = live
+    assert per_rank(shrink["sources"]) == {"0": "kept", "1": "kept"} and shrink["steps_redone"] == 0, shrink
+    sources = per_rank(grow["sources"])
+    assert sources["0"] == sources["1"] == "kept" and {sources["2"], sources["3"]} == {"peer 0", "peer 1"}, grow
+    assert grow["resume_step"] is not None and grow["steps_redone"] == 0 and grow["check"]["bytes"] > 0, grow
+    assert len(events(tmp_path / "logs", "elastic_join")) == 1
+    for rank in (2, 3):   # the newcomers trained on from the resume step to the end
+        assert [s for c, s, _ in progress(prog, rank) if c == 2] == list(range(grow["resume_step"] + 1, 121)), rank
+    assert final(out) == clean(4, flags) and final(out) is not None, (out[-2000:], err[-3000:])
+    print(f"\nshrink: {shrink}\ngrow: {grow}\n{final(out)}")
