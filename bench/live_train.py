@@ -242,6 +242,8 @@ def train_ddp(args):
                          guarded=live.stats["guarded"], guard_s=live.stats["guard_s"])
             from ft_launcher.rank_monitor.rank_side.live import step_guard
             extra.update(fingerprint_k=step_guard.MEM.fp.k, fingerprint_s=step_guard.MEM.fp.cost)
+            if live.stats["guarded"]:   # the guard's table's collective
+                extra.update(reduce_s=step_guard.MEM.reduce_s, reduce_min=step_guard.MEM.reduce_min)
         final(args, model, rank, world, cycle, extra)
     stats = live.buddy_stats() if live is not None else None
     if stats is not None:   # this cycle's buddy-copy figures (the bench's per-step cost)

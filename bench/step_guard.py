@@ -6,7 +6,10 @@ costs show, and a step of >= 100 ms on this CPU):
 
 1. the steady step, jobs alternated `--reps` times (median of each job's median step, the ratio to
    the LiveState job without the guard; `inside the guard`: LiveState's own timer per guarded step,
-   which includes waiting in the table's all_reduce for the slower rank):
+   which includes waiting in the table's all_reduce for the slower rank; `its own work + the
+   collective's latency`: that timer less the time in the all_reduce, plus the all_reduce's fastest
+   run, per guarded step, and its share of the median step: what the guard costs a step once no
+   slower peer is counted):
    - `live`: LiveState, no guard (the baseline);
    - `loss=`: the guard takes the gradients' norm itself, the fingerprint's K from its 1 % budget;
    - `grad_norm=`: the loop's clip_grad_norm_ value given, K from the budget;
@@ -81,16 +84,23 @@ def steady(tmp: str, width: int, steps: int, reps: int) -> None:
     base = statistics.median(medians["live"])
     print(f"\nwidth {width}: {finals['live']['state_bytes'] / 1e6:.1f} MB of parameters and AdamW state per rank; "
           f"median step with LiveState, no guard: {base * 1e3:.2f} ms ({reps} jobs of {steps} steps per kind)")
-    print("| kind | median step | vs no guard | per step | inside the guard | K agreed | one digest |")
-    print("|---|---|---|---|---|---|---|")
+    print("| kind | median step | vs no guard | per step | inside the guard | its own work + the collective's "
+          "latency | of a step | K agreed | one digest |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for kind in kinds:
         m = statistics.median(medians[kind])
         f = finals[kind]
         k = f.get("fingerprint_k") if kind != "live" else None
         cost = f"{f['fingerprint_s'] * 1e3:.3f} ms" if kind != "live" and f.get("fingerprint_s") else "-"
         inside = f"{f['guard_s'] / f['guarded'] * 1e3:.2f} ms" if f.get("guarded") else "-"
+        own = share = "-"
+        if f.get("guarded") and "reduce_s" in f:   # the time no slower peer explains: the guard's own work,
+            # plus the all_reduce's fastest run (its latency); the rest of the wait is the peer's step
+            per = (f["guard_s"] - f["reduce_s"]) / f["guarded"] + f["reduce_min"]
+            own, share = f"{per * 1e3:.2f} ms", f"{per / m * 100:.2f} %"
         print(f"| {kind} | {m * 1e3:.2f} ms ({', '.join(f'{x * 1e3:.1f}' for x in medians[kind])}) | "
-              f"{m / base:.3f} | {(m - base) * 1e6:+.0f} us | {inside} | {k if k is not None else '-'} | {cost} |")
+              f"{m / base:.3f} | {(m - base) * 1e6:+.0f} us | {inside} | {own} | {share} | "
+              f"{k if k is not None else '-'} | {cost} |")
 
 
 def faults(tmp: str, width: int, steps: int, fault: int) -> None:

@@ -2,6 +2,9 @@
 names the rank whose device made a NaN, an Inf or a flipped top exponent bit, even where DDP then
 spreads it to every replica (the usual silent data corruption: all norms NaN, every loss finite).
 
+On from a hit's re-run, for the transient window after one, or every step (LiveState's
+`watch_every_step`): the guard turns it on and off (LiveState.backward_watch); off, its hooks stay
+only where a simulated fault's `backward` place must land (`measure` False: no norm).
 One tensor hook per parameter the optimizers update (guard_targets.Targets.params). A hook runs on
 the gradient before it is accumulated into `.grad`, so before DDP's reducer copies it into a
 bucket: the value is this rank's own. Each hook takes one norm of its gradient (fp32, a device

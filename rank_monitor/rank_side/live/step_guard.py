@@ -12,8 +12,11 @@ gave a loss or a norm); from then on every rank runs `check` at every commit, va
 every rank joins every collective below. What is checked, in the commit's `__enter__`, before its
 body (so before the optimizer step):
 - this rank's own backward, before the all-reduce (backward_watch: the largest norm of a gradient
-  as the backward produced it): not finite or past 2**60 names this rank even where DDP then
-  spreads the NaN to every replica;
+  as the backward produced it), when it was watched: from a hit's re-run on, for
+  `transient_window_s` after a transient, or every step with `watch_every_step` (the norms are one
+  more pass over the gradients: no hook runs otherwise): not finite or past 2**60 names this rank
+  even where DDP then spreads the NaN to every replica (unwatched, such a hit is every rank's alike,
+  and its watched re-run names the rank);
 - this rank's own loss (its micro-batch's, not all-reduced) and the norm of the gradients the
   optimizer will apply on this rank (`grad_norm=` given: that value, no second pass; else the norm
   of the optimizers' parameters' `.grad` found by guard_targets, in any state form);
@@ -147,6 +150,8 @@ class _Memory:
         self.hit_at = 0.0              # perf_counter of the last fatal hit (the re-run's cost is said from it)
         self.last: Optional[dict] = None   # the last verdict, for tests and the bench
         self.watch_until = 0.0         # monotonic time until which each rank's own backward stays watched
+        self.reduce_s = 0.0            # seconds in the table's all_reduce (waiting for peers included),
+        self.reduce_min = float("inf")  # and its fastest (the collective's own latency): bench/step_guard.py
 
 
 MEM = _Memory()
@@ -374,7 +379,11 @@ def check(live, step: int, loss, grad_norm) -> str:
         MEM.fp.k = MEM.fp.fixed
     MEM.fp.tick()
     identity = live.shard_identity() if MEM.fp.due(step) and targets.found and world > 1 else None
-    table = exchange(local_row(loss, grad_norm, targets, watch, step, device, identity), world, rank)
+    row = local_row(loss, grad_norm, targets, watch, step, device, identity)
+    t0 = time.perf_counter()
+    table = exchange(row, world, rank)
+    took = time.perf_counter() - t0   # the collective, waiting for the slowest rank included
+    MEM.reduce_s, MEM.reduce_min = MEM.reduce_s + took, min(MEM.reduce_min, took)
     v = judge(table, cfg)
     # the next step's backward: watched from a hit on (its re-run's restore puts the hooks on), for the
     # transient window after one, or at every step (watch_every_step); else no hook costs a pass
