@@ -144,7 +144,9 @@ def fault_free(launcher, root):
 @pytest.mark.timeout(600)
 def test_a_transient_nan_in_rank_1s_gradient_is_re_run_in_place_and_ends_bit_equal(launcher, tmp_path):
     ref = fault_free(launcher, tmp_path)
-    job = GuardJob(launcher, tmp_path / "sdc", SDC + ["--ft-simulated-sdc", f"nan:{FAULT}:once"])
+    # (watch_every_step: the first transient is named; the default names it from the re-run on)
+    job = GuardJob(launcher, tmp_path / "sdc", SDC + ["--ft-simulated-sdc", f"nan:{FAULT}:once"],
+                   ["--watch-every-step"])
     job.launch()
     codes, err = job.ended()
     assert codes == [0, 0], err[-3000:]
