@@ -190,24 +190,16 @@ def _install() -> bool:
 def _keep_group_on_init() -> None:
     """A re-run's call (StepRerun) finds the process group of the call before it: its first
     init_process_group keeps that group instead of failing ("initialize the default process group
-    twice"); a group it asks for later is made as usual."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
+    twice"); a group it asks for later is made as usual (the wrap is rank_side.dist_patch's)."""
+    from ft_launcher.rank_monitor.rank_side import dist_patch
 
-    if getattr(dist.init_process_group, "_ft_keeps", False):
-        return
-    original = c10d.init_process_group
+    dist_patch.on_init("inprocess.rerun", _keep_group)
 
-    def init_process_group(*args, **kwargs):
-        if _STATE.keep_group and dist.is_initialized():
-            _STATE.keep_group = False
-            return None
-        _STATE.keep_group = False
-        return original(*args, **kwargs)
 
-    init_process_group._ft_keeps = True
-    init_process_group.__wrapped__ = original
-    dist.init_process_group = c10d.init_process_group = init_process_group
+def _keep_group() -> bool:
+    """dist_patch's question at an init_process_group: keep the group? Asked once per re-run."""
+    keep, _STATE.keep_group = _STATE.keep_group, False
+    return keep
 
 
 def _teardown() -> None:
