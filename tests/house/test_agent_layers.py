@@ -1,7 +1,8 @@
 """agent/'s folders import one way: recovery -> ranks -> observation -> rounds (each may import those
 after it, never one before it), and agent/agent.py above them all, on at most AGENT_IMPORTS of our
-modules; --elastic is read in elastic's room only. The import statements of every
-module are read, those inside functions too (a lazy import is an import all the same).
+modules; --elastic is read in elastic's room only; rank_monitor/rank_side/ never imports its live/
+folder. The import statements of every module are read, those inside functions too (a lazy import
+is an import all the same).
 
 - rounds: the job's store, its keys and the round protocol: what every other part stands on;
 - observation: what the operator reads (events, status, stragglers, learned timeouts);
@@ -135,3 +136,25 @@ def test_agent_py_imports_at_most_twelve_of_our_modules():
     mods = project_imports(os.path.join(ROOT, "agent", "agent.py"), "ft_launcher.agent")
     assert all(_module_path(m) for m in mods), mods
     assert len(mods) <= AGENT_IMPORTS, f"{len(mods)} > {AGENT_IMPORTS}: " + ", ".join(sorted(mods))
+
+
+# ---- rank_side/ and its live/ ---------------------------------------------------------------------
+# Live state (rank_monitor/rank_side/live/: LiveState, buddy copies, the step guard) stands on the
+# rank's side (rank_monitor/rank_side/: the in-place restart, the exit settle, the group's backend,
+# dist_patch, gpu_commit, dtensor_cycle); no module of rank_side/ imports live/, lazy imports too, so
+# the two never form a cycle. A part both need belongs in rank_side/.
+RANK_SIDE = os.path.join(ROOT, "rank_monitor", "rank_side")
+LIVE = "ft_launcher.rank_monitor.rank_side.live"
+
+
+def test_rank_side_never_imports_its_live_folder():
+    upward = []
+    for name in sorted(os.listdir(RANK_SIDE)):
+        if name.endswith(".py"):
+            mods = project_imports(os.path.join(RANK_SIDE, name), "ft_launcher.rank_monitor.rank_side")
+            upward += [f"rank_monitor/rank_side/{name} imports {m}" for m in sorted(mods)
+                       if m == LIVE or m.startswith(LIVE + ".")]
+    assert not upward, "\n".join(upward)
+    live = os.path.join(RANK_SIDE, "live", "live_state.py")   # the other way is the design's: the check sees it
+    assert any(m.startswith("ft_launcher.rank_monitor.rank_side.") and not m.startswith(LIVE)
+               for m in project_imports(live, f"{LIVE}"))

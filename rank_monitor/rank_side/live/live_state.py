@@ -75,8 +75,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ft_launcher.rank_monitor.rank_side import comm_backend, dist_patch, exit_settle, inprocess
-from ft_launcher.rank_monitor.rank_side.live import buddy_copy, end_fingerprint, gpu_commit, guard_targets, sdc_sim, step_guard
+from ft_launcher.rank_monitor.rank_side import comm_backend, dist_patch, exit_settle, gpu_commit, inprocess
+from ft_launcher.rank_monitor.rank_side.live import buddy_copy, end_fingerprint, guard_targets, sdc_sim, step_guard
 from ft_launcher.rank_monitor.rank_side.live.backward_watch import BackwardWatch
 from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
@@ -253,7 +253,7 @@ class LiveState:
         cycle = _cycle()
         if _REG.call != inprocess._STATE.calls:   # the first LiveState of this call
             # suspect: the previous call raised by itself after a commit, or a committed step's GPU
-            # work had not completed when the restart aborted the communicators (rank_side.live.gpu_commit)
+            # work had not completed when the restart aborted the communicators (rank_side.gpu_commit)
             gpu_clean = gpu_commit.COMMITS.finish()
             _REG.suspect = (inprocess._STATE.failed_last and _REG.trained) or not gpu_clean
             _REG.cycle, _REG.call, _REG.current, _REG.trained = cycle, inprocess._STATE.calls, {}, False
@@ -451,7 +451,7 @@ class LiveState:
         held = _REG.held.get(self.name)
         if held is None or held.live is not self:
             held = _REG.held[self.name] = _Held(self, step)
-        # the step counts once its GPU work is done (at once without CUDA): rank_side.live.gpu_commit
+        # the step counts once its GPU work is done (at once without CUDA): rank_side.gpu_commit
         gpu_commit.COMMITS.committed(step, self._counted)
         self.stats["first_commit_s" if first else "snapshot_s"] += time.perf_counter() - t0
         self.stats["commits"] += 1
