@@ -14,7 +14,8 @@ rank_side.call_groups that also holds each group entered (`swap_group_registry`)
 
 A script that bound a function before the wrap (`from torch.distributed import init_process_group`
 at its top, before a re-run or a buddy copy asked for the wrap) keeps torch's own. Nothing else in
-the project assigns to torch.distributed (tests/house/test_dist_patch.py).
+the project assigns to torch.distributed (tests/house/test_agent_layers.py; the wrap itself:
+tests/monitor/unit/test_dist_patch.py).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """agent/'s folders import one way: recovery -> ranks -> observation -> rounds (each may import those
 after it, never one before it), and agent/agent.py above them all, on at most AGENT_IMPORTS of our
 modules; --elastic is read in elastic's room only; rank_monitor/rank_side/ never imports its live/
-folder. The import statements of every module are read, those inside functions too (a lazy import
-is an import all the same).
+folder; only rank_side/dist_patch.py patches torch.distributed. The import statements of every
+module are read, those inside functions too (a lazy import is an import all the same).
 
 - rounds: the job's store, its keys and the round protocol: what every other part stands on;
 - observation: what the operator reads (events, status, stragglers, learned timeouts);
@@ -157,4 +157,69 @@ def test_rank_side_never_imports_its_live_folder():
     assert not upward, "\n".join(upward)
     live = os.path.join(RANK_SIDE, "live", "live_state.py")   # the other way is the design's: the check sees it
     assert any(m.startswith("ft_launcher.rank_monitor.rank_side.") and not m.startswith(LIVE)
-               for m in project_imports(live, f"{LIVE}"))
+               for m in project_imports(live, LIVE))
+
+
+# ---- one patch of torch.distributed --------------------------------------------------------------
+# rank_monitor/rank_side/dist_patch.py is the only module of ours that assigns an attribute of
+# `torch.distributed` or `torch.distributed.distributed_c10d` (x.attr = ..., setattr(x, ...)), whatever
+# name the module is bound to (`import torch.distributed as dist`, `from torch.distributed import
+# distributed_c10d as c10d`, `sys.modules.get("torch.distributed...")`). Its wrap, installed once and
+# asking its hooks, runs in tests/monitor/unit/test_dist_patch.py.
+PATCHER = "rank_monitor/rank_side/dist_patch.py"
+TORCH_DIST = {"torch.distributed", "torch.distributed.distributed_c10d"}
+
+
+def _dotted(node):
+    """'a.b.c' for a chain of names and attributes, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id] + parts[::-1])
+    return None
+
+
+def _torch_dist_names(tree):
+    """The local names a module binds to torch.distributed or its distributed_c10d."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname for a in node.names if a.asname and a.name in TORCH_DIST)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update(a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in TORCH_DIST)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            if any(isinstance(arg, ast.Constant) and arg.value in TORCH_DIST for arg in node.value.args):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def _patches(path):
+    """Lines that assign an attribute of torch.distributed / distributed_c10d."""
+    tree = ast.parse(open(path).read())
+    names = _torch_dist_names(tree)
+
+    def is_torch_dist(node):
+        dotted = _dotted(node)
+        return dotted is not None and (dotted in names or dotted in TORCH_DIST)
+
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            if node.args and is_torch_dist(node.args[0]):
+                yield node.lineno
+            continue
+        if any(isinstance(t, ast.Attribute) and is_torch_dist(t.value) for t in targets):
+            yield node.lineno
+
+
+def test_only_dist_patch_assigns_to_torch_distributed():
+    found = {rel: list(_patches(path)) for rel, path in _py_files("agent", "rank_monitor", "ft_launcher")}
+    others = [f"{rel}:{','.join(map(str, lines))}" for rel, lines in found.items() if lines and rel != PATCHER]
+    assert not others, "assigns to torch.distributed outside dist_patch.py: " + " ".join(others)
+    assert found[PATCHER], "the check no longer sees dist_patch.py's own assignments"
