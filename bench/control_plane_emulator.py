@@ -73,7 +73,8 @@ class ThinAgent:
 
     def __init__(self, cfg, order: int, loop, marks: dict, store=None):
         from ft_launcher.agent.rounds.keepalive import AliveListener
-        from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
+        from ft_launcher.agent.rounds.job_store import JobStore
+        from ft_launcher.agent.rounds.rendezvous import RoundProtocol
         from ft_launcher.agent.rounds.round_types import NodeInfo
         from ft_launcher.agent.rounds.store_failover import StoreFailover
         from ft_launcher.agent.recovery.round_end import RoundEnd
@@ -186,7 +187,7 @@ def _agents_process(kind: str, port: int, n: int, orders: list, conn, host: bool
         agents = []
         store = None
         if host:
-            from ft_launcher.agent.rounds.rendezvous import JobStore
+            from ft_launcher.agent.rounds.job_store import JobStore
 
             store = JobStore(_cfg(port, n, host=True), _quiet)
             conn.send(("port", port))

@@ -1,5 +1,5 @@
 """Does this torch hand a restarted call's DTensors the previous call's DeviceMesh, and does the
-restart point's rank_side.live.dtensor_cycle.forget_meshes() stop it? (issue 30; torch 2.13 CPU: yes, yes)
+restart point's rank_side.dtensor_cycle.forget_meshes() stop it? (issue 30; torch 2.13 CPU: yes, yes)
 
     python bench/dtensor_cycle_check.py
 
@@ -29,7 +29,7 @@ def calls(device: str, backend: str) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from ft_launcher.rank_monitor.rank_side.live import dtensor_cycle
+    from ft_launcher.rank_monitor.rank_side import dtensor_cycle
 
     store = tempfile.mkdtemp(prefix="dtensor_cycle_")
     out = {"op": [], "fully_shard": [], "cleared": []}

@@ -12,7 +12,7 @@ On a GPU (NCCL, world size 1: one GPU, so no collective can wait on a peer) it m
   backends    what each init_process_group form really uses (rank_side/comm_backend.py):
               no backend, "nccl", "cpu:gloo,cuda:nccl", device_id=cuda:0 (with and without "nccl"),
               against `dist.get_backend()`, and where LiveState's transfers go
-  commit      the GPU-complete commit (rank_side/live/gpu_commit.py): the cost of a commit's CUDA event
+  commit      the GPU-complete commit (rank_side/gpu_commit.py): the cost of a commit's CUDA event
               per step against the same loop without it and with a host sync per step; how far the
               counted step lags; a restart whose pending step's work does not complete within the
               settle time leaves the state suspect
@@ -216,7 +216,7 @@ def backends():
 def commit_cost(steps):
     import torch
 
-    from ft_launcher.rank_monitor.rank_side.live.gpu_commit import GpuCommits
+    from ft_launcher.rank_monitor.rank_side.gpu_commit import GpuCommits
 
     gpu = torch.cuda.is_available()
     if not gpu:

@@ -545,7 +545,8 @@ def round_protocol(ft=None, node_id="node-a", nproc=2):
     process hosts (released with the objects): for the agent's parts that read and write the
     round's keys. `ft`: the job's FaultToleranceConfig."""
     from ft_launcher.agent.launch_config import LaunchConfig
-    from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
+    from ft_launcher.agent.rounds.job_store import JobStore
+    from ft_launcher.agent.rounds.rendezvous import RoundProtocol
     from ft_launcher.agent.rounds.round_types import NodeInfo
     from ft_launcher.rank_monitor.config import FaultToleranceConfig
 

@@ -1,6 +1,6 @@
 """This node's side of the job's rounds, as one part: its liveness port (agent.rounds.keepalive),
 who it is (its NodeInfo, with its NVLink domain under --ft-segment: agent.rounds.segments), the job's
-store, hosted here or reached (agent.rounds.rendezvous.JobStore), the round protocol on it, the round
+store, hosted here or reached (agent.rounds.job_store.JobStore), the round protocol on it, the round
 watcher (agent.rounds.round_watcher), the failover to the successor store when the store's host is
 lost (agent.rounds.store_failover), and the cycle's workers' store on group rank 0.
 
@@ -30,7 +30,7 @@ class JobRounds:
         self.wake = wake
         self.unhandled_signal = unhandled_signal
         self.alive: Optional[AliveListener] = None
-        self.store = None       # agent.rounds.rendezvous.JobStore
+        self.store = None       # agent.rounds.job_store.JobStore
         self.me: Optional[NodeInfo] = None
         self.proto = None       # agent.rounds.rendezvous.RoundProtocol
         self.failover = None    # agent.rounds.store_failover.StoreFailover
@@ -57,7 +57,8 @@ class JobRounds:
     def reach(self, learner) -> None:
         """Reach (or host) the job's store and make the round protocol and the failover on it
         (`learner`: the computed timeouts a new store host seeds). Raises RendezvousError."""
-        from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
+        from ft_launcher.agent.rounds.job_store import JobStore
+        from ft_launcher.agent.rounds.rendezvous import RoundProtocol
         from ft_launcher.agent.rounds.store_failover import StoreFailover
 
         self.store = JobStore(self.cfg, self.say, self.unhandled_signal)
@@ -108,7 +109,7 @@ class JobRounds:
         (host, port))."""
         if rnd.group_rank != 0:
             return None, self.proto.worker_store(rnd.number)
-        from ft_launcher.agent.rounds.rendezvous import host_store
+        from ft_launcher.agent.rounds.job_store import host_store
 
         worker_store = host_store("0.0.0.0", 0, self.cfg.conf("read_timeout"))
         master = (self._master_host(), worker_store.port)
@@ -119,7 +120,7 @@ class JobRounds:
         """MASTER_ADDR the ranks get from this node (round rank 0): with the static backend, the
         --master-addr the user gave when it names this node (torchrun passes it through), else this
         node's address (torchrun: --local-addr or the FQDN)."""
-        from ft_launcher.agent.rounds.rendezvous import is_local_address
+        from ft_launcher.agent.rounds.job_store import is_local_address
 
         cfg = self.cfg
         if cfg.rdzv_backend == "static" and not cfg.standalone and is_local_address(cfg.rdzv_host):

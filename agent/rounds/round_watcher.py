@@ -34,7 +34,8 @@ from typing import Callable, Dict, List, Optional
 from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.rounds import store_keys, store_threads
 from ft_launcher.agent.rounds.keepalive import AliveListener, watch_connection
-from ft_launcher.agent.rounds.rendezvous import JobStore, _node, gone_after, ping_every
+from ft_launcher.agent.rounds.job_store import JobStore, gone_after, ping_every
+from ft_launcher.agent.rounds.rendezvous import _node
 from ft_launcher.agent.rounds.round_types import NodeInfo, RendezvousError, Round
 from ft_launcher.agent.rounds.store_client import StoreUnreachable
 

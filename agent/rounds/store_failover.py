@@ -48,7 +48,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.rounds import store_keys
-from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol, gone_after, host_store
+from ft_launcher.agent.rounds.job_store import JobStore, gone_after, host_store
+from ft_launcher.agent.rounds.rendezvous import RoundProtocol
 from ft_launcher.agent.rounds.round_types import NodeInfo, Round, StoreLost, StoreReplaced
 from ft_launcher.agent.rounds.store_client import StoreClient, StoreError
 

@@ -25,10 +25,9 @@ Without torch.distributed imported at the call's start nothing is held (the next
 """
 from __future__ import annotations
 
-import sys
 from typing import List
 
-from ft_launcher.rank_monitor.rank_side import exit_settle
+from ft_launcher.rank_monitor.rank_side import dist_patch, exit_settle
 
 RELEASE_SETTLE_S = 1.0   # at most this long the GIL is released before the references go
 
@@ -47,12 +46,9 @@ class _Registry(dict):
 
 def hold() -> bool:
     """Hold every group registered from now on (and those registered already); True if it does."""
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    registry = getattr(c10d, "_pg_map", None)
-    if not isinstance(registry, dict):
+    registry = dist_patch.swap_group_registry(_Registry)
+    if registry is None:
         return False
-    if not isinstance(registry, _Registry):
-        c10d._pg_map = registry = _Registry(registry)
     _held.extend(g for g in registry if g not in _held)
     return True
 

@@ -24,7 +24,7 @@ How it talks to the agent: the words H_IP_* of the rank's shared-memory record (
   nodes (rank_monitor.peer_sockets: a DDP reducer keeps a gloo group's sockets open, and a peer
   waiting for this rank's data learns that it is gone only when they close), then settles the
   GPU and aborts NCCL unless the watcher did (restart_watcher.act), destroys the process group,
-  clears torch's DTensor caches that hold the group's DeviceMesh (rank_side.live.dtensor_cycle), frees what the failed call held (a full garbage collection, cheap because what existed before
+  clears torch's DTensor caches that hold the group's DeviceMesh (rank_side.dtensor_cycle), frees what the failed call held (a full garbage collection, cheap because what existed before
   the first call was frozen out of the collector's view, gc.freeze, as in a warm reserve),
   empties the CUDA cache (empty_cuda_cache), sets IP_READY and waits for H_IP_GO; the
   agent kills a rank that does not get there within inprocess_timeout and replaces it.
@@ -130,8 +130,7 @@ def _load_restart_parts() -> None:
     module for its variables' names, and a rank without ft.restartable never needs them."""
     global flight_recorder, peer_sockets, call_groups, exit_settle, restart_watcher, dtensor_cycle
     from ft_launcher.rank_monitor import flight_recorder, peer_sockets
-    from ft_launcher.rank_monitor.rank_side import call_groups, exit_settle, restart_watcher
-    from ft_launcher.rank_monitor.rank_side.live import dtensor_cycle
+    from ft_launcher.rank_monitor.rank_side import call_groups, dtensor_cycle, exit_settle, restart_watcher
 
 
 def _record():
@@ -190,24 +189,16 @@ def _install() -> bool:
 def _keep_group_on_init() -> None:
     """A re-run's call (StepRerun) finds the process group of the call before it: its first
     init_process_group keeps that group instead of failing ("initialize the default process group
-    twice"); a group it asks for later is made as usual."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
+    twice"); a group it asks for later is made as usual (the wrap is rank_side.dist_patch's)."""
+    from ft_launcher.rank_monitor.rank_side import dist_patch
 
-    if getattr(dist.init_process_group, "_ft_keeps", False):
-        return
-    original = c10d.init_process_group
+    dist_patch.on_init("inprocess.rerun", _keep_group)
 
-    def init_process_group(*args, **kwargs):
-        if _STATE.keep_group and dist.is_initialized():
-            _STATE.keep_group = False
-            return None
-        _STATE.keep_group = False
-        return original(*args, **kwargs)
 
-    init_process_group._ft_keeps = True
-    init_process_group.__wrapped__ = original
-    dist.init_process_group = c10d.init_process_group = init_process_group
+def _keep_group() -> bool:
+    """dist_patch's question at an init_process_group: keep the group? Asked once per re-run."""
+    keep, _STATE.keep_group = _STATE.keep_group, False
+    return keep
 
 
 def _teardown() -> None:

@@ -12,7 +12,7 @@ this thread, blocked (no polling, no GIL) on a named pipe beside its shared-memo
 (agent.ranks.inprocess_ranks.request), and the signal handler does too (`kick`). On a request the
 thread (`act`, once per request):
 1. waits for a commit in progress to end (at most COMMIT_WAIT_S: a step is wholly done or not begun);
-2. settles the GPU-complete commits (rank_monitor.rank_side.live.gpu_commit: a step counts only if its
+2. settles the GPU-complete commits (rank_monitor.rank_side.gpu_commit: a step counts only if its
    GPU work completed before the abort; else the state is suspect);
 3. calls the functions in `ON_REQUEST` (tests and the GPU bench time the reaction there);
 4. aborts the NCCL communicators of every process group with torch's own abort
@@ -37,7 +37,7 @@ from typing import Callable, List, Optional
 from ft_launcher.rank_monitor import atomic_file
 from ft_launcher.rank_monitor import shm_layout as L
 from ft_launcher.rank_monitor.rank_side import comm_backend
-from ft_launcher.rank_monitor.rank_side.live import gpu_commit
+from ft_launcher.rank_monitor.rank_side import gpu_commit
 
 COMMIT_WAIT_S = 2.0   # seconds a request waits for a commit in progress to end before aborting regardless
 # Called in the acting thread with the request's cycle (0: a restart point without a request), after

@@ -1,6 +1,7 @@
 """agent/'s folders import one way: recovery -> ranks -> observation -> rounds (each may import those
 after it, never one before it), and agent/agent.py above them all, on at most AGENT_IMPORTS of our
-modules; --elastic is read in elastic's room only. The import statements of every
+modules; --elastic is read in elastic's room only; rank_monitor/rank_side/ never imports its live/
+folder; only rank_side/dist_patch.py patches torch.distributed. The import statements of every
 module are read, those inside functions too (a lazy import is an import all the same).
 
 - rounds: the job's store, its keys and the round protocol: what every other part stands on;
@@ -135,3 +136,90 @@ def test_agent_py_imports_at_most_twelve_of_our_modules():
     mods = project_imports(os.path.join(ROOT, "agent", "agent.py"), "ft_launcher.agent")
     assert all(_module_path(m) for m in mods), mods
     assert len(mods) <= AGENT_IMPORTS, f"{len(mods)} > {AGENT_IMPORTS}: " + ", ".join(sorted(mods))
+
+
+# ---- rank_side/ and its live/ ---------------------------------------------------------------------
+# Live state (rank_monitor/rank_side/live/: LiveState, buddy copies, the step guard) stands on the
+# rank's side (rank_monitor/rank_side/: the in-place restart, the exit settle, the group's backend,
+# dist_patch, gpu_commit, dtensor_cycle); no module of rank_side/ imports live/, lazy imports too, so
+# the two never form a cycle. A part both need belongs in rank_side/.
+RANK_SIDE = os.path.join(ROOT, "rank_monitor", "rank_side")
+LIVE = "ft_launcher.rank_monitor.rank_side.live"
+
+
+def test_rank_side_never_imports_its_live_folder():
+    upward = []
+    for name in sorted(os.listdir(RANK_SIDE)):
+        if name.endswith(".py"):
+            mods = project_imports(os.path.join(RANK_SIDE, name), "ft_launcher.rank_monitor.rank_side")
+            upward += [f"rank_monitor/rank_side/{name} imports {m}" for m in sorted(mods)
+                       if m == LIVE or m.startswith(LIVE + ".")]
+    assert not upward, "\n".join(upward)
+    live = os.path.join(RANK_SIDE, "live", "live_state.py")   # the other way is the design's: the check sees it
+    assert any(m.startswith("ft_launcher.rank_monitor.rank_side.") and not m.startswith(LIVE)
+               for m in project_imports(live, LIVE))
+
+
+# ---- one patch of torch.distributed --------------------------------------------------------------
+# rank_monitor/rank_side/dist_patch.py is the only module of ours that assigns an attribute of
+# `torch.distributed` or `torch.distributed.distributed_c10d` (x.attr = ..., setattr(x, ...)), whatever
+# name the module is bound to (`import torch.distributed as dist`, `from torch.distributed import
+# distributed_c10d as c10d`, `sys.modules.get("torch.distributed...")`). Its wrap, installed once and
+# asking its hooks, runs in tests/monitor/unit/test_dist_patch.py.
+PATCHER = "rank_monitor/rank_side/dist_patch.py"
+TORCH_DIST = {"torch.distributed", "torch.distributed.distributed_c10d"}
+
+
+def _dotted(node):
+    """'a.b.c' for a chain of names and attributes, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id] + parts[::-1])
+    return None
+
+
+def _torch_dist_names(tree):
+    """The local names a module binds to torch.distributed or its distributed_c10d."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname for a in node.names if a.asname and a.name in TORCH_DIST)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update(a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in TORCH_DIST)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            if any(isinstance(arg, ast.Constant) and arg.value in TORCH_DIST for arg in node.value.args):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def _patches(path):
+    """Lines that assign an attribute of torch.distributed / distributed_c10d."""
+    tree = ast.parse(open(path).read())
+    names = _torch_dist_names(tree)
+
+    def is_torch_dist(node):
+        dotted = _dotted(node)
+        return dotted is not None and (dotted in names or dotted in TORCH_DIST)
+
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            if node.args and is_torch_dist(node.args[0]):
+                yield node.lineno
+            continue
+        if any(isinstance(t, ast.Attribute) and is_torch_dist(t.value) for t in targets):
+            yield node.lineno
+
+
+def test_only_dist_patch_assigns_to_torch_distributed():
+    found = {rel: list(_patches(path)) for rel, path in _py_files("agent", "rank_monitor", "ft_launcher")}
+    others = [f"{rel}:{','.join(map(str, lines))}" for rel, lines in found.items() if lines and rel != PATCHER]
+    assert not others, "assigns to torch.distributed outside dist_patch.py: " + " ".join(others)
+    assert found[PATCHER], "the check no longer sees dist_patch.py's own assignments"

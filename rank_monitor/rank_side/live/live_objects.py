@@ -62,7 +62,7 @@ _is_dtensor = W.is_dtensor
 def _coordinate(mesh) -> list:
     """This rank's coordinate on `mesh`: where this process's rank in the current process group sits
     in the mesh's rank map (not the mesh's own coordinate, which is the rank of the process that made
-    it: a mesh from a previous call, as torch's caches handed out before rank_side.live.dtensor_cycle,
+    it: a mesh from a previous call, as torch's caches handed out before rank_side.dtensor_cycle,
     would name the shard this process held then)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():

@@ -75,8 +75,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ft_launcher.rank_monitor.rank_side import comm_backend, exit_settle, inprocess
-from ft_launcher.rank_monitor.rank_side.live import buddy_copy, end_fingerprint, gpu_commit, guard_targets, sdc_sim, step_guard
+from ft_launcher.rank_monitor.rank_side import comm_backend, dist_patch, exit_settle, gpu_commit, inprocess
+from ft_launcher.rank_monitor.rank_side.live import buddy_copy, end_fingerprint, guard_targets, sdc_sim, step_guard
 from ft_launcher.rank_monitor.rank_side.live.backward_watch import BackwardWatch
 from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
@@ -253,7 +253,7 @@ class LiveState:
         cycle = _cycle()
         if _REG.call != inprocess._STATE.calls:   # the first LiveState of this call
             # suspect: the previous call raised by itself after a commit, or a committed step's GPU
-            # work had not completed when the restart aborted the communicators (rank_side.live.gpu_commit)
+            # work had not completed when the restart aborted the communicators (rank_side.gpu_commit)
             gpu_clean = gpu_commit.COMMITS.finish()
             _REG.suspect = (inprocess._STATE.failed_last and _REG.trained) or not gpu_clean
             _REG.cycle, _REG.call, _REG.current, _REG.trained = cycle, inprocess._STATE.calls, {}, False
@@ -451,7 +451,7 @@ class LiveState:
         held = _REG.held.get(self.name)
         if held is None or held.live is not self:
             held = _REG.held[self.name] = _Held(self, step)
-        # the step counts once its GPU work is done (at once without CUDA): rank_side.live.gpu_commit
+        # the step counts once its GPU work is done (at once without CUDA): rank_side.gpu_commit
         gpu_commit.COMMITS.committed(step, self._counted)
         self.stats["first_commit_s" if first else "snapshot_s"] += time.perf_counter() - t0
         self.stats["commits"] += 1
@@ -885,27 +885,17 @@ def _source_name(plan: Plan, r: int) -> str:
 def _drain_before_destroy() -> None:
     """The script's own `destroy_process_group()` (at its end) first compares the replicas once more
     (end_fingerprint, when guarded) and waits for the buddy exchange in flight: a group destroyed
-    under it aborts the process. (A restart's teardown calls the unwrapped one.)"""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
+    under it aborts the process. (A restart's teardown calls the unwrapped one.) The wrap is
+    rank_side.dist_patch's."""
+    dist_patch.before_destroy("live_state.end", _before_destroy)
 
-    if getattr(dist.destroy_process_group, "_ft_drains", False):
-        return
-    original = c10d.destroy_process_group
 
-    def destroy_process_group(*args, **kwargs):
-        try:   # the replicas' last comparison (a flip within the fingerprint's last period)
-            end_fingerprint.compare()
-        except Exception as exc:  # noqa: BLE001 - the script's end goes on
-            print(f"ft_launcher: the replicas' last comparison failed: {exc!r}", file=sys.stderr, flush=True)
-        if _REG.buddy is not None:
-            _REG.buddy.close(join_for=60.0)
-            _REG.buddy = None
-        return original(*args, **kwargs)
-
-    destroy_process_group._ft_drains = True
-    destroy_process_group.__wrapped__ = original
-    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
+def _before_destroy() -> None:
+    try:   # the replicas' last comparison (a flip within the fingerprint's last period)
+        end_fingerprint.compare()
+    except Exception as exc:  # noqa: BLE001 - the script's end goes on
+        print(f"ft_launcher: the replicas' last comparison failed: {exc!r}", file=sys.stderr, flush=True)
+    teardown_buddy(join_for=60.0)
 
 
 def _drain_at_exit() -> None:

@@ -514,7 +514,7 @@ def _rerun(step: int, why: str = "the step guard"):
     """Every rank re-runs `step` from memory (rank_side.inprocess.StepRerun); the replicas compare
     their digests at the re-run."""
     from ft_launcher.rank_monitor.rank_side.inprocess import StepRerun
-    from ft_launcher.rank_monitor.rank_side.live import gpu_commit
+    from ft_launcher.rank_monitor.rank_side import gpu_commit
 
     gpu_commit.COMMITS.settle()   # step S-1 counts (the table's read waited for its GPU work)
     MEM.fp.forced = step

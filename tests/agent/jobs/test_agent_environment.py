@@ -255,7 +255,8 @@ def test_a_store_lost_during_the_liveness_check_is_a_store_loss_not_a_traceback(
     """The restart round's liveness check (who of the previous round still ticks) reads the
     store through the protocol's one client: a lost store there is StoreLost, which fails over
     (it was torch's DistNetworkError, a traceback). In-process, a real store that goes away."""
-    from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
+    from ft_launcher.agent.rounds.job_store import JobStore
+    from ft_launcher.agent.rounds.rendezvous import RoundProtocol
     from ft_launcher.agent.rounds.round_types import NodeInfo, StoreLost
     from ft_launcher.cli import launch_config
 

@@ -13,7 +13,8 @@ import pytest
 from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.recovery.no_restart import mark_excluded
 from ft_launcher.agent.recovery.round_end import RoundEnd
-from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
+from ft_launcher.agent.rounds.job_store import JobStore
+from ft_launcher.agent.rounds.rendezvous import RoundProtocol
 from ft_launcher.agent.recovery.restart_policy import NODE_FAILURE_LIMIT, RoundFacts
 from ft_launcher.agent.rounds.round_types import NodeInfo
 from ft_launcher.rank_monitor.config import FaultToleranceConfig

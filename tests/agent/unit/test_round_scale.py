@@ -11,7 +11,8 @@ import pytest
 
 from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.rounds import store_client
-from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
+from ft_launcher.agent.rounds.job_store import JobStore
+from ft_launcher.agent.rounds.rendezvous import RoundProtocol
 from ft_launcher.agent.rounds.round_types import NodeInfo
 
 _HOST = {}

@@ -17,7 +17,7 @@ from ft_launcher.agent.rounds import store_client
 from ft_launcher.agent.rounds.store_client import NotAStore, StoreClient, StoreTimeout, StoreUnreachable
 
 SERVER = ("import socket, sys, time\n"
-          "from ft_launcher.agent.rounds.rendezvous import host_store\n"
+          "from ft_launcher.agent.rounds.job_store import host_store\n"
           "s = host_store('127.0.0.1', 0, 60)\n"
           "print(s.port, s.store.libuvBackend, flush=True)\n"
           "time.sleep(120)\n")

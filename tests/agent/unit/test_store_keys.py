@@ -16,7 +16,8 @@ from ft_launcher.agent.launch_config import LaunchConfig
 from ft_launcher.agent.recovery.no_restart import mark_excluded
 from ft_launcher.agent.recovery.round_end import RoundEnd
 from ft_launcher.agent.rounds import store_keys
-from ft_launcher.agent.rounds.rendezvous import JobStore, RoundProtocol
+from ft_launcher.agent.rounds.job_store import JobStore
+from ft_launcher.agent.rounds.rendezvous import RoundProtocol
 from ft_launcher.agent.rounds.round_types import NodeInfo, Round, StoreLost
 from ft_launcher.agent.rounds.store_failover import StoreFailover
 from ft_launcher.rank_monitor.config import FaultToleranceConfig

@@ -86,7 +86,7 @@ for path, t in sent.items():
         dtensors += 1
         assert W.is_dtensor(r), (path, type(r))
         # the receiver's own DTensor's mesh at that path (in one process torch's caches may hand out an
-        # equal mesh made before: rank_side.live.dtensor_cycle clears them at a restart point)
+        # equal mesh made before: rank_side.dtensor_cycle clears them at a restart point)
         assert r.device_mesh is receiver.placed[path][0] and r.device_mesh == mesh, path
         assert r.placements == t.placements and r.shape == t.shape and r.stride() == t.stride(), path
         assert torch.equal(r.to_local(), t.to_local()), path

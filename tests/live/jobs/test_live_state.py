@@ -580,13 +580,14 @@ def test_hsdp_a_killed_rank_heals_from_its_shard_in_the_other_replica(launcher, 
     assert per_rank(told[0]["sources"]) == {"0": "kept", "1": "kept", "2": "kept", "3": "peer 1"}, told
 
 
-# ---- DTensor across an in-place restart (rank_side.live.dtensor_cycle; live_objects.Tracked.bind) --------------
+# ---- DTensor across an in-place restart (rank_side.dtensor_cycle; live_objects.Tracked.bind) --------------
 _MESH_CYCLES = r"""
 import os, sys, tempfile
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from ft_launcher.rank_monitor.rank_side.live import dtensor_cycle, live_objects as O
+from ft_launcher.rank_monitor.rank_side import dtensor_cycle
+from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 
 class Holder:   # a user's object whose state is one DTensor
     def __init__(self, t): self.t = t

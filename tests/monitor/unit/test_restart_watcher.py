@@ -159,7 +159,7 @@ class _FakeEvents:
 
 
 def test_a_step_counts_only_once_its_gpu_work_is_done():
-    from ft_launcher.rank_monitor.rank_side.live.gpu_commit import GpuCommits
+    from ft_launcher.rank_monitor.rank_side.gpu_commit import GpuCommits
 
     events = _FakeEvents()
     commits = GpuCommits(events, settle_s=0.05)
@@ -195,7 +195,7 @@ def test_a_step_counts_only_once_its_gpu_work_is_done():
 
 
 def test_without_cuda_a_step_counts_at_the_end_of_its_commit():
-    from ft_launcher.rank_monitor.rank_side.live.gpu_commit import GpuCommits
+    from ft_launcher.rank_monitor.rank_side.gpu_commit import GpuCommits
 
     commits = GpuCommits()   # torch.cuda's events; no CUDA context here
     counted = []
