@@ -436,6 +436,10 @@ class LiveState:
         self.stats["commit_bytes_total"] += copied
         if first:
             self.stats["in_place_bytes"] = sum(t.in_place for t in self.tracked.values())
+            self.stats["commit_bytes_by"] = {n: t.copied for n, t in self.tracked.items()}
+            paths = sorted(((b, f"{n}{p}") for n, t in self.tracked.items() for p, b in t.copied_paths.items()),
+                           reverse=True)
+            self.stats["copied_paths"] = {p: b for b, p in paths[:12]}
             notes = [t.note for t in self.tracked.values() if t.note]
             if notes:   # what is still copied whole, and why: one line
                 _say(f"LiveState '{self.name}': " + "; ".join(notes))
