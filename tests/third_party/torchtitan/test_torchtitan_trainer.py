@@ -123,6 +123,21 @@ def hsdp_fault_free(tmp_path_factory, assets):
     return results[0]
 
 
+def _commits_copy_no_model_or_optimizer(out, nproc):
+    """Every rank's LiveState, after the heal (the call that ran to the end): its commits read the
+    model's parameters and the optimizer's state in place (the adapter's `_ModelState`: before, the
+    debugmodel's fused attention projection was gathered and copied at every commit, 4.7 MB per
+    rank); a commit copies only small state (the RNG's 5 KB)."""
+    for rank in range(nproc):
+        stats = json.load(open(os.path.join(str(out), f"stats_rank{rank}.json")))["live"]
+        assert stats["commit_bytes_by"]["model"] == 0 and stats["commit_bytes_by"]["optimizer"] == 0, stats
+        assert stats["commit_bytes"] <= 16384 and stats["in_place_bytes"] >= 0.99 * _state_bytes(out, rank), stats
+
+
+def _state_bytes(out, rank):
+    return json.load(open(os.path.join(str(out), f"stats_rank{rank}.json")))["state_bytes"]
+
+
 def _after_fault(steps):
     """The steps a rank trained after the fault (its step sequence from where it went back)."""
     i = steps.index(FAIL_STEP)
@@ -146,6 +161,7 @@ def test_a_killed_rank_heals_from_its_buddy_copy_exactly(launcher, tmp_path, ass
     proc, steps, results = run_titan(launcher, tmp_path / "out", assets, fault=True, live=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "live recovery: resumed at step 13 (0 completed step(s) redone" in proc.stderr, proc.stderr[-3000:]
+    _commits_copy_no_model_or_optimizer(tmp_path / "out", 2)
     for rank in (0, 1):
         assert _after_fault(steps[rank]) == list(range(FAIL_STEP, STEPS + 1)), steps
     assert results[0] == results[1] == fault_free, (results, fault_free)
@@ -177,6 +193,7 @@ def test_hsdp_a_killed_rank_heals_from_its_replica_exactly(launcher, tmp_path, a
     assert "no live state to resume from" not in proc.stderr, proc.stderr[-3000:]
     assert "live recovery: resumed at step 13 (0 completed step(s) redone" in proc.stderr, proc.stderr[-3000:]
     assert "rank 3 from peer rank 1" in proc.stderr, proc.stderr[-3000:]
+    _commits_copy_no_model_or_optimizer(tmp_path / "out", 4)
     for rank in range(4):
         assert steps[rank][:FAIL_STEP] == list(range(1, FAIL_STEP + 1)), steps
         assert _after_fault(steps[rank]) == list(range(FAIL_STEP, STEPS + 1)), steps
