@@ -12,7 +12,8 @@ every case), one MLP with AdamW, fault-free:
   titan      (--titan) torchtitan 0.3.0's own trainer (tests/third_party/torchtitan/cpu_train.py: its
              llama3 debugmodel, FSDP over 2 gloo ranks, or HSDP 2 x 2 over 4 with --titan-hsdp) with
              ft_launcher's adapter's LiveState (no buddy copies), against the same job without it
-Per contender and rank: the bytes the last commit copied (`live.stats["commit_bytes"]`), the bytes
+Per contender and rank: the bytes the last commit copied (`live.stats["commit_bytes"]`; with --titan also
+by object, `commit_bytes_by`), the bytes
 the first read in place (`in_place_bytes`: parameters and optimizer state), the rank's own state
 (parameters and AdamW state, its shard under FSDP), and its peak RSS (VmHWM), with the ratio to the
 job without the LiveState and the difference in units of the rank's state.
@@ -114,6 +115,12 @@ def titan_main(args) -> None:
               f"{(max(r['in_place_bytes'] for r in ranks) / 1e6 if live else float('nan')):12.1f} "
               f"{rss:>30} {ratio:10.3f}x")
         rows.append({"form": "titan", "live": live, "ranks": ranks, "rss_ratio": ratio})
+    by = {}
+    for r in results[True]:
+        for name, n in ((r.get("live") or {}).get("commit_bytes_by") or {}).items():
+            by[name] = max(by.get(name, 0), n)
+    print("a commit copies, by object (bytes, the largest rank's): "
+          + ", ".join(f"{name} {n:,}" for name, n in sorted(by.items(), key=lambda kv: -kv[1])))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
