@@ -15,23 +15,28 @@
 - `live=True` (with any LiveState keyword, e.g. `buddy_every=1` for pure FSDP, which has no
   replica): at the end of `Trainer.__init__`, `ft.LiveState(name="torchtitan", **states)` over
   torchtitan's `CheckpointManager.states` as they are (train_state: the trainer's step and token
-  count; model: torchtitan's ModelWrapper; optimizer, lr_scheduler, dataloader: its containers),
-  i.e. exactly what its DCP checkpoint saves (the optimizer through `_OptimizerState`: its state
-  dict read without torchtitan's side effect on a fresh optimizer). The commit brackets the optimizer and LR steps of
+  count; model: torchtitan's model parts; optimizer, lr_scheduler, dataloader: its containers),
+  i.e. what its DCP checkpoint saves (the model through `_ModelState`: its parts' own parameters,
+  read in place, not the state dict their hooks build; the optimizer through `_OptimizerState`: its
+  state dict read without torchtitan's side effect on a fresh optimizer). A commit copies no
+  parameter or optimizer state: only the persistent buffers, positions and counters, and the RNG. The commit brackets the optimizer and LR steps of
   `train_step` (opened as `optimizers.step()` starts, closed when `lr_schedulers.step()` returns:
   torchtitan calls them back to back), at the trainer's step. `checkpointer.load()` first calls
   `live.restore()`: when it returns a step, the states hold it (the trainer's step included) and
   torchtitan's own load is skipped; else torchtitan loads its checkpoint as without LiveState.
   torchtitan's checkpointing off (`checkpoint.enable = False`): it has no states, and live
   recovery is off, said in one line.
-- The dataloader's state is its data-parallel rank's alone (its position in that rank's part of the
-  data, under a key that names the rank; no DTensor says so), so the LiveState gets
-  `shard=<data-parallel rank>`: a rank never takes another rank's position. Under HSDP that means
-  no heal from a replica (torchtitan's `load_state_dict` would ignore the other rank's key with a
-  warning and start the loader over, and the replicas' digests would still agree): a rank heals
-  from its own host or buddy copy (`buddy_every`), else the job loads the checkpoint, saying why.
-  That position is kept as plain values (`_LoaderState`), not as the bytes torchtitan pickles it
-  into: nothing a peer held is unpickled freely.
+- Two identities in one state: the model, optimizer, LR schedulers and train state have the shard
+  identity their DTensors give (under HSDP a rank's FSDP shard, replicated across the replica
+  groups), while the dataloader's state is its data-parallel rank's alone (its position in that
+  rank's part of the data, under a key that names the rank; no DTensor says so): the LiveState gets
+  `per_rank={"dataloader": <data-parallel rank>}`. A killed rank then heals its model and optimizer
+  from its replica and its loader position from its own record in its node's host memory, written
+  at every commit (rank_side.live.rank_record): never a replica's position (torchtitan's
+  `load_state_dict` would ignore the other rank's key with a warning and start the loader over).
+  No record of the resume step (its node lost, no buddy copy): the job loads the checkpoint,
+  saying why. That position is kept as plain values (`_LoaderState`), not as the bytes torchtitan
+  pickles it into: nothing a peer held is unpickled freely.
 
 `run(main)` calls `main()` inside `ft.restartable` (torchtitan's `main` builds the trainer, which
 builds the process group, on every call: what restartable asks). Imports stay lazy: nothing of
@@ -124,17 +129,86 @@ def _attach_live(trainer) -> None:
                   "states to keep: live recovery is off", file=sys.stderr, flush=True)
         return
     objects = {key: obj for key, obj in states.items() if obj is not None}
+    parts = getattr(objects.get("model"), "model", None)
+    if isinstance(parts, list) and parts and _ModelState.fits(parts):
+        objects["model"] = _ModelState(parts)
     if objects.get("optimizer") is trainer.optimizers:
         objects["optimizer"] = _OptimizerState(trainer.optimizers)
     kwargs = dict(_options["live_kwargs"])
     loader = objects.get("dataloader")
-    if "shard" not in kwargs and getattr(loader, "dp_world_size", 1) > 1:
-        kwargs["shard"] = int(loader.dp_rank)   # its position is this data-parallel rank's alone
+    if "shard" not in kwargs and "per_rank" not in kwargs and getattr(loader, "dp_world_size", 1) > 1:
+        # its position is this data-parallel rank's alone; the model and optimizer have the identity
+        # their DTensors give (under HSDP: replicas across the replica groups)
+        kwargs["per_rank"] = {"dataloader": int(loader.dp_rank)}
     if loader is not None and hasattr(loader, "_rank_id"):
         objects["dataloader"] = _LoaderState(loader)
     live = ft.LiveState(name=LIVE_NAME, **objects, **kwargs)
     checkpointer._ft_launcher_live = trainer._ft_launcher_live = live
     _CommitBracket(trainer, live)
+
+
+class _ModelState:
+    """torchtitan's model parts as the LiveState sees them: each part's own parameters and persistent
+    buffers by name, as the modules hold them (FSDP2's sharded DTensor parameters), not its
+    `state_dict()`.
+
+    torchtitan's `ModelWrapper.state_dict()` is the parts' `state_dict()`, through their hooks: the
+    fused attention projection (`FusedQKVLinear`, the debugmodel's) gathers its sharded `wqkv` to
+    every rank and splits it into new `wq`/`wk`/`wv` tensors (the checkpoint's layout). Those are
+    not the parameters, so every commit copied them (4.7 MB per rank on the debugmodel, the whole
+    projection, after an all-gather), and they could not be read in place. The live state is only
+    ever loaded into this same trainer, so it keeps the parameters themselves (read in place: they
+    change only inside commit) and the persistent buffers (copied at each commit: a forward pass
+    may change them); loading copies each tensor into the part's own one (a DTensor's local shard,
+    same placements and shape, else it raises and the job loads its checkpoint). Parts with
+    `_extra_state` keep torchtitan's `ModelWrapper` (`fits`)."""
+
+    def __init__(self, parts) -> None:
+        self.model = parts   # the attribute name LiveState's search for live tensors reads (as ModelWrapper's)
+
+    @staticmethod
+    def fits(parts) -> bool:
+        import torch
+
+        base = torch.nn.Module.get_extra_state
+        return all(isinstance(part, torch.nn.Module) for part in parts) and not any(
+            getattr(type(mod), "get_extra_state", base) is not base for part in parts for mod in part.modules())
+
+    def state_dict(self):
+        out = {}
+        for part in self.model:
+            for prefix, mod in part.named_modules():
+                dot = prefix + "." if prefix else ""
+                for name, p in mod._parameters.items():
+                    if p is not None:
+                        out.setdefault(dot + name, p)
+                for name, buf in mod._buffers.items():
+                    if buf is not None and name not in mod._non_persistent_buffers_set:
+                        out.setdefault(dot + name, buf)
+        return out
+
+    def load_state_dict(self, state_dict) -> None:
+        import torch
+
+        own = self.state_dict()
+        if set(own) != set(state_dict):
+            raise ValueError(f"the model's state has {sorted(set(own) ^ set(state_dict))[:4]} on one side only")
+        with torch.no_grad():
+            for key, dst in own.items():
+                src = state_dict[key]
+                if hasattr(dst, "placements") != hasattr(src, "placements") or (
+                        hasattr(dst, "placements") and tuple(dst.placements) != tuple(src.placements)):
+                    raise ValueError(f"the model's {key} is not sharded as the state to load")
+                dst, src = _local(dst), _local(src)
+                if dst.shape != src.shape or dst.dtype != src.dtype:
+                    raise ValueError(f"the model's {key} is {tuple(dst.shape)} {dst.dtype}, the state's "
+                                     f"{tuple(src.shape)} {src.dtype}")
+                if dst.data_ptr() != src.data_ptr():   # (a kept rank's own parameter: nothing to copy)
+                    dst.copy_(src)
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class _OptimizerState:

@@ -154,6 +154,7 @@ class Tracked:
         self.copied = 0              # bytes the last commit copied (snapshot())
         self.in_place = 0            # bytes of tensors the last commit read in place (parameters, optimizer state)
         self._copies: dict = {}      # SNAPSHOT: path -> the copy the last commit made (reused when it fits)
+        self.copied_paths: dict = {}  # the first commit's copied bytes by state-dict path (what each commit copies)
         self.snapped = False         # snapshot() ran (a commit or an adopt)
 
     # ---- set up once: check the state and settle the kind -------------------------------------
@@ -269,6 +270,8 @@ class Tracked:
                 counts[1] += size
                 return t
             counts[0] += size
+            if first:
+                self.copied_paths[W.path_text(path)] = size
             old = previous.get(path)
             if (old is not None and not _is_dtensor(t) and not _is_dtensor(old) and old.shape == t.shape
                     and old.dtype == t.dtype and old.device == t.device):
@@ -300,7 +303,8 @@ class Tracked:
         if made < _NOTE_BYTES:
             return None
         return (f"'{self.name}': {_mb(made)} of its state dict are copies that its state_dict() makes, not the "
-                f"parameters' or optimizer's own tensors (full_state_dict or cpu_offload options? FSDP1?): they are "
+                f"parameters' or optimizer's own tensors (full_state_dict or cpu_offload options? FSDP1? a state_dict "
+                f"hook that builds new tensors?): they are "
                 f"copied at every commit")
 
     def committed(self) -> dict:
