@@ -18,8 +18,8 @@ every --ckpt-every steps; README.md there says what a CPU needs). In this one ru
                restarts in place and keeps its state, the killed one loads its host copy
 With --ways, also HSDP 2x2 (4 ranks: 2 replicas x 2 shards; on 2 cores a step takes about twice
 as long): `hsdp fault-free` (ft_launcher, the HSDP reference) and `hsdp ft live` (rank 3 killed,
-LiveState without buddy copies: a replica heal, which torchtitan's per-rank dataloader state rules
-out: the adapter's `shard=` makes it fall back to the checkpoint, saying why) and `hsdp ft live
+LiveState without buddy copies: a replica heal, its model and optimizer from rank 1, its
+dataloader position from its own host-memory record: the adapter's `per_rank`) and `hsdp ft live
 buddy` (with `buddy_every=1`: rank 3 loads its host copy).
 Per way: recovered (exit 0 at the last step), the first step trained after the fault, completed
 steps trained again, fault -> every rank

@@ -24,14 +24,17 @@
   torchtitan's own load is skipped; else torchtitan loads its checkpoint as without LiveState.
   torchtitan's checkpointing off (`checkpoint.enable = False`): it has no states, and live
   recovery is off, said in one line.
-- The dataloader's state is its data-parallel rank's alone (its position in that rank's part of the
-  data, under a key that names the rank; no DTensor says so), so the LiveState gets
-  `shard=<data-parallel rank>`: a rank never takes another rank's position. Under HSDP that means
-  no heal from a replica (torchtitan's `load_state_dict` would ignore the other rank's key with a
-  warning and start the loader over, and the replicas' digests would still agree): a rank heals
-  from its own host or buddy copy (`buddy_every`), else the job loads the checkpoint, saying why.
-  That position is kept as plain values (`_LoaderState`), not as the bytes torchtitan pickles it
-  into: nothing a peer held is unpickled freely.
+- Two identities in one state: the model, optimizer, LR schedulers and train state have the shard
+  identity their DTensors give (under HSDP a rank's FSDP shard, replicated across the replica
+  groups), while the dataloader's state is its data-parallel rank's alone (its position in that
+  rank's part of the data, under a key that names the rank; no DTensor says so): the LiveState gets
+  `per_rank={"dataloader": <data-parallel rank>}`. A killed rank then heals its model and optimizer
+  from its replica and its loader position from its own record in its node's host memory, written
+  at every commit (rank_side.live.rank_record): never a replica's position (torchtitan's
+  `load_state_dict` would ignore the other rank's key with a warning and start the loader over).
+  No record of the resume step (its node lost, no buddy copy): the job loads the checkpoint,
+  saying why. That position is kept as plain values (`_LoaderState`), not as the bytes torchtitan
+  pickles it into: nothing a peer held is unpickled freely.
 
 `run(main)` calls `main()` inside `ft.restartable` (torchtitan's `main` builds the trainer, which
 builds the process group, on every call: what restartable asks). Imports stay lazy: nothing of
@@ -128,8 +131,10 @@ def _attach_live(trainer) -> None:
         objects["optimizer"] = _OptimizerState(trainer.optimizers)
     kwargs = dict(_options["live_kwargs"])
     loader = objects.get("dataloader")
-    if "shard" not in kwargs and getattr(loader, "dp_world_size", 1) > 1:
-        kwargs["shard"] = int(loader.dp_rank)   # its position is this data-parallel rank's alone
+    if "shard" not in kwargs and "per_rank" not in kwargs and getattr(loader, "dp_world_size", 1) > 1:
+        # its position is this data-parallel rank's alone; the model and optimizer have the identity
+        # their DTensors give (under HSDP: replicas across the replica groups)
+        kwargs["per_rank"] = {"dataloader": int(loader.dp_rank)}
     if loader is not None and hasattr(loader, "_rank_id"):
         objects["dataloader"] = _LoaderState(loader)
     live = ft.LiveState(name=LIVE_NAME, **objects, **kwargs)

@@ -76,7 +76,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ft_launcher.rank_monitor.rank_side import comm_backend, exit_settle, inprocess
-from ft_launcher.rank_monitor.rank_side.live import buddy_copy, end_fingerprint, gpu_commit, guard_targets, sdc_sim, step_guard
+from ft_launcher.rank_monitor.rank_side.live import (buddy_copy, end_fingerprint, gpu_commit, guard_targets, rank_record,
+                                                   sdc_sim, step_guard)
 from ft_launcher.rank_monitor.rank_side.live.backward_watch import BackwardWatch
 from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
@@ -173,6 +174,11 @@ class LiveState:
       state has no DTensors that say so (their mesh coordinates are the shard identity anyway);
       ranks with the same `shard` are replicas. None (default): from the DTensors, else every rank
       holds the same state (DDP).
+    - `per_rank` ({name: k}): objects whose state is this rank's alone although the rest of the state
+      has replicas (a loader's position in data-parallel rank k's part of the data, under HSDP): left
+      out of the shard identity and of the replicas' check, kept at each commit in this node's host
+      memory (rank_side.live.rank_record), so a rank that heals the rest from a replica takes these
+      from its record, never a replica's; no record of the resume step: the checkpoint, said.
     - `rng` (default True): also keep the RNG state (torch CPU and CUDA, Python's `random`) as of
       each commit, so dropout and augmentation continue their stream.
     - `verify` (default True): after a live recovery in which a rank healed from a peer, the
@@ -194,8 +200,8 @@ class LiveState:
       the gradients per step; rank_side.live.backward_watch).
     """
 
-    def __init__(self, *, name: Optional[str] = None, shard: Optional[int] = None, rng: bool = True,
-                 verify: bool = True, buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
+    def __init__(self, *, name: Optional[str] = None, shard: Optional[int] = None,
+                 per_rank: Optional[Dict[str, int]] = None, rng: bool = True, verify: bool = True, buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
                  spike_factor: float = 10.0, spike_fatal: bool = False, skip_bad_batches: bool = False,
                  transient_window_s: float = 3600.0, fingerprint_every: Optional[int] = None,
                  fingerprint_budget: float = 0.01, watch_every_step: bool = False, **objects: Any) -> None:
@@ -212,6 +218,12 @@ class LiveState:
             self.objects[RNG] = O.Rng()
         self.tracked: Dict[str, O.Tracked] = {k: O.Tracked(k, v) for k, v in self.objects.items()}
         self.shard = None if shard is None else int(shard)
+        self.per_rank: Dict[str, int] = {k: int(v) for k, v in (per_rank or {}).items()}
+        unknown = sorted(set(self.per_rank) - set(objects))
+        if unknown:
+            raise TypeError(f"LiveState(per_rank=...): {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} "
+                            f"none of its objects ({', '.join(sorted(objects))})")
+        self._record: Optional[rank_record.RankRecord] = None   # per-rank objects' host records (rank_record)
         self.verify = verify
         if not float(spike_factor) > 1.0:
             raise ValueError(f"LiveState(spike_factor={spike_factor}): a factor above 1")
@@ -239,7 +251,8 @@ class LiveState:
         # commit_bytes: what the last commit copied (buffers, RNG, positions; whole states that cannot be read in
         # place); in_place_bytes: what the first commit read in place instead (parameters, optimizer state)
         self.stats = {"commits": 0, "snapshot_s": 0.0, "first_commit_s": 0.0, "guarded": 0, "guard_s": 0.0,
-                      "commit_bytes": 0, "commit_bytes_total": 0, "in_place_bytes": 0}
+                      "commit_bytes": 0, "commit_bytes_total": 0, "in_place_bytes": 0,
+                      "record_bytes": 0}
         self.refused: Optional[str] = None
         self._pending = 0
         self._described: Optional[dict] = None   # identity and layout of its objects (once read)
@@ -451,6 +464,8 @@ class LiveState:
         held = _REG.held.get(self.name)
         if held is None or held.live is not self:
             held = _REG.held[self.name] = _Held(self, step)
+        if self.per_rank:
+            self._write_record(step)
         # the step counts once its GPU work is done (at once without CUDA): rank_side.live.gpu_commit
         gpu_commit.COMMITS.committed(step, self._counted)
         self.stats["first_commit_s" if first else "snapshot_s"] += time.perf_counter() - t0
@@ -486,7 +501,7 @@ class LiveState:
         world = _world()
         per_object = {name: W.digest64(name, self.tracked[name].kind, layout)
                       for name, (_, layout, _) in sorted(fresh.items())}
-        idents = [(name, ident) for name, (_, _, ident) in sorted(fresh.items()) if ident]
+        idents = [(name, ident) for name, (_, _, ident) in sorted(fresh.items()) if ident and name not in self.per_rank]
         self._described = {
             "world": world,
             # replicated state (no `shard=`; DTensors name only their sharded dimensions) is the same
@@ -494,7 +509,10 @@ class LiveState:
             # a `shard=` number means something only under the world size it was given in
             "identity": W.digest64(world if self.shard is not None else None, self.shard, idents),
             "identity_text": O.describe_identity([e for _, ident in idents for e in ident], self.shard),
-            "layout": W.digest64(sorted(per_object.items())),
+            "layout": W.digest64(sorted((n, d) for n, d in per_object.items() if n not in self.per_rank)),
+            # the per-rank objects (`per_rank`): their own identity and layout, those of their host records
+            "own_identity": W.digest64(world, sorted(self.per_rank.items())),
+            "own_layout": W.digest64(sorted((n, d) for n, d in per_object.items() if n in self.per_rank)),
             "objects": per_object,
             "names": W.digest64(sorted(self.tracked)),
             # plain BatchNorm statistics are per rank; DDP makes rank 0's everyone's at the next forward
@@ -615,6 +633,8 @@ class LiveState:
                                 failed = failed or _failure(name, f"receiving its state from rank {src}", exc)
                         seconds = time.perf_counter() - t0
                 offered = None
+                if self.per_rank and not plan.kept(rank) and not failed:   # its own part: never a replica's
+                    failed = self._own_part(plan, ready, fresh, rank)
                 if not plan.kept(rank) and not failed:
                     self._hold(plan.resume, ready, previous=held)
                 held = None
@@ -660,9 +680,62 @@ class LiveState:
         if plan.resume is None:
             if buddy is not None:
                 buddy.abandon()   # the checkpoint's timeline: no copy of the old one is offered again
+            if self._record is not None:
+                self._record.abandon(cycle)   # nor a per-rank record of it
             return None
         words[L.H_LIVE_STEP] = plan.resume + 1
         return self._watched(plan.resume)
+
+    def _records(self) -> Optional[rank_record.RankRecord]:
+        """This local rank slot's per-rank records (under ft_launcher: beside its buddy slots)."""
+        if self._record is None and self.per_rank:
+            prefix = os.environ.get(buddy_store.ENV_PREFIX)
+            if prefix:
+                self._record = rank_record.RankRecord(prefix)
+        return self._record
+
+    def _write_record(self, step: int) -> None:
+        """The per-rank objects' committed state into this node's host memory (rank_record), at the
+        end of each commit. A record that cannot be written is said once; a heal that needs it then
+        falls back to the checkpoint, saying why."""
+        record = self._records()
+        if record is None or record.refused is not None:
+            return
+        made = self._describe()
+        try:
+            self.stats["record_bytes"] = record.write({n: self.tracked[n].committed() for n in sorted(self.per_rank)},
+                                                      step, made["own_identity"], made["own_layout"], made["world"],
+                                                      int(os.environ.get("RANK", 0)), _cycle())
+        except Exception as exc:  # noqa: BLE001 - said once; the next heal of this rank falls back
+            if not getattr(self, "_record_said", False):
+                self._record_said = True
+                print(f"ft_launcher: LiveState '{self.name}': rank {os.environ.get('RANK', '?')} cannot keep its "
+                      f"per-rank state ({', '.join(sorted(self.per_rank))}) in host memory: "
+                      f"{type(exc).__name__}: {exc}; a heal of this rank from a replica falls back to the checkpoint",
+                      file=sys.stderr, flush=True)
+
+    def _own_part(self, plan: Plan, ready: Dict[str, Any], fresh: dict, rank: int) -> str:
+        """A rank that did not keep its state: its per-rank objects from its own host copy (a buddy
+        slot of its own state: already in `ready`) or else from its record of the resume step, in
+        place in `ready`. -> "" or why not (the job then falls back, with that line)."""
+        src = plan.sources[rank]
+        if buddy_copy.is_copy(src) and src.holder == rank and src.kind in ("slot0", "slot1"):
+            return ""   # its own state's host copy: its own position with it
+        names = sorted(self.per_rank)
+        origin = f"buddy {src.holder}'s copy" if buddy_copy.is_copy(src) else f"peer rank {src.holder}"
+        made = self._describe()
+        record = self._records()
+        slot, why = (record.find(plan.resume, made["own_identity"], made["own_layout"]) if record is not None
+                     else (None, "it runs without ft_launcher's host records"))
+        if slot is None:
+            return (f"its replicated state heals from {origin}, but {', '.join(repr(n) for n in names)} "
+                    f"{'is' if len(names) == 1 else 'are'} its own (per_rank) and cannot come from a replica: "
+                    f"{why}, none of step {plan.resume}")
+        try:
+            ready.update(record.read(slot, {n: fresh[n] for n in names}, self._places()))
+        except W.ObjectFailed as exc:
+            return _failure(exc.name, "reading its per-rank record", exc.error)
+        return ""
 
     def _watched(self, step: Optional[int]) -> Optional[int]:
         """restore()'s result; where this process ran the guard before, its backward watch is on from
@@ -708,6 +781,8 @@ class LiveState:
             _REG.held.pop(self.name, None)   # (a pending verdict stays: the checkpoint trains up to its step)
             if _REG.buddy is not None:
                 _REG.buddy.abandon()   # as at restore's fallback
+            if self._record is not None:
+                self._record.abandon(_cycle())
             if dist.get_rank() == 0:
                 print(f"ft_launcher: the re-run from memory could not restore its state ({failed or 'on another rank'})"
                       f": every rank loads its checkpoint", file=sys.stderr, flush=True)
@@ -1045,6 +1120,8 @@ def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any]
         if all(plan.kept(r) for r in members):
             continue   # every rank of this shard restored its own committed state: nothing came from a peer
         for i, n in enumerate(names[:k]):
+            if n in live.per_rank:
+                continue   # this rank's own part (a loader's position): replicas differ in it
             values = collections.defaultdict(list)
             for r in members:
                 values[table[r][i]].append(r)

@@ -171,6 +171,31 @@ def train(self):
     if OUT:
         with open(os.path.join(OUT, f"result_rank{RANK}.json"), "w") as f:
             json.dump({"step": self.step, "loss": _losses.get(self.step), "checksum": digest.hexdigest()}, f)
+        # what bench/live_overhead.py reads: this rank's peak RSS, its state's bytes, the LiveState's figures
+        live = getattr(self, "_ft_launcher_live", None)
+        state = sum(t.numel() * t.element_size() for t in _local_tensors(self))
+        with open(os.path.join(OUT, f"stats_rank{RANK}.json"), "w") as f:
+            json.dump({"peak_rss_kb": _peak_rss_kb(), "state_bytes": state,
+                       "live": dict(live.stats) if live is not None else None}, f)
+
+
+def _local_tensors(trainer):
+    """This rank's parameters and optimizer state (their local shards)."""
+    out = []
+    for part in trainer.model_parts:
+        out += [p.to_local() if hasattr(p, "to_local") else p for p in part.parameters()]
+    for optim in trainer.optimizers.optimizers:
+        for state in optim.state.values():
+            out += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
+    return out
+
+
+def _peak_rss_kb() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
 
 
 Trainer.train = train

@@ -9,8 +9,9 @@ fault-free run:
 - with live state (`LiveState` over torchtitan's checkpointer states, `buddy_every=1`: pure FSDP
   has no replica): rank 0 keeps its state in place, rank 1 loads its host copy, the job resumes
   at step 13 (no completed step trained again);
-- HSDP 2x2 with live state but no buddy copy: torchtitan's dataloader position is per rank, so the
-  killed rank does not heal from its replica: the job falls back to the checkpoint, saying why.
+- HSDP 2x2 with live state but no buddy copy: the killed rank heals its model and optimizer shard
+  from its replica and its dataloader position (its own) from its record in host memory; the job
+  resumes at step 13, exactly.
 Each run takes 1-2 minutes on 2 cores: the module is `slow`, and skips with one reason where
 torchtitan 0.3.0 (with triton and tokenizers) is not installed. The default test below (lazy
 imports) needs none of it.
@@ -161,17 +162,22 @@ def test_the_adapter_imports_nothing_of_torchtitan_or_torch_until_installed():
 
 
 @needs_torchtitan
-def test_hsdp_never_heals_a_rank_with_a_replicas_dataloader_position(launcher, tmp_path, assets, hsdp_fault_free):
-    """HSDP 2x2, live state without buddy copies, rank 3 killed: its model and optimizer shard live
-    on in rank 1, but torchtitan's dataloader position is rank 3's alone (the adapter's `shard=`):
-    no heal from the replica (before: rank 3 took rank 1's position, torchtitan ignored it and
-    started its loader over, and the run ended with other parameters); the job says why and
-    resumes from torchtitan's checkpoint, exactly."""
+def test_hsdp_a_killed_rank_heals_from_its_replica_exactly(launcher, tmp_path, assets, hsdp_fault_free):
+    """HSDP 2x2 (replicate 2 x shard 2), live state without buddy copies or a checkpoint fallback,
+    rank 3 SIGKILLed as step 14 starts: its model and optimizer shard comes from its replica (rank 1,
+    the same FSDP shard in the other replica group), its dataloader position (its data-parallel
+    rank's alone: the adapter's `per_rank`) from its own record in the node's host memory, never
+    rank 1's. The job resumes at step 13, no completed step trained again, and ends with exactly
+    the fault-free run's parameters and loss. (Before: the adapter's `shard=<dp rank>` made the
+    whole state rank 3's alone, and the job fell back to torchtitan's checkpoint of step 10.)"""
     proc, steps, results = run_titan(launcher, tmp_path / "out", assets, fault=True, live=True, hsdp=True,
                                      buddy_every=0)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "no live state to resume from" in proc.stderr and "every rank loads its checkpoint" in proc.stderr, \
-        proc.stderr[-3000:]
+    assert "rank 3 on node 0 (127.0.0.1) was killed by SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    assert "no live state to resume from" not in proc.stderr, proc.stderr[-3000:]
+    assert "live recovery: resumed at step 13 (0 completed step(s) redone" in proc.stderr, proc.stderr[-3000:]
+    assert "rank 3 from peer rank 1" in proc.stderr, proc.stderr[-3000:]
     for rank in range(4):
-        assert _after_fault(steps[rank]) == list(range(CKPT_EVERY + 1, STEPS + 1)), steps
+        assert steps[rank][:FAIL_STEP] == list(range(1, FAIL_STEP + 1)), steps
+        assert _after_fault(steps[rank]) == list(range(FAIL_STEP, STEPS + 1)), steps
     assert all(results[r] == hsdp_fault_free for r in range(4)), (results, hsdp_fault_free)
