@@ -203,7 +203,8 @@ class LiveState:
     """
 
     def __init__(self, *, name: Optional[str] = None, shard: Optional[int] = None,
-                 per_rank: Optional[Dict[str, int]] = None, rng: bool = True, verify: bool = True, buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
+                 per_rank: Optional[Dict[str, int]] = None, rng: bool = True, verify: bool = True,
+                 buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
                  spike_factor: float = 10.0, spike_fatal: bool = False, skip_bad_batches: bool = False,
                  transient_window_s: float = 3600.0, fingerprint_every: Optional[int] = None,
                  fingerprint_budget: float = 0.01, watch_every_step: bool = False, **objects: Any) -> None:
