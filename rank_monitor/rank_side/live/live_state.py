@@ -36,7 +36,8 @@ The parts:
   3. live_plan.plan_recovery: the resume step and each rank's source; none: every rank returns
      None (the script's checkpoint) and global rank 0 prints one line saying why;
   4. a kept rank moves its committed state into the new objects (copied into their own tensors,
-     the rest handed over, nothing staged), then frees the previous objects;
+     the rest handed over, nothing staged), then frees the previous objects (steps 4 and 5:
+     restore_transfer);
   5. the transfers, in one global order: the skeleton and tensors of each object (live_wire; a
      sender's DTensors first bound to this call's meshes, live_objects.Tracked.bind, so that a kept
      rank's optimizer state from before an elastic resize names this call's rank grid; a DTensor
@@ -76,12 +77,13 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ft_launcher.rank_monitor.rank_side import comm_backend, dist_patch, exit_settle, gpu_commit, inprocess
-from ft_launcher.rank_monitor.rank_side.live import (buddy_copy, end_fingerprint, guard_targets, rank_record, sdc_sim,
-                                                   step_guard)
+from ft_launcher.rank_monitor.rank_side.live import (buddy_copy, end_fingerprint, guard_targets, rank_record,
+                                                   restore_transfer, sdc_sim, step_guard)
 from ft_launcher.rank_monitor.rank_side.live.backward_watch import BackwardWatch
 from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer, Plan, plan_recovery
+from ft_launcher.rank_monitor.rank_side.live.restore_transfer import failure
 from ft_launcher.rank_monitor import buddy_store, live_summary
 from ft_launcher.rank_monitor import shm_layout as L
 
@@ -201,7 +203,8 @@ class LiveState:
     """
 
     def __init__(self, *, name: Optional[str] = None, shard: Optional[int] = None,
-                 per_rank: Optional[Dict[str, int]] = None, rng: bool = True, verify: bool = True, buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
+                 per_rank: Optional[Dict[str, int]] = None, rng: bool = True, verify: bool = True,
+                 buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
                  spike_factor: float = 10.0, spike_fatal: bool = False, skip_bad_batches: bool = False,
                  transient_window_s: float = 3600.0, fingerprint_every: Optional[int] = None,
                  fingerprint_budget: float = 0.01, watch_every_step: bool = False, **objects: Any) -> None:
@@ -536,30 +539,69 @@ class LiveState:
         line naming the rank, the object and the error; a peer lost on the wire raises (the restart
         that its loss brings follows)."""
         if self._words is None:
-            if (_cycle() > 0 and os.environ.get("RANK") == "0" and os.environ.get(L.ENV_SHM)
-                    and os.environ.get(inprocess.ENV_GRANULARITY, "job") == "job" and not _REG.said_job):
-                _REG.said_job = True
-                print("ft_launcher: no live state with --restart-granularity job (every rank restarts as a new "
-                      "process): every rank loads its checkpoint", file=sys.stderr, flush=True)
-            return None
-        import torch
-
-        words, cycle = self._words, _cycle()
+            return self._without_live_words()
         heal = inprocess._STATE.rerun and step_guard.MEM.heal == "peer"   # replicas disagreed (step_guard)
         if inprocess._STATE.rerun and not heal:   # a step re-run from memory (step_guard): every rank holds its state
             return self._watched(self._rerun_restore())
-        words[L.H_LIVE_STEP] = 0
-        if cycle == 0 and not heal:   # a first start: nothing to exchange, and nothing read: a fresh optimizer's
-            # state_dict() through DCP's get_state_dict would make its state by a step at lr 0 (AdamW's
-            # step count 1), so a job with a LiveState would train differently from one without. Its
-            # state is checked at the first commit instead.
-            import torch.distributed as dist
+        cycle = _cycle()
+        self._words[L.H_LIVE_STEP] = 0
+        if cycle == 0 and not heal:
+            return self._first_start()
+        import torch
 
-            if dist.is_available() and dist.is_initialized():
-                self._start_buddy(cycle)
+        fresh, mine, failed = self._read_fresh()   # 1
+        rank, world, device = _group()
+        buddy = self._buddy = _REG.buddy if heal else self._start_buddy(cycle)   # a heal keeps the cycle's copies
+        held = _REG.held.get(self.name)
+        rows, copies = self._exchange(held, mine, failed, buddy, world, device)   # 2
+        started = time.perf_counter()   # every rank is here: what follows is the recovery's own time
+        plan, reason = self._planned(rows, copies, failed, world, device)   # 3
+        got, check = restore_transfer.Arrival(), None
+        with torch.no_grad():
+            if plan.resume is not None:   # 4, 5: kept state moved, buddy copies read, peers' sent and received
+                got = restore_transfer.arrive(self, plan, held, rows[rank].status == HOLDS, fresh, buddy, copies,
+                                              device)
+                held = None
+                plan, reason, check, failed = self._settle(plan, rows, got, fresh, device, world)   # 6, 7
+            else:
+                _REG.held.pop(self.name, None)   # the checkpoint: the previous objects are not needed
+            del held, fresh
+            gc.collect()   # the previous objects' cycles, if any, now
+        plan, reason, stats = self._gather_stats(plan, reason, got, started, failed, device, world)   # 8
+        self._report(cycle, plan, rows, stats, check, reason, rank)
+        if plan.resume is None:
+            self._abandon_timeline(buddy, cycle)
             return None
+        self._words[L.H_LIVE_STEP] = plan.resume + 1
+        return self._watched(plan.resume)
+
+    def _without_live_words(self) -> None:
+        """restore() outside ft_launcher's in-place restarts: None; at a restart under
+        --restart-granularity job, global rank 0 says once why every rank loads its checkpoint."""
+        if (_cycle() > 0 and os.environ.get("RANK") == "0" and os.environ.get(L.ENV_SHM)
+                and os.environ.get(inprocess.ENV_GRANULARITY, "job") == "job" and not _REG.said_job):
+            _REG.said_job = True
+            print("ft_launcher: no live state with --restart-granularity job (every rank restarts as a new "
+                  "process): every rank loads its checkpoint", file=sys.stderr, flush=True)
+        return None
+
+    def _first_start(self) -> None:
+        """restore() at a first start (cycle 0): nothing to exchange, and nothing read: a fresh
+        optimizer's state_dict() through DCP's get_state_dict would make its state by a step at lr 0
+        (AdamW's step count 1), so a job with a LiveState would train differently from one without.
+        Its state is checked at the first commit instead. This cycle's buddy copies start."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self._start_buddy(0)
+        return None
+
+    def _read_fresh(self):
+        """Step 1: each new object is read once (`state_dict()`), and described (identity and layout).
+        -> (the objects' fresh reads, their description, what failed or ""); a state that cannot be
+        sent is refused (said; no description)."""
         fresh = mine = None
-        failed = ""   # what failed on this rank while it restores (_failure), "" while nothing
+        failed = ""
         if self.refused is None:
             name = None
             try:
@@ -570,103 +612,74 @@ class LiveState:
             except W.Refused as exc:
                 self._refuse(exc)
             except Exception as exc:  # noqa: BLE001 - any error of the user's object: the checkpoint, said
-                failed, fresh = _failure(name, "state_dict()", exc), None
-        import torch.distributed as dist
+                failed, fresh = failure(name, "state_dict()", exc), None
+        return fresh, mine, failed
 
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("LiveState.restore() exchanges state over the process group: call it after "
-                               "init_process_group (and before DDP is constructed)")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        device = comm_backend.transfer_device()   # the group's real backend per device
-        buddy = self._buddy = _REG.buddy if heal else self._start_buddy(cycle)   # a heal keeps the cycle's copies
-        held = _REG.held.get(self.name)
+    def _exchange(self, held: Optional[_Held], mine: Optional[dict], failed: str, buddy, world: int, device):
+        """Step 2, the step exchange (one all_gather): every rank's row (_Row) and, with buddy copies,
+        the copies each rank holds. -> (rows, the copies' columns or None)."""
+        import torch
+
         row = _Row.mine(self, held, mine, failed=bool(failed))
         values = row.values + (buddy_copy.holdings(buddy.slots, world) if buddy is not None else [])
         table = _all_gather(torch.tensor(values, dtype=torch.int64, device=device), world)
         rows = [_Row(r[:_Row.SIZE]) for r in table]
-        copies = [r[_Row.SIZE:] for r in table] if buddy is not None else None
-        started = time.perf_counter()   # every rank is here: what follows is the recovery's own time
+        return rows, ([r[_Row.SIZE:] for r in table] if buddy is not None else None)
+
+    def _planned(self, rows: List["_Row"], copies: Optional[list], failed: str, world: int, device):
+        """Step 3: the plan from the rows (and the buddy copies' offers); where reading the new objects
+        failed on some rank, none, with the lowest failing rank's words. -> (plan, reason)."""
         plan, reason = _plan(self, rows, world, buddy_copy.offers(copies) if copies else [])
         failing = [r for r, row in enumerate(rows) if row.failed]
         if failing:
-            plan, reason = Plan(None, [None] * world, ""), self._failed_reason(failing, failed, device)
+            plan, reason = _no_plan(world), self._failed_reason(failing, failed, device)
+        return plan, reason
+
+    def _settle(self, plan: Plan, rows: List["_Row"], got: restore_transfer.Arrival, fresh: dict, device,
+                world: int):
+        """Steps 6 and 7 on the state that arrived (`got`): bound to this call's device meshes; the
+        replicas' check (`verify`) or a failure flag (one all_gather either way); then every object
+        loads its state, or, where it failed on some rank or the replicas differ, none does (the
+        plan becomes none, nothing held). -> (plan, reason, the check's figures, what failed)."""
+        import torch
+
         names = sorted(self.tracked)
-        received = sent = 0
-        seconds = 0.0
-        check = None
-        with torch.no_grad():
-            if plan.resume is not None:
-                offered = held.committed() if rows[rank].status == HOLDS else None
-                ready: Dict[str, Any] = {}
-                if plan.kept(rank):   # 4: the committed state into the new objects
-                    try:
-                        for name in names:
-                            ready[name] = W.move_state(offered[name], fresh[name][0])
-                    except Exception as exc:  # noqa: BLE001 - said; it still sends what it holds
-                        failed = _failure(name, "moving its kept state", exc)
-                    else:
-                        self._hold(plan.resume, ready, previous=held)
-                        offered = ready
-                if buddy is not None:   # copies first (a rank that sends one may receive a live state)
-                    try:
-                        got = buddy_copy.fetch(buddy, plan, copies, fresh, self._places())
-                    except W.ObjectFailed as exc:
-                        failed, got = failed or _failure(exc.name, "reading its copy", exc.error), None
-                    if got is not None:
-                        ready, received, seconds = got
-                t0 = time.perf_counter()
-                for src, dst in plan.transfers():   # 5
-                    if src == rank:
-                        for name in names:
-                            try:
-                                sent += W.send_state(self._sendable(name, offered[name]), device,
-                                                     _wire(dist.send, dst))
-                            except W.PeerLost:
-                                raise
-                            except Exception as exc:  # noqa: BLE001 - the receiver was told (live_wire); said
-                                failed = failed or _failure(name, f"sending its state to rank {dst}", exc)
-                    if dst == rank:
-                        for name in names:   # every object is received whole, also after one failed
-                            try:
-                                ready[name], nbytes = W.recv_state(fresh[name][0], device, _wire(dist.recv, src),
-                                                                   self.tracked[name].place)
-                                received += nbytes
-                            except W.PeerLost:
-                                raise
-                            except Exception as exc:  # noqa: BLE001 - said; every rank falls back
-                                failed = failed or _failure(name, f"receiving its state from rank {src}", exc)
-                        seconds = time.perf_counter() - t0
-                offered = None
-                if self.per_rank and not plan.kept(rank) and not failed:   # its own part: never a replica's
-                    failed = self._own_part(plan, ready, fresh, rank)
-                if not plan.kept(rank) and not failed:
-                    self._hold(plan.resume, ready, previous=held)
-                held = None
-                failed = failed or self._bind(ready, names)   # every DTensor on this call's mesh
-                if self.verify:   # 6
-                    check, reason, failing, failed = _verify(self, plan, rows, ready, names, device, world, failed)
-                else:
-                    flags = _all_gather(torch.tensor([int(bool(failed))], device=device), world)
-                    failing = [r for r, f in enumerate(flags) if f[0]]
-                if failing:
-                    reason = self._failed_reason(failing, failed, device)
-                if reason:
-                    plan = Plan(None, [None] * world, reason)
-                    _REG.held.pop(self.name, None)
-                else:
-                    failed = self._load(ready, fresh)   # 7
-            else:
-                _REG.held.pop(self.name, None)   # the checkpoint: the previous objects are not needed
-            del held, fresh
-            gc.collect()   # the previous objects' cycles, if any, now
-        own = int((time.perf_counter() - started) * 1e9)
-        stats = _all_gather(torch.tensor([received, int(seconds * 1e9), own, int(bool(failed))], dtype=torch.int64,
-                                         device=device), world)   # 8
-        failing = [r for r, s in enumerate(stats) if s[3]]
-        if failing:   # a load failed on some rank: the checkpoint everywhere (it overwrites what was loaded)
+        reason, check = "", None
+        failed = got.failed or self._bind(got.ready, names)   # every DTensor on this call's mesh
+        if self.verify:   # 6
+            check, reason, failing, failed = _verify(self, plan, rows, got.ready, names, device, world, failed)
+        else:
+            flags = _all_gather(torch.tensor([int(bool(failed))], device=device), world)
+            failing = [r for r, f in enumerate(flags) if f[0]]
+        if failing:
             reason = self._failed_reason(failing, failed, device)
-            plan = Plan(None, [None] * world, reason)
+        if reason:
             _REG.held.pop(self.name, None)
+            return _no_plan(world, reason), reason, check, failed
+        return plan, reason, check, self._load(got.ready, fresh)   # 7
+
+    def _gather_stats(self, plan: Plan, reason: str, got: restore_transfer.Arrival, started: float, failed: str,
+                      device, world: int):
+        """Step 8 (one all_gather): every rank's bytes received, transfer and restore time, and whether
+        a load failed on it: then the checkpoint everywhere (it overwrites what was loaded).
+        -> (plan, reason, the gathered rows)."""
+        import torch
+
+        own = int((time.perf_counter() - started) * 1e9)
+        stats = _all_gather(torch.tensor([got.received, int(got.seconds * 1e9), own, int(bool(failed))],
+                                         dtype=torch.int64, device=device), world)
+        failing = [r for r, s in enumerate(stats) if s[3]]
+        if failing:
+            reason = self._failed_reason(failing, failed, device)
+            plan = _no_plan(world, reason)
+            _REG.held.pop(self.name, None)
+        return plan, reason, stats
+
+    def _report(self, cycle: int, plan: Plan, rows: List["_Row"], stats: list, check: Optional[dict], reason: str,
+                rank: int) -> None:
+        """The restore said: rank 0 writes the summary (and the fallback's line); every rank's live
+        words in its record (resume step, source), the cycle last: the agent reads them once it sees it."""
+        words = self._words
         summary = self._summary(cycle, plan, rows, stats, check, reason)
         if rank == 0:
             if plan.resume is None:
@@ -681,14 +694,14 @@ class LiveState:
         words[L.H_LIVE_CYCLE] = cycle   # last: the agent reads the words above once it sees this
         if rank == 0:
             inprocess._wake_agent()
-        if plan.resume is None:
-            if buddy is not None:
-                buddy.abandon()   # the checkpoint's timeline: no copy of the old one is offered again
-            if self._record is not None:
-                self._record.abandon(cycle)   # nor a per-rank record of it
-            return None
-        words[L.H_LIVE_STEP] = plan.resume + 1
-        return self._watched(plan.resume)
+
+    def _abandon_timeline(self, buddy, cycle: int) -> None:
+        """A fallback to the checkpoint: its timeline from here on, so no buddy copy of the old one is
+        offered again, nor a per-rank record of it."""
+        if buddy is not None:
+            buddy.abandon()
+        if self._record is not None:
+            self._record.abandon(cycle)
 
     def _records(self) -> Optional[rank_record.RankRecord]:
         """This local rank slot's per-rank records (under ft_launcher: beside its buddy slots)."""
@@ -738,7 +751,7 @@ class LiveState:
         try:
             ready.update(record.read(slot, {n: fresh[n] for n in names}, self._places()))
         except W.ObjectFailed as exc:
-            return _failure(exc.name, "reading its per-rank record", exc.error)
+            return failure(exc.name, "reading its per-rank record", exc.error)
         return ""
 
     def _watched(self, step: Optional[int]) -> Optional[int]:
@@ -777,16 +790,13 @@ class LiveState:
                 self._hold(step, ready, previous=held)
                 failed = self._bind(ready, names) or self._load(ready, fresh)
             except Exception as exc:  # noqa: BLE001 - the checkpoint, said
-                failed = _failure(name, "moving its kept state for the re-run", exc)
+                failed = failure(name, "moving its kept state for the re-run", exc)
         del held
         flag = torch.tensor([int(bool(failed))], dtype=torch.int64, device=comm_backend.transfer_device())
         dist.all_reduce(flag)
         if flag.item():
             _REG.held.pop(self.name, None)   # (a pending verdict stays: the checkpoint trains up to its step)
-            if _REG.buddy is not None:
-                _REG.buddy.abandon()   # as at restore's fallback
-            if self._record is not None:
-                self._record.abandon(_cycle())
+            self._abandon_timeline(_REG.buddy, _cycle())   # as at restore's fallback
             if dist.get_rank() == 0:
                 print(f"ft_launcher: the re-run from memory could not restore its state ({failed or 'on another rank'})"
                       f": every rank loads its checkpoint", file=sys.stderr, flush=True)
@@ -846,7 +856,7 @@ class LiveState:
             try:
                 ready[n] = self.tracked[n].bind(ready[n], meshes)
             except Exception as exc:  # noqa: BLE001 - O.Unbound, or whatever the state holds: the checkpoint
-                return _failure(n, "binding its state to this call's device meshes", exc)
+                return failure(n, "binding its state to this call's device meshes", exc)
         return ""
 
     def _load(self, ready: Dict[str, Any], fresh: dict) -> str:
@@ -866,7 +876,7 @@ class LiveState:
                     tracked.obj.load_state_dict(state)
                 tracked.adopt(loaded)
             except Exception as exc:  # noqa: BLE001 - the user's load_state_dict: the checkpoint, said
-                return _failure(name, "load_state_dict()", exc)
+                return failure(name, "load_state_dict()", exc)
         held = _REG.held.get(self.name)
         if held is not None and held.live is self:
             held.ready = None
@@ -893,6 +903,22 @@ def _world() -> int:
         return int(os.environ.get("WORLD_SIZE", 1))
     except ValueError:
         return 1
+
+
+def _group():
+    """(rank, world size, transfer device) of the process group restore() exchanges state over;
+    a RuntimeError where there is none yet."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("LiveState.restore() exchanges state over the process group: call it after "
+                           "init_process_group (and before DDP is constructed)")
+    return dist.get_rank(), dist.get_world_size(), comm_backend.transfer_device()   # the group's real backend
+
+
+def _no_plan(world: int, reason: str = "") -> Plan:
+    """No resume step: every rank loads its checkpoint."""
+    return Plan(None, [None] * world, reason)
 
 
 # ---- the step exchange ----------------------------------------------------------------------------
@@ -1000,12 +1026,12 @@ def _plan(live: LiveState, rows: List[_Row], world: int, copies: Optional[list] 
     names = sorted(live.tracked)
     odd = [r for r, row in enumerate(rows) if row.names != rows[0].names]
     if odd:
-        return Plan(None, [None] * world, ""), (f"LiveState '{live.name}' holds other objects on {_ranks(odd)} than "
-                                                f"on rank 0 (here: {', '.join(names)})")
+        return _no_plan(world), (f"LiveState '{live.name}' holds other objects on {_ranks(odd)} than "
+                                 f"on rank 0 (here: {', '.join(names)})")
     refused = [r for r, row in enumerate(rows) if row.refused_now]
     if refused:
-        return Plan(None, [None] * world, ""), (f"LiveState '{live.name}' was refused on {_ranks(refused)}: "
-                                                f"{live.refused or 'see the line above'}")
+        return _no_plan(world), (f"LiveState '{live.name}' was refused on {_ranks(refused)}: "
+                                 f"{live.refused or 'see the line above'}")
     # offers made under another world size count: the identity says whether the shard is the same
     offers = [Offer(r, row.step, row.offer_id, row.offer_layout) for r, row in enumerate(rows)
               if row.status == HOLDS] + list(copies or [])
@@ -1013,7 +1039,7 @@ def _plan(live: LiveState, rows: List[_Row], world: int, copies: Optional[list] 
     plan = plan_recovery(offers, [Need(row.need_id, row.need_layout) for row in rows])
     if plan.resume is not None and rows[0].rank0_buffers and not plan.kept(0):
         modules = ", ".join(f"'{n}'" for n in live._describe()["rank0_buffers"])
-        return Plan(None, [None] * world, ""), (
+        return _no_plan(world), (
             f"LiveState '{live.name}': rank 0 would heal, but {modules} holds BatchNorm running statistics that each "
             f"rank updates from its own batch and DDP broadcasts from rank 0 at the next step: rank 0's exist nowhere "
             f"else (SyncBatchNorm keeps them equal on every rank)")
@@ -1045,16 +1071,6 @@ def _plan(live: LiveState, rows: List[_Row], world: int, copies: Optional[list] 
     return plan, f"LiveState '{live.name}': {reason}"
 
 
-def _failure(name: Optional[str], what: str, exc: BaseException) -> str:
-    """What failed on this rank, in words for the one fallback line: the object, the call, the error
-    (its message on one line, at most ~300 characters)."""
-    error = exc.error if isinstance(exc, W.ObjectFailed) else exc
-    message = " ".join(str(error).split())
-    if len(message) > 300:
-        message = message[:297] + "..."
-    return f"{what} of '{name}' raised {type(error).__name__}" + (f": {message}" if message else "")
-
-
 _TEXT_BYTES = 512
 
 
@@ -1070,17 +1086,6 @@ def _broadcast_text(mine: str, src: int, device) -> str:
     buf = buf.to(device)
     dist.broadcast(buf, src)
     return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace") or "(it said nothing)"
-
-
-def _wire(fn, peer: int):
-    """dist.send/recv to `peer` as live_wire's `send`/`recv`: its errors are PeerLost (a peer gone or
-    the group broken mid-transfer: a restart follows), told apart from a state that does not fit."""
-    def go(t):
-        try:
-            fn(t, peer)
-        except Exception as exc:  # noqa: BLE001 - whatever the backend raises
-            raise W.PeerLost(f"the transfer with rank {peer} failed: {type(exc).__name__}: {exc}") from exc
-    return go
 
 
 def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any], names: List[str], device,
@@ -1100,7 +1105,7 @@ def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any]
                 digests.append(d)
                 nbytes += b
         except Exception as exc:  # noqa: BLE001 - whatever the state holds: the checkpoint, said
-            failed, digests = _failure(n, "the digest of the state", exc), []
+            failed, digests = failure(n, "the digest of the state", exc), []
     own_s = time.perf_counter() - t0
     k = _Row.K
     mine = (digests + [0] * k)[:k] + [nbytes, int(own_s * 1e9), int(bool(failed))]
