@@ -255,9 +255,12 @@ class Tracked:
         """A SNAPSHOT's commit: `sd` (its state_dict() just read) with each tensor that is one of its
         live tensors kept as it is and every other one copied (into the previous commit's copy of
         that path where shape, dtype and device fit: no new allocation per step)."""
+        import torch
+
         if isinstance(self.obj, Rng):   # its state_dict() is a new snapshot already
+            # (its generators' tensors, top-level: no walk of Python's 625-int state, 0.4 ms a commit)
             self.state, self.in_place = sd, 0
-            self.copied = sum(_nbytes(t) for t in W.flat(sd).values())
+            self.copied = sum(_nbytes(t) for t in sd.values() if isinstance(t, torch.Tensor))
             return
         live = self.live.storages() if self.live is not None else {}
         previous, copies = self._copies, {}
