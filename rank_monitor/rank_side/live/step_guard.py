@@ -232,7 +232,10 @@ def local_row(loss, grad_norm, targets, watch, step: int, device, fp_identity: O
     for col, x in ((LOSS, loss), (NORM, grad_norm)):
         if not isinstance(x, torch.Tensor):
             values[col] = float(0.0 if x is None else x)
-    row = torch.tensor(values, dtype=torch.float64, device=device)
+    if device.type == "cpu":
+        row = torch.tensor(values, dtype=torch.float64)
+    else:   # from pinned memory, queued behind the step's work: no host sync before the table's one read
+        row = torch.tensor(values, dtype=torch.float64, pin_memory=True).to(device, non_blocking=True)
     for col, x in ((LOSS, loss), (NORM, grad_norm)):
         if isinstance(x, torch.Tensor):
             row[col] = x.detach().to(device, torch.float64).reshape(())
