@@ -36,14 +36,14 @@ class Job:
     """One run of a script under a launcher, in a scratch directory, with its output in a log."""
 
     def __init__(self, kind: str, nproc: int, launcher_args: List[str], script_args: List[str],
-                 script: str = EXAMPLE):
+                 script: str = EXAMPLE, cmd: Optional[List[str]] = None):
         self.kind = kind
         self.dir = tempfile.mkdtemp(prefix=f"ftbench_{kind}_")
         self.progress_dir = os.path.join(self.dir, "progress")
         self.log = open(os.path.join(self.dir, "launcher.log"), "w")
         env = bench_env(FT_BENCH_TOKEN=uuid.uuid4().hex)
         self.token = env["FT_BENCH_TOKEN"]
-        cmd = launcher_cmd(kind, nproc, launcher_args) + [script, *script_args]
+        cmd = (cmd or launcher_cmd(kind, nproc, launcher_args)) + [script, *script_args]
         self.started = time.time()
         self.proc = subprocess.Popen(cmd, cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)

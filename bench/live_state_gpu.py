@@ -17,6 +17,7 @@ what the per-step snapshot and the replicas' digest cost on the device. The figu
 Exit status 0 when every check holds; each line says what it measured.
 """
 import argparse
+import math
 import sys
 import time
 
@@ -138,6 +139,19 @@ def main(argv=None) -> int:
     sync(device)
     took = time.perf_counter() - t0
     print(f"     {took * 1e3:.1f} ms = {took * 1e3 / (nbytes / 1e9):.0f} ms/GB")
+
+    from ft_launcher.rank_monitor.rank_side.live import replica_fingerprint as F
+    halves = [big["w"][: big["w"].numel() // 2], big["w"][big["w"].numel() // 2:]]   # two tensors, one pass each
+    print(f"5. the replicas' fingerprint (replica_fingerprint.digest, int64 words) of {args.gb:g} GB")
+    F.digest(halves, device).item()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        F.digest(halves, device).item()
+        times.append(time.perf_counter() - t0)
+    took = min(times)
+    print(f"     {took * 1e3:.2f} ms = {took * 1e3 / args.gb:.2f} ms/GB (best of 5; the guard's K keeps it within 1 % "
+          f"of a step: every {max(1, math.ceil(took / 0.01 / 0.1))} steps of 100 ms)")
     print("all checks hold" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

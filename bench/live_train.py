@@ -53,9 +53,17 @@ def parse_args(argv=None):
     p.add_argument("--guard", choices=("off", "norm", "given"), default="off",
                    help="ddp mode, --live: the step guard, live.commit(step, loss=loss) (norm: it takes the "
                         "gradients' norm itself; given: the loop's clip_grad_norm_ value is passed, grad_norm=)")
+    p.add_argument("--clip", action="store_true",
+                   help="ddp mode: the loop takes clip_grad_norm_ every step (as --guard given does) without the guard")
     p.add_argument("--fingerprint-every", type=int, default=None,
                    help="--guard: LiveState's fingerprint_every (default: K from the 1 %% budget; 0: off)")
     p.add_argument("--heartbeat-ms", type=int, default=100, help="torchft mode: the Manager's heartbeat interval")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="ddp mode: cuda puts model and batches on cuda:LOCAL_RANK over NCCL (batches drawn on the "
+                        "device, so no step waits on a host copy)")
+    p.add_argument("--time-from", type=int, default=None,
+                   help="ddp mode: the steady window, from the start of this step to the end of the last one (the "
+                        "device synchronized at both ends), in final.json's steady_step_s")
     args = p.parse_args(argv)
     if args.buddy_every:
         args.live = True
@@ -90,15 +98,29 @@ def state_bytes(model, opt) -> int:
     return n
 
 
-def batch(args, step, rank):
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-    x = torch.randn(args.batch, args.inputs, generator=g)
+def batch(args, step, rank, device=None):
+    seed = args.seed * 1_000_003 + step * 1009 + rank
+    if device is not None and device.type == "cuda":   # drawn where it is used: no host copy, no sync
+        x = torch.randn(args.batch, args.inputs, generator=torch.Generator(device).manual_seed(seed), device=device)
+    else:
+        x = torch.randn(args.batch, args.inputs, generator=torch.Generator().manual_seed(seed))
     return x, torch.tanh(x.flip(1)) * 0.5
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def checksum(model) -> float:
     with torch.no_grad():
         return float(sum(p.double().sum() for p in model.parameters()))
+
+
+def _peak_rss() -> int:
+    """This process's peak RSS (VmHWM) in bytes."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 
 
 def rss_bytes() -> int:
@@ -135,9 +157,14 @@ class Progress:
         os.makedirs(args.progress_dir, exist_ok=True)
         self.dir, self.rank, self.cycle = args.progress_dir, rank, cycle
         self.fh = open(os.path.join(self.dir, f"rank_{rank}.txt"), "a", buffering=1)
+        self.peaks = []
 
     def step(self, step):
         self.fh.write(f"{self.cycle} {step} {time.time():.6f}\n")
+        if torch.cuda.is_available() and torch.cuda.is_initialized():   # the step at which the device's peak grew
+            peak = torch.cuda.max_memory_allocated()
+            if not self.peaks or self.peaks[-1][1] != peak:
+                self.peaks.append((step, peak))
         with open(os.path.join(self.dir, f"rss_rank_{self.rank}.txt"), "a") as fh:   # memory, per step
             fh.write(f"{self.cycle} {step} {rss_bytes()}\n")
 
@@ -176,9 +203,13 @@ def train_ddp(args):
     cycle = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     progress = Progress(args, rank, cycle)
     ft.heartbeat()
+    device = torch.device("cpu")
     with ft.section("setup"):
-        dist.init_process_group("gloo")
-        model = build_model(args)
+        if args.device == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        model = build_model(args).to(device)
         opt, sched = build_optim(args, model)
         start, source, t0 = None, None, time.perf_counter()
         live = None
@@ -201,30 +232,39 @@ def train_ddp(args):
                 start, source = state["step"], "disk"
         took = time.perf_counter() - t0
         # every rank holds the same state now: DDP's broadcast from rank 0 changes nothing
-        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         progress.restored(source=source, step=start, seconds=took, bytes=state_bytes(model, opt), time=time.time(),
                           live=getattr(live, "last_recovery", None),
                           rss_before=peak.before if peak else None, rss_peak=peak.peak if peak else None)
         if rank == 0:
             print(f"cycle {cycle}: resuming after step {start} ({source}, {took:.3f} s)", flush=True)
 
+    window = None
     for step in range(start + 1, args.steps + 1):
+        if step == args.time_from:
+            sync(device)
+            window = time.perf_counter()
         with ft.section("step"):
             progress.maybe_die(args, step)
-            x, y = batch(args, step, rank)
+            x, y = batch(args, step, rank, device)
             opt.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
             guard = args.guard != "off"
-            norm = (nn.utils.clip_grad_norm_(model.parameters(), float("inf")) if args.guard == "given" else None)
+            norm = (nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                    if args.guard == "given" or args.clip else None)
             if live is not None:
-                with (live.commit(step, loss=loss, grad_norm=norm) if guard else live.commit(step)):
+                with (live.commit(step, loss=loss, grad_norm=norm if args.guard == "given" else None) if guard
+                      else live.commit(step)):
                     opt.step()
                     sched.step()
             else:
                 opt.step()
                 sched.step()
         ft.heartbeat()
+        if step == args.steps and window is not None:
+            sync(device)
+            window = (time.perf_counter() - window) / (args.steps - args.time_from + 1)
         progress.step(step)
         if step % args.ckpt_every == 0 or step == args.steps:
             with ft.section("checkpointing"):
@@ -236,9 +276,14 @@ def train_ddp(args):
                     os.replace(path + ".tmp", path)
                 dist.barrier()
     if rank == 0:
-        extra = {"state_bytes": state_bytes(model, opt)}
+        extra = {"state_bytes": state_bytes(model, opt), "steady_step_s": window,
+                 "peak_rss": _peak_rss()}
+        if device.type == "cuda":
+            extra.update(cuda_peak=torch.cuda.max_memory_allocated(device), device_name=torch.cuda.get_device_name(device),
+                         cuda_peak_steps=progress.peaks)
         if live is not None:   # the per-step cost of keeping the committed state (snapshots at commit)
             extra.update(commits=live.stats["commits"], snapshot_s=live.stats["snapshot_s"],
+                         commit_bytes=live.stats["commit_bytes"], in_place_bytes=live.stats["in_place_bytes"],
                          guarded=live.stats["guarded"], guard_s=live.stats["guard_s"])
             from ft_launcher.rank_monitor.rank_side.live import step_guard
             extra.update(fingerprint_k=step_guard.MEM.fp.k, fingerprint_s=step_guard.MEM.fp.cost)
