@@ -187,6 +187,27 @@ def test_the_targets_are_found_through_dcps_appstate_torchtitan_shaped_container
     assert not guard_targets.find({"loader": object()}).found
 
 
+def test_under_fsdp2_and_hsdp_the_watch_sees_each_ranks_own_gradient_before_the_reduce_scatter(launcher, tmp_path):
+    """tests/scripts/fsdp_backward_watch.py: fully_shard over 2 ranks as pure FSDP and as HSDP (2
+    replicas x 1 shard). A NaN that rank 1's own backward makes, and the simulated fault's `backward`
+    place, are in rank 1's watch and not in rank 0's, though the reduce-scatter (and HSDP's
+    all-reduce) spreads them to rank 0's gradients; a clean backward is clean on both."""
+    from ft_launcher.rank_monitor.rank_side.live.backward_watch import bad
+
+    script = f"{ROOT}/tests/scripts/fsdp_backward_watch.py"
+    res = launcher.run(["--standalone", "--nproc-per-node", 2, "--log-dir", tmp_path / "logs", script, tmp_path])
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"watch_{r}.json").read_text()) for r in range(2)]
+    for mesh in ("fsdp", "hsdp"):
+        r0, r1 = ranks[0][mesh], ranks[1][mesh]
+        for step in ("1", "2"):   # rank 1's own NaN, then the simulated one
+            assert bad(r1[step]["local"]) and not bad(r0[step]["local"]) and r0[step]["local"] > 0, (mesh, step, ranks)
+            assert not r0[step]["reduced_finite"], (mesh, step, ranks)   # spread to rank 0 after the watch saw it
+        assert r1["2"]["injected"] and "rank 1's gradient at step 2 (backward, once)" in r1["2"]["injected"], ranks
+        assert r0["2"]["injected"] is None and r1["1"]["injected"] is None, ranks
+        assert all(0 < r[mesh]["3"]["local"] and not bad(r[mesh]["3"]["local"]) for r in ranks), ranks
+
+
 # ---- short whole jobs (default) ----------------------------------------------------------------------------
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("watch", ["after_hit", "every_step"])
