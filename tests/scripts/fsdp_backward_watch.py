@@ -5,7 +5,9 @@ Per mesh, the watch a LiveState turns on (LiveState.backward_watch, before the f
 has no unsharded parameter yet) sees three backwards:
 - step 1: rank 1's own backward makes a NaN (an autograd function in the model, on rank 1 only);
 - step 2: the simulated fault's `backward` place (sdc_sim, `nan:2:once:1:backward`) hits rank 1;
-- step 3: clean.
+- step 3: clean;
+- step 4: rank 1's own NaN again, under a new watch (turned off and on after step 3: FSDP2's
+  unsharded parameters exist by then, and are hooked at once).
 Each rank writes `<out>/watch_<rank>.json`: per mesh and step, the watch's local() (its own
 gradients, before FSDP's reduce-scatter), whether the reduced (sharded) gradients are all finite,
 and what the watch says it injected. No optimizer step: the parameters stay clean.
@@ -61,9 +63,12 @@ def run(name, mesh, rank):
     live = ft.LiveState(name=name, model=model)
     watch = live.backward_watch(0)   # (step 1's backward on)
     out = {}
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
+        if step == 4:
+            live.backward_watch(3, on=False)
+            watch = live.backward_watch(3)
         watch.next(step)
-        NanOnRank1.on = step == 1
+        NanOnRank1.on = step in (1, 4)
         os.environ[sdc_sim.ENV_SDC] = "nan:2:once:1:backward" if step == 2 else ""
         for p in params:
             p.grad = None
