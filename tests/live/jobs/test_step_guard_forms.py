@@ -341,6 +341,24 @@ def test_hsdp_through_dcps_appstate_and_torchtitan_shaped_containers(launcher, t
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hsdp_through_appstate_names_the_rank_whose_own_backward_made_a_nan(launcher, tmp_path):
+    """2 replicas x 2 shards through DCP's AppState, watch_every_step: a NaN in rank 1's backward is
+    in its unsharded gradient before the reduce-scatter (and the replicas' all-reduce) spreads it;
+    the guard names rank 1, the re-run is clean, and the shards end bit-equal."""
+    job = ["--steps", 24, "--guard", "--grad-norm", "--ckpt-every", 8, "--state", "app"]
+    ref = reference(launcher, tmp_path, "hsdp_app", 4, job, script=HSDP)
+    run = GuardRun(launcher, tmp_path / "sdc", 4, job + ["--watch-every-step"], sdc("nan:10:once"),
+                   script=HSDP).run(bound=400)
+    assert run.codes == [0], run.err[-3000:]
+    assert run.shards() == ref, (run.shards(), ref, run.said())
+    lines = run.lines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("step 10: ") and "on rank 1 (made in rank 1's own backward" in lines[0], lines
+    assert "a transient fault on rank 1" in lines[1], lines
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_grad_scalers_overflow_is_skipped_by_the_scaler_not_taken_for_corruption(launcher, tmp_path):
     run = GuardRun(launcher, tmp_path, 2, ["--scaler", "--grad-norm"], sdc(f"inf:{FAULT}:once")).run()
