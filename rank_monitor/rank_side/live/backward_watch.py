@@ -1,6 +1,7 @@
 """Each rank's own gradients as its backward produces them, before any all-reduce or reduce-scatter:
 the step guard names the rank whose device made a NaN, an Inf or a flipped top exponent bit, even
-where DDP or FSDP then spreads it to every replica (the usual silent data corruption: all norms NaN, every loss finite).
+where DDP or FSDP then spreads it to every replica (the usual silent data corruption: all norms
+NaN, every loss finite).
 
 On from a hit's re-run, for the transient window after one, or every step (LiveState's
 `watch_every_step`): the guard turns it on and off (LiveState.backward_watch); off, its hooks stay
@@ -51,8 +52,8 @@ class BackwardWatch:
                 self.handles.append(p.register_hook(self._hook))
                 continue
             module, fp = sharded[id(p)]
-            unsharded = getattr(fp, "unsharded_param", None)
-            if unsharded is not None:
+            unsharded = getattr(fp, "unsharded_param", None)   # (its requires_grad is set at each unshard)
+            if unsharded is not None and unsharded.requires_grad:
                 self.handles.append(unsharded.register_hook(self._hook))
             else:
                 waiting.setdefault(id(module), (module, []))[1].append(fp)
@@ -60,7 +61,8 @@ class BackwardWatch:
             self._at_first_forward(module, fps)
 
     def _at_first_forward(self, module, fps) -> None:
-        """Hooks `fps`' unsharded parameters once `module`'s forward made them (its all-gather)."""
+        """Hooks `fps`' unsharded parameters once `module`'s forward made them (its all-gather; a
+        frozen one is left)."""
         def hook(*_):
             handle.remove()
             self.handles.remove(handle)
