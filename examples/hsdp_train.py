@@ -40,7 +40,8 @@ each rank append `cycle step time` lines to rank_<r>.txt there. `--fail-how kill
 fault rank instead of its exit 1.
 
 `--guard` checks each step before its commit (`live.commit(step, loss=loss)`, the step guard,
-docs/sdc-and-nan.md); `--grad-norm` also passes `grad_norm=clip_grad_norm_(...)`.
+docs/sdc-and-nan.md); `--grad-norm` also passes `grad_norm=clip_grad_norm_(...)`, `--watch-every-step`
+watches each rank's own backward at every step (`ft.LiveState(watch_every_step=True)`).
 
 Deterministic (the batch of step s on rank r is a function of (s, r); with `--data shard` of (s, the
 rank's shard), so replicas draw alike and the model is the same on any number of replicas). Rank 0 prints `FINAL
@@ -166,7 +167,8 @@ def train(args):
         states = {"model": model, "optimizer": opt} if args.state == "objects" else {"app": AppState(model, opt, flat)}
     if rank == args.fail_load_rank and cycle == 1:
         _failing_load(states[sorted(states)[0]], rank)
-    live = ft.LiveState(**states, buddy_every=args.buddy_every, buddy_memory_limit_mb=args.buddy_memory_limit_mb)
+    live = ft.LiveState(**states, buddy_every=args.buddy_every, buddy_memory_limit_mb=args.buddy_memory_limit_mb,
+                        watch_every_step=args.watch_every_step)
     start = live.restore()
     if start is None:
         start = load_checkpoint(args, model, opt, states)
@@ -311,6 +313,7 @@ def main():
                         "replicas (an elastic job that shrinks and grows back ends bit-equal to a fault-free one)")
     p.add_argument("--guard", action="store_true", help="live.commit(step, loss=loss): the step guard")
     p.add_argument("--grad-norm", action="store_true", help="also grad_norm=clip_grad_norm_(...)")
+    p.add_argument("--watch-every-step", action="store_true", help="LiveState's watch_every_step")
     ft.restartable(train)(p.parse_args())
 
 

@@ -388,7 +388,8 @@ class LiveState:
         # (off, the hooks stay only to land a simulated fault's `backward` place: rank_side.live.sdc_sim)
         wanted = on or (sdc_sim.spec() is not None and sdc_sim.spec().place == "backward")
         if self._watch is None and wanted and self.guard_targets().found:
-            self._watch = BackwardWatch(self.guard_targets().params, step + 1, measure=on)
+            targets = self.guard_targets()
+            self._watch = BackwardWatch(targets.params, step + 1, measure=on, modules=targets.modules)
         elif self._watch is not None:
             self._watch.next(step + 1)
         return self._watch if self._watch is not None and self._watch.measure else None

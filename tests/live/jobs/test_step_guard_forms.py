@@ -187,6 +187,46 @@ def test_the_targets_are_found_through_dcps_appstate_torchtitan_shaped_container
     assert not guard_targets.find({"loader": object()}).found
 
 
+def test_where_torchs_fsdp2_internals_are_not_as_read_the_watch_says_so_once_and_falls_back(capsys):
+    """A module that is an FSDPModule without the FSDP state this torch keeps: one line, no error,
+    and the hooks stay on the parameters themselves (today's fallback: the reduced gradients)."""
+    from torch.distributed.fsdp import FSDPModule
+    from ft_launcher.rank_monitor.rank_side.live import backward_watch as W
+
+    odd = torch.nn.Linear(3, 2)
+    odd.__class__ = type("FSDPLinear", (FSDPModule, torch.nn.Linear), {})
+    W._SAID[0] = False
+    for _ in range(2):
+        watch = W.BackwardWatch(list(odd.parameters()), 1, modules=[odd])
+        odd(torch.ones(1, 3)).sum().backward()
+        assert float(watch.local(torch.device("cpu"))) > 0
+        watch.remove()
+    said = [x for x in capsys.readouterr().err.splitlines() if "backward watch cannot reach FSDP2" in x]
+    assert len(said) == 1 and "a bad rank is not named" in said[0], said
+
+
+def test_under_fsdp2_and_hsdp_the_watch_sees_each_ranks_own_gradient_before_the_reduce_scatter(launcher, tmp_path):
+    """tests/scripts/fsdp_backward_watch.py: fully_shard over 2 ranks as pure FSDP and as HSDP (2
+    replicas x 1 shard). A NaN that rank 1's own backward makes, and the simulated fault's `backward`
+    place, are in rank 1's watch and not in rank 0's, though the reduce-scatter (and HSDP's
+    all-reduce) spreads them to rank 0's gradients; a clean backward is clean on both. The watch
+    starts before the first forward (no unsharded parameter yet) and again after it."""
+    from ft_launcher.rank_monitor.rank_side.live.backward_watch import bad
+
+    script = f"{ROOT}/tests/scripts/fsdp_backward_watch.py"
+    res = launcher.run(["--standalone", "--nproc-per-node", 2, "--log-dir", tmp_path / "logs", script, tmp_path])
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"watch_{r}.json").read_text()) for r in range(2)]
+    for mesh in ("fsdp", "hsdp"):
+        r0, r1 = ranks[0][mesh], ranks[1][mesh]
+        for step in ("1", "2", "4"):   # rank 1's own NaN, the simulated one, its own under a new watch
+            assert bad(r1[step]["local"]) and not bad(r0[step]["local"]) and r0[step]["local"] > 0, (mesh, step, ranks)
+            assert not r0[step]["reduced_finite"], (mesh, step, ranks)   # spread to rank 0 after the watch saw it
+        assert r1["2"]["injected"] and "rank 1's gradient at step 2 (backward, once)" in r1["2"]["injected"], ranks
+        assert r0["2"]["injected"] is None and r1["1"]["injected"] is None, ranks
+        assert all(0 < r[mesh]["3"]["local"] and not bad(r[mesh]["3"]["local"]) for r in ranks), ranks
+
+
 # ---- short whole jobs (default) ----------------------------------------------------------------------------
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("watch", ["after_hit", "every_step"])
@@ -211,6 +251,23 @@ def test_grad_norm_form_a_nan_from_rank_1s_backward_is_re_run_and_ends_bit_equal
                                                          "in the re-run, to name the rank): not committed" in lines[0]
         assert "a transient fault;" in lines[1], lines
     assert all(f["cycle"] == 0 for f in run.finals())   # in place: no process replaced
+
+
+@pytest.mark.timeout(400)
+def test_under_fsdp2_a_nan_from_rank_1s_backward_is_named_re_run_and_ends_bit_equal(launcher, tmp_path):
+    """examples/live_train.py --fsdp (fully_shard over 2 ranks, no replica), watch_every_step: the
+    reduce-scatter spreads rank 1's NaN to rank 0's shard, and the watch (on FSDP2's unsharded
+    parameters) still names rank 1; the re-run is clean and the job ends bit-equal."""
+    form = ["--grad-norm", "--fsdp"]
+    ref = reference(launcher, tmp_path, "2_norm_fsdp", 2, form)
+    run = GuardRun(launcher, tmp_path / "sdc", 2, form + ["--watch-every-step"], sdc(f"nan:{FAULT}:once")).run()
+    assert run.codes == [0], run.err[-3000:]
+    assert run.digests() == ref
+    lines = run.lines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"step {FAULT}: ") and "on rank 1 (made in rank 1's own backward, before the " \
+                                                     "all-reduce): not committed" in lines[0], lines
+    assert "a transient fault on rank 1" in lines[1], lines
 
 
 @pytest.mark.timeout(300)
@@ -281,6 +338,24 @@ def test_hsdp_through_dcps_appstate_and_torchtitan_shaped_containers(launcher, t
     assert run.codes == [0], run.err[-3000:]
     assert run.shards() == ref, (run.shards(), ref, run.said())
     assert any(says in x for x in run.said()), run.said()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hsdp_through_appstate_names_the_rank_whose_own_backward_made_a_nan(launcher, tmp_path):
+    """2 replicas x 2 shards through DCP's AppState, watch_every_step: a NaN in rank 1's backward is
+    in its unsharded gradient before the reduce-scatter (and the replicas' all-reduce) spreads it;
+    the guard names rank 1, the re-run is clean, and the shards end bit-equal."""
+    job = ["--steps", 24, "--guard", "--grad-norm", "--ckpt-every", 8, "--state", "app"]
+    ref = reference(launcher, tmp_path, "hsdp_app", 4, job, script=HSDP)
+    run = GuardRun(launcher, tmp_path / "sdc", 4, job + ["--watch-every-step"], sdc("nan:10:once"),
+                   script=HSDP).run(bound=400)
+    assert run.codes == [0], run.err[-3000:]
+    assert run.shards() == ref, (run.shards(), ref, run.said())
+    lines = run.lines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("step 10: ") and "on rank 1 (made in rank 1's own backward" in lines[0], lines
+    assert "a transient fault on rank 1" in lines[1], lines
 
 
 @pytest.mark.slow
