@@ -40,54 +40,17 @@ not at the first heal.
 from __future__ import annotations
 
 import collections
-import sys
 from typing import Any, List, Optional, Tuple
 
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
+from ft_launcher.rank_monitor.rank_side.live.live_layout import distinct_meshes, identity_entries, layout_entries
+from ft_launcher.rank_monitor.rank_side.live.live_rng import Rng
+from ft_launcher.rank_monitor.rank_side.live.live_tensors import LiveTensors, nbytes, storage
 
 MODULE, OPTIMIZER, SNAPSHOT = "module", "optimizer", "snapshot"
 
 
-def _storage(t) -> int:
-    data = W.local(t)
-    try:
-        return data.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):   # e.g. a meta or fake tensor
-        return -1
-
-
 _is_dtensor = W.is_dtensor
-
-
-def _coordinate(mesh) -> list:
-    """This rank's coordinate on `mesh`: where this process's rank in the current process group sits
-    in the mesh's rank map (not the mesh's own coordinate, which is the rank of the process that made
-    it: a mesh from a previous call, as torch's caches handed out before rank_side.dtensor_cycle,
-    would name the shard this process held then)."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        found = (mesh.mesh == dist.get_rank()).nonzero()
-        return found[0].tolist() if len(found) else []
-    return list(mesh.get_coordinate() or [])
-
-
-def identity_entries(state) -> list:
-    """Which part of a sharded state this rank holds, from its DTensors: per DTensor, its placements
-    and, on every mesh dimension it is not replicated on, that dimension's size and this rank's
-    coordinate. The replicated dimensions' sizes are not part of it: a replica is the same state
-    whatever the number of replicas (an elastic job that lost a replica keeps it); a sharded
-    dimension of another size is another shard. [] for plain tensors (every rank holds the same:
-    data parallelism)."""
-    out = []
-    for path, t in W.flat(state).items():
-        if not _is_dtensor(t):
-            continue
-        mesh = t.device_mesh
-        coord = _coordinate(mesh)
-        sharded = tuple((d, mesh.shape[d], coord[d] if d < len(coord) else None) for d, p in enumerate(t.placements)
-                        if not p.is_replicate())
-        out.append((path, len(mesh.shape), tuple(str(p) for p in t.placements), sharded))
-    return out
 
 
 def _same_sharding(a, b) -> bool:
@@ -105,22 +68,8 @@ def _fewer_replicas(old, new, placements) -> bool:
     return all(p.is_replicate() or old.shape[d] == new.shape[d] for d, p in enumerate(placements))
 
 
-def distinct_meshes(tensors) -> list:
-    """The device meshes of the DTensors among `tensors`, each once (by identity)."""
-    out: list = []
-    for t in tensors:
-        if _is_dtensor(t) and not any(t.device_mesh is m for m in out):
-            out.append(t.device_mesh)
-    return out
-
-
 class Unbound(W.LayoutMismatch):
     """A kept or received DTensor whose device mesh has no equal among this call's objects' meshes."""
-
-
-def layout_entries(state) -> list:
-    """(path, local shape, dtype) of every tensor of a state dict."""
-    return [(path, tuple(W.local(t).shape), str(t.dtype)) for path, t in W.flat(state).items()]
 
 
 class Tracked:
@@ -230,9 +179,9 @@ class Tracked:
         elif self.kind == OPTIMIZER:
             self.groups = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                             for k, v in g.items() if k != "params"} for g in self.obj.param_groups]
-            self.copied = sum(_nbytes(v) for g in self.groups for v in g.values() if isinstance(v, torch.Tensor))
+            self.copied = sum(nbytes(v) for g in self.groups for v in g.values() if isinstance(v, torch.Tensor))
             if first:
-                self.in_place = sum(_nbytes(v) for s in self.obj.state.values() for v in s.values()
+                self.in_place = sum(nbytes(v) for s in self.obj.state.values() for v in s.values()
                                     if isinstance(v, torch.Tensor))
         else:
             if self.buffers:
@@ -245,10 +194,10 @@ class Tracked:
                     torch._foreach_copy_(snaps, [t.detach() for t in now])
             if self.extra:
                 self.extra_snaps = [W.copy(mod.get_extra_state()) for _, mod in self.extra]
-            self.copied = (sum(_nbytes(t) for t in self.buffer_snaps)
-                           + sum(_nbytes(t) for t in W.flat(self.extra_snaps).values()))
+            self.copied = (sum(nbytes(t) for t in self.buffer_snaps)
+                           + sum(nbytes(t) for t in W.flat(self.extra_snaps).values()))
             if first:
-                self.in_place = sum(_nbytes(mod._parameters[a]) for _, mod, a, k in self.entries
+                self.in_place = sum(nbytes(mod._parameters[a]) for _, mod, a, k in self.entries
                                     if k == "param" and mod._parameters.get(a) is not None)
 
     def _snapshot_state(self, sd, first: bool) -> None:
@@ -260,7 +209,7 @@ class Tracked:
         if isinstance(self.obj, Rng):   # its state_dict() is a new snapshot already
             # (its generators' tensors, top-level: no walk of Python's 625-int state, 0.4 ms a commit)
             self.state, self.in_place = sd, 0
-            self.copied = sum(_nbytes(t) for t in sd.values() if isinstance(t, torch.Tensor))
+            self.copied = sum(nbytes(t) for t in sd.values() if isinstance(t, torch.Tensor))
             return
         live = self.live.storages() if self.live is not None else {}
         previous, copies = self._copies, {}
@@ -268,8 +217,8 @@ class Tracked:
 
         def keep(path, t):
             data = W.local(t)
-            size = _nbytes(data)
-            if live and _storage(t) in live:
+            size = nbytes(data)
+            if live and storage(t) in live:
                 counts[1] += size
                 return t
             counts[0] += size
@@ -301,8 +250,8 @@ class Tracked:
                     f"module or optimizer whose tensors could be read in place")
         buffers = self.live.buffer_storages()
         live = self.live.storages()
-        made = sum(_nbytes(W.local(t)) for t in W.flat(sd).values()
-                   if _storage(t) not in live and _storage(t) not in buffers)
+        made = sum(nbytes(W.local(t)) for t in W.flat(sd).values()
+                   if storage(t) not in live and storage(t) not in buffers)
         if made < _NOTE_BYTES:
             return None
         return (f"'{self.name}': {_mb(made)} of its state dict are copies that its state_dict() makes, not the "
@@ -451,7 +400,7 @@ class Tracked:
 
         def keep(path, t):
             own = now.get(path)
-            if own is not None and _storage(own) in live and tuple(own.shape) == tuple(t.shape):
+            if own is not None and storage(own) in live and tuple(own.shape) == tuple(t.shape):
                 return own
             copies[path] = t.detach().clone()
             return copies[path]
@@ -464,73 +413,8 @@ class Tracked:
 _NOTE_BYTES = 1 << 20   # a SNAPSHOT that copies less than this per commit is not said
 
 
-def _nbytes(t) -> int:
-    data = W.local(t)
-    return data.numel() * data.element_size()
-
-
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
-
-
-class LiveTensors:
-    """The tensors that change only inside commit among those an object holds: its modules'
-    parameters and its optimizers' parameters and state (found through its attributes, as the step
-    guard finds them: guard_targets), by storage. `storages()` maps each one's storage address to the
-    tensor itself (held: an address in the map is that storage's while the map lives); it is found
-    again when the optimizers' state grows (a new parameter's state) and after a load (`refresh`)."""
-
-    def __init__(self, modules: list, optimizers: list) -> None:
-        self.modules, self.optimizers = modules, optimizers
-        self._map: Optional[dict] = None
-        self._sig: Optional[tuple] = None
-
-    @classmethod
-    def find(cls, obj) -> Optional["LiveTensors"]:
-        from ft_launcher.rank_monitor.rank_side.live import guard_targets
-
-        found = guard_targets.find({"obj": obj})
-        if not found.modules and not found.optimizers:
-            return None
-        return cls(found.modules, found.optimizers)
-
-    def _signature(self) -> tuple:
-        return tuple(len(o.state) for o in self.optimizers)
-
-    def refresh(self) -> None:
-        self._map = None
-
-    def storages(self) -> dict:
-        import torch
-
-        sig = self._signature()
-        if self._map is not None and sig == self._sig:
-            return self._map
-        with torch.no_grad():
-            self._map, self._sig = self._find(), sig
-        return self._map
-
-    def _find(self) -> dict:
-        import torch
-
-        out = {}
-        for m in self.modules:
-            for p in m.parameters():
-                out[_storage(p)] = p
-        for o in self.optimizers:
-            for g in o.param_groups:
-                for p in g["params"]:
-                    out[_storage(p)] = p
-            for state in o.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        out[_storage(v)] = v
-        out.pop(-1, None)
-        out.pop(0, None)   # an empty tensor's storage has no address
-        return out
-
-    def buffer_storages(self) -> set:
-        return {_storage(b) for m in self.modules for b in m.buffers()}
 
 
 def _own_state_dict(obj, base) -> bool:
@@ -563,72 +447,3 @@ def load_order(names) -> List[str]:
     """Objects load in name order, the RNG state last (loading a loader may draw from it)."""
     return sorted(names, key=lambda n: (n == "_rng", n))
 
-
-class Rng:
-    """The RNG state as of the last commit (torch's CPU generator, the CUDA generator of the rank's
-    current device, Python's `random`): a LiveState object (`rng=True`, the default). Its
-    state_dict() is a new snapshot each call (new tensors, an immutable tuple): Tracked keeps it
-    without a copy.
-
-    CUDA: the current device's generator only (torch.cuda.current_device(), the one the rank set and
-    draws from). The launcher leaves CUDA_VISIBLE_DEVICES whole, so every rank sees every GPU of its
-    node and the generators of the others are its neighbours' streams: kept and compared, replicas
-    on different GPUs would never agree (every heal would fail its check). Loaded into the loading
-    rank's own current device.
-
-    Python's `random` is often left unseeded (scripts seed torch), so each rank's state differs,
-    from os.urandom, while nothing draws from it. Its state is marked `python_drawn` once it has
-    changed between two snapshots (a draw since the first commit; a restored mark is kept). A
-    stream nothing drew from is not loaded (the rank keeps the state its own start gave it: a
-    replaced rank ran the script's seeding, if any, as its fault-free self did, and an unseeded one
-    is as good as any) and not compared between replicas (`unused`); one that was drawn from is
-    loaded and compared as the torch streams are, so per-rank streams still fall back."""
-
-    def __init__(self) -> None:
-        self._python_last = None     # Python's state at the last snapshot or load
-        self._python_drawn = False   # it changed between two of them (or the loaded state says so)
-
-    def state_dict(self) -> dict:
-        import random
-
-        import torch
-
-        python = random.getstate()
-        if self._python_last is not None and python != self._python_last:
-            self._python_drawn = True
-        self._python_last = python
-        state = {"torch": torch.get_rng_state(), "python": python, "python_drawn": self._python_drawn}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        import random
-
-        import torch
-
-        torch.set_rng_state(state["torch"].cpu())
-        self._python_drawn = bool(state.get("python_drawn", True))
-        if self._python_drawn:
-            random.setstate(state["python"])
-        self._python_last = random.getstate()
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"].cpu(), torch.cuda.current_device())
-
-    @staticmethod
-    def unused(state: dict) -> dict:
-        """`state` without Python's stream where nothing drew from it (what replicas must agree on)."""
-        if isinstance(state, dict) and state.get("python_drawn") is False:
-            return {k: v for k, v in state.items() if k != "python"}
-        return state
-
-
-def describe_identity(entries: list, shard: Optional[int]) -> str:
-    """A short text of a shard identity (for the fallback line)."""
-    parts = [] if shard is None else [f"shard={shard}"]
-    coords = collections.OrderedDict()
-    for _, mesh, placements, sharded in entries:
-        coords[(mesh, placements, sharded)] = True
-    for ndim, placements, sharded in list(coords)[:2]:
-        parts.append(f"{ndim}-d mesh {'/'.join(placements)} at " + ", ".join(f"dim {d}={c} of {n}" for d, n, c in sharded))
-    return "; ".join(parts) or "unsharded"

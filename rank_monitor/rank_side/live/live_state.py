@@ -77,8 +77,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ft_launcher.rank_monitor.rank_side import comm_backend, dist_patch, exit_settle, gpu_commit, inprocess
-from ft_launcher.rank_monitor.rank_side.live import (buddy_copy, end_fingerprint, guard_targets, rank_record,
-                                                   restore_transfer, sdc_sim, step_guard)
+from ft_launcher.rank_monitor.rank_side.live import (buddy_copy, end_fingerprint, guard_targets, live_layout, live_rng,
+                                                   rank_record, restore_transfer, sdc_sim, step_guard)
 from ft_launcher.rank_monitor.rank_side.live.backward_watch import BackwardWatch
 from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
@@ -218,7 +218,7 @@ class LiveState:
         self.name = name or "+".join(sorted(objects))
         self.objects: Dict[str, Any] = dict(objects)
         if rng:
-            self.objects[RNG] = O.Rng()
+            self.objects[RNG] = live_rng.Rng()
         self.tracked: Dict[str, O.Tracked] = {k: O.Tracked(k, v) for k, v in self.objects.items()}
         self.shard = None if shard is None else int(shard)
         self.per_rank: Dict[str, int] = {k: int(v) for k, v in (per_rank or {}).items()}
@@ -516,7 +516,7 @@ class LiveState:
             # state under any number of replicas: an elastic job that lost or gained replicas keeps it;
             # a `shard=` number means something only under the world size it was given in
             "identity": W.digest64(world if self.shard is not None else None, self.shard, idents),
-            "identity_text": O.describe_identity([e for _, ident in idents for e in ident], self.shard),
+            "identity_text": live_layout.describe_identity([e for _, ident in idents for e in ident], self.shard),
             "layout": W.digest64(sorted((n, d) for n, d in per_object.items() if n not in self.per_rank)),
             # the per-rank objects (`per_rank`): their own identity and layout, those of their host records
             "own_identity": W.digest64(world, sorted(self.per_rank.items())),
