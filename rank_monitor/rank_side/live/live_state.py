@@ -154,7 +154,7 @@ def _on_teardown() -> None:
     new call builds its objects beside the held state, not beside it and its gradients too."""
     for held in _REG.held.values():
         for t in held.live.tracked.values():
-            if t.kind == O.MODULE or hasattr(t.obj, "parameters"):
+            if hasattr(t.obj, "parameters"):
                 try:
                     for p in t.obj.parameters():
                         p.grad = None
@@ -339,8 +339,8 @@ class LiveState:
 
     def _loader_position(self) -> str:
         """The committed position of this LiveState's loaders (the step guard's words)."""
-        loaders = {n: t.state for n, t in self.tracked.items()
-                   if t.kind == O.SNAPSHOT and ("loader" in n.lower() or "Loader" in type(t.obj).__name__)}
+        loaders = {n: t.state for n, t in self.tracked.items()   # a module's or optimizer's: None, no words
+                   if "loader" in n.lower() or "Loader" in type(t.obj).__name__}
         return step_guard.describe_position(loaders)
 
     def _drop_gradients(self) -> None:
@@ -870,10 +870,7 @@ class LiveState:
             state = ready[name]
             try:
                 loaded = tracked.before_load(state)
-                own = fresh[name][0]
-                in_place = (tracked.kind == O.MODULE and not tracked.extra and len(own) == len(W.flat(state))
-                            and all(own.get(p) is t for p, t in W.flat(state).items()))
-                if not in_place:
+                if not tracked.loaded_in_place(state, fresh[name][0]):
                     tracked.obj.load_state_dict(state)
                 tracked.adopt(loaded)
             except Exception as exc:  # noqa: BLE001 - the user's load_state_dict: the checkpoint, said
@@ -1102,7 +1099,7 @@ def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any]
     if not failed:
         try:
             for n in names:
-                d, b = W.digest(O.comparable(live.tracked[n], ready[n]))
+                d, b = W.digest(live.tracked[n].comparable(ready[n]))
                 digests.append(d)
                 nbytes += b
         except Exception as exc:  # noqa: BLE001 - whatever the state holds: the checkpoint, said
