@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn as nn
 
-from ft_launcher.rank_monitor.rank_side.live import live_objects as O
+from ft_launcher.rank_monitor.rank_side.live import live_objects as O, live_rng
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 
 
@@ -113,7 +113,8 @@ def main(argv=None) -> int:
     print(f"     receive + load: {took * 1e3:.2f} ms ({state_mb / max(took, 1e-9):.0f} MB/s, in-process copies)")
 
     print("3. per-step snapshot (model with BatchNorm, AdamW, RNG)")
-    objs = {"model": O.Tracked("model", model), "optimizer": O.Tracked("optimizer", opt), "_rng": O.Tracked("_rng", O.Rng())}
+    objs = {"model": O.Tracked("model", model), "optimizer": O.Tracked("optimizer", opt),
+            "_rng": O.Tracked("_rng", live_rng.Rng())}
     for t in objs.values():
         t.snapshot()
     sync(device)

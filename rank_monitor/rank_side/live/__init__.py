@@ -1,6 +1,7 @@
 """Live state, in the training rank: `ft.LiveState` (live_state), each object's committed state
-(live_objects), the wire and digests (live_wire), who heals from whom (live_plan), buddy copies in
-a peer's host memory (buddy_copy), the step guard (step_guard and what it reads). It stands on the
-rank's side below it (rank_side: the in-place restart, a commit that counts once its GPU work is
-done, gpu_commit; torch's DTensor caches forgotten at a restart, dtensor_cycle), which never imports
-it (tests/house/test_agent_layers.py). The user guide is docs/live-state.md."""
+(live_objects; each kind of object's form, live_kinds), the wire and digests (live_wire), who heals
+from whom (live_plan), buddy copies in a peer's host memory (buddy_copy), the step guard
+(step_guard and what it reads). It stands on the rank's side below it (rank_side: the in-place
+restart, a commit that counts once its GPU work is done, gpu_commit; torch's DTensor caches
+forgotten at a restart, dtensor_cycle), which never imports it (tests/house/test_agent_layers.py).
+The user guide is docs/live-state.md."""

@@ -1,29 +1,11 @@
 """Live state, one object: its state as of the last commit, kept at a small per-step cost.
 
-`Tracked(name, obj)` wraps one object of a LiveState. What changes outside `commit` must be rolled
-back to the commit, so each kind keeps what it must:
-- module (`torch.nn.Module` whose `state_dict()` returns views of its own parameters and buffers):
-  parameters change only inside commit (the optimizer step), so they are read as they are (the
-  state dict rebuilt from a key map made once, without calling state_dict() again; FSDP2's sharded
-  DTensor parameters, also where a fault inside a forward or backward left the unsharded ones
-  registered on the module); the
-  persistent buffers (BatchNorm's running statistics, which every forward pass changes) and any
-  `_extra_state` are copied at each commit into snapshots made once (`torch._foreach_copy_`).
-- optimizer (`torch.optim.Optimizer` that reads and loads its state as Optimizer does; a subclass
-  with its own state_dict(), e.g. torchtitan's OptimizersContainer, is a snapshot): its state
-  changes only in `step()`, inside commit; its
-  param groups' hyperparameters (a scheduler may change the learning rate outside commit) are
-  copied at each commit.
-- anything else (a DCP `Stateful` such as PyTorch's recipe `AppState(model, optimizer)`, torchtitan's
-  `ModelWrapper` and `OptimizersContainer`, a StatefulDataLoader, a sampler, a scheduler, RNG, a
-  user's object, a module whose state_dict() returns copies such as FSDP1's): its `state_dict()`
-  read at each commit, containers rebuilt; a tensor of it whose storage is one of the live tensors
-  of the modules and optimizers the object holds (`LiveTensors`: parameters and optimizer state,
-  found through its attributes as the step guard finds them) is kept as it is (read in place:
-  it changes only inside commit), every other tensor is copied (buffers, a loader's or scheduler's
-  tensors, copies its state_dict() makes) into the previous commit's copy where it fits.
-Each commit counts the bytes it copies and those it reads in place (`copied`, `in_place`); the
-first commit's `note` says what is copied whole and why (LiveState says it in one line).
+`Tracked(name, obj)` holds one object of a LiveState and the form that keeps its state
+(live_kinds: a module, an optimizer, anything else with state_dict() / load_state_dict() as a
+snapshot, the RNG); a module's form becomes a snapshot at setup where its state_dict() returns
+copies (FSDP1). Each commit counts the bytes it copies and those it reads in place (`copied`,
+`in_place`); the first commit's `note` says what is copied whole and why (LiveState says it in one
+line).
 
 `committed()` is the state dict as of the last commit (a module's and an optimizer's read from
 the object, without a collective); `fresh()` reads a new object once (its own tensors, where a
@@ -32,67 +14,20 @@ compares those); `bind(state, meshes)` puts a kept or received state's DTensors 
 device meshes (a kept rank's are on the previous call's, whose process groups are gone);
 `place(path, data, spec)` makes a received tensor that the sender held as a DTensor this rank's
 DTensor (on its own mesh: where the sender's spec says, live_wire.dtensor_spec); `adopt(state)`
-makes a state just loaded into the object its committed state.
+makes a state just loaded into the object its committed state; `comparable(state)` is the part of
+a restored state that replicas must agree on.
 `setup()` checks, once (at the first restore() or commit), that the state can be sent and compared
 (live_wire.check) and settles the kind; a state that cannot be sent raises live_wire.Refused there,
 not at the first heal.
 """
 from __future__ import annotations
 
-import collections
-import sys
 from typing import Any, List, Optional, Tuple
 
+from ft_launcher.rank_monitor.rank_side.live import live_kinds
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 
-MODULE, OPTIMIZER, SNAPSHOT = "module", "optimizer", "snapshot"
-
-
-def _storage(t) -> int:
-    data = W.local(t)
-    try:
-        return data.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):   # e.g. a meta or fake tensor
-        return -1
-
-
 _is_dtensor = W.is_dtensor
-
-
-def _coordinate(mesh) -> list:
-    """This rank's coordinate on `mesh`: where this process's rank in the current process group sits
-    in the mesh's rank map (not the mesh's own coordinate, which is the rank of the process that made
-    it: a mesh from a previous call, as torch's caches handed out before rank_side.dtensor_cycle,
-    would name the shard this process held then)."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        found = (mesh.mesh == dist.get_rank()).nonzero()
-        return found[0].tolist() if len(found) else []
-    return list(mesh.get_coordinate() or [])
-
-
-def identity_entries(state) -> list:
-    """Which part of a sharded state this rank holds, from its DTensors: per DTensor, its placements
-    and, on every mesh dimension it is not replicated on, that dimension's size and this rank's
-    coordinate. The replicated dimensions' sizes are not part of it: a replica is the same state
-    whatever the number of replicas (an elastic job that lost a replica keeps it); a sharded
-    dimension of another size is another shard. [] for plain tensors (every rank holds the same:
-    data parallelism)."""
-    out = []
-    for path, t in W.flat(state).items():
-        if not _is_dtensor(t):
-            continue
-        mesh = t.device_mesh
-        coord = _coordinate(mesh)
-        sharded = tuple((d, mesh.shape[d], coord[d] if d < len(coord) else None) for d, p in enumerate(t.placements)
-                        if not p.is_replicate())
-        out.append((path, len(mesh.shape), tuple(str(p) for p in t.placements), sharded))
-    return out
-
-
-def _same_sharding(a, b) -> bool:
-    """Two DTensors on equal meshes with the same placements."""
-    return _is_dtensor(a) and _is_dtensor(b) and a.device_mesh == b.device_mesh and a.placements == b.placements
 
 
 def _fewer_replicas(old, new, placements) -> bool:
@@ -105,57 +40,56 @@ def _fewer_replicas(old, new, placements) -> bool:
     return all(p.is_replicate() or old.shape[d] == new.shape[d] for d, p in enumerate(placements))
 
 
-def distinct_meshes(tensors) -> list:
-    """The device meshes of the DTensors among `tensors`, each once (by identity)."""
-    out: list = []
-    for t in tensors:
-        if _is_dtensor(t) and not any(t.device_mesh is m for m in out):
-            out.append(t.device_mesh)
-    return out
-
-
 class Unbound(W.LayoutMismatch):
     """A kept or received DTensor whose device mesh has no equal among this call's objects' meshes."""
 
 
-def layout_entries(state) -> list:
-    """(path, local shape, dtype) of every tensor of a state dict."""
-    return [(path, tuple(W.local(t).shape), str(t.dtype)) for path, t in W.flat(state).items()]
-
-
 class Tracked:
-    """One object of a LiveState and its state as of the last commit (module docstring)."""
+    """One object of a LiveState, and the form that keeps its state as of the last commit (module
+    docstring)."""
 
     def __init__(self, name: str, obj: Any) -> None:
-        import torch
-
         self.name, self.obj = name, obj
-        if isinstance(obj, torch.optim.Optimizer) and _own_state_dict(obj, torch.optim.Optimizer):
-            self.kind = OPTIMIZER
-        elif isinstance(obj, torch.nn.Module):
-            self.kind = MODULE   # until first_commit finds that its state_dict returns copies
-        else:
-            self.kind = SNAPSHOT
-        self.ready = False             # setup ran: the state was checked, the kind settled
-        self.note: Optional[str] = None   # a line to say once (a module kept by copies)
-        self.state: Optional[dict] = None   # SNAPSHOT: the committed state dict
-        self.buffers: List[Tuple[str, Any, str]] = []   # MODULE: (state-dict key, owner module, buffer name)
-        self.buffer_snaps: list = []
-        self.extra: List[Tuple[str, Any]] = []          # MODULE: (state-dict key, submodule) with _extra_state
-        self.extra_snaps: list = []
-        self.per_rank: set = set()   # MODULE: keys of plain BatchNorm running statistics (per rank under DDP)
-        self.entries: list = []      # MODULE: (state-dict key, owner module, attribute, param|buffer|extra)
-        self.sharded: dict = {}      # MODULE: state-dict key -> its DTensor parameter (FSDP2's sharded one)
-        self.metadata = None
-        self.groups: Optional[list] = None              # OPTIMIZER: param groups' hyperparameters
+        self.form: live_kinds.Form = live_kinds.form_for(name, obj)
+        self.ready = False           # setup ran: the state was checked, the kind settled
         self.meshes: list = []       # the device meshes of the new object's DTensors (read by fresh())
         self.placed: dict = {}       # path -> (mesh, placements) of the new object's state's DTensors (fresh())
-        self.live: Optional[LiveTensors] = None   # SNAPSHOT: the live tensors it holds (read in place)
-        self.copied = 0              # bytes the last commit copied (snapshot())
-        self.in_place = 0            # bytes of tensors the last commit read in place (parameters, optimizer state)
-        self._copies: dict = {}      # SNAPSHOT: path -> the copy the last commit made (reused when it fits)
-        self.copied_paths: dict = {}  # the first commit's copied bytes by state-dict path (what each commit copies)
         self.snapped = False         # snapshot() ran (a commit or an adopt)
+
+    @property
+    def kind(self) -> str:
+        """live_kinds.MODULE, OPTIMIZER or SNAPSHOT (part of the object's layout digest)."""
+        return self.form.kind
+
+    @property
+    def note(self) -> Optional[str]:
+        """A line to say once (a module kept by copies; a snapshot that copies much)."""
+        return self.form.note
+
+    @property
+    def copied(self) -> int:
+        """Bytes the last commit copied."""
+        return self.form.copied
+
+    @property
+    def in_place(self) -> int:
+        """Bytes of tensors the last commit read in place (parameters, optimizer state)."""
+        return self.form.in_place
+
+    @property
+    def copied_paths(self) -> dict:
+        """The first commit's copied bytes by state-dict path (what each commit copies)."""
+        return self.form.copied_paths
+
+    @property
+    def per_rank(self):
+        """Keys of per-rank state that replicas do not compare (a module's plain BatchNorm statistics)."""
+        return self.form.per_rank
+
+    @property
+    def state(self) -> Optional[dict]:
+        """The committed state dict where the form keeps it itself (a snapshot's), else None."""
+        return self.form.state
 
     # ---- set up once: check the state and settle the kind -------------------------------------
     def setup(self, sd=None) -> None:
@@ -167,176 +101,20 @@ class Tracked:
         except W.Refused as exc:
             exc.name = self.name
             raise
-        if self.kind == MODULE:
-            self._find_buffers(sd)
-        if self.kind == SNAPSHOT and not isinstance(self.obj, Rng):
-            self.live = LiveTensors.find(self.obj)
+        self.form = self.form.setup(sd)
         self.ready = True
-
-    def _find_buffers(self, sd) -> None:
-        """A module: map each state-dict key to the parameter or buffer it is a view of (then its
-        committed state is rebuilt from them without calling state_dict(): no hook, no collective),
-        else (its state_dict() makes new tensors) keep it as a snapshot."""
-        module = self.obj
-        params, buffers = {}, {}
-        for _, mod in module.named_modules():
-            for pname, p in mod._parameters.items():
-                if p is not None:
-                    params[(W.local(p).data_ptr(), tuple(p.shape))] = (mod, pname)
-            for bname, buf in mod._buffers.items():
-                if buf is not None and bname not in mod._non_persistent_buffers_set:
-                    buffers[(buf.data_ptr(), tuple(buf.shape))] = (mod, bname)
-        entries = []
-        for key, value in sd.items():
-            if isinstance(key, str) and key.endswith("_extra_state"):
-                prefix = key[:-len("_extra_state")].rstrip(".")
-                self.extra.append((key, module.get_submodule(prefix) if prefix else module))
-                entries.append((key, None, None, "extra"))
-                continue
-            where = (W.local(value).data_ptr(), tuple(value.shape)) if hasattr(value, "shape") else None
-            if where in params:
-                entries.append((key, *params[where], "param"))
-                mod, pname = params[where]
-                if _is_dtensor(mod._parameters[pname]):
-                    self.sharded[key] = mod._parameters[pname]
-            elif where in buffers:
-                mod, bname = buffers[where]
-                self.buffers.append((key, mod, bname))
-                if _plain_batchnorm(mod):
-                    self.per_rank.add(key)
-                entries.append((key, mod, bname, "buffer"))
-            else:   # its state_dict() builds new tensors (FSDP1): copy it at every commit
-                self.kind, self.buffers, self.extra, self.per_rank, self.sharded = SNAPSHOT, [], [], set(), {}
-                self.note = (f"'{self.name}': its state_dict() returns copies, not its own tensors (FSDP1?): it is "
-                             f"copied at every commit")
-                return
-        self.entries, self.metadata = entries, getattr(sd, "_metadata", None)
 
     # ---- every commit ---------------------------------------------------------------------------
     def snapshot(self) -> None:
         """What changes outside commit, as of now (the end of a commit)."""
-        import torch
-
         if not self.ready:
             self.setup()
         first, self.snapped = not self.snapped, True   # (setup may have run at fresh(): the first describe)
-        if self.kind == SNAPSHOT:
-            try:
-                with torch.no_grad():
-                    self._snapshot_state(self.obj.state_dict(), first)
-            except W.Refused as exc:
-                exc.name = self.name
-                raise
-        elif self.kind == OPTIMIZER:
-            self.groups = [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                            for k, v in g.items() if k != "params"} for g in self.obj.param_groups]
-            self.copied = sum(_nbytes(v) for g in self.groups for v in g.values() if isinstance(v, torch.Tensor))
-            if first:
-                self.in_place = sum(_nbytes(v) for s in self.obj.state.values() for v in s.values()
-                                    if isinstance(v, torch.Tensor))
-        else:
-            if self.buffers:
-                now = [mod._buffers[b] for _, mod, b in self.buffers]
-                snaps = self.buffer_snaps
-                if len(snaps) != len(now) or any(s.shape != t.shape or s.dtype != t.dtype or s.device != t.device
-                                                 for s, t in zip(snaps, now)):
-                    self.buffer_snaps = [t.detach().clone() for t in now]
-                else:
-                    torch._foreach_copy_(snaps, [t.detach() for t in now])
-            if self.extra:
-                self.extra_snaps = [W.copy(mod.get_extra_state()) for _, mod in self.extra]
-            self.copied = (sum(_nbytes(t) for t in self.buffer_snaps)
-                           + sum(_nbytes(t) for t in W.flat(self.extra_snaps).values()))
-            if first:
-                self.in_place = sum(_nbytes(mod._parameters[a]) for _, mod, a, k in self.entries
-                                    if k == "param" and mod._parameters.get(a) is not None)
-
-    def _snapshot_state(self, sd, first: bool) -> None:
-        """A SNAPSHOT's commit: `sd` (its state_dict() just read) with each tensor that is one of its
-        live tensors kept as it is and every other one copied (into the previous commit's copy of
-        that path where shape, dtype and device fit: no new allocation per step)."""
-        import torch
-
-        if isinstance(self.obj, Rng):   # its state_dict() is a new snapshot already
-            # (its generators' tensors, top-level: no walk of Python's 625-int state, 0.4 ms a commit)
-            self.state, self.in_place = sd, 0
-            self.copied = sum(_nbytes(t) for t in sd.values() if isinstance(t, torch.Tensor))
-            return
-        live = self.live.storages() if self.live is not None else {}
-        previous, copies = self._copies, {}
-        counts = [0, 0]   # copied, read in place
-
-        def keep(path, t):
-            data = W.local(t)
-            size = _nbytes(data)
-            if live and _storage(t) in live:
-                counts[1] += size
-                return t
-            counts[0] += size
-            if first:
-                self.copied_paths[W.path_text(path)] = size
-            old = previous.get(path)
-            if (old is not None and not _is_dtensor(t) and not _is_dtensor(old) and old.shape == t.shape
-                    and old.dtype == t.dtype and old.device == t.device):
-                old.copy_(t.detach())
-                copy = old
-            else:
-                copy = t.detach().clone()
-            copies[path] = copy
-            return copy
-
-        self.state = W.walk(sd, keep)
-        self._copies = copies
-        self.copied, self.in_place = counts
-        if first and not self.note:
-            self.note = self._copied_note(sd)
-
-    def _copied_note(self, sd) -> Optional[str]:
-        """What a SNAPSHOT's commit copies whole and why (None when that is only small state: a
-        loader's or scheduler's position, buffers)."""
-        if self.copied < _NOTE_BYTES:
-            return None
-        if self.live is None:
-            return (f"'{self.name}': its state dict ({_mb(self.copied)}) is copied at every commit: it holds no "
-                    f"module or optimizer whose tensors could be read in place")
-        buffers = self.live.buffer_storages()
-        live = self.live.storages()
-        made = sum(_nbytes(W.local(t)) for t in W.flat(sd).values()
-                   if _storage(t) not in live and _storage(t) not in buffers)
-        if made < _NOTE_BYTES:
-            return None
-        return (f"'{self.name}': {_mb(made)} of its state dict are copies that its state_dict() makes, not the "
-                f"parameters' or optimizer's own tensors (full_state_dict or cpu_offload options? FSDP1? a state_dict "
-                f"hook that builds new tensors?): they are "
-                f"copied at every commit")
+        self.form.snapshot(first)
 
     def committed(self) -> dict:
         """The object's state dict as of the last commit (or the last restore)."""
-        if self.kind == SNAPSHOT:
-            return self.state
-        if self.kind == OPTIMIZER:
-            sd = self.obj.state_dict()
-            for group, saved in zip(sd["param_groups"], self.groups or []):
-                group.update(saved)
-            return sd
-        sd = collections.OrderedDict()
-        buffers, extras = iter(self.buffer_snaps), iter(self.extra_snaps)
-        for key, mod, attr, kind in self.entries:
-            if kind == "param":
-                p = mod._parameters.get(attr)
-                own = self.sharded.get(key)
-                if own is not None and p is not own and not _same_sharding(p, own):
-                    # FSDP2 registers its unsharded parameters during a module's forward and backward: a
-                    # fault there leaves them on the module; the state is the sharded parameter's
-                    p = own
-                if p is None:   # the module changed since: read it as it is
-                    return self.obj.state_dict()
-                sd[key] = p.detach()
-            else:
-                sd[key] = next(buffers) if kind == "buffer" else next(extras)
-        if self.metadata is not None:
-            sd._metadata = self.metadata
-        return sd
+        return self.form.committed()
 
     # ---- restore --------------------------------------------------------------------------------
     def fresh(self) -> Tuple[dict, list, list]:
@@ -347,15 +125,8 @@ class Tracked:
         if not self.ready:
             self.setup(sd)
         self.placed = {path: (t.device_mesh, t.placements) for path, t in W.flat(sd).items() if _is_dtensor(t)}
-        if self.kind == OPTIMIZER:
-            params = [[p for p in g["params"]] for g in self.obj.param_groups]
-            self.meshes = distinct_meshes([p for group in params for p in group])
-            layout = [[(tuple(W.local(p).shape), str(p.dtype)) for p in group] for group in params]
-            ident = identity_entries({i: {j: p for j, p in enumerate(group)} for i, group in enumerate(params)})
-            return W.flat(sd), layout, ident
-        dests = W.flat(sd) if self.kind == MODULE else {}
-        self.meshes = distinct_meshes(W.flat(sd).values())
-        return dests, layout_entries(sd), identity_entries(sd)
+        dests, layout, ident, self.meshes = self.form.fresh(sd)
+        return dests, layout, ident
 
     def bind(self, state: dict, meshes: list) -> dict:
         """A state about to be loaded, bound to this call's device meshes (`meshes`: those of this
@@ -409,226 +180,32 @@ class Tracked:
         return DTensor.from_local(data, mesh, placements, run_check=False, shape=spec[W.SHAPE],
                                   stride=spec[W.STRIDE])
 
-    def adopt(self, loaded: Optional[dict]) -> None:
-        """The state just loaded into the object is now its committed state. `loaded`: a copy
-        of it made before load_state_dict (SNAPSHOT: a loader reports its new position only once
-        it iterates, so its committed state is what was loaded, not what it says now)."""
-        import torch
-
-        if self.kind == SNAPSHOT:
-            self.state = loaded
-            if self.live is not None:   # what was loaded, read in place where the object's live tensors hold it
-                with torch.no_grad():
-                    self.live.refresh()
-                    self.state = self._in_place(loaded)
-            if isinstance(self.obj, torch.utils.data.DataLoader) and hasattr(self.obj, "load_state_dict"):
-                # A StatefulDataLoader makes its iterator now, from the loaded state (state_dict()
-                # does; the script's iter() then continues it): making one draws a seed from torch's
-                # generator, which must happen before the RNG state is loaded, as in a run without
-                # the restart (there the iterator was made at the top of its epoch).
-                self.obj.state_dict()
-        else:
-            self.snapshot()
-
     def before_load(self, state: dict) -> Optional[dict]:
-        """What `adopt` takes after `state` is loaded (a SNAPSHOT's: a copy made before
+        """What `adopt` takes after `state` is loaded (a snapshot's: a copy made before
         load_state_dict, which may change the dict or the tensors it is handed; one that holds
         live tensors: its containers only, its tensors copied at adopt where the loaded object does
         not hold them in place)."""
-        if self.kind != SNAPSHOT:
-            return None
-        if self.live is not None:
-            return W.walk(state, lambda path, t: t)
-        return W.copy(state)
+        return self.form.before_load(state)
 
-    def _in_place(self, loaded: dict) -> dict:
-        """The committed state of an object just loaded with `loaded`: the object's own tensor at
-        each path where its state dict holds one of its live tensors (read once more: the loaded
-        object's parameters and optimizer state), a copy of the loaded tensor elsewhere."""
-        live = self.live.storages()
-        now = W.flat(self.obj.state_dict())
-        copies = {}
+    def loaded_in_place(self, state: dict, own: dict) -> bool:
+        """Every tensor of `state` arrived in the object's own tensors (`own`: fresh()'s; a module's
+        kept or received in place): nothing left to load."""
+        return self.form.loaded_in_place(state, own)
 
-        def keep(path, t):
-            own = now.get(path)
-            if own is not None and _storage(own) in live and tuple(own.shape) == tuple(t.shape):
-                return own
-            copies[path] = t.detach().clone()
-            return copies[path]
+    def adopt(self, loaded: Optional[dict]) -> None:
+        """The state just loaded into the object is now its committed state. `loaded`: a copy
+        of it made before load_state_dict (a snapshot's: a loader reports its new position only
+        once it iterates, so its committed state is what was loaded, not what it says now); a
+        module and an optimizer take a snapshot now."""
+        self.form.adopt(loaded, self.snapshot)
 
-        state = W.walk(loaded, keep)
-        self._copies = copies
-        return state
-
-
-_NOTE_BYTES = 1 << 20   # a SNAPSHOT that copies less than this per commit is not said
-
-
-def _nbytes(t) -> int:
-    data = W.local(t)
-    return data.numel() * data.element_size()
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
-
-
-class LiveTensors:
-    """The tensors that change only inside commit among those an object holds: its modules'
-    parameters and its optimizers' parameters and state (found through its attributes, as the step
-    guard finds them: guard_targets), by storage. `storages()` maps each one's storage address to the
-    tensor itself (held: an address in the map is that storage's while the map lives); it is found
-    again when the optimizers' state grows (a new parameter's state) and after a load (`refresh`)."""
-
-    def __init__(self, modules: list, optimizers: list) -> None:
-        self.modules, self.optimizers = modules, optimizers
-        self._map: Optional[dict] = None
-        self._sig: Optional[tuple] = None
-
-    @classmethod
-    def find(cls, obj) -> Optional["LiveTensors"]:
-        from ft_launcher.rank_monitor.rank_side.live import guard_targets
-
-        found = guard_targets.find({"obj": obj})
-        if not found.modules and not found.optimizers:
-            return None
-        return cls(found.modules, found.optimizers)
-
-    def _signature(self) -> tuple:
-        return tuple(len(o.state) for o in self.optimizers)
-
-    def refresh(self) -> None:
-        self._map = None
-
-    def storages(self) -> dict:
-        import torch
-
-        sig = self._signature()
-        if self._map is not None and sig == self._sig:
-            return self._map
-        with torch.no_grad():
-            self._map, self._sig = self._find(), sig
-        return self._map
-
-    def _find(self) -> dict:
-        import torch
-
-        out = {}
-        for m in self.modules:
-            for p in m.parameters():
-                out[_storage(p)] = p
-        for o in self.optimizers:
-            for g in o.param_groups:
-                for p in g["params"]:
-                    out[_storage(p)] = p
-            for state in o.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        out[_storage(v)] = v
-        out.pop(-1, None)
-        out.pop(0, None)   # an empty tensor's storage has no address
-        return out
-
-    def buffer_storages(self) -> set:
-        return {_storage(b) for m in self.modules for b in m.buffers()}
-
-
-def _own_state_dict(obj, base) -> bool:
-    """`obj` reads and loads its state as `base` does (an optimizer subclass such as torchtitan's
-    OptimizersContainer, whose state_dict() is DCP's flattened one, does not: it is a snapshot)."""
-    return all(getattr(type(obj), fn, None) is getattr(base, fn) for fn in ("state_dict", "load_state_dict"))
-
-
-def _plain_batchnorm(mod) -> bool:
-    """BatchNorm whose running statistics each rank updates from its own batch (not SyncBatchNorm):
-    under DDP they are per rank, and DDP broadcasts rank 0's at the start of every forward."""
-    import torch
-
-    return (isinstance(mod, torch.nn.modules.batchnorm._NormBase) and not isinstance(mod, torch.nn.SyncBatchNorm)
-            and getattr(mod, "track_running_stats", False))
-
-
-def comparable(tracked: "Tracked", state: dict) -> dict:
-    """The part of a restored state that replicas must agree on (a module's per-rank BatchNorm
-    statistics left out: DDP overwrites them from rank 0 at the next forward; Python's `random`
-    left out where nothing drew from it: Rng.unused)."""
-    if isinstance(tracked.obj, Rng):
-        return Rng.unused(state)
-    if tracked.kind != MODULE or not tracked.per_rank:
-        return state
-    return {k: v for k, v in state.items() if k not in tracked.per_rank}
+    def comparable(self, state: dict) -> dict:
+        """The part of a restored state that replicas must agree on (a module's per-rank BatchNorm
+        statistics left out: DDP overwrites them from rank 0 at the next forward; Python's `random`
+        left out where nothing drew from it: Rng.unused)."""
+        return self.form.comparable(state)
 
 
 def load_order(names) -> List[str]:
     """Objects load in name order, the RNG state last (loading a loader may draw from it)."""
     return sorted(names, key=lambda n: (n == "_rng", n))
-
-
-class Rng:
-    """The RNG state as of the last commit (torch's CPU generator, the CUDA generator of the rank's
-    current device, Python's `random`): a LiveState object (`rng=True`, the default). Its
-    state_dict() is a new snapshot each call (new tensors, an immutable tuple): Tracked keeps it
-    without a copy.
-
-    CUDA: the current device's generator only (torch.cuda.current_device(), the one the rank set and
-    draws from). The launcher leaves CUDA_VISIBLE_DEVICES whole, so every rank sees every GPU of its
-    node and the generators of the others are its neighbours' streams: kept and compared, replicas
-    on different GPUs would never agree (every heal would fail its check). Loaded into the loading
-    rank's own current device.
-
-    Python's `random` is often left unseeded (scripts seed torch), so each rank's state differs,
-    from os.urandom, while nothing draws from it. Its state is marked `python_drawn` once it has
-    changed between two snapshots (a draw since the first commit; a restored mark is kept). A
-    stream nothing drew from is not loaded (the rank keeps the state its own start gave it: a
-    replaced rank ran the script's seeding, if any, as its fault-free self did, and an unseeded one
-    is as good as any) and not compared between replicas (`unused`); one that was drawn from is
-    loaded and compared as the torch streams are, so per-rank streams still fall back."""
-
-    def __init__(self) -> None:
-        self._python_last = None     # Python's state at the last snapshot or load
-        self._python_drawn = False   # it changed between two of them (or the loaded state says so)
-
-    def state_dict(self) -> dict:
-        import random
-
-        import torch
-
-        python = random.getstate()
-        if self._python_last is not None and python != self._python_last:
-            self._python_drawn = True
-        self._python_last = python
-        state = {"torch": torch.get_rng_state(), "python": python, "python_drawn": self._python_drawn}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        import random
-
-        import torch
-
-        torch.set_rng_state(state["torch"].cpu())
-        self._python_drawn = bool(state.get("python_drawn", True))
-        if self._python_drawn:
-            random.setstate(state["python"])
-        self._python_last = random.getstate()
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"].cpu(), torch.cuda.current_device())
-
-    @staticmethod
-    def unused(state: dict) -> dict:
-        """`state` without Python's stream where nothing drew from it (what replicas must agree on)."""
-        if isinstance(state, dict) and state.get("python_drawn") is False:
-            return {k: v for k, v in state.items() if k != "python"}
-        return state
-
-
-def describe_identity(entries: list, shard: Optional[int]) -> str:
-    """A short text of a shard identity (for the fallback line)."""
-    parts = [] if shard is None else [f"shard={shard}"]
-    coords = collections.OrderedDict()
-    for _, mesh, placements, sharded in entries:
-        coords[(mesh, placements, sharded)] = True
-    for ndim, placements, sharded in list(coords)[:2]:
-        parts.append(f"{ndim}-d mesh {'/'.join(placements)} at " + ", ".join(f"dim {d}={c} of {n}" for d, n, c in sharded))
-    return "; ".join(parts) or "unsharded"

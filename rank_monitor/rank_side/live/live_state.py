@@ -77,8 +77,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ft_launcher.rank_monitor.rank_side import comm_backend, dist_patch, exit_settle, gpu_commit, inprocess
-from ft_launcher.rank_monitor.rank_side.live import (buddy_copy, end_fingerprint, guard_targets, rank_record,
-                                                   restore_transfer, sdc_sim, step_guard)
+from ft_launcher.rank_monitor.rank_side.live import (buddy_copy, end_fingerprint, guard_targets, live_layout, live_rng,
+                                                   rank_record, restore_transfer, sdc_sim, step_guard)
 from ft_launcher.rank_monitor.rank_side.live.backward_watch import BackwardWatch
 from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
@@ -154,7 +154,7 @@ def _on_teardown() -> None:
     new call builds its objects beside the held state, not beside it and its gradients too."""
     for held in _REG.held.values():
         for t in held.live.tracked.values():
-            if t.kind == O.MODULE or hasattr(t.obj, "parameters"):
+            if hasattr(t.obj, "parameters"):
                 try:
                     for p in t.obj.parameters():
                         p.grad = None
@@ -218,7 +218,7 @@ class LiveState:
         self.name = name or "+".join(sorted(objects))
         self.objects: Dict[str, Any] = dict(objects)
         if rng:
-            self.objects[RNG] = O.Rng()
+            self.objects[RNG] = live_rng.Rng()
         self.tracked: Dict[str, O.Tracked] = {k: O.Tracked(k, v) for k, v in self.objects.items()}
         self.shard = None if shard is None else int(shard)
         self.per_rank: Dict[str, int] = {k: int(v) for k, v in (per_rank or {}).items()}
@@ -339,8 +339,8 @@ class LiveState:
 
     def _loader_position(self) -> str:
         """The committed position of this LiveState's loaders (the step guard's words)."""
-        loaders = {n: t.state for n, t in self.tracked.items()
-                   if t.kind == O.SNAPSHOT and ("loader" in n.lower() or "Loader" in type(t.obj).__name__)}
+        loaders = {n: t.state for n, t in self.tracked.items()   # a module's or optimizer's: None, no words
+                   if "loader" in n.lower() or "Loader" in type(t.obj).__name__}
         return step_guard.describe_position(loaders)
 
     def _drop_gradients(self) -> None:
@@ -516,7 +516,7 @@ class LiveState:
             # state under any number of replicas: an elastic job that lost or gained replicas keeps it;
             # a `shard=` number means something only under the world size it was given in
             "identity": W.digest64(world if self.shard is not None else None, self.shard, idents),
-            "identity_text": O.describe_identity([e for _, ident in idents for e in ident], self.shard),
+            "identity_text": live_layout.describe_identity([e for _, ident in idents for e in ident], self.shard),
             "layout": W.digest64(sorted((n, d) for n, d in per_object.items() if n not in self.per_rank)),
             # the per-rank objects (`per_rank`): their own identity and layout, those of their host records
             "own_identity": W.digest64(world, sorted(self.per_rank.items())),
@@ -870,10 +870,7 @@ class LiveState:
             state = ready[name]
             try:
                 loaded = tracked.before_load(state)
-                own = fresh[name][0]
-                in_place = (tracked.kind == O.MODULE and not tracked.extra and len(own) == len(W.flat(state))
-                            and all(own.get(p) is t for p, t in W.flat(state).items()))
-                if not in_place:
+                if not tracked.loaded_in_place(state, fresh[name][0]):
                     tracked.obj.load_state_dict(state)
                 tracked.adopt(loaded)
             except Exception as exc:  # noqa: BLE001 - the user's load_state_dict: the checkpoint, said
@@ -1102,7 +1099,7 @@ def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any]
     if not failed:
         try:
             for n in names:
-                d, b = W.digest(O.comparable(live.tracked[n], ready[n]))
+                d, b = W.digest(live.tracked[n].comparable(ready[n]))
                 digests.append(d)
                 nbytes += b
         except Exception as exc:  # noqa: BLE001 - whatever the state holds: the checkpoint, said

@@ -177,7 +177,7 @@ def test_cuda_rng_is_the_current_devices_only_so_replicas_on_different_gpus_agre
     kept state is the current device's generator alone, so the replicas' states (and their digests,
     as the check after a heal compares them) agree; a rank that heals from rank 1's state on cuda:0
     loads it into its current device, the other device's generator untouched."""
-    from ft_launcher.rank_monitor.rank_side.live import live_objects as O
+    from ft_launcher.rank_monitor.rank_side.live import live_rng
     from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 
     seeded, drawn = torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)
@@ -185,11 +185,11 @@ def test_cuda_rng_is_the_current_devices_only_so_replicas_on_different_gpus_agre
     for rank in (0, 1):
         gpus = _TwoGpus(rank, {rank: drawn, 1 - rank: seeded})
         gpus.install(monkeypatch)
-        states.append(O.Rng().state_dict())
+        states.append(live_rng.Rng().state_dict())
     assert all(torch.equal(s["cuda"], drawn) for s in states), states
-    assert W.digest(O.Rng.unused(states[0])) == W.digest(O.Rng.unused(states[1]))
+    assert W.digest(live_rng.Rng.unused(states[0])) == W.digest(live_rng.Rng.unused(states[1]))
 
     healed = _TwoGpus(0, {0: seeded, 1: seeded})   # a replaced rank on cuda:0
     healed.install(monkeypatch)
-    O.Rng().load_state_dict(states[1])
+    live_rng.Rng().load_state_dict(states[1])
     assert torch.equal(healed.states[0], drawn) and torch.equal(healed.states[1], seeded), healed.states
