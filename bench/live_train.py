@@ -55,6 +55,8 @@ def parse_args(argv=None):
                         "gradients' norm itself; given: the loop's clip_grad_norm_ value is passed, grad_norm=)")
     p.add_argument("--clip", action="store_true",
                    help="ddp mode: the loop takes clip_grad_norm_ every step (as --guard given does) without the guard")
+    p.add_argument("--rerun-in-place", action="store_true",
+                   help="ddp mode, --guard: live.commit(step, run=forward_backward): a re-run calls it again in place")
     p.add_argument("--fingerprint-every", type=int, default=None,
                    help="--guard: LiveState's fingerprint_every (default: K from the 1 %% budget; 0: off)")
     p.add_argument("--heartbeat-ms", type=int, default=100, help="torchft mode: the Manager's heartbeat interval")
@@ -247,15 +249,25 @@ def train_ddp(args):
         with ft.section("step"):
             progress.maybe_die(args, step)
             x, y = batch(args, step, rank, device)
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(ddp(x), y)
-            loss.backward()
+
+            def forward_backward():
+                opt.zero_grad(set_to_none=True)
+                loss = nn.functional.mse_loss(ddp(x), y)
+                loss.backward()
+                norm = (nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                        if args.guard == "given" or args.clip else None)
+                return loss, norm
+
             guard = args.guard != "off"
-            norm = (nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-                    if args.guard == "given" or args.clip else None)
+            if live is not None and guard and args.rerun_in_place:   # the commit runs it (again, on a re-run)
+                checked = live.commit(step, run=lambda: forward_backward() if args.guard == "given"
+                                      else forward_backward()[0])
+            else:
+                loss, norm = forward_backward()
+                checked = (live.commit(step, loss=loss, grad_norm=norm if args.guard == "given" else None)
+                           if live is not None and guard else live.commit(step) if live is not None else None)
             if live is not None:
-                with (live.commit(step, loss=loss, grad_norm=norm if args.guard == "given" else None) if guard
-                      else live.commit(step)):
+                with checked:
                     opt.step()
                     sched.step()
             else:

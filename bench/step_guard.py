@@ -113,13 +113,16 @@ def faults(tmp: str, width: int, steps: int, fault: int) -> None:
     print(f"| width {width}: a finite flip in rank 1's parameter after step {fault}'s update (K = "
           f"{flip['final'].get('fingerprint_k')}) | found at step {found} | "
           f"{'-' if found is None else found - fault} steps after |")
-    nan = run(tmp, f"w{width}_nan", base, sdc + [f"nan:{fault}:once"])
-    took = next((float(m.group(1)) for line in nan["lines"] for m in [re.search(r"took ([0-9.]+) s", line)] if m),
-                None)
-    step = median_step(nan["rows"])
-    print(f"| width {width}: a NaN in rank 1's backward at step {fault}, the re-run from memory | "
-          f"{'-' if took is None else f'{took:.3f} s'} | {'-' if took is None else f'{took / step:.1f}'} steps |")
-    for line in flip["lines"] + nan["lines"]:
+    shown = flip["lines"]
+    for how, extra in (("re-entering the training function", []), ("in place (commit's run=)", ["--rerun-in-place"])):
+        nan = run(tmp, f"w{width}_nan{len(extra)}", base + extra, sdc + [f"nan:{fault}:once"])
+        took = next((float(m.group(1)) for line in nan["lines"] for m in [re.search(r"took ([0-9.]+) s", line)] if m),
+                    None)
+        step = median_step(nan["rows"])
+        print(f"| width {width}: a NaN in rank 1's backward at step {fault}, the re-run from memory {how} | "
+              f"{'-' if took is None else f'{took:.3f} s'} | {'-' if took is None else f'{took / step:.1f}'} steps |")
+        shown = shown + nan["lines"]
+    for line in shown:
         print(f"  {line[:300]}")
 
 
@@ -129,12 +132,14 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--fault", type=int, default=30, help="the step of the simulated faults")
+    p.add_argument("--faults-only", action="store_true", help="only the detection and re-run rows")
     args = p.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",")]
     print("bench/step_guard.py: 2 DDP ranks on gloo, one agent, this machine; jobs alternated")
     with tempfile.TemporaryDirectory(prefix="step_guard_bench_") as tmp:
         for width in widths:
-            steady(tmp, width, args.steps, args.reps)
+            if not args.faults_only:
+                steady(tmp, width, args.steps, args.reps)
         print("\n| fault | detection | |\n|---|---|---|")
         for width in widths:
             faults(tmp, width, args.steps, args.fault)

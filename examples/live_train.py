@@ -139,19 +139,34 @@ def train(args):
                 batches = iter(loader)
                 x, y = next(batches)
             x, y = hooks.batch(step, x, y)
-            loss = nn.functional.mse_loss(ddp(x), y)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-            norm = None
-            if args.grad_norm or scaler is not None:
-                if scaler is not None:
-                    scaler.unscale_(opt)
-                norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
-            if rank == args.no_loss_rank:   # a pipeline stage without a loss of its own
-                checked = live.commit(step)
-            elif args.guard:   # the step guard
-                checked = live.commit(step, loss=loss, grad_norm=norm if args.grad_norm else None)
+
+            def forward_backward():
+                opt.zero_grad(set_to_none=True)
+                loss = nn.functional.mse_loss(ddp(x), y)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                norm = None
+                if args.grad_norm or scaler is not None:
+                    if scaler is not None:
+                        scaler.unscale_(opt)
+                    norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
+                return loss, norm
+
+            if args.rerun_in_place and args.guard and rank != args.no_loss_rank:
+                # the commit runs forward and backward, and again in place if the guard re-runs the step
+                def run():
+                    nonlocal loss
+                    loss, norm = forward_backward()
+                    return (loss, norm) if args.grad_norm else loss
+
+                checked = live.commit(step, run=run)
             else:
-                checked = live.commit(step)
+                loss, norm = forward_backward()
+                if rank == args.no_loss_rank:   # a pipeline stage without a loss of its own
+                    checked = live.commit(step)
+                elif args.guard:   # the step guard
+                    checked = live.commit(step, loss=loss, grad_norm=norm if args.grad_norm else None)
+                else:
+                    checked = live.commit(step)
             with checked, (teacher_live.commit(step) if teacher_live else _nothing()):
                 if scaler is not None:
                     scaler.step(opt)
@@ -381,6 +396,8 @@ def parse_args(argv=None):
     p.add_argument("--guard", action="store_true", help="commit(step, loss=loss): the step guard")
     p.add_argument("--skip-bad-batches", action="store_true")
     p.add_argument("--grad-norm", action="store_true", help="commit(step, loss=loss, grad_norm=clip_grad_norm_(...))")
+    p.add_argument("--rerun-in-place", action="store_true",
+                   help="--guard: commit(step, run=forward_backward): a re-run of the step calls it again in place")
     p.add_argument("--fingerprint-every", type=int, default=None, help="LiveState's fingerprint_every")
     p.add_argument("--watch-every-step", action="store_true", help="LiveState's watch_every_step")
     p.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_'s max_norm")

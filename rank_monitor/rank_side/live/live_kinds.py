@@ -111,6 +111,13 @@ class Form:
         """The part of a restored state that replicas must agree on."""
         return state
 
+    def rewind(self, dry: bool = False) -> bool:
+        """Put back what a forward and backward changed since the commit, for a step re-run in place
+        (LiveState.commit's `run=`): the optimizer step has not run, so parameters and optimizer
+        state are still the committed ones. -> False where this kind cannot (the re-run then goes
+        through the restart); `dry`: only say whether it can."""
+        return True
+
 
 class ModuleForm(Form):
     """A module whose state_dict() returns views of its own parameters and buffers."""
@@ -215,6 +222,19 @@ class ModuleForm(Form):
         return not self.extra and len(own) == len(W.flat(state)) and all(own.get(p) is t
                                                                          for p, t in W.flat(state).items())
 
+    def rewind(self, dry: bool = False) -> bool:
+        """The buffers (BatchNorm's statistics, which the forward moved) and extra states back to the
+        commit's snapshots."""
+        import torch
+
+        if dry or not self.buffer_snaps and not self.extra_snaps:
+            return True
+        if self.buffer_snaps:
+            torch._foreach_copy_([mod._buffers[b] for _, mod, b in self.buffers], self.buffer_snaps)
+        for (_, mod), snap in zip(self.extra, self.extra_snaps):
+            mod.set_extra_state(W.copy(snap))
+        return True
+
     def comparable(self, state: dict) -> dict:
         """Its per-rank BatchNorm statistics left out: DDP overwrites them from rank 0 at the next forward."""
         if not self.per_rank:
@@ -269,6 +289,19 @@ class SnapshotForm(Form):
     def setup(self, sd) -> Form:
         self.live = LiveTensors.find(self.obj)
         return self
+
+    def rewind(self, dry: bool = False) -> bool:
+        """Nothing to put back where it holds no module's buffers (a loader, a sampler, a scheduler:
+        the forward and backward do not move them; an AppState whose modules have none); one that
+        holds persistent buffers (copies of them at each commit) is not rewound here. A GradScaler
+        forgets this step's unscale_ (the re-run unscales again)."""
+        steps = getattr(self.obj, "_per_optimizer_states", None)   # torch.amp.GradScaler's, per step
+        if not dry and isinstance(steps, dict):
+            steps.clear()
+        if self.live is None:
+            return True
+        return not any(b is not None and name not in sub._non_persistent_buffers_set
+                       for m in self.live.modules for sub in m.modules() for name, b in sub._buffers.items())
 
     def snapshot(self, first: bool) -> None:
         import torch
@@ -392,6 +425,12 @@ class RngForm(SnapshotForm):
 
         self.state, self.in_place = sd, 0
         self.copied = sum(nbytes(t) for t in sd.values() if isinstance(t, torch.Tensor))
+
+    def rewind(self, dry: bool = False) -> bool:
+        """The generators back to the commit (the re-run draws the same dropout masks)."""
+        if not dry and self.state is not None:
+            self.obj.load_state_dict(self.state)
+        return True
 
     def comparable(self, state: dict) -> dict:
         """Python's `random` left out where nothing drew from it (Rng.unused)."""

@@ -116,6 +116,11 @@ class Tracked:
         """The object's state dict as of the last commit (or the last restore)."""
         return self.form.committed()
 
+    def rewind(self, dry: bool = False) -> bool:
+        """What a forward and backward changed, back to the last commit (a step re-run in place):
+        False where this kind cannot (live_kinds.Form.rewind)."""
+        return self.snapped and self.form.rewind(dry)
+
     # ---- restore --------------------------------------------------------------------------------
     def fresh(self) -> Tuple[dict, list, list]:
         """A new object, read once: (its own tensors by path: where a kept or received state lands

@@ -74,7 +74,7 @@ import gc
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ft_launcher.rank_monitor.rank_side import comm_backend, dist_patch, exit_settle, gpu_commit, inprocess
 from ft_launcher.rank_monitor.rank_side.live import (buddy_copy, end_fingerprint, guard_targets, live_layout, live_rng,
@@ -242,6 +242,7 @@ class LiveState:
                                             fingerprint_budget=float(fingerprint_budget),
                                             watch_every_step=bool(watch_every_step))
         self._checked = None   # (loss, grad_norm) of the commit being entered, for the guard
+        self._run = None       # the commit's run= (its forward and backward), re-run in place
         self._guarded: Optional[bool] = None   # every rank runs the guard (agreed at the first commit)
         self._targets: Optional[guard_targets.Targets] = None
         self._watch: Optional[BackwardWatch] = None
@@ -285,27 +286,46 @@ class LiveState:
         return self._words is not None
 
     # ---- commit ---------------------------------------------------------------------------------
-    def commit(self, step: int, loss: Any = None, grad_norm: Any = None) -> "LiveState":
+    def commit(self, step: int, loss: Any = None, grad_norm: Any = None,
+               run: Optional[Callable[[], Any]] = None) -> "LiveState":
         """`with live.commit(step): opt.step()`: the body runs whole even if a restart signal
         arrives meanwhile; once it ends without an exception, `step` counts as completed.
         Commits may nest (`with g.commit(s), d.commit(s):`): the signal waits for the outermost.
         With `loss=` (this rank's loss tensor) and/or `grad_norm=` (e.g. what clip_grad_norm_
         returned), the step guard checks the step first, on every rank together (a collective):
         a step that is not finite is re-run from memory and never committed
-        (rank_side.live.step_guard). Outside ft_launcher's in-place restarts the guard is off."""
+        (rank_side.live.step_guard). Outside ft_launcher's in-place restarts the guard is off.
+        `run=`: the step's forward and backward as a function of no arguments that returns the
+        loss, or (loss, grad_norm), or None (a stage without a loss), instead of `loss=`/`grad_norm=`:
+        the commit calls it, and a step the guard re-runs is re-run in place by calling it again
+        (the RNG and buffers put back to the commit), not by calling the training function again."""
+        if run is not None and (loss is not None or grad_norm is not None):
+            raise TypeError("live.commit(): give run= or loss=/grad_norm=, not both (run returns them)")
         self._pending = step
         self._checked = (loss, grad_norm) if loss is not None or grad_norm is not None else None
+        self._run = run
         return self
 
     def __enter__(self) -> "LiveState":
         checked, self._checked = self._checked, None
+        run, self._run = self._run, None
+        if run is not None:
+            checked = _returned(run())
         if self._words is not None and self._guarded is None:
             self._guarded = self._agree_guarded(checked is not None)
         if self._words is not None and self._guarded and self.refused is None:
             loss, grad_norm = checked or (None, None)
             t0 = time.perf_counter()
             step_guard._POSITION[0] = self._loader_position
-            if step_guard.check(self, self._pending, loss, grad_norm) == step_guard.Decision.SKIP:
+            while True:
+                try:
+                    decision = step_guard.check(self, self._pending, loss, grad_norm)
+                    break
+                except inprocess.StepRerun:
+                    if run is None or not self._rewound(self._pending):
+                        raise
+                    loss, grad_norm = _returned(run()) or (None, None)
+            if decision == step_guard.Decision.SKIP:
                 self._drop_gradients()
             self.stats["guard_s"] += time.perf_counter() - t0   # the guard's per-step cost (bench/step_guard.py)
             self.stats["guarded"] += 1
@@ -377,6 +397,29 @@ class LiveState:
         if self._targets is None:
             self._targets = guard_targets.find(self.objects)
         return self._targets
+
+    def _rewound(self, step: int) -> bool:
+        """A step the guard re-runs, in place (commit's `run=`): every rank puts back what the forward
+        and backward changed since the commit (the RNG, buffers) and turns its backward watch on
+        for the re-run. One all_reduce: where any rank cannot (a heal from a replica, a state with
+        buffers LiveState does not keep, nothing committed in this process), every rank re-runs
+        through the restart instead, as without `run=`."""
+        import torch
+        import torch.distributed as dist
+
+        held = _REG.held.get(self.name)
+        can = (step_guard.MEM.heal is None and held is not None and held.live is self and not held.dirty
+               and not _REG.suspect and held.step == step - 1
+               and all(t.rewind(dry=True) for t in self.tracked.values()))
+        flag = torch.tensor([int(can)], dtype=torch.int64, device=comm_backend.transfer_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if not flag.item():
+            return False
+        with torch.no_grad():
+            for tracked in self.tracked.values():
+                tracked.rewind()
+        self.backward_watch(step - 1)
+        return True
 
     def backward_watch(self, step: int, on: bool = True) -> Optional[BackwardWatch]:
         """The hooks on this call's parameters that see each rank's own gradients from `step`'s
@@ -891,6 +934,16 @@ class LiveState:
                                      max(int(s[2]) for s in stats) / 1e9, reason, name=self.name, check=check)
         self.last_recovery = summary
         return summary
+
+
+def _returned(value) -> Optional[tuple]:
+    """commit's `run=` result as (loss, grad_norm), or None (no loss: a stage that only joins)."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        loss, grad_norm = (tuple(value) + (None, None))[:2]
+        return None if loss is None and grad_norm is None else (loss, grad_norm)
+    return value, None
 
 
 def _world() -> int:

@@ -227,6 +227,37 @@ def test_under_fsdp2_and_hsdp_the_watch_sees_each_ranks_own_gradient_before_the_
         assert all(0 < r[mesh]["3"]["local"] and not bad(r[mesh]["3"]["local"]) for r in ranks), ranks
 
 
+def test_a_rewind_puts_back_the_rng_the_buffers_and_a_scalers_unscale():
+    """What a step re-run in place (commit's run=) puts back: what a forward and backward moved
+    since the commit, so the re-run draws and normalises as the first run did."""
+    from ft_launcher.rank_monitor.rank_side.live.live_objects import Tracked
+    from ft_launcher.rank_monitor.rank_side.live.live_rng import Rng
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    tracked = [Tracked(n, o) for n, o in (("model", model), ("opt", opt), ("rng", Rng()), ("scaler", scaler))]
+    for t in tracked:
+        t.snapshot()   # the commit
+    stats = [b.clone() for b in model[1].buffers()]
+
+    def forward_backward():
+        out = model(torch.randn(8, 4))
+        scaler.scale(out.sum()).backward()
+        scaler.unscale_(opt)
+        return out
+
+    first = forward_backward()
+    assert not torch.equal(next(model[1].buffers()), stats[0])   # the forward moved the statistics
+    assert all(t.rewind(dry=True) for t in tracked)
+    for t in tracked:
+        t.rewind()
+    assert all(torch.equal(a, b) for a, b in zip(model[1].buffers(), stats))
+    opt.zero_grad()
+    assert torch.equal(forward_backward(), first)   # the same draws, the same statistics, unscale_ again
+
+
 # ---- short whole jobs (default) ----------------------------------------------------------------------------
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("watch", ["after_hit", "every_step"])
@@ -251,6 +282,27 @@ def test_grad_norm_form_a_nan_from_rank_1s_backward_is_re_run_and_ends_bit_equal
                                                          "in the re-run, to name the rank): not committed" in lines[0]
         assert "a transient fault;" in lines[1], lines
     assert all(f["cycle"] == 0 for f in run.finals())   # in place: no process replaced
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("form", [[], ["--grad-norm"], ["--batchnorm"], ["--dropout", "0.1"]],
+                         ids=["loss", "grad_norm", "batchnorm", "dropout"])
+def test_with_run_a_transient_is_re_run_in_place_and_ends_bit_equal(launcher, tmp_path, form):
+    """live.commit(step, run=forward_backward): the guard's re-run calls the loop's forward and
+    backward again inside the commit (the RNG and BatchNorm's statistics put back to the commit),
+    not the training function: the job ends bit-equal to the fault-free run of the plain form, with
+    no restore in between. (With a GradScaler a NaN gradient is the scaler's skip, not a re-run:
+    test_a_grad_scalers_overflow_is_skipped_by_the_scaler_not_taken_for_corruption.)"""
+    key = "2_" + "_".join(a.strip("-") for a in form)
+    ref = reference(launcher, tmp_path, key, 2, form)
+    run = GuardRun(launcher, tmp_path / "sdc", 2, form + ["--rerun-in-place"], sdc(f"nan:{FAULT}:once")).run()
+    assert run.codes == [0], run.err[-3000:]
+    assert run.digests() == ref, run.lines()
+    lines = run.lines()
+    assert len(lines) == 2 and lines[0].startswith(f"step {FAULT}: ") and "not committed" in lines[0], lines
+    assert "a transient fault" in lines[1], lines
+    assert "resumed from live state" not in run.out, run.out[-3000:]   # the training function was not re-entered
+    assert all(f["cycle"] == 0 for f in run.finals())
 
 
 @pytest.mark.timeout(400)
