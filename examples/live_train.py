@@ -151,11 +151,13 @@ def train(args):
                     norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), args.clip)
                 return loss, norm
 
-            if args.rerun_in_place and args.guard and rank != args.no_loss_rank:
+            if args.rerun_in_place and args.guard and rank != args.plain_commit_rank:
                 # the commit runs forward and backward, and again in place if the guard re-runs the step
                 def run():
                     nonlocal loss
                     loss, norm = forward_backward()
+                    if rank == args.no_loss_rank:   # a stage without a loss: it re-runs all the same
+                        return None
                     return (loss, norm) if args.grad_norm else loss
 
                 checked = live.commit(step, run=run)
@@ -398,6 +400,8 @@ def parse_args(argv=None):
     p.add_argument("--grad-norm", action="store_true", help="commit(step, loss=loss, grad_norm=clip_grad_norm_(...))")
     p.add_argument("--rerun-in-place", action="store_true",
                    help="--guard: commit(step, run=forward_backward): a re-run of the step calls it again in place")
+    p.add_argument("--plain-commit-rank", type=int, default=None,
+                   help="with --rerun-in-place: this rank commits with loss= instead (every rank then re-runs by restart)")
     p.add_argument("--fingerprint-every", type=int, default=None, help="LiveState's fingerprint_every")
     p.add_argument("--watch-every-step", action="store_true", help="LiveState's watch_every_step")
     p.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_'s max_norm")

@@ -322,7 +322,7 @@ class LiveState:
                     decision = step_guard.check(self, self._pending, loss, grad_norm)
                     break
                 except inprocess.StepRerun:
-                    if run is None or not self._rewound(self._pending):
+                    if not self._rewound(self._pending, run is not None):   # (a collective: every rank asks)
                         raise
                     loss, grad_norm = _returned(run()) or (None, None)
             if decision == step_guard.Decision.SKIP:
@@ -398,17 +398,18 @@ class LiveState:
             self._targets = guard_targets.find(self.objects)
         return self._targets
 
-    def _rewound(self, step: int) -> bool:
+    def _rewound(self, step: int, run: bool) -> bool:
         """A step the guard re-runs, in place (commit's `run=`): every rank puts back what the forward
         and backward changed since the commit (the RNG, buffers) and turns its backward watch on
-        for the re-run. One all_reduce: where any rank cannot (a heal from a replica, a state with
-        buffers LiveState does not keep, nothing committed in this process), every rank re-runs
-        through the restart instead, as without `run=`."""
+        for the re-run. One all_reduce, which every rank joins (`run`: this rank's commit has a
+        `run=`): where any rank cannot (no `run=`, a heal from a replica, a state with buffers
+        LiveState does not keep, nothing committed in this process), every rank re-runs through the
+        restart instead, as without `run=`."""
         import torch
         import torch.distributed as dist
 
         held = _REG.held.get(self.name)
-        can = (step_guard.MEM.heal is None and held is not None and held.live is self and not held.dirty
+        can = (run and step_guard.MEM.heal is None and held is not None and held.live is self and not held.dirty
                and not _REG.suspect and held.step == step - 1
                and all(t.rewind(dry=True) for t in self.tracked.values()))
         flag = torch.tensor([int(can)], dtype=torch.int64, device=comm_backend.transfer_device())

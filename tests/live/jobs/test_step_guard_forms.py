@@ -322,6 +322,19 @@ def test_under_fsdp2_a_nan_from_rank_1s_backward_is_named_re_run_and_ends_bit_eq
     assert "a transient fault on rank 1" in lines[1], lines
 
 
+@pytest.mark.timeout(400)
+def test_where_one_rank_commits_without_run_every_rank_re_runs_by_restart_never_a_hang(launcher, tmp_path):
+    """run= on rank 0 only: the ranks agree (one all_reduce) that the step cannot be re-run in place,
+    and every rank re-runs it through the restart, as without run=; bit-equal."""
+    ref = reference(launcher, tmp_path, "2_", 2, [])
+    run = GuardRun(launcher, tmp_path / "sdc", 2, ["--rerun-in-place", "--plain-commit-rank", 1],
+                   sdc(f"nan:{FAULT}:once")).run(bound=200)
+    assert run.codes == [0], run.err[-3000:]
+    assert run.digests() == ref, run.lines()
+    assert "a transient fault" in run.lines()[-1], run.lines()
+    assert "resumed from live state" in run.out, run.out[-2000:]
+
+
 @pytest.mark.timeout(300)
 def test_a_nan_at_the_first_step_ends_with_the_datas_line_never_in_a_loop(launcher, tmp_path):
     run = GuardRun(launcher, tmp_path, 2, ["--poison-step", 1, "--poison-rank", 1]).run(bound=200, lost=(0,))
@@ -423,14 +436,18 @@ def test_a_grad_scalers_overflow_is_skipped_by_the_scaler_not_taken_for_corrupti
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_loss_less_pipeline_stage_joins_every_guard_collective(launcher, tmp_path):
+@pytest.mark.parametrize("in_place", [False, True], ids=["restart", "run"])
+def test_a_loss_less_pipeline_stage_joins_every_guard_collective(launcher, tmp_path, in_place):
     """Rank 1 commits with no loss (a stage without one): it still joins the guard's table, so
-    rank 0's checked commits never hang, and a NaN in rank 1's backward is still re-run, transient."""
-    run = GuardRun(launcher, tmp_path, 2, ["--no-loss-rank", 1], sdc(f"nan:{FAULT}:once")).run(bound=200)
+    rank 0's checked commits never hang, and a NaN in rank 1's backward is still re-run, transient
+    (with run=, whose function returns None on rank 1: in place)."""
+    extra = ["--rerun-in-place"] if in_place else []
+    run = GuardRun(launcher, tmp_path, 2, ["--no-loss-rank", 1, *extra], sdc(f"nan:{FAULT}:once")).run(bound=200)
     assert run.codes == [0], run.err[-3000:]
     lines = run.lines()
     assert len(lines) == 2 and "watched in the re-run" in lines[0] and "a transient fault;" in lines[1], lines
     assert len(set(run.digests())) == 1
+    assert ("resumed from live state" in run.out) != in_place, run.out[-2000:]
 
 
 @pytest.mark.slow
