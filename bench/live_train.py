@@ -258,14 +258,14 @@ def train_ddp(args):
                         if args.guard == "given" or args.clip else None)
                 return loss, norm
 
-            guard = args.guard != "off"
-            if live is not None and guard and args.rerun_in_place:   # the commit runs it (again, on a re-run)
-                checked = live.commit(step, run=lambda: forward_backward() if args.guard == "given"
-                                      else forward_backward()[0])
+            given = args.guard == "given"
+            if live is not None and args.guard != "off" and args.rerun_in_place:   # the commit runs it
+                checked = live.commit(step, run=lambda: forward_backward() if given else forward_backward()[0])
             else:
                 loss, norm = forward_backward()
-                checked = (live.commit(step, loss=loss, grad_norm=norm if args.guard == "given" else None)
-                           if live is not None and guard else live.commit(step) if live is not None else None)
+                if live is not None:
+                    checked = (live.commit(step, loss=loss, grad_norm=norm if given else None) if args.guard != "off"
+                               else live.commit(step))
             if live is not None:
                 with checked:
                     opt.step()

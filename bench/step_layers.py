@@ -35,7 +35,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_jobs import Job  # noqa: E402
+from bench_jobs import Job, reserves_ready  # noqa: E402
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "live_train.py")
 
@@ -65,22 +65,13 @@ def launch(kind: str, nproc: int, flags: list, job_args: list) -> Job:
     return Job(kind, nproc, [], job_args, script=JOB, cmd=cmd)
 
 
-def reserves_ready_at(job: Job):
-    """The wall time every warm reserve of the job had first said it was ready (0.0: it started none;
+def reserves_ready_at(job: Job, nproc: int, flags: list):
+    """The wall time every warm reserve of the job had first said it was ready (0.0: it has none;
     None: one never was)."""
-    path = os.path.join(job.dir, "logs", "events.jsonl")
-    started, ready = set(), {}
-    if os.path.exists(path):
-        with open(path) as fh:
-            for line in fh:
-                event = json.loads(line)
-                if event["kind"] == "reserve_started":
-                    started.add(event["detail"]["pid"])
-                elif event["kind"] == "reserve_ready" and not event["detail"].get("refreshed"):
-                    ready.setdefault(event["detail"]["pid"], event["time"])
-    if started - set(ready):
-        return None
-    return max(ready.values(), default=0.0)
+    if job.kind != "ft_launcher" or "--ft-warm-reserves" in flags:
+        return 0.0
+    ready = reserves_ready(job, nproc)
+    return None if ready is None else max(r["time"] for r in ready.values())
 
 
 def one(layer, args, width: int, batch: int, steps: int, nproc: int) -> dict:
@@ -98,7 +89,7 @@ def one(layer, args, width: int, batch: int, steps: int, nproc: int) -> dict:
                 raise SystemExit(f"{name} (width {width}): exit {code}\n{fh.read()[-3000:]}")
         with open(os.path.join(job.dir, "ckpt", "final.json")) as fh:
             final = json.load(fh)
-        ready = reserves_ready_at(job)
+        ready = reserves_ready_at(job, nproc, flags)
         rows = job.progress()[0]
     finally:
         job.stop()
