@@ -8,7 +8,8 @@ every case), one MLP with AdamW, fault-free:
   ddp        DDP, `ft.LiveState(model=model, optimizer=opt)`, against the same job without it
   app        FSDP2 (`fully_shard` over both ranks) through PyTorch's DCP recipe,
              `ft.LiveState(app=AppState(model, opt))`, against the same job without it
-  app+buddy  (--buddy) the app job with `buddy_every=1`
+  app+buddy  (--buddy) the app job with `buddy_every=1` (buddy_keep=2: 2 own copies + 2 of its buddy's)
+  app+buddy1 (--buddy) the same with `buddy_keep=1` (1 + 1)
   titan      (--titan) torchtitan 0.3.0's own trainer (tests/third_party/torchtitan/cpu_train.py: its
              llama3 debugmodel, FSDP over 2 gloo ranks, or HSDP 2 x 2 over 4 with --titan-hsdp) with
              ft_launcher's adapter's LiveState (no buddy copies), against the same job without it
@@ -16,7 +17,10 @@ Per contender and rank: the bytes the last commit copied (`live.stats["commit_by
 by object, `commit_bytes_by`), the bytes
 the first read in place (`in_place_bytes`: parameters and optimizer state), the rank's own state
 (parameters and AdamW state, its shard under FSDP), and its peak RSS (VmHWM), with the ratio to the
-job without the LiveState and the difference in units of the rank's state.
+job without the LiveState and the difference in units of the rank's state; with buddy copies, the
+slot files the rank maps (its own copies and its source's, `buddy_stats()["held_bytes"]`) in units
+of its state (peak RSS differs by up to ~0.9 of a 200 MB state between two ranks of one job here,
+so the slot bytes are the exact figure).
 """
 from __future__ import annotations
 
@@ -32,9 +36,10 @@ from bench_jobs import Job  # noqa: E402
 RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "live_overhead_rank.py")
 
 
-def run(form: str, live: bool, buddy: int, args) -> list:
+def run(form: str, live: bool, buddy: int, args, keep: int = 2) -> list:
     job = Job("ft_launcher", 2, ["--max-restarts", "0"],
-              ["--form", form, "--live", str(int(live)), "--buddy-every", str(buddy), "--width", str(args.width),
+              ["--form", form, "--live", str(int(live)), "--buddy-every", str(buddy), "--buddy-keep", str(keep),
+               "--width", str(args.width),
                "--layers", str(args.layers), "--steps", str(args.steps), "--out", "out"], script=RANK)
     try:
         job.proc.wait(timeout=args.timeout)
@@ -135,7 +140,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--buddy", action="store_true", help="also the app job with buddy_every=1")
+    p.add_argument("--buddy", action="store_true", help="also the app job with buddy_every=1, buddy_keep 2 and 1")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", default=None, help="write every rank's figures here")
     p.add_argument("--dry-run", action="store_true", help="a tiny model: the bench's own check")
@@ -146,29 +151,30 @@ def main() -> None:
         return titan_main(args)
     if args.dry_run:
         args.width, args.layers, args.steps = 64, 2, 3
-    cases = [("ddp", False, 0), ("ddp", True, 0), ("app", False, 0), ("app", True, 0)]
+    cases = [("ddp", False, 0, 2), ("ddp", True, 0, 2), ("app", False, 0, 2), ("app", True, 0, 2)]
     if args.buddy:
-        cases.append(("app", True, 1))
+        cases += [("app", True, 1, 2), ("app", True, 1, 1)]
     t0 = time.time()
     results = {}
-    for form, live, buddy in cases:
-        results[(form, live, buddy)] = run(form, live, buddy, args)
+    for form, live, buddy, keep in cases:
+        results[(form, live, buddy, keep)] = run(form, live, buddy, args, keep)
     print(f"live_overhead: MLP {args.layers} x {args.width}, AdamW, 2 gloo ranks, {args.steps} steps, "
           f"{time.time() - t0:.0f} s")
     print(f"{'form':10} {'LiveState':10} {'state MB/rank':>14} {'commit bytes':>13} {'in place MB':>12} "
-          f"{'peak RSS MiB (r0, r1)':>22} {'vs without':>11} {'extra / state':>14} {'step ms':>8}")
+          f"{'peak RSS MiB (r0, r1)':>22} {'vs without':>11} {'extra / state':>14} {'copies / state':>15} {'step ms':>8}")
     rows = []
-    for (form, live, buddy), ranks in results.items():
-        base = results[(form, False, 0)]
+    for (form, live, buddy, keep), ranks in results.items():
+        base = results[(form, False, 0, 2)]
         ratio = max(r["peak_rss_kb"] / b["peak_rss_kb"] for r, b in zip(ranks, base))
         extra = max((r["peak_rss_kb"] - b["peak_rss_kb"]) * 1024 / r["state_bytes"] for r, b in zip(ranks, base))
-        name = form + ("+buddy" if buddy else "")
+        copies = max(r.get("buddy_held_bytes", 0) / r["state_bytes"] for r in ranks)   # slot files mapped
+        name = form + ("" if not buddy else "+buddy" if keep == 2 else "+buddy1")
         what = "on" if live else "off"
         commit = "-" if not live else f"{max(r['commit_bytes'] for r in ranks):,}"
         in_place = "-" if not live else f"{max(r['in_place_bytes'] for r in ranks) / 1e6:.1f}"
         print(f"{name:10} {what:10} {max(r['state_bytes'] for r in ranks) / 1e6:14.1f} {commit:>13} {in_place:>12} "
               f"{mib(ranks[0]['peak_rss_kb']) + ', ' + mib(ranks[1]['peak_rss_kb']):>22} "
-              f"{ratio:10.3f}x {extra:+13.2f}x {1e3 * max(r['step_s_median'] for r in ranks):8.1f}")
+              f"{ratio:10.3f}x {extra:+13.2f}x {copies:14.2f}x {1e3 * max(r['step_s_median'] for r in ranks):8.1f}")
         rows.append({"form": name, "live": live, "ranks": ranks, "rss_ratio": ratio, "extra_in_states": extra})
     if args.json:
         with open(args.json, "w") as fh:

@@ -70,7 +70,7 @@ def train(args):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         objects = {"model": model, "optimizer": opt}
         net = None
-    live = ft.LiveState(**objects, buddy_every=args.buddy_every) if args.live else None
+    live = ft.LiveState(**objects, buddy_every=args.buddy_every, buddy_keep=args.buddy_keep) if args.live else None
     start = (live.restore() if live is not None else None) or 0
     if net is None:
         net = nn.parallel.DistributedDataParallel(model)
@@ -88,10 +88,13 @@ def train(args):
     state = local_bytes(list(model.parameters())) + local_bytes(
         [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)])
     out = {"rank": rank, "form": args.form, "live": bool(args.live), "buddy_every": args.buddy_every,
+           "buddy_keep": args.buddy_keep,
            "peak_rss_kb": status_kb("VmHWM"), "rss_before_model_kb": before, "state_bytes": state,
            "step_s_median": statistics.median(times[1:] or times)}
     if live is not None:
         out.update({k: live.stats[k] for k in ("commits", "commit_bytes", "commit_bytes_total", "in_place_bytes")})
+        buddy = live.buddy_stats()
+        out["buddy_held_bytes"] = buddy["held_bytes"] if buddy else 0
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as fh:
         json.dump(out, fh)
@@ -105,6 +108,7 @@ def main():
     p.add_argument("--form", choices=("ddp", "app"), default="ddp")
     p.add_argument("--live", type=int, default=1)
     p.add_argument("--buddy-every", type=int, default=0)
+    p.add_argument("--buddy-keep", type=int, default=2)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)

@@ -168,7 +168,7 @@ def train(args):
     if rank == args.fail_load_rank and cycle == 1:
         _failing_load(states[sorted(states)[0]], rank)
     live = ft.LiveState(**states, buddy_every=args.buddy_every, buddy_memory_limit_mb=args.buddy_memory_limit_mb,
-                        watch_every_step=args.watch_every_step)
+                        buddy_keep=args.buddy_keep, watch_every_step=args.watch_every_step)
     start = live.restore()
     if start is None:
         start = load_checkpoint(args, model, opt, states)
@@ -297,6 +297,9 @@ def main():
     p.add_argument("--fail-how", choices=("exit", "kill"), default="exit", help="exit 1 (default) or SIGKILL")
     p.add_argument("--replicas", type=int, default=2, help="replicas of the model (1: pure FSDP, no replica)")
     p.add_argument("--buddy-every", type=int, default=0, help="a buddy copy every K steps (0: off)")
+    p.add_argument("--buddy-keep", type=int, default=2,
+                   help="copies of each kind a rank keeps: 2 (4 x its state in host memory) or 1 (2 x; a node lost "
+                        "while a copy is replaced falls back to the checkpoint)")
     p.add_argument("--buddy-memory-limit-mb", type=float, default=None,
                    help="the most host memory a node's buddy copies may take (default: 80 %% of what is available)")
     p.add_argument("--state", choices=("objects", "app", "app-flat", "parts"), default="objects",

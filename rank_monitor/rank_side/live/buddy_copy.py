@@ -18,12 +18,22 @@ the newer one. So whenever a node is lost, one step exists for every rank on a s
 the newest complete copy everywhere, which the survivors still hold in their own slots. A rank
 whose process dies while its node lives restores from its own slot ("host copy").
 
+`buddy_keep=1` halves that (one own snapshot + one copy of its source: 2 x the rank's state): each
+rank then overwrites its only snapshot at the next copy, so from that moment until the exchange's
+barrier a lost node finds no step that every rank holds (the survivors' own copies are of the new
+step, the lost ranks' of the old or torn), and the job falls back to the checkpoint, saying so.
+A rank whose process dies finds its own copy of its last commit (written inside the commit) as
+before. Less cannot keep a lost node exact: the survivors must go back to the step whose copy the
+lost ranks left on another node, so each needs its own state of that step (one copy) beside the
+copy it holds for another rank (a second), unless copies are taken at every step and nothing
+steps past them (the window is then the whole step).
+
 Placement (`place`): ranks ordered by (node, local rank), each sends to the rank one node-size
 further (a ring over the nodes: on 2+ nodes with the same number of ranks each, always another node).
 On one node the buddy is the next local rank (the same host: it survives a rank, not the node).
 
-Memory: at the first snapshot every rank measures its copy; the node needs 2 x (own + source's)
-per rank. When that exceeds `buddy_memory_limit_mb` (default: 80 % of what the node has available
+Memory: at the first snapshot every rank measures its copy; the node needs keep x (own + source's)
+per rank (keep: `buddy_keep`, 2 by default). When that exceeds `buddy_memory_limit_mb` (default: 80 % of what the node has available
 in memory and in /dev/shm), every rank turns buddy copies off and rank 0 says so in one line.
 
 A copy is each object's committed state written as live_wire would send it to a peer (message
@@ -229,8 +239,8 @@ def _pair(dist, out, into, dst: int, src: int, group) -> None:
 class BuddyCopy:
     """The buddy copies of this process's LiveState for one cycle (see the module docstring)."""
 
-    def __init__(self, every: int, limit_bytes: Optional[int], prefix: str) -> None:
-        self.every, self.limit = every, limit_bytes
+    def __init__(self, every: int, limit_bytes: Optional[int], prefix: str, keep: int = 2) -> None:
+        self.every, self.limit, self.keep = every, limit_bytes, keep
         self.prefix = prefix
         self.slots = S.SlotSet(prefix)
         self.on = False
@@ -332,10 +342,10 @@ class BuddyCopy:
         self.slots.abandon(self.cycle)
 
     def own_target(self) -> S.Slot:
-        return _older([self.slots.slots[i] for i in S.OWN])
+        return _older([self.slots.slots[i] for i in S.OWN[:self.keep]])
 
     def inbound_target(self) -> S.Slot:
-        return _older([self.slots.slots[i] for i in S.INBOUND])
+        return _older([self.slots.slots[i] for i in S.INBOUND[:self.keep]])
 
     def _measure(self, total: int) -> bool:
         """The first snapshot: every rank's copy size and what its node has; every rank decides
@@ -357,7 +367,7 @@ class BuddyCopy:
         held: Dict[int, int] = collections.defaultdict(int)   # the node's slot files already there count as room
         for r in range(self.world):
             node = self.nodes[r]
-            need[node] += 2 * per_rank[r] + 2 * per_rank[self.source_of[r]]
+            need[node] += self.keep * (per_rank[r] + per_rank[self.source_of[r]])
             room[node] = min(room.get(node, min(table[r][2], table[r][3])), min(table[r][2], table[r][3]))
             held[node] += table[r][1]
         refusal = None
@@ -367,9 +377,8 @@ class BuddyCopy:
             if need[node] > min(allowed, have):
                 why = ("buddy_memory_limit_mb" if self.limit is not None and self.limit <= have
                        else f"{int(DEFAULT_HOST_FRACTION * 100)} % of {_mb(have)} available in memory and /dev/shm")
-                refusal = (f"node {node} would need {_mb(need[node])} of host memory for its ranks' copies (2 of "
-                           f"each rank's own state + 2 of its buddy's), more than the {_mb(min(allowed, have))} it "
-                           f"may use ({why})")
+                refusal = (f"node {node} would need {_mb(need[node])} of host memory for its ranks' copies "
+                           f"({self._kept_words()}), more than the {_mb(min(allowed, have))} it may use ({why})")
                 break
         if self.rank == 0:
             if refusal is not None:
@@ -379,14 +388,24 @@ class BuddyCopy:
                 where = ("the buddy is on the same node (one node: a copy survives its rank, not the node)"
                          if self.same_node else "each buddy on another node")
                 _say(f"buddy copies every {self.every} step(s): {_mb(sizes[0])} of state on rank 0 (largest "
-                     f"{_mb(max(sizes))}); host memory per rank: its 2 own copies + 2 of its buddy's; node {node} "
+                     f"{_mb(max(sizes))}); host memory per rank: {self._kept_words()}; node {node} "
                      f"{_mb(need[node])} of {_mb(room[node] + held[node])} available; {where}")
         return refusal is None
 
+    def _kept_words(self) -> str:
+        return ("its 2 own copies + 2 of its buddy's" if self.keep == 2 else
+                "its own copy + 1 of its buddy's (buddy_keep=1)")
+
+    def window_words(self) -> str:
+        """What a fallback's line adds with buddy_keep=1 (the copy window, module docstring), else ''."""
+        return ("; with buddy_keep=1 a node lost while a copy is being replaced finds no step every rank holds "
+                "(buddy_keep=2 keeps one)" if self.keep == 1 else "")
+
     def stats(self) -> dict:
-        return {"every": self.every, "snapshots": self.snapshots, "bytes": self.bytes,
+        return {"every": self.every, "keep": self.keep, "snapshots": self.snapshots, "bytes": self.bytes,
                 "copy_s": round(self.copy_s, 6), "wait_s": round(self.wait_s, 6),
-                "exchange_s": round(self.exchange_s, 6), "on": self.on, "buddy": self.dst}
+                "exchange_s": round(self.exchange_s, 6), "on": self.on, "buddy": self.dst,
+                "held_bytes": self.slots.allocated()}   # the slot files this rank maps (own + its source's)
 
     def close(self, join_for: float = 0.0) -> None:
         """The cycle ends (a restart's teardown or the job's end): the exchange in flight, if any,
@@ -416,7 +435,9 @@ def join_left(timeout: float) -> None:
 
 
 def _older(slots) -> S.Slot:
-    """Of two slots, the one to write next: an empty or torn one, else the older copy."""
+    """Of the slots kept (one or two), the one to write next: an empty or torn one, else the older copy."""
+    if len(slots) == 1:
+        return slots[0]
     a, b = slots
     ha, hb = a.header(), b.header()
     if ha is None:
@@ -502,7 +523,7 @@ def fetch(copy: "BuddyCopy", plan, rows: List[List[int]], fresh: Dict[str, tuple
             source = copy.slots.slots[j]
         else:
             busy = {int(o.kind[4:]) for o in plan.sources if is_copy(o) and o.holder == rank}
-            free = [i for i in S.OWN if i not in busy] if copy.slots.refused is None else []
+            free = [i for i in S.OWN[:copy.keep] if i not in busy] if copy.slots.refused is None else []
             source = copy.slots.slots[free[0]] if free else S.Slot(copy.prefix + "_staging") \
                 if copy.slots.refused is None else S.Slot.anonymous(nbytes)   # (no file in a refused directory)
             source.ensure(nbytes)

@@ -190,6 +190,10 @@ class LiveState:
       replica and a lost node resume from memory; 0 (default): off. One LiveState per process.
     - `buddy_memory_limit_mb`: the most host memory the buddy copies of one node may take
       (default: 80 % of what it has available); above it, buddy copies are off, said in one line.
+    - `buddy_keep`: how many copies of each kind a rank keeps: 2 (default: its two newest
+      snapshots and its source's two newest, 4 x its state in host memory, a lost node always
+      finds a step every rank holds) or 1 (2 x its state: half; a failure that lands while a copy
+      is being replaced finds no such step and falls back to the checkpoint, said in one line).
     - The step guard (`commit(step, loss=...)`, rank_side.live.step_guard): `spike_factor` (default
       10: a loss or gradient norm above that x the running maximum is a spike), `spike_fatal`
       (default False: a spike is said, not re-run), `skip_bad_batches` (default False: a batch found
@@ -204,7 +208,7 @@ class LiveState:
 
     def __init__(self, *, name: Optional[str] = None, shard: Optional[int] = None,
                  per_rank: Optional[Dict[str, int]] = None, rng: bool = True, verify: bool = True,
-                 buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None,
+                 buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None, buddy_keep: int = 2,
                  spike_factor: float = 10.0, spike_fatal: bool = False, skip_bad_batches: bool = False,
                  transient_window_s: float = 3600.0, fingerprint_every: Optional[int] = None,
                  fingerprint_budget: float = 0.01, watch_every_step: bool = False, **objects: Any) -> None:
@@ -249,6 +253,9 @@ class LiveState:
         if int(buddy_every) < 0:
             raise ValueError(f"LiveState(buddy_every={buddy_every}): a number of steps, 0 for off")
         self._buddy_every = int(buddy_every)
+        if buddy_keep not in (1, 2):
+            raise ValueError(f"LiveState(buddy_keep={buddy_keep}): 1 or 2 copies of each kind")
+        self._buddy_keep = int(buddy_keep)
         self._buddy_limit = None if buddy_memory_limit_mb is None else int(float(buddy_memory_limit_mb) * 1e6)
         self._buddy = None
         self.last_recovery: Optional[dict] = None   # restore()'s summary (rank 0's view), for tests and logs
@@ -478,7 +485,8 @@ class LiveState:
         prefix = os.environ.get(buddy_store.ENV_PREFIX)
         if not self._buddy_every or not prefix or self.refused is not None:
             return None
-        self._buddy = _REG.buddy = buddy_copy.BuddyCopy(self._buddy_every, self._buddy_limit, prefix)
+        self._buddy = _REG.buddy = buddy_copy.BuddyCopy(self._buddy_every, self._buddy_limit, prefix,
+                                                                self._buddy_keep)
         self._buddy.setup(cycle)
         _drain_before_destroy()
         exit_settle.before_exit(_drain_at_exit)
@@ -675,6 +683,8 @@ class LiveState:
         """Step 3: the plan from the rows (and the buddy copies' offers); where reading the new objects
         failed on some rank, none, with the lowest failing rank's words. -> (plan, reason)."""
         plan, reason = _plan(self, rows, world, buddy_copy.offers(copies) if copies else [])
+        if plan.resume is None and copies and self._buddy is not None:
+            reason += self._buddy.window_words()
         failing = [r for r, row in enumerate(rows) if row.failed]
         if failing:
             plan, reason = _no_plan(world), self._failed_reason(failing, failed, device)

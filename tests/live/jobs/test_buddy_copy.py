@@ -18,6 +18,8 @@ run):
 - 2 agents x 2 ranks (slow): rank 2 killed at 137 resumes at 136 from its host copy, exact; node 1
   (its agent and both ranks) SIGKILLed while training, a spare node takes its place, ranks 2 and 3
   receive their shards from their buddies on node 0, exact;
+- the same with buddy_keep=1 (slow): one own and one inbound slot file per rank, a lost node between
+  two copies still resumes exact;
 - 3 agents x 1 rank + 2 spares (slow): nodes 1 and 2 lost at once (rank 1's copy lived on node 2):
   the checkpoint, with the line that says so.
 """
@@ -391,6 +393,37 @@ def test_a_lost_node_resumes_from_the_buddies_on_the_other_node(launcher, tmp_pa
     assert live["bytes"] > 0 and live["steps_redone"] <= 2, live
     after = started(job.events(), 1)
     assert all(after[r][1] for r in (0, 1)) and not any(after[r][1] for r in (2, 3)), after
+
+
+@pytest.mark.slow
+def test_buddy_keep_1_holds_half_the_slots_and_a_lost_node_still_resumes_exact(launcher, tmp_path, clean):
+    """buddy_keep=1, a copy every 10 steps, 2 x 2 + a spare node: each rank's slot directory holds one
+    own snapshot and one copy of its source (no own1/in1 file: 2 x its state, not 4), said in the
+    start line; node 1 lost between two copies (outside the copy window): ranks 2 and 3 receive the
+    copy of the last multiple of 10 from their buddies, the survivors go back to it from their own
+    slots, exact."""
+    job = FsdpJob(launcher, tmp_path, 2, 2, ["--buddy-every", 10, "--buddy-keep", 1, "--step-time", 0.05],
+                  spares=1).launch()
+    job.add_spares()
+    wait_for(lambda: any(c == 0 and s >= 40 for c, s, _ in progress(str(job.prog), 3)), 120, "rank 3 at step 40")
+    slots = sorted(name.split("_", 1)[1] for agent in job.agents[:2] for d in os.listdir("/dev/shm")
+                   if d.startswith(f"ft_launcher_{agent.pid}_buddy_")
+                   for name in os.listdir(os.path.join("/dev/shm", d)) if "_own" in name or "_in" in name)
+    assert slots == ["in0"] * 4 + ["own0"] * 4, slots
+
+    def between_copies():
+        now = max((s for c, s, _ in progress(str(job.prog), 0) if c == 0), default=0)
+        return now >= 60 and 3 <= now % 10 <= 7
+    wait_for(between_copies, 120, "rank 0 between two copies")
+    for proc in node_tree(job.agents[1].pid):
+        proc.kill()
+    results = job.wait(lost=(1,))
+    err = results[0][2]
+    assert "host memory per rank: its own copy + 1 of its buddy's (buddy_keep=1)" in err, err[-3000:]
+    assert final_checksum(results) == clean(2, 2)
+    live = told(job)
+    assert live["resume_step"] is not None and live["resume_step"] % 10 == 0, live
+    assert per_rank(live["sources"]) == {"0": "host copy", "1": "host copy", "2": "buddy 0", "3": "buddy 1"}, live
 
 
 @pytest.mark.slow
