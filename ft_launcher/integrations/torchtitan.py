@@ -21,7 +21,12 @@
   state dict read without torchtitan's side effect on a fresh optimizer). A commit copies no
   parameter or optimizer state: only the persistent buffers, positions and counters, and the RNG. The commit brackets the optimizer and LR steps of
   `train_step` (opened as `optimizers.step()` starts, closed when `lr_schedulers.step()` returns:
-  torchtitan calls them back to back), at the trainer's step. `checkpointer.load()` first calls
+  torchtitan calls them back to back), at the trainer's step, with the step guard's `loss=` (the
+  sum of what `forward_backward_step` returned over the step's microbatches) and `grad_norm=` (what
+  torchtitan's `clip_grad_norm_` returned): a step whose loss or gradients are not finite is never
+  committed and is re-run (torchtitan itself would raise "Loss is not finite" only after its
+  optimizer step, so the live state would hold the bad step). `install(live=True, guard=False)`:
+  the commit without the guard. `checkpointer.load()` first calls
   `live.restore()`: when it returns a step, the states hold it (the trainer's step included) and
   torchtitan's own load is skipped; else torchtitan loads its checkpoint as without LiveState.
   torchtitan's checkpointing off (`checkpoint.enable = False`): it has no states, and live
@@ -51,16 +56,18 @@ from typing import Any, Callable, Optional
 
 LIVE_NAME = "torchtitan"
 _SECTION_SETUP, _SECTION_STEP, _SECTION_CKPT = "setup", "step", "checkpointing"
-_options: dict = {"live": False, "live_kwargs": {}}
+_options: dict = {"live": False, "guard": True, "live_kwargs": {}}
 
 
-def install(live: bool = False, **live_kwargs: Any) -> None:
+def install(live: bool = False, guard: bool = True, **live_kwargs: Any) -> None:
     """Wrap torchtitan's Trainer and checkpoint manager (module docstring). Call it before the
     trainer is built; calling it again only changes the live options."""
     from torchtitan.components.checkpointer.base import BaseCheckpointManager
     from torchtitan.trainer import Trainer
 
-    _options["live"], _options["live_kwargs"] = bool(live), dict(live_kwargs)
+    _options["live"], _options["guard"], _options["live_kwargs"] = bool(live), bool(guard), dict(live_kwargs)
+    if live and guard:
+        _wrap_clip()
     _wrap(Trainer, "__init__", _trainer_init)
     _wrap(Trainer, "train_step", _in_section(_SECTION_STEP))
     _wrap(BaseCheckpointManager, "load", _checkpoint_load)
@@ -144,7 +151,54 @@ def _attach_live(trainer) -> None:
         objects["dataloader"] = _LoaderState(loader)
     live = ft.LiveState(name=LIVE_NAME, **objects, **kwargs)
     checkpointer._ft_launcher_live = trainer._ft_launcher_live = live
-    _CommitBracket(trainer, live)
+    _CommitBracket(trainer, live, _StepFigures(trainer) if _options["guard"] else None)
+
+
+_GRAD_NORM: list = [None]   # what torchtitan's clip_grad_norm_ returned last (the guard's grad_norm=)
+
+
+def _wrap_clip() -> None:
+    """torchtitan's train_step calls `dist_utils.clip_grad_norm_` through its module at each step:
+    wrapped once, it also keeps what it returned, for the guard."""
+    from torchtitan.distributed import utils as dist_utils
+
+    original = dist_utils.clip_grad_norm_
+    if getattr(original, "_ft_launcher_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_norm_(*args, **kwargs):
+        _GRAD_NORM[0] = norm = original(*args, **kwargs)
+        return norm
+    clip_grad_norm_._ft_launcher_wrapped = True
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
+class _StepFigures:
+    """The step's loss and gradient norm as torchtitan computes them, for the guard: the sum of
+    what `forward_backward_step` returns over the step's microbatches (patched on this trainer), and
+    what its `clip_grad_norm_` returned (_wrap_clip)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer, self.step, self.loss = trainer, None, None
+        original = trainer.forward_backward_step
+
+        def forward_backward_step(*args, **kwargs):
+            loss = original(*args, **kwargs)
+            if self.step != trainer.step:
+                self.step, self.loss = trainer.step, None
+            part = loss.detach()
+            self.loss = part.clone() if self.loss is None else self.loss + part
+            return loss
+        trainer.forward_backward_step = forward_backward_step
+
+    def take(self) -> dict:
+        """loss= and grad_norm= for this step's commit (what was seen in it), then forgotten."""
+        loss = self.loss if self.step == self.trainer.step else None
+        norm, _GRAD_NORM[0] = _GRAD_NORM[0], None
+        self.step, self.loss = None, None
+        figures = {"loss": loss, "grad_norm": norm}
+        return {k: v for k, v in figures.items() if v is not None}
 
 
 class _ModelState:
@@ -274,8 +328,8 @@ class _CommitBracket:
     trainer's two containers (this trainer only). An exception in either ends the commit with it
     (the state is suspect); an LR step outside a bracket (none in torchtitan) runs as it is."""
 
-    def __init__(self, trainer, live) -> None:
-        self.trainer, self.live, self.open = trainer, live, False
+    def __init__(self, trainer, live, figures: Optional[_StepFigures] = None) -> None:
+        self.trainer, self.live, self.open, self.figures = trainer, live, False, figures
         optimizers, schedulers = trainer.optimizers, trainer.lr_schedulers
         self.optimizer_step, self.scheduler_step = optimizers.step, schedulers.step
         optimizers.step = self.begin
@@ -284,7 +338,8 @@ class _CommitBracket:
     def begin(self, *args, **kwargs):
         if self.open:   # a second optimizer step without an LR step: the first commit ends here
             self._close(None)
-        self.live.commit(self.trainer.step).__enter__()
+        checked = self.figures.take() if self.figures is not None else {}
+        self.live.commit(self.trainer.step, **checked).__enter__()
         self.open = True
         try:
             return self.optimizer_step(*args, **kwargs)

@@ -44,7 +44,9 @@ class RankRecord:
             self.refused = S.trusted(os.lstat(where), "directory")
         except OSError as exc:
             self.refused = exc.strerror or str(exc)
+        self.prefix = prefix
         self.slots = [S.Slot(f"{prefix}_{name}", self.refused) for name in RECORD_NAMES]
+        self.borrowed: list = []   # another local slot's record files, opened by find (closed with these)
         self.bytes = 0
 
     def write(self, states: Dict[str, dict], step: int, identity: int, layout: int, world: int, rank: int,
@@ -55,11 +57,14 @@ class RankRecord:
         return self.bytes
 
     def find(self, step: int, identity: int, layout: int) -> Tuple[Optional[S.Slot], str]:
-        """The record of `step` with that identity and layout, else (None, why not: words)."""
+        """The record of `step` with that identity and layout, else (None, why not: words). Its own
+        local slot's files first, then the node's other slots' (a rank that moved to another slot of
+        its node, as after an exit 16's device swap, left its record in its previous slot's files:
+        the identity, which holds the rank's per-rank `k`s, says whose a record is)."""
         if self.refused is not None:
             return None, f"its record directory was refused ({self.refused})"
         seen = []
-        for slot in self.slots:
+        for slot in self.slots + self._others():
             if slot.words is None:
                 slot._open()   # made by the rank's previous process after this one opened it
             head = slot.header()
@@ -75,6 +80,20 @@ class RankRecord:
             return None, f"its node holds records of step {steps} only"
         return None, f"its record of step {step} was made under another world size or layout"
 
+    def _others(self) -> list:
+        """The record files of this node's other local slots (in the same agent directory, opened
+        with the same checks: buddy_store.Slot), once per call of find."""
+        for slot in self.borrowed:
+            slot.close()
+        where, mine = os.path.dirname(self.prefix) or ".", {os.path.basename(s.path) for s in self.slots}
+        try:
+            names = sorted(os.listdir(where))
+        except OSError:
+            names = []
+        self.borrowed = [S.Slot(os.path.join(where, name)) for name in names
+                         if name.rsplit("_", 1)[-1] in RECORD_NAMES and name not in mine]
+        return self.borrowed
+
     def read(self, slot: S.Slot, fresh: Dict[str, tuple], places: Optional[dict] = None) -> Dict[str, dict]:
         """The states in `slot` (buddy_copy.read_snapshot: read as from a peer, layouts checked)."""
         import torch
@@ -89,5 +108,5 @@ class RankRecord:
             slot.abandon(cycle)
 
     def close(self) -> None:
-        for slot in self.slots:
+        for slot in self.slots + self.borrowed:
             slot.close()

@@ -67,3 +67,21 @@ def test_a_directory_open_to_others_is_refused(prefix):
         rec.write(_state(1), 1, ID, LAYOUT, WORLD, 3, 1)
     assert rec.find(1, ID, LAYOUT)[0] is None
     assert S.Slot(prefix + "_rec1").words is None   # nothing was written there
+
+
+def test_a_rank_moved_to_another_local_slot_finds_its_record_in_its_previous_slot(prefix):
+    """After an exit 16 the two ranks of a node swap slots (devices): rank 3 now runs in slot 1 and
+    finds its record of step 13 in slot 0's files (the identity says whose), never slot 1's other
+    rank's record (another identity)."""
+    where = os.path.dirname(prefix)
+    mine, other = RankRecord(os.path.join(where, "local0")), RankRecord(os.path.join(where, "local1"))
+    mine.write(_state(13), 13, ID, LAYOUT, WORLD, 3, 1)        # rank 3, dp rank 3, in slot 0
+    other.write(_state(70), 13, ID + 1, LAYOUT, WORLD, 2, 1)   # rank 2, another per-rank identity, slot 1
+    mine.close()
+    other.close()
+    moved = RankRecord(os.path.join(where, "local1"))          # rank 3's next process, in slot 1
+    slot, why = moved.find(13, ID, LAYOUT)
+    assert why == "" and slot.path == os.path.join(where, "local0_rec1")
+    assert moved.read(slot, {"loader": ({}, None, None)}) == _state(13)
+    assert moved.find(13, ID + 5, LAYOUT)[1] == "its record of step 13 was made under another world size or layout"
+    moved.close()

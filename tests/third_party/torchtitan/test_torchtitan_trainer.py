@@ -11,7 +11,9 @@ fault-free run:
   at step 13 (no completed step trained again);
 - HSDP 2x2 with live state but no buddy copy: the killed rank heals its model and optimizer shard
   from its replica and its dataloader position (its own) from its record in host memory; the job
-  resumes at step 13, exactly.
+  resumes at step 13, exactly;
+- the step guard on torchtitan's own step (the adapter's `loss=`/`grad_norm=`): a NaN in rank 1's
+  gradient at step 14, before FSDP's reduce-scatter, never committed, the step re-run, exact.
 Each run takes 1-2 minutes on 2 cores: the module is `slow`, and skips with one reason where
 torchtitan 0.3.0 (with triton and tokenizers) is not installed. The default test below (lazy
 imports) needs none of it.
@@ -56,7 +58,7 @@ def needs_torchtitan(test):
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
 
 
-def run_titan(launcher, out, assets, fault=False, live=False, hsdp=False, buddy_every=1, timeout=420):
+def run_titan(launcher, out, assets, fault=False, live=False, hsdp=False, buddy_every=1, timeout=420, ft_args=()):
     """cpu_train.py under ft_launcher, 2 ranks (FSDP) or 4 (`hsdp`: 2 replicas x 2 shards, the last
     rank killed); returns (completed process, per-rank step starts, per-rank results)."""
     os.makedirs(out, exist_ok=True)
@@ -69,7 +71,7 @@ def run_titan(launcher, out, assets, fault=False, live=False, hsdp=False, buddy_
         env.update(TITAN_LIVE="1", TITAN_BUDDY_EVERY=str(buddy_every))
     # warm reserves on (the default): a reserve imports only torch's and ft_launcher's modules ahead of
     # the script, so cpu_train.py's patch of torchtitan's device probe holds warm as cold (obstacle 9)
-    proc = launcher.run(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1",
+    proc = launcher.run(["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "1"] + list(ft_args) + [
                          "--log-dir", os.path.join(str(out), "logs"), os.path.join(HERE, "cpu_train.py"),
                          "--module", "titan_cpu_config", "--config", "cpu_debugmodel",
                          "--dump_folder", os.path.join(str(out), "dump"), "--training.steps", str(STEPS),
@@ -198,3 +200,27 @@ def test_hsdp_a_killed_rank_heals_from_its_replica_exactly(launcher, tmp_path, a
         assert steps[rank][:FAIL_STEP] == list(range(1, FAIL_STEP + 1)), steps
         assert _after_fault(steps[rank]) == list(range(FAIL_STEP, STEPS + 1)), steps
     assert all(results[r] == hsdp_fault_free for r in range(4)), (results, hsdp_fault_free)
+
+
+@needs_torchtitan
+def test_a_transient_nan_in_torchtitans_step_is_never_committed_and_ends_exactly(launcher, tmp_path, assets,
+                                                                                 fault_free):
+    """The adapter's LiveState guards torchtitan's own step: `loss=` is what forward_backward_step
+    returned, `grad_norm=` what torchtitan's clip_grad_norm_ returned. A NaN in rank 1's gradient at
+    step 14, in its backward before FSDP's reduce-scatter, is caught before the optimizer step,
+    never committed; the step is re-run from the live state of
+    step 13 and the job ends with exactly the fault-free run's parameters and loss. (Before: the
+    adapter passed neither, the NaN was committed, and torchtitan's "Loss is not finite" came
+    after its optimizer step.)"""
+    sdc = ["--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_sdc", "--ft-simulated-fault-rank", "1",
+           "--ft-simulated-sdc", "nan:14:once"]
+    proc, steps, results = run_titan(launcher, tmp_path / "out", assets, live=True, ft_args=sdc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "rank 0: step 14: " in ln]
+    assert len(lines) == 2, lines or proc.stderr[-3000:]
+    assert "gradient norm nan" in lines[0] and "not committed; re-running it from memory" in lines[0], lines
+    assert "the re-run on the same devices is clean: a transient fault" in lines[1], lines
+    assert "Loss is not finite" not in proc.stderr and "no live state to resume from" not in proc.stderr
+    for rank in (0, 1):
+        assert steps[rank].count(14) == 2 and steps[rank][-1] == STEPS, steps
+    assert results[0] == results[1] == fault_free, (results, fault_free)
