@@ -37,7 +37,7 @@ The parts:
      None (the script's checkpoint) and global rank 0 prints one line saying why;
   4. a kept rank moves its committed state into the new objects (copied into their own tensors,
      the rest handed over, nothing staged), then frees the previous objects (steps 4 and 5:
-     restore_transfer);
+     restore_transfer, one transport per source: rank_side.live.transport);
   5. the transfers, in one global order: the skeleton and tensors of each object (live_wire; a
      sender's DTensors first bound to this call's meshes, live_objects.Tracked.bind, so that a kept
      rank's optimizer state from before an elastic resize names this call's rank grid; a DTensor
@@ -84,6 +84,7 @@ from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer, Plan, plan_recovery
 from ft_launcher.rank_monitor.rank_side.live.restore_transfer import failure
+from ft_launcher.rank_monitor.rank_side.live.transport import Arrival
 from ft_launcher.rank_monitor import buddy_store, live_summary
 from ft_launcher.rank_monitor import shm_layout as L
 
@@ -609,7 +610,7 @@ class LiveState:
         rows, copies = self._exchange(held, mine, failed, buddy, world, device)   # 2
         started = time.perf_counter()   # every rank is here: what follows is the recovery's own time
         plan, reason = self._planned(rows, copies, failed, world, device)   # 3
-        got, check = restore_transfer.Arrival(), None
+        got, check = Arrival(), None
         with torch.no_grad():
             if plan.resume is not None:   # 4, 5: kept state moved, buddy copies read, peers' sent and received
                 got = restore_transfer.arrive(self, plan, held, rows[rank].status == HOLDS, fresh, buddy, copies,
@@ -690,7 +691,7 @@ class LiveState:
             plan, reason = _no_plan(world), self._failed_reason(failing, failed, device)
         return plan, reason
 
-    def _settle(self, plan: Plan, rows: List["_Row"], got: restore_transfer.Arrival, fresh: dict, device,
+    def _settle(self, plan: Plan, rows: List["_Row"], got: Arrival, fresh: dict, device,
                 world: int):
         """Steps 6 and 7 on the state that arrived (`got`): bound to this call's device meshes; the
         replicas' check (`verify`) or a failure flag (one all_gather either way); then every object
@@ -713,7 +714,7 @@ class LiveState:
             return _no_plan(world, reason), reason, check, failed
         return plan, reason, check, self._load(got.ready, fresh)   # 7
 
-    def _gather_stats(self, plan: Plan, reason: str, got: restore_transfer.Arrival, started: float, failed: str,
+    def _gather_stats(self, plan: Plan, reason: str, got: Arrival, started: float, failed: str,
                       device, world: int):
         """Step 8 (one all_gather): every rank's bytes received, transfer and restore time, and whether
         a load failed on it: then the checkpoint everywhere (it overwrites what was loaded).
