@@ -11,7 +11,7 @@ TRANSPORTS act, in this order:
   tensors (live_wire), a sender's DTensors first bound to this call's meshes
   (LiveState._sendable), a received DTensor placed on this rank's mesh (live_objects.Tracked.place);
 - OwnRecord: its per-rank objects (`per_rank`) from its own host record, never a replica's
-  (LiveState._own_part).
+  (rank_record).
 
 Whatever fails here on this rank becomes words (`failure`), not an exception: the rank still sends
 what it holds and receives every object whole, so the ranks stay in step, and the next collective
@@ -20,7 +20,7 @@ carries the flag. A peer lost on the wire (live_wire.PeerLost) raises: the resta
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from ft_launcher.rank_monitor.rank_side.live import buddy_copy
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
@@ -104,13 +104,38 @@ class PeerTransfer(Transport):
 
 class OwnRecord(Transport):
     """A rank that did not keep its state: its per-rank objects (`per_rank`, a loader's position)
-    from its own record in this node's host memory (rank_record, through LiveState._own_part),
-    never a replica's; nothing once something failed."""
+    from its own host copy (a buddy slot of its own state: already in `got.ready`) or else from its
+    record of the resume step in this node's host memory (rank_record, LiveState._records), never a
+    replica's; nothing once something failed. Where neither holds them, why not (the job then
+    falls back, with that line)."""
 
     def arrive(self, recovery: RankRecovery, got: Arrival) -> None:
         live, plan, rank = recovery.live, recovery.plan, recovery.rank
         if live.per_rank and not plan.kept(rank) and not got.failed:
-            got.fail(live._own_part(plan, got.ready, recovery.fresh, rank))
+            got.fail(self._read(live, plan, got.ready, recovery.fresh, rank))
+
+    @staticmethod
+    def _read(live, plan: Plan, ready: Dict[str, Any], fresh: dict, rank: int) -> str:
+        """Its per-rank objects in place in `ready`. -> "" or why not."""
+        src = plan.sources[rank]
+        if buddy_copy.is_copy(src) and src.holder == rank and src.kind in ("slot0", "slot1"):
+            return ""   # its own state's host copy: its own position with it
+        names = sorted(live.per_rank)
+        origin = f"buddy {src.holder}'s copy" if buddy_copy.is_copy(src) else f"peer rank {src.holder}"
+        made = live._describe()
+        record = live._records()
+        slot, why = (record.find(plan.resume, made["own_identity"], made["own_layout"]) if record is not None
+                     else (None, "it runs without ft_launcher's host records"))
+        if slot is None:
+            return (f"its replicated state heals from {origin}, but {', '.join(repr(n) for n in names)} "
+                    f"{'is' if len(names) == 1 else 'are'} its own (per_rank) and cannot come from a replica: "
+                    f"{why}, none of step {plan.resume}")
+        try:
+            ready.update(record.read(slot, {n: fresh[n] for n in names}, live._places()))
+        except W.ObjectFailed as exc:
+            return failure(exc.name, "reading its per-rank record", exc.error)
+        return ""
+
 
 
 TRANSPORTS = (KeptState(), BuddyCopyRead(), PeerTransfer(), OwnRecord())   # in this order
