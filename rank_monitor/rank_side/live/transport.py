@@ -31,7 +31,7 @@ class RankRecovery:
     """One rank's recovery while its state arrives: what the transports read, and share.
 
     `live`: the LiveState restoring; `plan`: who resumes where (live_plan); `rank`: this rank;
-    `held`: the previous LiveState's record (live_state._Held), or None; `offered`: the committed
+    `held`: the previous LiveState's record (live_registry.Held), or None; `offered`: the committed
     state this rank sends (its own, or once moved by a kept rank the new objects'), or None;
     `fresh`: the new objects as read once; `buddy`, `copies`: this cycle's buddy copies and their
     columns of the step exchange (None when off); `device`: the transfer device; `holding`: `live`
