@@ -4,9 +4,10 @@ as torchft's CheckpointTransport): a new source is a new transport, not an edit 
 modules are read, not imported (no torch here).
 
 - every class of restore_transfer.py that derives from Transport implements each method that
-  Transport leaves unimplemented (`raise NotImplementedError`), and is in TRANSPORTS, once;
+  Transport leaves unimplemented (`raise NotImplementedError`), says what it moves (a docstring),
+  and is in TRANSPORTS once: kept state, then buddy copies, then the live transfers;
 - `arrive` lets each of TRANSPORTS act (a `for` over it) and names no source's own call: no
-  buddy_copy, no live_wire move/send/receive, no torch send/recv, no LiveState._own_part, and
+  buddy_copy, no live_wire move/send/receive, no torch send/recv, no per-rank record, and
   it asks no `plan.kept` nor whether buddy copies are on.
 """
 import ast
@@ -17,7 +18,7 @@ from conftest import ROOT
 LIVE = os.path.join(ROOT, "rank_monitor", "rank_side", "live")
 INTERFACE = os.path.join(LIVE, "transport.py")
 SOURCES = os.path.join(LIVE, "restore_transfer.py")
-SOURCE_ATTRIBUTES = {"fetch", "move_state", "send_state", "recv_state", "send", "recv", "_own_part", "kept"}
+SOURCE_ATTRIBUTES = {"fetch", "move_state", "send_state", "recv_state", "send", "recv", "_records", "kept"}
 SOURCE_MODULES = {"buddy_copy", "W"}   # buddy copies, live_wire
 PASSED_ON = {"buddy", "copies"}        # arrive's arguments that only a transport reads
 
