@@ -7,7 +7,7 @@ wrapper asks hooks that the rank's parts register by name (registering a name ag
   exists, the call keeps that group and returns None (rank_side.inprocess: a step's re-run from
   memory finds its call's group; without this torch fails with "initialize the default process
   group twice"). Each hook is asked at every call, so it can forget what it asked for.
-- `destroy_process_group`: every `before_destroy` hook runs first (rank_side.live.live_state: the
+- `destroy_process_group`: every `before_destroy` hook runs first (rank_side.live.live_teardown: the
   buddy exchange in flight ends first: a group destroyed under it aborts the process).
 And torch's registry of process groups (`distributed_c10d._pg_map`) is swapped, once, for a dict of
 rank_side.call_groups that also holds each group entered (`swap_group_registry`).

@@ -18,7 +18,7 @@ then ended with exit 1.
 
 What it does (`install()`, once per process; rank_side.inprocess and the client's attach call it):
 an atexit handler, which runs after the script's own code and before finalization, first runs the
-`before_exit` hooks (rank_side.live.live_state joins a buddy exchange still in flight: its thread is
+`before_exit` hooks (rank_side.live.live_teardown joins a buddy exchange still in flight: its thread is
 blocked inside torch), then releases the GIL in short sleeps until no other thread of the process
 has been runnable for QUIET_LOOKS looks in a row (/proc/self/task/*/stat), at most SETTLE_S. A
 thread that waits for the GIL gets it while the main thread sleeps; one that still runs native code

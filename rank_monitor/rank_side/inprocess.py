@@ -203,9 +203,9 @@ def _keep_group() -> bool:
 
 def _teardown() -> None:
     """Leave nothing of the failed cycle that holds the process group or memory."""
-    live_state = sys.modules.get("ft_launcher.rank_monitor.rank_side.live.live_state")
-    if live_state is not None:   # a buddy exchange in flight fails with its peers' connections: let it end
-        live_state.teardown_buddy(join_for=2.0)
+    live_teardown = sys.modules.get("ft_launcher.rank_monitor.rank_side.live.live_teardown")
+    if live_teardown is not None:   # a buddy exchange in flight fails with its peers' connections: let it end
+        live_teardown.teardown_buddy(join_for=2.0)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         try:   # NCCL's communicators were aborted (restart_watcher.act): gloo's group is destroyed here

@@ -31,9 +31,9 @@ _DONE = _Done()
 
 def _guarded_live():
     """The guarded LiveState this process holds committed state for, and its last committed step."""
-    from ft_launcher.rank_monitor.rank_side.live import live_state
+    from ft_launcher.rank_monitor.rank_side.live.live_registry import REG
 
-    for held in live_state._REG.held.values():
+    for held in REG.held.values():
         live = held.live
         if getattr(live, "guard", None) is not None and getattr(live, "_guarded", False):
             return live, held.step

@@ -2,6 +2,8 @@
 CUDA generator and Python's `random`, and what of it replicas must agree on."""
 from __future__ import annotations
 
+NAME = "_rng"   # its name among a LiveState's objects
+
 
 class Rng:
     """The RNG state as of the last commit (torch's CPU generator, the CUDA generator of the rank's

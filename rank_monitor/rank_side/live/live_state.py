@@ -23,33 +23,35 @@ The parts:
   state suspect. The first commit checks that every object's state can be sent and compared; one
   that cannot is refused there with one line (live recovery off for this LiveState), not at the
   first heal.
-- The registry (this process): per LiveState name, the LiveState whose committed state it holds,
-  and at which step. Only a commit or a completed restore makes a LiveState held: one that was only
-  constructed (a call that ended before its restore) never replaces the previous one, and a fault
-  inside restore() leaves the previous one for the next attempt (a kept rank holds the new one
-  once its state is in it).
+- The registry (this process, live_registry): per LiveState name, the LiveState whose committed
+  state it holds, and at which step. Only a commit or a completed restore makes a LiveState held:
+  one that was only constructed (a call that ended before its restore) never replaces the previous
+  one, and a fault inside restore() leaves the previous one for the next attempt (a kept rank holds
+  the new one once its state is in it). What ends first at a restart, the script's destroy and the
+  rank's exit (the buddy exchange in flight): live_teardown.
 - `restore()` (cycle > 0; a collective, every rank calls it, several LiveStates match by name):
   1. each object is read once (`state_dict()` once per object on every rank);
-  2. the step exchange (one all_gather, `_Row`): per rank, what it offers (its committed step, the
-     shard identity and layout that state was made under, or why it holds nothing) and what it
-     needs (its new objects' identity and layout);
-  3. live_plan.plan_recovery: the resume step and each rank's source; none: every rank returns
-     None (the script's checkpoint) and global rank 0 prints one line saying why;
+  2. the step exchange (one all_gather, step_exchange.Row): per rank, what it offers (its
+     committed step, the shard identity and layout that state was made under, or why it holds
+     nothing) and what it needs (its new objects' identity and layout);
+  3. live_plan.plan_recovery (step_exchange.plan_from_rows): the resume step and each rank's
+     source; none: every rank returns None (the script's checkpoint) and global rank 0 prints one
+     line saying why;
   4. a kept rank moves its committed state into the new objects (copied into their own tensors,
      the rest handed over, nothing staged), then frees the previous objects (steps 4 and 5:
-     restore_transfer);
+     restore_transfer, one transport per source: rank_side.live.transport);
   5. the transfers, in one global order: the skeleton and tensors of each object (live_wire; a
      sender's DTensors first bound to this call's meshes, live_objects.Tracked.bind, so that a kept
      rank's optimizer state from before an elastic resize names this call's rank grid; a DTensor
      arrives as a DTensor on this rank's mesh: live_objects.Tracked.place);
   6. each state is bound to this call's device meshes (live_objects.Tracked.bind); the check
-     (`verify=True`, the default): the replicas of each shard that a rank healed in compare a
-     digest of their restored state (one all_gather); a mismatch falls back with one line;
+     (`verify=True`, the default; restore_verify): the replicas of each shard that a rank healed in
+     compare a digest of their restored state (one all_gather); a mismatch falls back with one line;
   7. every rank loads each object (`load_state_dict()` once per object, in name order, the RNG last)
      and takes that state as its committed state;
   8. a second all_gather collects bytes, transfer time and each rank's restore time; global rank 0
-     writes the summary (JSON) for the agent, which says it as one `live_recovery` event and console
-     line (agent.observation.live_recovery).
+     writes the summary (JSON, restore_report) for the agent, which says it as one `live_recovery`
+     event and console line (agent.observation.live_recovery).
 - Never worse than without it: whatever fails on a rank while it restores (an object's
   state_dict() or load_state_dict() raising, a state that does not fit, a DTensor's mesh that this
   call lacks, a digest it cannot take) is a flag in the next of the collectives above (the step
@@ -69,72 +71,27 @@ The parts:
 """
 from __future__ import annotations
 
-import collections
 import gc
 import os
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from ft_launcher.rank_monitor.rank_side import comm_backend, dist_patch, exit_settle, gpu_commit, inprocess
-from ft_launcher.rank_monitor.rank_side.live import (buddy_copy, end_fingerprint, guard_targets, live_layout, live_rng,
-                                                   rank_record, restore_transfer, sdc_sim, step_guard)
+from ft_launcher.rank_monitor.rank_side import comm_backend, exit_settle, gpu_commit, inprocess
+from ft_launcher.rank_monitor.rank_side.live import (buddy_copy, guard_targets, live_layout, live_rng, live_teardown,
+                                                   rank_record, restore_report, restore_transfer, sdc_sim,
+                                                   step_guard)
 from ft_launcher.rank_monitor.rank_side.live.backward_watch import BackwardWatch
 from ft_launcher.rank_monitor.rank_side.live import live_objects as O
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
-from ft_launcher.rank_monitor.rank_side.live.live_plan import Need, Offer, Plan, plan_recovery
+from ft_launcher.rank_monitor.rank_side.live.live_plan import Plan
+from ft_launcher.rank_monitor.rank_side.live.live_registry import REG, Held
 from ft_launcher.rank_monitor.rank_side.live.restore_transfer import failure
-from ft_launcher.rank_monitor import buddy_store, live_summary
+from ft_launcher.rank_monitor.rank_side.live.restore_verify import all_gather, broadcast_text, verify
+from ft_launcher.rank_monitor.rank_side.live.step_exchange import HOLDS, Row, no_plan, plan_from_rows, ranks_text
+from ft_launcher.rank_monitor.rank_side.live.transport import Arrival
+from ft_launcher.rank_monitor import buddy_store
 from ft_launcher.rank_monitor import shm_layout as L
-
-NOT_HELD = -1
-RNG = "_rng"
-EXIT_JOIN_S = 10.0   # seconds the rank's end waits for a buddy exchange still in flight
-
-# Why a rank offers nothing in the step exchange (column STATUS of _Row).
-HOLDS, NEW, NONE, SUSPECT, REFUSED = 0, 1, 2, 3, 4
-_STATUS_WORDS = {NEW: ("is a new process", "are new processes"),
-                 NONE: ("held no state under this name", "held no state under this name"),
-                 SUSPECT: ("holds suspect state (an exception left its training function or commit)",
-                           "hold suspect state (an exception left their training function or commit)"),
-                 REFUSED: ("refused the state at its first commit (see that line)",
-                           "refused the state at their first commit (see that line)")}
-
-
-class _Held:
-    """What this process holds for one LiveState name."""
-
-    __slots__ = ("live", "step", "dirty", "ready")
-
-    def __init__(self, live: "LiveState", step: int, ready: Optional[dict] = None) -> None:
-        self.live, self.step, self.dirty = live, step, False
-        self.ready = ready   # committed state dicts not yet loaded into live's objects (during a restore)
-
-    def committed(self) -> Dict[str, dict]:
-        if self.ready is not None:
-            return self.ready
-        return {name: t.committed() for name, t in self.live.tracked.items()}
-
-
-class _Registry:
-    """What survives between calls of the restartable function (this process only)."""
-
-    def __init__(self) -> None:
-        self.cycle: Optional[int] = None              # the cycle of the running call's LiveStates
-        self.call: Optional[int] = None               # the call (inprocess._STATE.calls) they belong to
-        self.current: Dict[str, "LiveState"] = {}     # the running call's LiveStates, by name
-        self.held: Dict[str, _Held] = {}              # by name: the LiveState whose committed state is held
-        self.refused: Dict[str, str] = {}             # by name: why its state was refused
-        self.calls = 0                                # calls of this process that made a LiveState
-        self.trained = False                          # a commit completed in the running call
-        self.suspect = False                          # the previous call raised by itself after a commit
-        self.depth = 0                                # nested commits (the restart signal waits for all)
-        self.said_job = False                         # the granularity-job line was said
-        self.buddy = None                             # this cycle's buddy copies (rank_side.live.buddy_copy), if on
-
-
-_REG = _Registry()
-
 
 def _cycle() -> int:
     try:
@@ -152,7 +109,7 @@ def _say(line: str) -> None:
 def _on_teardown() -> None:
     """At an in-place restart: the held modules' gradients go (the next call makes its own), so the
     new call builds its objects beside the held state, not beside it and its gradients too."""
-    for held in _REG.held.values():
+    for held in REG.held.values():
         for t in held.live.tracked.values():
             if hasattr(t.obj, "parameters"):
                 try:
@@ -217,12 +174,12 @@ class LiveState:
                 raise TypeError(f"LiveState({key}=...): a {type(obj).__name__} has no state_dict/load_state_dict")
         if not objects:
             raise TypeError("LiveState(): name at least one object, e.g. LiveState(model=model, optimizer=opt)")
-        if RNG in objects:
-            raise TypeError(f"LiveState({RNG}=...): that name is the RNG state's (rng=True)")
+        if live_rng.NAME in objects:
+            raise TypeError(f"LiveState({live_rng.NAME}=...): that name is the RNG state's (rng=True)")
         self.name = name or "+".join(sorted(objects))
         self.objects: Dict[str, Any] = dict(objects)
         if rng:
-            self.objects[RNG] = live_rng.Rng()
+            self.objects[live_rng.NAME] = live_rng.Rng()
         self.tracked: Dict[str, O.Tracked] = {k: O.Tracked(k, v) for k, v in self.objects.items()}
         self.shard = None if shard is None else int(shard)
         self.per_rank: Dict[str, int] = {k: int(v) for k, v in (per_rank or {}).items()}
@@ -275,17 +232,17 @@ class LiveState:
             return
         self._mm, self._words = rec
         cycle = _cycle()
-        if _REG.call != inprocess._STATE.calls:   # the first LiveState of this call
+        if REG.call != inprocess._STATE.calls:   # the first LiveState of this call
             # suspect: the previous call raised by itself after a commit, or a committed step's GPU
             # work had not completed when the restart aborted the communicators (rank_side.gpu_commit)
             gpu_clean = gpu_commit.COMMITS.finish()
-            _REG.suspect = (inprocess._STATE.failed_last and _REG.trained) or not gpu_clean
-            _REG.cycle, _REG.call, _REG.current, _REG.trained = cycle, inprocess._STATE.calls, {}, False
-            _REG.calls += 1
-        if self.name in _REG.current:
+            REG.suspect = (inprocess._STATE.failed_last and REG.trained) or not gpu_clean
+            REG.cycle, REG.call, REG.current, REG.trained = cycle, inprocess._STATE.calls, {}, False
+            REG.calls += 1
+        if self.name in REG.current:
             raise TypeError(f"two LiveStates named '{self.name}' in one call: give each its own name "
                             f"(LiveState(name='G', ...))")
-        _REG.current[self.name] = self
+        REG.current[self.name] = self
 
     @property
     def active(self) -> bool:
@@ -337,7 +294,7 @@ class LiveState:
             self.stats["guard_s"] += time.perf_counter() - t0   # the guard's per-step cost (bench/step_guard.py)
             self.stats["guarded"] += 1
         if self._words is not None:
-            _REG.depth += 1
+            REG.depth += 1
             inprocess._STATE.in_commit = True
         return self
 
@@ -351,14 +308,14 @@ class LiveState:
                     sdc_sim.corrupt(self.guard_targets().params[0].detach(), spec.kind)   # rank_sdc's memory place
                 self._completed(self._pending)
             else:
-                held = _REG.held.get(self.name)
+                held = REG.held.get(self.name)
                 if held is not None and held.live is self:
                     held.dirty = True
                 gpu_commit.COMMITS.discard()
         finally:
-            _REG.depth -= 1
-            if _REG.depth <= 0:
-                _REG.depth = 0
+            REG.depth -= 1
+            if REG.depth <= 0:
+                REG.depth = 0
                 inprocess.commit_done()   # a restart signal that arrived inside: RestartInPlace now
         if exc_type is None and self._buddy is not None and self.refused is None:
             self._buddy.after_commit(self, self._pending)   # every K steps: the copy (it may wait for the last)
@@ -391,7 +348,7 @@ class LiveState:
         guarded = bool(flag.item())
         if guarded:
             step_guard.MEM.guarded = True
-            _drain_before_destroy()
+            live_teardown.drain_before_destroy()
             if not self.guard_targets().found:
                 _say(f"LiveState '{self.name}': the step guard finds no module or optimizer among its objects "
                      f"({', '.join(sorted(self.objects))}): it checks only the loss= and grad_norm= given, sees "
@@ -415,9 +372,9 @@ class LiveState:
         import torch
         import torch.distributed as dist
 
-        held = _REG.held.get(self.name)
+        held = REG.held.get(self.name)
         can = (run and step_guard.MEM.heal is None and held is not None and held.live is self and not held.dirty
-               and not _REG.suspect and held.step == step - 1
+               and not REG.suspect and held.step == step - 1
                and all(t.rewind(dry=True) for t in self.tracked.values()))
         flag = torch.tensor([int(can)], dtype=torch.int64, device=comm_backend.transfer_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -458,7 +415,7 @@ class LiveState:
 
     def state_suspect(self) -> None:
         """This rank's committed state is not to be trusted: the next restore() heals it from a peer."""
-        held = _REG.held.get(self.name)
+        held = REG.held.get(self.name)
         if held is not None and held.live is self:
             held.dirty = True
 
@@ -479,17 +436,17 @@ class LiveState:
     def _start_buddy(self, cycle: int):
         """This cycle's buddy copies (a collective: a new gloo group and the placement), when asked
         for, under ft_launcher, with a state that can be sent; the previous cycle's are closed."""
-        if _REG.buddy is not None:
-            _REG.buddy.close()
-            _REG.buddy = None
+        if REG.buddy is not None:
+            REG.buddy.close()
+            REG.buddy = None
         prefix = os.environ.get(buddy_store.ENV_PREFIX)
         if not self._buddy_every or not prefix or self.refused is not None:
             return None
-        self._buddy = _REG.buddy = buddy_copy.BuddyCopy(self._buddy_every, self._buddy_limit, prefix,
-                                                                self._buddy_keep)
+        self._buddy = REG.buddy = buddy_copy.BuddyCopy(self._buddy_every, self._buddy_limit, prefix,
+                                                       self._buddy_keep)
         self._buddy.setup(cycle)
-        _drain_before_destroy()
-        exit_settle.before_exit(_drain_at_exit)
+        live_teardown.drain_before_destroy()
+        exit_settle.before_exit(live_teardown.drain_at_exit)
         return self._buddy
 
     def _completed(self, step: int) -> None:
@@ -497,7 +454,7 @@ class LiveState:
         and this process holds the state at `step`. (Where a GPU step must have finished before its
         step counts, the wait goes first here.)"""
         t0 = time.perf_counter()
-        _REG.trained = True
+        REG.trained = True
         if self.refused is not None:
             return
         first = self.stats["commits"] == 0
@@ -521,9 +478,9 @@ class LiveState:
             notes = [t.note for t in self.tracked.values() if t.note]
             if notes:   # what is still copied whole, and why: one line
                 _say(f"LiveState '{self.name}': " + "; ".join(notes))
-        held = _REG.held.get(self.name)
+        held = REG.held.get(self.name)
         if held is None or held.live is not self:
-            held = _REG.held[self.name] = _Held(self, step)
+            held = REG.held[self.name] = Held(self, step)
         if self.per_rank:
             self._write_record(step)
         # the step counts once its GPU work is done (at once without CUDA): rank_side.gpu_commit
@@ -533,7 +490,7 @@ class LiveState:
 
     def _counted(self, step: int) -> None:
         """`step` is completed, its GPU work included: this process holds the state at `step`."""
-        held = _REG.held.get(self.name)
+        held = REG.held.get(self.name)
         if held is None or held.live is not self:
             return   # released meanwhile (a restore moved the state to the next call's LiveState)
         held.step, held.dirty, held.ready = step, False, None
@@ -543,11 +500,11 @@ class LiveState:
         self.refused = (f"'{exc.name}' holds {exc.what} at {W.path_text(exc.path)}, which a peer could not receive "
                         f"(a state dict may hold only None, numbers, strings, bytes, dtypes, devices, tensors and "
                         f"dicts, lists, tuples and sets of those)")
-        said = _REG.refused.get(self.name) == self.refused
-        _REG.refused[self.name] = self.refused
-        held = _REG.held.get(self.name)
+        said = REG.refused.get(self.name) == self.refused
+        REG.refused[self.name] = self.refused
+        held = REG.held.get(self.name)
         if held is not None and held.live is self:
-            del _REG.held[self.name]
+            del REG.held[self.name]
         if not said:
             _say(f"LiveState '{self.name}' refused: {self.refused}: live recovery is off for it, every restart "
                  f"loads the checkpoint")
@@ -604,12 +561,12 @@ class LiveState:
 
         fresh, mine, failed = self._read_fresh()   # 1
         rank, world, device = _group()
-        buddy = self._buddy = _REG.buddy if heal else self._start_buddy(cycle)   # a heal keeps the cycle's copies
-        held = _REG.held.get(self.name)
+        buddy = self._buddy = REG.buddy if heal else self._start_buddy(cycle)   # a heal keeps the cycle's copies
+        held = REG.held.get(self.name)
         rows, copies = self._exchange(held, mine, failed, buddy, world, device)   # 2
         started = time.perf_counter()   # every rank is here: what follows is the recovery's own time
         plan, reason = self._planned(rows, copies, failed, world, device)   # 3
-        got, check = restore_transfer.Arrival(), None
+        got, check = Arrival(), None
         with torch.no_grad():
             if plan.resume is not None:   # 4, 5: kept state moved, buddy copies read, peers' sent and received
                 got = restore_transfer.arrive(self, plan, held, rows[rank].status == HOLDS, fresh, buddy, copies,
@@ -617,7 +574,7 @@ class LiveState:
                 held = None
                 plan, reason, check, failed = self._settle(plan, rows, got, fresh, device, world)   # 6, 7
             else:
-                _REG.held.pop(self.name, None)   # the checkpoint: the previous objects are not needed
+                REG.held.pop(self.name, None)   # the checkpoint: the previous objects are not needed
             del held, fresh
             gc.collect()   # the previous objects' cycles, if any, now
         plan, reason, stats = self._gather_stats(plan, reason, got, started, failed, device, world)   # 8
@@ -632,8 +589,8 @@ class LiveState:
         """restore() outside ft_launcher's in-place restarts: None; at a restart under
         --restart-granularity job, global rank 0 says once why every rank loads its checkpoint."""
         if (_cycle() > 0 and os.environ.get("RANK") == "0" and os.environ.get(L.ENV_SHM)
-                and os.environ.get(inprocess.ENV_GRANULARITY, "job") == "job" and not _REG.said_job):
-            _REG.said_job = True
+                and os.environ.get(inprocess.ENV_GRANULARITY, "job") == "job" and not REG.said_job):
+            REG.said_job = True
             print("ft_launcher: no live state with --restart-granularity job (every rank restarts as a new "
                   "process): every rank loads its checkpoint", file=sys.stderr, flush=True)
         return None
@@ -668,29 +625,29 @@ class LiveState:
                 failed, fresh = failure(name, "state_dict()", exc), None
         return fresh, mine, failed
 
-    def _exchange(self, held: Optional[_Held], mine: Optional[dict], failed: str, buddy, world: int, device):
-        """Step 2, the step exchange (one all_gather): every rank's row (_Row) and, with buddy copies,
+    def _exchange(self, held: Optional[Held], mine: Optional[dict], failed: str, buddy, world: int, device):
+        """Step 2, the step exchange (one all_gather): every rank's row (Row) and, with buddy copies,
         the copies each rank holds. -> (rows, the copies' columns or None)."""
         import torch
 
-        row = _Row.mine(self, held, mine, failed=bool(failed))
+        row = Row.mine(self, held, mine, failed=bool(failed))
         values = row.values + (buddy_copy.holdings(buddy.slots, world) if buddy is not None else [])
-        table = _all_gather(torch.tensor(values, dtype=torch.int64, device=device), world)
-        rows = [_Row(r[:_Row.SIZE]) for r in table]
-        return rows, ([r[_Row.SIZE:] for r in table] if buddy is not None else None)
+        table = all_gather(torch.tensor(values, dtype=torch.int64, device=device), world)
+        rows = [Row(r[:Row.SIZE]) for r in table]
+        return rows, ([r[Row.SIZE:] for r in table] if buddy is not None else None)
 
-    def _planned(self, rows: List["_Row"], copies: Optional[list], failed: str, world: int, device):
+    def _planned(self, rows: List["Row"], copies: Optional[list], failed: str, world: int, device):
         """Step 3: the plan from the rows (and the buddy copies' offers); where reading the new objects
         failed on some rank, none, with the lowest failing rank's words. -> (plan, reason)."""
-        plan, reason = _plan(self, rows, world, buddy_copy.offers(copies) if copies else [])
+        plan, reason = plan_from_rows(self, rows, world, buddy_copy.offers(copies) if copies else [])
         if plan.resume is None and copies and self._buddy is not None:
             reason += self._buddy.window_words()
         failing = [r for r, row in enumerate(rows) if row.failed]
         if failing:
-            plan, reason = _no_plan(world), self._failed_reason(failing, failed, device)
+            plan, reason = no_plan(world), self._failed_reason(failing, failed, device)
         return plan, reason
 
-    def _settle(self, plan: Plan, rows: List["_Row"], got: restore_transfer.Arrival, fresh: dict, device,
+    def _settle(self, plan: Plan, rows: List["Row"], got: Arrival, fresh: dict, device,
                 world: int):
         """Steps 6 and 7 on the state that arrived (`got`): bound to this call's device meshes; the
         replicas' check (`verify`) or a failure flag (one all_gather either way); then every object
@@ -702,18 +659,18 @@ class LiveState:
         reason, check = "", None
         failed = got.failed or self._bind(got.ready, names)   # every DTensor on this call's mesh
         if self.verify:   # 6
-            check, reason, failing, failed = _verify(self, plan, rows, got.ready, names, device, world, failed)
+            check, reason, failing, failed = verify(self, plan, rows, got.ready, names, device, world, failed)
         else:
-            flags = _all_gather(torch.tensor([int(bool(failed))], device=device), world)
+            flags = all_gather(torch.tensor([int(bool(failed))], device=device), world)
             failing = [r for r, f in enumerate(flags) if f[0]]
         if failing:
             reason = self._failed_reason(failing, failed, device)
         if reason:
-            _REG.held.pop(self.name, None)
-            return _no_plan(world, reason), reason, check, failed
+            REG.held.pop(self.name, None)
+            return no_plan(world, reason), reason, check, failed
         return plan, reason, check, self._load(got.ready, fresh)   # 7
 
-    def _gather_stats(self, plan: Plan, reason: str, got: restore_transfer.Arrival, started: float, failed: str,
+    def _gather_stats(self, plan: Plan, reason: str, got: Arrival, started: float, failed: str,
                       device, world: int):
         """Step 8 (one all_gather): every rank's bytes received, transfer and restore time, and whether
         a load failed on it: then the checkpoint everywhere (it overwrites what was loaded).
@@ -721,34 +678,20 @@ class LiveState:
         import torch
 
         own = int((time.perf_counter() - started) * 1e9)
-        stats = _all_gather(torch.tensor([got.received, int(got.seconds * 1e9), own, int(bool(failed))],
+        stats = all_gather(torch.tensor([got.received, int(got.seconds * 1e9), own, int(bool(failed))],
                                          dtype=torch.int64, device=device), world)
         failing = [r for r, s in enumerate(stats) if s[3]]
         if failing:
             reason = self._failed_reason(failing, failed, device)
-            plan = _no_plan(world, reason)
-            _REG.held.pop(self.name, None)
+            plan = no_plan(world, reason)
+            REG.held.pop(self.name, None)
         return plan, reason, stats
 
-    def _report(self, cycle: int, plan: Plan, rows: List["_Row"], stats: list, check: Optional[dict], reason: str,
+    def _report(self, cycle: int, plan: Plan, rows: List["Row"], stats: list, check: Optional[dict], reason: str,
                 rank: int) -> None:
-        """The restore said: rank 0 writes the summary (and the fallback's line); every rank's live
-        words in its record (resume step, source), the cycle last: the agent reads them once it sees it."""
-        words = self._words
-        summary = self._summary(cycle, plan, rows, stats, check, reason)
-        if rank == 0:
-            if plan.resume is None:
-                print(f"ft_launcher: no live state to resume from ({reason}): every rank loads its checkpoint",
-                      file=sys.stderr, flush=True)
-            live_summary.write(self._mm, words, summary)
-        words[L.H_LIVE_RESUME] = 0 if plan.resume is None else plan.resume + 1
-        src = plan.sources[rank]
-        words[L.H_LIVE_SOURCE] = (L.LIVE_DISK if src is None else L.LIVE_KEPT if plan.kept(rank)
-                                  else (L.LIVE_HOST_COPY if src.holder == rank else L.LIVE_BUDDY - src.holder)
-                                  if buddy_copy.is_copy(src) else L.LIVE_PEER + src.holder)
-        words[L.H_LIVE_CYCLE] = cycle   # last: the agent reads the words above once it sees this
-        if rank == 0:
-            inprocess._wake_agent()
+        """The restore said (restore_report): the job's summary, kept as `last_recovery`; rank 0 writes it."""
+        self.last_recovery = restore_report.summary(self.name, cycle, plan, rows, stats, check, reason)
+        restore_report.say(self._mm, self._words, cycle, plan, self.last_recovery, reason, rank)
 
     def _abandon_timeline(self, buddy, cycle: int) -> None:
         """A fallback to the checkpoint: its timeline from here on, so no buddy copy of the old one is
@@ -786,29 +729,6 @@ class LiveState:
                       f"{type(exc).__name__}: {exc}; a heal of this rank from a replica falls back to the checkpoint",
                       file=sys.stderr, flush=True)
 
-    def _own_part(self, plan: Plan, ready: Dict[str, Any], fresh: dict, rank: int) -> str:
-        """A rank that did not keep its state: its per-rank objects from its own host copy (a buddy
-        slot of its own state: already in `ready`) or else from its record of the resume step, in
-        place in `ready`. -> "" or why not (the job then falls back, with that line)."""
-        src = plan.sources[rank]
-        if buddy_copy.is_copy(src) and src.holder == rank and src.kind in ("slot0", "slot1"):
-            return ""   # its own state's host copy: its own position with it
-        names = sorted(self.per_rank)
-        origin = f"buddy {src.holder}'s copy" if buddy_copy.is_copy(src) else f"peer rank {src.holder}"
-        made = self._describe()
-        record = self._records()
-        slot, why = (record.find(plan.resume, made["own_identity"], made["own_layout"]) if record is not None
-                     else (None, "it runs without ft_launcher's host records"))
-        if slot is None:
-            return (f"its replicated state heals from {origin}, but {', '.join(repr(n) for n in names)} "
-                    f"{'is' if len(names) == 1 else 'are'} its own (per_rank) and cannot come from a replica: "
-                    f"{why}, none of step {plan.resume}")
-        try:
-            ready.update(record.read(slot, {n: fresh[n] for n in names}, self._places()))
-        except W.ObjectFailed as exc:
-            return failure(exc.name, "reading its per-rank record", exc.error)
-        return ""
-
     def _watched(self, step: Optional[int]) -> Optional[int]:
         """restore()'s result; where this process ran the guard before, its backward watch is on from
         the first step after `step` (a re-run's own backward is watched too)."""
@@ -824,9 +744,9 @@ class LiveState:
         import torch
         import torch.distributed as dist
 
-        held = _REG.held.get(self.name)
+        held = REG.held.get(self.name)
         names = sorted(self.tracked)
-        failed = (step_guard.MEM.heal or "" if held is not None and not held.dirty and not _REG.suspect
+        failed = (step_guard.MEM.heal or "" if held is not None and not held.dirty and not REG.suspect
                   else f"LiveState '{self.name}' held no clean state for the re-run"
                   + (" (no step committed yet in this process)" if held is None else ""))
         step = held.step if held is not None else None
@@ -850,14 +770,14 @@ class LiveState:
         flag = torch.tensor([int(bool(failed))], dtype=torch.int64, device=comm_backend.transfer_device())
         dist.all_reduce(flag)
         if flag.item():
-            _REG.held.pop(self.name, None)   # (a pending verdict stays: the checkpoint trains up to its step)
-            self._abandon_timeline(_REG.buddy, _cycle())   # as at restore's fallback
+            REG.held.pop(self.name, None)   # (a pending verdict stays: the checkpoint trains up to its step)
+            self._abandon_timeline(REG.buddy, _cycle())   # as at restore's fallback
             if dist.get_rank() == 0:
                 print(f"ft_launcher: the re-run from memory could not restore its state ({failed or 'on another rank'})"
                       f": every rank loads its checkpoint", file=sys.stderr, flush=True)
             return None
         self._words[L.H_LIVE_STEP] = step + 1
-        self._buddy = _REG.buddy   # the cycle's buddy copies go on
+        self._buddy = REG.buddy   # the cycle's buddy copies go on
         return step
 
     def _places(self) -> Dict[str, Any]:
@@ -867,15 +787,15 @@ class LiveState:
     def _failed_reason(self, failing: List[int], mine: str, device) -> str:
         """The fallback's words when a restore failed on `failing` ranks: the first one's own words
         (one broadcast from it: a collective, every rank calls it)."""
-        text = _broadcast_text(mine, min(failing), device)
+        text = broadcast_text(mine, min(failing), device)
         others = [r for r in failing if r != min(failing)]
         return (f"LiveState '{self.name}': on rank {min(failing)}, {text}"
-                + (f" (and on {_ranks(others)})" if others else ""))
+                + (f" (and on {ranks_text(others)})" if others else ""))
 
-    def _hold(self, step: int, ready: Dict[str, Any], previous: Optional[_Held]) -> None:
+    def _hold(self, step: int, ready: Dict[str, Any], previous: Optional[Held]) -> None:
         """This LiveState now holds the state at `step` (`ready`, not yet loaded); the previous
         LiveState of this name is freed."""
-        _REG.held[self.name] = _Held(self, step, ready=ready)
+        REG.held[self.name] = Held(self, step, ready=ready)
         if previous is not None and previous.live is not self:
             previous.live._release()
 
@@ -929,22 +849,10 @@ class LiveState:
                 tracked.adopt(loaded)
             except Exception as exc:  # noqa: BLE001 - the user's load_state_dict: the checkpoint, said
                 return failure(name, "load_state_dict()", exc)
-        held = _REG.held.get(self.name)
+        held = REG.held.get(self.name)
         if held is not None and held.live is self:
             held.ready = None
         return ""
-
-    def _summary(self, cycle: int, plan: Plan, rows: List["_Row"], stats: list, check: Optional[dict],
-                 reason: str) -> dict:
-        """The job's summary of this restore (rank_monitor.live_summary: compact at any world size)."""
-        world = len(rows)
-        raw = max(r.raw for r in rows)
-        sources = [_source_name(plan, r) for r in range(world)]
-        summary = live_summary.build(cycle, plan.resume, None if plan.resume is None else max(0, raw - plan.resume),
-                                     sources, sum(int(s[0]) for s in stats), max(int(s[1]) for s in stats) / 1e9,
-                                     max(int(s[2]) for s in stats) / 1e9, reason, name=self.name, check=check)
-        self.last_recovery = summary
-        return summary
 
 
 def _returned(value) -> Optional[tuple]:
@@ -976,235 +884,3 @@ def _group():
         raise RuntimeError("LiveState.restore() exchanges state over the process group: call it after "
                            "init_process_group (and before DDP is constructed)")
     return dist.get_rank(), dist.get_world_size(), comm_backend.transfer_device()   # the group's real backend
-
-
-def _no_plan(world: int, reason: str = "") -> Plan:
-    """No resume step: every rank loads its checkpoint."""
-    return Plan(None, [None] * world, reason)
-
-
-# ---- the step exchange ----------------------------------------------------------------------------
-class _Row:
-    """One rank's line of the step exchange (int64 words): what it offers and what it needs."""
-
-    K = 16   # per-object layout digests carried (for the line that names the object that differs)
-    (STATUS, STEP, RAW, OFFER_ID, OFFER_LAYOUT, OFFER_WORLD, NEED_ID, NEED_LAYOUT, NAMES, REFUSED_NOW,
-     RANK0_BUFFERS, FAILED) = range(12)
-    H = 12
-    SIZE = H + 2 * K
-
-    def __init__(self, values: list) -> None:
-        self.values = [int(v) for v in values]
-
-    @classmethod
-    def mine(cls, live: LiveState, held: Optional[_Held], now: Optional[dict], failed: bool = False) -> "_Row":
-        v = [0] * cls.SIZE
-        status = HOLDS
-        if held is None:
-            status = REFUSED if live.name in _REG.refused else NEW if _REG.calls <= 1 else NONE
-        elif held.dirty or _REG.suspect:
-            status = SUSPECT
-        v[cls.STATUS] = status
-        v[cls.RAW] = held.step if held is not None else NOT_HELD
-        v[cls.STEP] = held.step if status == HOLDS else NOT_HELD
-        if status == HOLDS:
-            made = held.live._describe()
-            v[cls.OFFER_ID], v[cls.OFFER_LAYOUT], v[cls.OFFER_WORLD] = made["identity"], made["layout"], made["world"]
-            for i, d in enumerate(list(made["objects"].values())[:cls.K]):
-                v[cls.H + cls.K + i] = d
-        v[cls.NAMES] = W.digest64(sorted(live.tracked))
-        if failed:   # reading its new objects failed (its words come by broadcast: LiveState._failed_reason)
-            v[cls.FAILED] = 1
-            return cls(v)
-        if now is None:   # its state was refused just now
-            v[cls.REFUSED_NOW] = 1
-            return cls(v)
-        v[cls.NEED_ID], v[cls.NEED_LAYOUT] = now["identity"], now["layout"]
-        v[cls.RANK0_BUFFERS] = int(bool(now["rank0_buffers"]))
-        for i, d in enumerate(list(now["objects"].values())[:cls.K]):
-            v[cls.H + i] = d
-        return cls(v)
-
-    def __getattr__(self, key):
-        return self.values[getattr(_Row, key.upper())]
-
-    def need_objects(self) -> list:
-        return self.values[self.H:self.H + self.K]
-
-    def offer_objects(self) -> list:
-        return self.values[self.H + self.K:]
-
-
-def _ranks(ranks) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _source_name(plan: Plan, r: int) -> str:
-    src = plan.sources[r]
-    if src is None:
-        return "disk"
-    if plan.kept(r):
-        return "kept"
-    return buddy_copy.source_name(r, src) if buddy_copy.is_copy(src) else f"peer {src.holder}"
-
-
-def _drain_before_destroy() -> None:
-    """The script's own `destroy_process_group()` (at its end) first compares the replicas once more
-    (end_fingerprint, when guarded) and waits for the buddy exchange in flight: a group destroyed
-    under it aborts the process. (A restart's teardown calls the unwrapped one.) The wrap is
-    rank_side.dist_patch's."""
-    dist_patch.before_destroy("live_state.end", _before_destroy)
-
-
-def _before_destroy() -> None:
-    try:   # the replicas' last comparison (a flip within the fingerprint's last period)
-        end_fingerprint.compare()
-    except Exception as exc:  # noqa: BLE001 - the script's end goes on
-        print(f"ft_launcher: the replicas' last comparison failed: {exc!r}", file=sys.stderr, flush=True)
-    teardown_buddy(join_for=60.0)
-
-
-def _drain_at_exit() -> None:
-    """The rank's end (rank_side.exit_settle), for a script that never destroys its process group:
-    the buddy exchange in flight, and any a restart left running, end first. Their threads wait
-    inside torch with the GIL released; one that returned while the interpreter finalizes would
-    abort the process."""
-    teardown_buddy(join_for=EXIT_JOIN_S)
-    buddy_copy.join_left(EXIT_JOIN_S)
-
-
-def teardown_buddy(join_for: float = 0.0) -> None:
-    """A restart's teardown (rank_side.inprocess): the buddy exchange in flight is abandoned (its
-    peers' connections are shut down; at most `join_for` s waited for its thread)."""
-    if _REG.buddy is not None:
-        _REG.buddy.close(join_for)
-        _REG.buddy = None
-
-
-def _plan(live: LiveState, rows: List[_Row], world: int, copies: Optional[list] = None):
-    """The plan from the exchanged rows (and the buddy copies' offers), and the true reason when
-    there is no resume step."""
-    names = sorted(live.tracked)
-    odd = [r for r, row in enumerate(rows) if row.names != rows[0].names]
-    if odd:
-        return _no_plan(world), (f"LiveState '{live.name}' holds other objects on {_ranks(odd)} than "
-                                 f"on rank 0 (here: {', '.join(names)})")
-    refused = [r for r, row in enumerate(rows) if row.refused_now]
-    if refused:
-        return _no_plan(world), (f"LiveState '{live.name}' was refused on {_ranks(refused)}: "
-                                 f"{live.refused or 'see the line above'}")
-    # offers made under another world size count: the identity says whether the shard is the same
-    offers = [Offer(r, row.step, row.offer_id, row.offer_layout) for r, row in enumerate(rows)
-              if row.status == HOLDS] + list(copies or [])
-    other_world = sorted({row.offer_world for row in rows if row.status == HOLDS and row.offer_world != world})
-    plan = plan_recovery(offers, [Need(row.need_id, row.need_layout) for row in rows])
-    if plan.resume is not None and rows[0].rank0_buffers and not plan.kept(0):
-        modules = ", ".join(f"'{n}'" for n in live._describe()["rank0_buffers"])
-        return _no_plan(world), (
-            f"LiveState '{live.name}': rank 0 would heal, but {modules} holds BatchNorm running statistics that each "
-            f"rank updates from its own batch and DDP broadcasts from rank 0 at the next step: rank 0's exist nowhere "
-            f"else (SyncBatchNorm keeps them equal on every rank)")
-    if plan.resume is not None:
-        return plan, ""
-    lost = buddy_copy.unmet_text([Need(row.need_id, row.need_layout) for row in rows], offers, _ranks) \
-        if copies else ""
-    if lost:
-        return plan, f"LiveState '{live.name}': {lost}"
-    if other_world and "no rank holds the shard" in plan.reason:
-        return plan, (f"the world size changed ({'/'.join(map(str, other_world))} -> {world}) since the live state "
-                      f"'{live.name}' was committed, and the shards with it: {plan.reason}; this rank's shard: "
-                      f"{live._describe()['identity_text']}")
-    if not offers:
-        by_status = collections.defaultdict(list)
-        for r, row in enumerate(rows):
-            by_status[row.status].append(r)
-        parts = [f"{_ranks(rs)} {_STATUS_WORDS[s][len(rs) > 1]}" for s, rs in sorted(by_status.items())]
-        return plan, f"no rank holds live state '{live.name}': " + "; ".join(parts)
-    reason = plan.reason
-    if "another layout" in reason:
-        differ = [names[i] for i in range(min(len(names), _Row.K))
-                  if len({row.need_objects()[i] for row in rows} | {row.offer_objects()[i] for row in rows
-                                                                   if row.status == HOLDS}) > 1]
-        if differ:
-            reason += f" ({', '.join(differ)} differ{'s' if len(differ) == 1 else ''})"
-    elif "different shard" in reason or "no rank holds the shard" in reason:
-        reason += f"; this rank's shard: {live._describe()['identity_text']}"
-    return plan, f"LiveState '{live.name}': {reason}"
-
-
-_TEXT_BYTES = 512
-
-
-def _broadcast_text(mine: str, src: int, device) -> str:
-    """Rank `src`'s words (at most _TEXT_BYTES of UTF-8) on every rank: a collective."""
-    import torch
-    import torch.distributed as dist
-
-    buf = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
-    if dist.get_rank() == src:
-        raw = mine.encode()[:_TEXT_BYTES]
-        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    buf = buf.to(device)
-    dist.broadcast(buf, src)
-    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace") or "(it said nothing)"
-
-
-def _verify(live: LiveState, plan: Plan, rows: List[_Row], ready: Dict[str, Any], names: List[str], device,
-            world: int, failed: str = ""):
-    """Step 6: per object, a digest of the restored state; the replicas of each shard in which some
-    rank healed from a peer must agree; and whether the restore failed on some rank so far
-    (`failed`: this rank's words). -> (the check's figures, the reason to fall back or "", the
-    ranks on which it failed, this rank's words of what failed)."""
-    import torch
-
-    t0 = time.perf_counter()
-    digests, nbytes = [], 0
-    if not failed:
-        try:
-            for n in names:
-                d, b = W.digest(live.tracked[n].comparable(ready[n]))
-                digests.append(d)
-                nbytes += b
-        except Exception as exc:  # noqa: BLE001 - whatever the state holds: the checkpoint, said
-            failed, digests = failure(n, "the digest of the state", exc), []
-    own_s = time.perf_counter() - t0
-    k = _Row.K
-    mine = (digests + [0] * k)[:k] + [nbytes, int(own_s * 1e9), int(bool(failed))]
-    table = _all_gather(torch.tensor(mine, dtype=torch.int64, device=device), world)
-    failing = [r for r, row in enumerate(table) if row[k + 2]]
-    groups = collections.defaultdict(list)
-    for r, row in enumerate(rows):
-        groups[(row.need_id, row.need_layout)].append(r)
-    reason = ""
-    for members in (groups.values() if not failing else ()):
-        if all(plan.kept(r) for r in members):
-            continue   # every rank of this shard restored its own committed state: nothing came from a peer
-        for i, n in enumerate(names[:k]):
-            if n in live.per_rank:
-                continue   # this rank's own part (a loader's position): replicas differ in it
-            values = collections.defaultdict(list)
-            for r in members:
-                values[table[r][i]].append(r)
-            if len(values) > 1:
-                split = " vs ".join(_ranks(rs) for rs in sorted(values.values()))
-                hint = (" (per-rank random streams: with rng=False a healed rank draws its own)" if n == RNG else "")
-                reason = (f"after the live recovery of '{live.name}', the replicas of one shard differ in '{n}' "
-                          f"({split}){hint}")
-                break
-        if reason:
-            break
-    slowest = max(int(row[k + 1]) for row in table) / 1e9
-    total = sum(int(row[k]) for row in table)
-    check = {"bytes": total, "s": round(slowest, 6),
-             "ms_per_gb": round(slowest * 1e3 / max(1e-9, max(int(row[k]) for row in table) / 1e9), 1)}
-    return check, reason, failing, failed
-
-
-def _all_gather(t, world: int) -> list:
-    import torch
-    import torch.distributed as dist
-
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t)
-    return [o.cpu().tolist() for o in out]

@@ -1,14 +1,17 @@
 """How the state a rank resumes with arrives in a live recovery: steps 4 and 5 of `LiveState.restore`
-(rank_monitor.rank_side.live.live_state), on this rank, from where the plan (live_plan) says:
+(rank_monitor.rank_side.live.live_state), on this rank, from where the plan (live_plan) says. Each
+source is a transport (the interface: rank_side.live.transport), and `arrive` lets each of
+TRANSPORTS act, in this order:
 
-- kept: its own committed state moves into the new objects (live_wire.move_state: copied into their
-  own tensors, the rest handed over, nothing staged), and the LiveState holds it at once;
-- a buddy copy (buddy_copy.fetch): its own host copy or a buddy's, before the live transfers (a rank
-  that sends one may receive a live state);
-- a peer: the transfers in one global order (Plan.transfers): each object's skeleton and tensors
-  (live_wire), a sender's DTensors first bound to this call's meshes (LiveState._sendable), a
-  received DTensor placed on this rank's mesh (live_objects.Tracked.place);
-- its per-rank objects (`per_rank`) from its own host record, never a replica's (LiveState._own_part).
+- KeptState: its own committed state moves into the new objects (live_wire.move_state: copied into
+  their own tensors, the rest handed over, nothing staged), and the LiveState holds it at once;
+- BuddyCopyRead (buddy_copy.fetch): its own host copy or a buddy's, before the live transfers (a
+  rank that sends one may receive a live state);
+- PeerTransfer: the transfers in one global order (Plan.transfers): each object's skeleton and
+  tensors (live_wire), a sender's DTensors first bound to this call's meshes
+  (LiveState._sendable), a received DTensor placed on this rank's mesh (live_objects.Tracked.place);
+- OwnRecord: its per-rank objects (`per_rank`) from its own host record, never a replica's
+  (rank_record).
 
 Whatever fails here on this rank becomes words (`failure`), not an exception: the rank still sends
 what it holds and receives every object whole, so the ranks stay in step, and the next collective
@@ -22,21 +25,120 @@ from typing import Any, Dict, Optional
 from ft_launcher.rank_monitor.rank_side.live import buddy_copy
 from ft_launcher.rank_monitor.rank_side.live import live_wire as W
 from ft_launcher.rank_monitor.rank_side.live.live_plan import Plan
+from ft_launcher.rank_monitor.rank_side.live.transport import Arrival, RankRecovery, Transport
 
 
-class Arrival:
-    """What this rank's transfers gave: per object the state to load (`ready`), the bytes it
-    received, the seconds it spent receiving, and what failed on it ("" while nothing)."""
+class KeptState(Transport):
+    """A kept rank: its own committed state, in this process's memory, moves into the new objects
+    (nothing crosses a wire); once all of it has, the LiveState holds it (the previous objects freed)
+    and it is what this rank sends. What failed is said; it still sends what it holds."""
 
-    __slots__ = ("ready", "received", "seconds", "failed")
+    def arrive(self, recovery: RankRecovery, got: Arrival) -> None:
+        if not recovery.plan.kept(recovery.rank):
+            return
+        live, name = recovery.live, None
+        try:
+            for name in sorted(live.tracked):
+                got.ready[name] = W.move_state(recovery.offered[name], recovery.fresh[name][0])
+        except Exception as exc:  # noqa: BLE001 - said; it still sends what it holds
+            got.fail(failure(name, "moving its kept state", exc))
+        else:
+            live._hold(recovery.plan.resume, got.ready, previous=recovery.held)
+            recovery.holding = True
+        if not got.failed:
+            recovery.offered = got.ready
 
-    def __init__(self) -> None:
-        self.ready: Dict[str, Any] = {}
-        self.received, self.seconds, self.failed = 0, 0.0, ""
 
-    def fail(self, words: str) -> None:
-        """The first failure's words stay (the one fallback line names it)."""
-        self.failed = self.failed or words
+class BuddyCopyRead(Transport):
+    """A rank that resumes from a buddy copy reads it from host memory (its own node's copy of its
+    state, or its buddy's over the buddy copies' connections: buddy_copy.fetch): it replaces
+    `got.ready`, its bytes and seconds; nothing where the plan names no copy for this rank, or
+    buddy copies are off. Before the live transfers (a rank that sends one may receive a live state)."""
+
+    def arrive(self, recovery: RankRecovery, got: Arrival) -> None:
+        if recovery.buddy is None:
+            return
+        try:
+            copied = buddy_copy.fetch(recovery.buddy, recovery.plan, recovery.copies, recovery.fresh,
+                                      recovery.live._places())
+        except W.ObjectFailed as exc:
+            got.fail(failure(exc.name, "reading its copy", exc.error))
+            copied = None
+        if copied is not None:
+            got.ready, got.received, got.seconds = copied
+
+
+class PeerTransfer(Transport):
+    """The live transfers over the process group (dist.send/recv, live_wire), in the plan's one
+    global order: this rank sends each object of what it offers to the ranks that heal from it and
+    receives each object whole from its source (also after one failed), into `got`."""
+
+    def arrive(self, recovery: RankRecovery, got: Arrival) -> None:
+        import torch.distributed as dist
+
+        live, rank, device, offered, fresh = (recovery.live, recovery.rank, recovery.device, recovery.offered,
+                                              recovery.fresh)
+        names = sorted(live.tracked)
+        t0 = time.perf_counter()
+        for src, dst in recovery.plan.transfers():
+            if src == rank:
+                for name in names:
+                    try:
+                        W.send_state(live._sendable(name, offered[name]), device, _wire(dist.send, dst))
+                    except W.PeerLost:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - the receiver was told (live_wire); said
+                        got.fail(failure(name, f"sending its state to rank {dst}", exc))
+            if dst == rank:
+                for name in names:   # every object is received whole, also after one failed
+                    try:
+                        got.ready[name], nbytes = W.recv_state(fresh[name][0], device, _wire(dist.recv, src),
+                                                               live.tracked[name].place)
+                        got.received += nbytes
+                    except W.PeerLost:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - said; every rank falls back
+                        got.fail(failure(name, f"receiving its state from rank {src}", exc))
+                got.seconds = time.perf_counter() - t0
+
+
+class OwnRecord(Transport):
+    """A rank that did not keep its state: its per-rank objects (`per_rank`, a loader's position)
+    from its own host copy (a buddy slot of its own state: already in `got.ready`) or else from its
+    record of the resume step in this node's host memory (rank_record, LiveState._records), never a
+    replica's; nothing once something failed. Where neither holds them, why not (the job then
+    falls back, with that line)."""
+
+    def arrive(self, recovery: RankRecovery, got: Arrival) -> None:
+        live, plan, rank = recovery.live, recovery.plan, recovery.rank
+        if live.per_rank and not plan.kept(rank) and not got.failed:
+            got.fail(self._read(live, plan, got.ready, recovery.fresh, rank))
+
+    @staticmethod
+    def _read(live, plan: Plan, ready: Dict[str, Any], fresh: dict, rank: int) -> str:
+        """Its per-rank objects in place in `ready`. -> "" or why not."""
+        src = plan.sources[rank]
+        if buddy_copy.is_copy(src) and src.holder == rank and src.kind in ("slot0", "slot1"):
+            return ""   # its own state's host copy: its own position with it
+        names = sorted(live.per_rank)
+        origin = f"buddy {src.holder}'s copy" if buddy_copy.is_copy(src) else f"peer rank {src.holder}"
+        made = live._describe()
+        record = live._records()
+        slot, why = (record.find(plan.resume, made["own_identity"], made["own_layout"]) if record is not None
+                     else (None, "it runs without ft_launcher's host records"))
+        if slot is None:
+            return (f"its replicated state heals from {origin}, but {', '.join(repr(n) for n in names)} "
+                    f"{'is' if len(names) == 1 else 'are'} its own (per_rank) and cannot come from a replica: "
+                    f"{why}, none of step {plan.resume}")
+        try:
+            ready.update(record.read(slot, {n: fresh[n] for n in names}, live._places()))
+        except W.ObjectFailed as exc:
+            return failure(exc.name, "reading its per-rank record", exc.error)
+        return ""
+
+
+
+TRANSPORTS = (KeptState(), BuddyCopyRead(), PeerTransfer(), OwnRecord())   # in this order
 
 
 def arrive(live, plan: Plan, held, holds: bool, fresh: dict, buddy, copies: Optional[list], device) -> Arrival:
@@ -46,78 +148,15 @@ def arrive(live, plan: Plan, held, holds: bool, fresh: dict, buddy, copies: Opti
     `copies`: the buddy copies' columns of the step exchange."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
     got = Arrival()
-    offered = held.committed() if holds else None
-    if plan.kept(rank):   # 4: the committed state into the new objects
-        _keep(live, plan, held, offered, fresh, got)
-        if not got.failed:
-            offered = got.ready
-    if buddy is not None:   # copies first (a rank that sends one may receive a live state)
-        _fetch_copy(live, buddy, plan, copies, fresh, got)
-    _send_and_receive(live, plan, offered, fresh, device, rank, got)   # 5
-    del offered
-    if live.per_rank and not plan.kept(rank) and not got.failed:   # its own part: never a replica's
-        got.fail(live._own_part(plan, got.ready, fresh, rank))
-    if not plan.kept(rank) and not got.failed:
+    recovery = RankRecovery(live, plan, dist.get_rank(), held, held.committed() if holds else None, fresh, buddy,
+                            copies, device)
+    for transport in TRANSPORTS:
+        transport.arrive(recovery, got)
+    recovery.offered = None
+    if not recovery.holding and not got.failed:
         live._hold(plan.resume, got.ready, previous=held)
     return got
-
-
-def _keep(live, plan: Plan, held, offered: dict, fresh: dict, got: Arrival) -> None:
-    """A kept rank: its committed state moves into the new objects; once all of it has, the
-    LiveState holds it (the previous objects freed). What failed is said; it still sends what it holds."""
-    name = None
-    try:
-        for name in sorted(live.tracked):
-            got.ready[name] = W.move_state(offered[name], fresh[name][0])
-    except Exception as exc:  # noqa: BLE001 - said; it still sends what it holds
-        got.fail(failure(name, "moving its kept state", exc))
-    else:
-        live._hold(plan.resume, got.ready, previous=held)
-
-
-def _fetch_copy(live, buddy, plan: Plan, copies: Optional[list], fresh: dict, got: Arrival) -> None:
-    """A rank that resumes from a buddy copy (its own host copy or its buddy's) reads it: it replaces
-    `got.ready`, its bytes and seconds; nothing where the plan names no copy for this rank."""
-    try:
-        copied = buddy_copy.fetch(buddy, plan, copies, fresh, live._places())
-    except W.ObjectFailed as exc:
-        got.fail(failure(exc.name, "reading its copy", exc.error))
-        copied = None
-    if copied is not None:
-        got.ready, got.received, got.seconds = copied
-
-
-def _send_and_receive(live, plan: Plan, offered: Optional[dict], fresh: dict, device, rank: int,
-                      got: Arrival) -> None:
-    """The live transfers, in the plan's one global order: this rank sends each object of `offered`
-    to the ranks that heal from it and receives each object whole from its source (also after one
-    failed), into `got`."""
-    import torch.distributed as dist
-
-    names = sorted(live.tracked)
-    t0 = time.perf_counter()
-    for src, dst in plan.transfers():
-        if src == rank:
-            for name in names:
-                try:
-                    W.send_state(live._sendable(name, offered[name]), device, _wire(dist.send, dst))
-                except W.PeerLost:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - the receiver was told (live_wire); said
-                    got.fail(failure(name, f"sending its state to rank {dst}", exc))
-        if dst == rank:
-            for name in names:   # every object is received whole, also after one failed
-                try:
-                    got.ready[name], nbytes = W.recv_state(fresh[name][0], device, _wire(dist.recv, src),
-                                                           live.tracked[name].place)
-                    got.received += nbytes
-                except W.PeerLost:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - said; every rank falls back
-                    got.fail(failure(name, f"receiving its state from rank {src}", exc))
-            got.seconds = time.perf_counter() - t0
 
 
 def _wire(fn, peer: int):
