@@ -92,6 +92,12 @@ def main():
     with open(os.path.join(out_dir, f"watch_{rank}.json"), "w") as fh:
         json.dump(result, fh)
     dist.destroy_process_group()
+    # leave without the interpreter's teardown: torch 2.13's gloo aborts at exit about 1 run in 4-6
+    # after destroy_process_group ("terminate called without an active exception"; see
+    # tests/scripts/nvrx_train_common.py's finish): this test is about the watch, not that
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
