@@ -146,6 +146,15 @@ suspect_file = os.path.join(args.out, "suspect.json")
 rerunning = os.path.exists(suspect_file)   # Megatron's RERUNNING_FROM_CHECKPOINT, loaded with the checkpoint
 
 
+def _leave(code):
+    """Megatron's sys.exit(code), without the interpreter's teardown: torch 2.13's gloo aborts at
+    exit (SIGABRT, "terminate called without an active exception") about 1 run in 4-6 with a live
+    DDP group, and the launcher then sees a crash, not the code (tests/scripts/nvrx_train_common.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def rerun_exit(step):
     """Megatron's should_checkpoint_and_exit after its state machine's verdict, collective."""
     if args.rerun_exit is None:
@@ -158,16 +167,16 @@ def rerun_exit(step):
             with open(suspect_file, "w") as f:
                 json.dump(here, f)
         dist.barrier()
-        sys.exit(code)
+        _leave(code)
     if code == 16 and step == at_step and rerunning:
         with open(suspect_file) as f:
             same = rank == culprit and tuple(json.load(f)) == here
         flag = torch.tensor([1 if same else 0])
         dist.all_reduce(flag)
         if flag.item():
-            sys.exit(16)   # "got rescheduled on the same GPU": resume again
+            _leave(16)   # "got rescheduled on the same GPU": resume again
         if args.rerun_fatal:
-            sys.exit(17)   # the second re-run's diagnosis is done; a fatal validation ends the job
+            _leave(17)   # the second re-run's diagnosis is done; a fatal validation ends the job
 
 
 for step in range(start, args.steps):
