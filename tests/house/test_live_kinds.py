@@ -12,6 +12,7 @@ import ast
 import glob
 import os
 
+from class_shapes import methods, unimplemented
 from conftest import ROOT
 
 LIVE = os.path.join(ROOT, "rank_monitor", "rank_side", "live")
@@ -22,16 +23,6 @@ KIND_NAMES = {"MODULE", "OPTIMIZER", "SNAPSHOT"}
 
 def _classes(path: str) -> dict:
     return {node.name: node for node in ast.parse(open(path).read()).body if isinstance(node, ast.ClassDef)}
-
-
-def _methods(cls: ast.ClassDef) -> dict:
-    return {item.name: item for item in cls.body if isinstance(item, ast.FunctionDef)}
-
-
-def _unimplemented(fn: ast.FunctionDef) -> bool:
-    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    return (len(body) == 1 and isinstance(body[0], ast.Raise) and body[0].exc is not None
-            and "NotImplementedError" in ast.unparse(body[0].exc))
 
 
 def _assigns(cls: ast.ClassDef, name: str) -> bool:
@@ -52,7 +43,7 @@ def _lineage(classes: dict, name: str) -> list:
 def test_every_kind_implements_the_form():
     classes = _classes(KINDS)
     assert "Form" in classes, "live_kinds.py has no Form"
-    required = {n for n, fn in _methods(classes["Form"]).items() if _unimplemented(fn)}
+    required = {n for n, fn in methods(classes["Form"]).items() if unimplemented(fn)}
     assert required, "Form leaves nothing to its kinds: the interface is gone"
     forms = {n: _lineage(classes, n) for n in classes if n != "Form" and classes["Form"] in _lineage(classes, n)}
     assert len(forms) >= 3, f"fewer forms than kinds (module, optimizer, snapshot): {sorted(forms)}"
@@ -60,7 +51,7 @@ def test_every_kind_implements_the_form():
         below = lineage[:lineage.index(classes["Form"])]
         assert any(_assigns(c, "kind") for c in below), f"live_kinds.{name} names no kind"
         for method in sorted(required):
-            assert any(method in _methods(c) and not _unimplemented(_methods(c)[method]) for c in below), (
+            assert any(method in methods(c) and not unimplemented(methods(c)[method]) for c in below), (
                 f"live_kinds.{name} does not implement Form.{method}")
 
 

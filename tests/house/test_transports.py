@@ -13,6 +13,7 @@ modules are read, not imported (no torch here).
 import ast
 import os
 
+from class_shapes import methods, unimplemented
 from conftest import ROOT
 
 LIVE = os.path.join(ROOT, "rank_monitor", "rank_side", "live")
@@ -29,16 +30,6 @@ def _tree(path: str) -> ast.Module:
 
 def _classes(tree: ast.Module) -> dict:
     return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
-
-
-def _methods(cls: ast.ClassDef) -> dict:
-    return {item.name: item for item in cls.body if isinstance(item, ast.FunctionDef)}
-
-
-def _unimplemented(fn: ast.FunctionDef) -> bool:
-    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    return (len(body) == 1 and isinstance(body[0], ast.Raise) and body[0].exc is not None
-            and "NotImplementedError" in ast.unparse(body[0].exc))
 
 
 def _transports(tree: ast.Module) -> dict:
@@ -63,7 +54,7 @@ def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
 def test_every_transport_implements_the_interface_and_is_listed():
     interface = _classes(_tree(INTERFACE))
     assert "Transport" in interface, "transport.py has no Transport"
-    required = {n for n, fn in _methods(interface["Transport"]).items() if _unimplemented(fn)}
+    required = {n for n, fn in methods(interface["Transport"]).items() if unimplemented(fn)}
     assert required, "Transport leaves nothing to its sources: the interface is gone"
     tree = _tree(SOURCES)
     transports = _transports(tree)
@@ -71,8 +62,8 @@ def test_every_transport_implements_the_interface_and_is_listed():
     for name, cls in transports.items():
         assert ast.get_docstring(cls), f"restore_transfer.{name} says not what it moves and over what"
         for method in sorted(required):
-            fn = _methods(cls).get(method)
-            assert fn is not None and not _unimplemented(fn), f"restore_transfer.{name} does not implement {method}"
+            fn = methods(cls).get(method)
+            assert fn is not None and not unimplemented(fn), f"restore_transfer.{name} does not implement {method}"
     listed = _listed(tree)
     assert sorted(listed) == sorted(transports) and len(set(listed)) == len(listed), (
         f"TRANSPORTS {listed} is not each transport once ({sorted(transports)})")
