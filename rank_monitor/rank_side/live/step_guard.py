@@ -64,7 +64,13 @@ agent; a stop is the agent's `workload_request` line):
    request), or, with `skip_bad_batches`, the batch's update is dropped (every gradient set to None
    before the optimizer step) and the line says which batch. No suspect (every rank saw the NaN
    and nothing says where it arose) is treated as the data too, said so.
-5. Replicas disagree (`_diverged`): the odd ones (a minority; of two, the one whose state is not
+5. The state the step starts from, as committed, is not finite on some rank (checked at a fatal
+   hit and before the data's verdict; a guarded step is never committed with a NaN loss or norm, so
+   the fault came after the guard's figures: after the loop's own norm, in the optimizer step or in
+   memory; with no replica to compare, pure FSDP, nothing saw it at its step): not the data: the live
+   state is abandoned and every rank loads its checkpoint (as torchrun's restart would), with one
+   line naming the rank; its device counts it, a second within the window: its node leaves.
+6. Replicas disagree (`_diverged`): the odd ones (a minority; of two, the one whose state is not
    finite) heal from a good replica through restore()'s exchange and S is re-run; none known good:
    every rank loads its checkpoint; a device's second divergence within the window: its node leaves.
 Bounded: a step hit more than MAX_HITS times in one process is the data's (or, for replicas that
@@ -416,10 +422,12 @@ def check(live, step: int, loss, grad_norm) -> str:
             _count(table, cfg, v)
             return Decision.GO
         suspect = v["suspect"]
+        _committed_not_finite(step, table, max(suspect, fatal[0]), "", targets, cfg, rank, at_hit=True,
+                              identity=live.shard_identity())
         MEM.hits[step] = MEM.hits.get(step, 0) + 1
         if MEM.hits[step] > MAX_HITS:   # never a loop: the step came back too often
             hit = Pending(step, SAME_DEVICE, suspect, -1, -1, -1, table[fatal[0]][LOSS], table[fatal[0]][NORM])
-            return _data(step, table, hit, v, cfg, rank, f"hit {MEM.hits[step]} times in this process")
+            return _data(step, table, hit, v, cfg, rank, f"hit {MEM.hits[step]} times in this process", targets)
         who = _ranks_text(fatal) if suspect < 0 else f"rank {suspect}"
         MEM.pending = Pending(step, SAME_DEVICE, suspect, int(table[suspect][NODE]) if suspect >= 0 else -1,
                               int(table[suspect][GROUP]) if suspect >= 0 else -1,
@@ -461,7 +469,7 @@ def check(live, step: int, loss, grad_norm) -> str:
             return Decision.GO
         if pending.suspect < 0:
             return _data(step, table, pending, v, cfg, rank, "reproducible on every rank (it came before the "
-                                                              "all-reduce: no single rank to move)")
+                                                              "all-reduce: no single rank to move)", targets)
         pending.stage = OTHER_HARDWARE
         MEM.pending = pending
         say(f"step {step}: the re-run on the same devices hits again ({_what(table, pending.suspect)} on rank "
@@ -504,7 +512,7 @@ def check(live, step: int, loss, grad_norm) -> str:
             _exit(EXIT_NODE_SUSPECT)
         _await_restart(f"node {group} leaves")
     return _data(step, table, pending, v, cfg, rank, "reproducible on other hardware" +
-                 ("" if moved_node else " (another device of the same node)"))
+                 ("" if moved_node else " (another device of the same node)"), targets)
 
 
 def _own(table) -> List[int]:
@@ -530,9 +538,6 @@ def _diverged(live, step: int, table, v: dict, targets, cfg: GuardConfig, rank: 
     whose state is not finite is the odd one; else every rank loads its checkpoint. One collective
     first: each rank's state finite, and whether this is its device's second divergence within
     `transient_window_s` (then its node leaves, exit 17)."""
-    import torch
-    import torch.distributed as dist
-
     groups = v["diverged"]
     MEM.hits[step] = MEM.hits.get(step, 0) + 1
     if MEM.hits[step] > MAX_HITS:   # it comes back after every heal or fallback: persistent, and no majority places it
@@ -540,10 +545,7 @@ def _diverged(live, step: int, table, v: dict, targets, cfg: GuardConfig, rank: 
         _stop_job(f"step {step}: the replicas' state as of step {step - 1} disagrees again "
                   f"({'; '.join(_ranks_text(g['ranks']) for g in groups)}), hit {MEM.hits[step]} times in this "
                   f"process: a persistent fault that no majority of replicas places", rank)
-    flags = torch.zeros(world, 2, dtype=torch.int64, device=device)
-    flags[rank, 0] = int(not replica_fingerprint.finite(targets.state()))
-    dist.all_reduce(flags)
-    nonfinite = {r for r in range(world) if flags[r, 0]}
+    nonfinite = set(_not_finite_state(targets)[0])
     for g in groups:
         if g["odd"] is None:
             odd = [r for r in g["ranks"] if r in nonfinite]
@@ -559,16 +561,7 @@ def _diverged(live, step: int, table, v: dict, targets, cfg: GuardConfig, rank: 
         say(f"{head}: none is known good: every rank loads its checkpoint")
         _rerun(step, "replicas disagree")
     odd = sorted(r for g in groups for r in g["odd"])
-    second = torch.zeros(world, dtype=torch.int64, device=device)
-    second[rank] = int(rank in odd and _count_transient(cfg))
-    dist.all_reduce(second)
-    leaving = [r for r, x in enumerate(second.tolist()) if x]
-    if leaving:
-        say(f"{head}: the second on {_ranks_text(leaving)}'s device within {cfg.transient_window_s:g} s: "
-            f"persistent, its node leaves", by=leaving[0])
-        if rank in leaving:
-            _leave_node(step, f"a second divergence of this device's state within {cfg.transient_window_s:g} s")
-        _await_restart(f"{_ranks_text(leaving)}'s node leaves")
+    _second_leaves(odd, head, "divergence of this device's state", step, cfg, rank, world, device)
     late = "" if MEM.fp.exact(step) else (
         f"; the digests last agreed at step {MEM.fp.agreed}, so the odd replica's gradients may have gone into its "
         f"peers' updates since: the replicas are equal again, but may differ from a run without the fault "
@@ -591,10 +584,80 @@ def _count_transient(cfg: GuardConfig) -> bool:
     return len(times) >= 2
 
 
-def _data(step, table, pending: Pending, v, cfg: GuardConfig, rank: int, why: str) -> str:
-    """The data or the model: skip the batch (skip_bad_batches) or stop the job with one line."""
+def _second_leaves(ranks: List[int], head: str, what: str, step: int, cfg: GuardConfig, rank: int, world: int,
+                   device) -> None:
+    """One fault counted against each of `ranks`' devices (one all_reduce): where it is that device's
+    second within `transient_window_s`, its node leaves (exit 17) and the others wait for the restart."""
+    import torch
+    import torch.distributed as dist
+
+    second = torch.zeros(world, dtype=torch.int64, device=device)
+    second[rank] = int(rank in ranks and _count_transient(cfg))
+    dist.all_reduce(second)
+    leaving = [r for r, x in enumerate(second.tolist()) if x]
+    if leaving:
+        say(f"{head}: the second on {_ranks_text(leaving)}'s device within {cfg.transient_window_s:g} s: "
+            f"persistent, its node leaves", by=leaving[0])
+        if rank in leaving:
+            _leave_node(step, f"a second {what} within {cfg.transient_window_s:g} s")
+        _await_restart(f"{_ranks_text(leaving)}'s node leaves")
+
+
+def _not_finite_state(targets, identity: Optional[int] = None):
+    """-> (the ranks whose state, as committed: the parameters and optimizer state the step starts
+    from, holds a NaN or Inf; those of them with a finite replica: a rank of the same shard
+    `identity` whose state is finite). One all_reduce: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    from ft_launcher.rank_monitor.rank_side import comm_backend
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flags = torch.zeros(world, 2, dtype=torch.float64, device=comm_backend.transfer_device())
+    flags[rank, 0] = float(not replica_fingerprint.finite(targets.state()))
+    flags[rank, 1] = 0.0 if identity is None else float((identity & replica_fingerprint.MASK) + 1)
+    dist.all_reduce(flags)
+    rows = flags.tolist()
+    bad = [r for r, row in enumerate(rows) if row[0]]
+    return bad, [r for r in bad if rows[r][1] and any(not row[0] and row[1] == rows[r][1] for row in rows)]
+
+
+def _committed_not_finite(step: int, table, suspect: int, why: str, targets, cfg: GuardConfig, rank: int,
+                          at_hit: bool = False, identity: Optional[int] = None) -> None:
+    """At a fatal hit (`identity`: this rank's shard identity) and again before the data's verdict:
+    whether the state the step starts from, as committed, is finite on every rank (one all_reduce;
+    a pass over the state, on a hit only). Where it is not, the fault came after the guard's figures
+    (after the loop's own norm, in the optimizer step or in memory: a guarded step is never committed
+    with a NaN loss or norm), was committed, and follows the live state, not the batch: a re-run from
+    it cannot be clean and the data is not to blame. At a hit where every such rank has a finite
+    replica, the re-run's digest heals it from that replica (_diverged); else the live state is
+    abandoned and every rank loads its checkpoint, with one line (as without a LiveState:
+    torchrun's restart); the fault counts against that rank's device, and a second within the
+    window makes its node leave (never a loop)."""
+    import torch.distributed as dist
+
+    from ft_launcher.rank_monitor.rank_side import comm_backend
+
+    poisoned, healable = _not_finite_state(targets, identity)
+    if not poisoned or (at_hit and healable == poisoned):
+        return
+    MEM.pending = None
+    head = (f"step {step}: {_what(table, suspect)}{f' ({why})' if why else ''}; the state committed at step "
+            f"{step - 1} is not finite on {_ranks_text(poisoned)}: a fault after the guard's figures (after the "
+            f"loop's own norm, in the optimizer step or in memory) was committed")
+    _second_leaves(poisoned, head, "committed state that is not finite", step, cfg, rank, dist.get_world_size(),
+                   comm_backend.transfer_device())
+    MEM.heal = f"the state committed at step {step - 1} is not finite on {_ranks_text(poisoned)}"
+    say(f"{head}: not the data; the live state is abandoned: every rank loads its checkpoint")
+    _rerun(step, "the committed state is not finite")
+
+
+def _data(step, table, pending: Pending, v, cfg: GuardConfig, rank: int, why: str, targets) -> str:
+    """The data or the model: skip the batch (skip_bad_batches) or stop the job with one line;
+    unless the committed state is not finite (_committed_not_finite: the checkpoint)."""
     MEM.pending = None
     suspect = pending.suspect if pending.suspect >= 0 else v["fatal"][0]
+    _committed_not_finite(step, table, suspect, why, targets, cfg, rank)
     where = loader_position()
     text = (f"step {step}: {_what(table, suspect)} on rank {suspect}, {why}: the data or the model (rank "
             f"{suspect}'s batch at loader position {where})")

@@ -493,3 +493,25 @@ def test_a_flip_in_memory_after_the_last_comparison_is_said_at_the_jobs_end(laun
     assert digests[0] == digests[2] != digests[1], digests
     end = [x for x in run.lines() if "at the job's end" in x]
     assert len(end) == 1 and "(rank 1 against ranks 0, 2)" in end[0] and "not exact" in end[0], run.lines()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_pure_fsdp_a_fault_after_the_loops_norm_is_never_taken_for_the_data(launcher, tmp_path):
+    """Pure FSDP (1 replica x 2 shards, no buddy copy), `grad_norm=clip_grad_norm_(...)`: a NaN lands
+    in rank 1's gradient shard after the loop's own norm (`reduced`), so the guard's figures are
+    finite and step 10 is committed with a NaN in rank 1's shard. Step 11 is NaN on every rank: at
+    that hit the committed state is checked on every rank; rank 1's is not finite, so the live state
+    is abandoned and every rank loads its checkpoint (step 8) with one line naming rank 1, and the
+    job ends bit-equal to the fault-free run. (Before: a re-run from memory hit again and the job
+    stopped with the data's line, exit 93, where torchrun would have lived.)"""
+    job = ["--steps", 24, "--guard", "--grad-norm", "--ckpt-every", 8, "--state", "app", "--replicas", 1]
+    ref = reference(launcher, tmp_path, "fsdp_app", 2, job, script=HSDP)
+    run = GuardRun(launcher, tmp_path / "sdc", 2, job, sdc("nan:10:once:reduced"), script=HSDP).run(bound=400)
+    assert run.codes == [0], run.err[-3000:]
+    assert run.shards() == ref, (run.shards(), ref, run.said())
+    said = run.said()
+    assert not any("the data or the model" in x for x in said), said
+    poisoned = [x for x in said if "not finite" in x and "every rank loads its checkpoint" in x]
+    assert poisoned and "not finite on rank 1" in poisoned[0], said
+    assert not any("re-running it from memory" in x for x in said), said   # found at the first hit

@@ -224,3 +224,26 @@ def test_a_transient_nan_in_torchtitans_step_is_never_committed_and_ends_exactly
     for rank in (0, 1):
         assert steps[rank].count(14) == 2 and steps[rank][-1] == STEPS, steps
     assert results[0] == results[1] == fault_free, (results, fault_free)
+
+
+@needs_torchtitan
+def test_a_nan_after_torchtitans_norm_is_committed_then_found_and_the_job_loads_its_checkpoint(launcher, tmp_path,
+                                                                                              assets, fault_free):
+    """Pure FSDP has no replica to compare with: a NaN lands in rank 1's gradient shard at step 14
+    after torchtitan's clip_grad_norm_ (`reduced`: the guard's `grad_norm=` is finite), so step 14
+    is committed with a NaN in rank 1's shard, and step 15 is NaN. At that hit the guard finds the
+    committed state not finite on rank 1: no re-run from it, no move to other hardware; the live
+    state is abandoned and torchtitan loads its checkpoint of step 10, with one line; the job ends
+    with exactly the fault-free run's parameters and loss. (Before: a re-run, an exit 16, then "the
+    data or the model", exit 93.)"""
+    sdc = ["--ft-simulate-fault", "true", "--ft-simulated-fault-type", "rank_sdc", "--ft-simulated-fault-rank", "1",
+           "--ft-simulated-sdc", "nan:14:once:reduced"]
+    proc, steps, results = run_titan(launcher, tmp_path / "out", assets, live=True, ft_args=sdc)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the data or the model" not in proc.stderr, proc.stderr[-3000:]
+    found = [ln for ln in proc.stderr.splitlines() if "the state committed at step 14 is not finite on rank 1" in ln]
+    assert found and "every rank loads its checkpoint" in found[0], proc.stderr[-3000:]
+    assert "exited 16" not in proc.stderr, proc.stderr[-3000:]   # found at the first hit: no move to other hardware
+    for rank in (0, 1):   # 11-14 trained again from the checkpoint, once: the `once` fault fires once per job
+        assert steps[rank][-1] == STEPS and steps[rank].count(CKPT_EVERY + 1) == 2, steps
+    assert results[0] == results[1] == fault_free, (results, fault_free)
