@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import ft_launcher as ft
+from ft_launcher.rank_monitor import buddy_store
 from ft_launcher.rank_monitor.rank_side.live import sdc_sim
 
 
@@ -70,6 +71,7 @@ def run(name, mesh, rank):
         watch.next(step)
         NanOnRank1.on = step in (1, 4)
         os.environ[sdc_sim.ENV_SDC] = "nan:2:once:1:backward" if step == 2 else ""
+        os.environ.pop(buddy_store.ENV_PREFIX, None)   # armed afresh for each mesh: once per process, not per job
         for p in params:
             p.grad = None
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 1009 + rank))

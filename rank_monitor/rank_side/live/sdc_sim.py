@@ -5,8 +5,9 @@ The agent (agent.recovery.fault_injection) hands the hit node's ranks ENV_SDC =
 - KIND: `nan`, `inf`, `bitflip` (the top exponent bit: a huge value, or 0 -> 2), or a finite flip
   that leaves the value in range: `expflip` (the lowest exponent bit: x2 or /2) or `mantflip` (the
   top mantissa bit);
-- STEP: the training step (commit number) it first hits; PERSIST: `once` (the first time this
-  process runs STEP), `device` or `node` (every step from STEP on, on that hardware);
+- STEP: the training step (commit number) it first hits; PERSIST: `once` (the first time a
+  process of the job runs STEP on that hardware: marked in the agent's directory), `device` or
+  `node` (every step from STEP on, on that hardware);
 - LOCAL: the local slot it hits (`*`: every slot of the node);
 - PLACE, where the corruption lands:
   `backward` (default): one element of this rank's gradient as its backward produces it, before
@@ -41,7 +42,7 @@ class Spec:
             return False
         if self.local != "*" and self.local != os.environ.get("LOCAL_RANK", "0"):
             return False
-        if self.persist == "once" and (step != self.step or self.fired):
+        if self.persist == "once" and (step != self.step or self.fired or not _first_on_node()):
             return False
         self.fired = True
         return True
@@ -50,6 +51,29 @@ class Spec:
         return (f"simulated {self.kind} in rank {os.environ.get('RANK', '0')}'s "
                 f"{'parameter' if self.place == 'memory' else 'gradient'} at step {step} "
                 f"({self.place}, {self.persist})")
+
+
+ONCE_MARK = "sdc_once_fired"   # in the agent's directory: a `once` fault fired on this node
+
+
+def _first_on_node() -> bool:
+    """A `once` fault fires once per job, not once per process: the first process to fire it on
+    this node marks the agent's directory (O_EXCL), so the processes an exit 16 or a fallback starts
+    afterwards on the same hardware do not fire it again. Outside ft_launcher (no agent directory):
+    once per process."""
+    from ft_launcher.rank_monitor import buddy_store
+
+    prefix = os.environ.get(buddy_store.ENV_PREFIX)
+    if not prefix:
+        return True
+    try:
+        os.close(os.open(os.path.join(os.path.dirname(prefix), ONCE_MARK),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        pass
+    return True
 
 
 def parse(text: Optional[str]) -> Optional[Spec]:

@@ -104,6 +104,17 @@ def test_the_simulated_fault_puts_a_nan_an_inf_or_a_flipped_bit_where_its_place_
     assert words.startswith("num_yielded=36") and "samples_yielded=576" in words and "epoch=0" in words
 
 
+def test_a_once_fault_fires_once_per_job_not_again_in_the_processes_an_exit_16_starts(monkeypatch, tmp_path):
+    """`once`: the first process that fires it marks its agent's directory; a later process on the
+    same node (after an exit 16 or a fallback: a new Spec, as a new process parses) does not fire it."""
+    from ft_launcher.rank_monitor import buddy_store
+
+    monkeypatch.setenv(buddy_store.ENV_PREFIX, str(tmp_path / "local1"))
+    first, later = S.parse("nan:7:once:*:reduced"), S.parse("nan:7:once:*:reduced")
+    assert first.due(7, "reduced") and not later.due(7, "reduced")
+    assert (tmp_path / S.ONCE_MARK).exists()
+    assert S.parse("nan:7:device:*:reduced").due(7, "reduced")   # device and node persist: every process
+
 # ---- whole jobs (slow) -------------------------------------------------------------------------------------
 class GuardJob(Job):
     """2 agents x 2 ranks running examples/live_train.py."""
