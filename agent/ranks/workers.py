@@ -92,6 +92,8 @@ def slot_env(cfg: LaunchConfig, local_rank: int) -> Dict[str, str]:
     env[shm_layout.ENV_WARNED] = shm_layout.warned_prefix(os.getpid())   # a rank's warnings: once per agent
     env[buddy_store.ENV_PREFIX] = buddy_store.prefix_for(os.getpid(), local_rank)   # the slot's host copies
     env[inprocess.ENV_EMPTY_CUDA_CACHE] = "1" if cfg.ft.empty_cuda_cache else "0"
+    if cfg.elastic:   # --elastic: the world may shrink and grow back (integrations.torchtitan reads it)
+        env["FT_LAUNCHER_ELASTIC"] = "1"
     if cfg.ft.install_exception_hook:
         env["FT_LAUNCHER_EXCEPTION_HOOK"] = "1"   # a warm reserve installs rank_monitor.rank_side.excepthook
     if _WAKE_FD is not None:
