@@ -196,7 +196,8 @@ def _keep_data_parallel_shape(config) -> None:
     rep, shard = int(par.data_parallel_replicate_degree), int(par.data_parallel_shard_degree)
     if "dp_shard" not in _FIRST:
         first_shard = shard if shard > 0 else max(1, world // (max(1, rep) * other))
-        _FIRST.update(dp_shard=first_shard, dp_world=max(1, rep) * first_shard, hsdp=rep > 1 and first_shard > 1 and other == 1)
+        _FIRST.update(dp_shard=first_shard, dp_world=max(1, rep) * first_shard,
+                      hsdp=rep > 1 and first_shard > 1 and other == 1)
     if not _FIRST["hsdp"] or other != 1:
         return
     _wrap_for_elastic(config)
@@ -363,7 +364,7 @@ class _ModelState:
             for key, dst in own.items():
                 src = state_dict[key]
                 if hasattr(dst, "placements") != hasattr(src, "placements") or (
-                        hasattr(dst, "placements") and _sharded(dst) != _sharded(src)):
+                        hasattr(dst, "placements") and tuple(dst.placements) != tuple(src.placements)):
                     raise ValueError(f"the model's {key} is not sharded as the state to load")
                 dst, src = _local(dst), _local(src)
                 if dst.shape != src.shape or dst.dtype != src.dtype:
@@ -371,12 +372,6 @@ class _ModelState:
                                      f"{tuple(src.shape)} {src.dtype}")
                 if dst.data_ptr() != src.data_ptr():   # (a kept rank's own parameter: nothing to copy)
                     dst.copy_(src)
-
-
-def _sharded(t) -> tuple:
-    """A DTensor's sharded placements (an elastic resize turns HSDP's (Replicate, Shard(0)) into FSDP's
-    (Shard(0),) on one replica group: the same shard; LiveState's identity already matched it)."""
-    return tuple(p for p in t.placements if not p.is_replicate())
 
 
 def _local(t):
