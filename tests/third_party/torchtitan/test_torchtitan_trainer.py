@@ -14,6 +14,10 @@ fault-free run:
   resumes at step 13, exactly;
 - the step guard on torchtitan's own step (the adapter's `loss=`/`grad_norm=`): a NaN in rank 1's
   gradient at step 14, before FSDP's reduce-scatter, never committed, the step re-run, exact.
+- HSDP 2x2 over 2 agents with `--elastic --nnodes 1:2`: the second node (replica group 1) lost at
+  step 8, ranks 0, 1 go on in place as one group (0 steps redone), the node comes back, its ranks
+  heal from the replicas (0 steps redone), and the end equals the same course run fault-free in
+  three pieces chained by checkpoints (4, 2, then 4 ranks).
 Each run takes 1-2 minutes on 2 cores: the module is `slow`, and skips with one reason where
 torchtitan 0.3.0 (with triton and tokenizers) is not installed. The default test below (lazy
 imports) needs none of it.
@@ -239,9 +243,10 @@ def test_hsdp_elastic_a_lost_replica_group_goes_on_and_grows_back(launcher, tmp_
     completed step redone. Node 1's agent started again: the job grows back to 2 x 2, ranks 0, 1
     kept, ranks 2, 3 heal model and optimizer from ranks 0, 1 (their loaders start their parts as
     built: no record of theirs survived, said in one line), the replicas' digests agree, no step
-    redone, and the job ends with all four ranks' models bit-equal (the two replicas agree). Not
-    compared with a reference run: the data of group 1 while away is skipped and its loader starts
-    over on return, a run no fault-free job makes."""
+    redone, and the job ends with all four ranks' models bit-equal (the two replicas agree) and
+    equal, parameters and loss, to the same course run fault-free in three pieces chained by
+    torchtitan's checkpoints (_elastic_reference: 2 x 2 to the shrink's step, 1 x 2 to the grow's,
+    2 x 2 to the end with groups 1's loaders as built)."""
     from harness import ExampleAgents
 
     from ft_launcher.agent.observation.live_recovery import per_rank
@@ -258,6 +263,8 @@ def test_hsdp_elastic_a_lost_replica_group_goes_on_and_grows_back(launcher, tmp_
                            max_restarts=3)
     agents.args[agents.args.index("--nnodes") + 1] = "1:2"
     agents.args[agents.args.index("--rdzv-conf") + 1] = "join_timeout=60,last_call_timeout=30"
+    i = agents.args.index("--ft-warm-reserves")   # warm reserves on, the default (cpu_train.py works warm)
+    del agents.args[i:i + 2]
     start = launcher.start
 
     def start_with_env(args, extra_env=None, **kw):
@@ -314,3 +321,25 @@ def test_hsdp_elastic_a_lost_replica_group_goes_on_and_grows_back(launcher, tmp_
                for k in range(4)) - asked[0]
     print(f"\nnode lost -> rank 0's next step starts: {first_after - killed:.2f} s; asked to grow -> every rank's "
           f"first step on 2 x 2 starts: {back:.2f} s\nshrink: {shrink}\ngrow: {grow}")
+    reference = _elastic_reference(launcher, tmp_path / "reference", assets, shrink["resume_step"], grow["resume_step"])
+    assert finals[0] == reference, (finals[0], reference)
+
+
+def _elastic_reference(launcher, root, assets, shrunk_at, grown_at):
+    """The elastic run's model as three fault-free runs chained by torchtitan's checkpoints (interval
+    1): 2 x 2 to step `shrunk_at`; 1 x 2 (the adapter keeps dp_shard 2 and the 4-way split; ranks 0,
+    1 load data-parallel ranks 0, 1's positions) to `grown_at`; 2 x 2 to the end, ranks 2, 3's
+    loader positions absent from that checkpoint (saved on 2 ranks), so as built (DCP's partial
+    load). -> rank 0's result (step, loss, parameters' digest)."""
+    dump = root / "dump"
+    args = [os.path.join(HERE, "cpu_train.py"), "--module", "titan_cpu_config", "--config", "cpu_debugmodel",
+            "--dump_folder", dump, "--training.steps", ELASTIC_STEPS, "--checkpoint.interval", 1,
+            "--checkpoint.keep_latest_k", 2] + HSDP
+    for piece, (nproc, stop) in enumerate([(4, shrunk_at), (2, grown_at), (4, 0)]):
+        out = root / f"piece{piece}"
+        out.mkdir(parents=True)
+        env = {"TITAN_OUT": str(out), "TITAN_LIVE": "0", "TITAN_STOP_AFTER": str(stop), "TITAN_PARTIAL_LOAD": "1"}
+        proc = launcher.run(["--standalone", "--nproc-per-node", nproc, "--log-dir", out / "logs"] + args,
+                            timeout=420, extra_env=env)
+        assert proc.returncode == 0, (piece, proc.stderr[-3000:])
+    return json.load(open(out / "result_rank0.json"))
