@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 
 from ft_launcher.rank_monitor.rank_side import inprocess
 
+from ft_launcher.agent.rounds.elastic import Elastic
 from ft_launcher.rank_monitor import buddy_store, shm_layout
 from ft_launcher.rank_monitor.pdeathsig import set_pdeathsig
 from ft_launcher.rank_monitor.flight_recorder import recorder_env
@@ -92,6 +93,7 @@ def slot_env(cfg: LaunchConfig, local_rank: int) -> Dict[str, str]:
     env[shm_layout.ENV_WARNED] = shm_layout.warned_prefix(os.getpid())   # a rank's warnings: once per agent
     env[buddy_store.ENV_PREFIX] = buddy_store.prefix_for(os.getpid(), local_rank)   # the slot's host copies
     env[inprocess.ENV_EMPTY_CUDA_CACHE] = "1" if cfg.ft.empty_cuda_cache else "0"
+    env.update(Elastic.of(cfg).rank_env())   # --elastic: the world may shrink and grow back
     if cfg.ft.install_exception_hook:
         env["FT_LAUNCHER_EXCEPTION_HOOK"] = "1"   # a warm reserve installs rank_monitor.rank_side.excepthook
     if _WAKE_FD is not None:

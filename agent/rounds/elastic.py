@@ -46,6 +46,9 @@ def check_flag(on: bool, ft, min_nodes: int, max_nodes: int) -> Optional[str]:
     return None
 
 
+ENV_ELASTIC = "FT_LAUNCHER_ELASTIC"
+
+
 class Elastic:
     """The job's size rules: `on` with --elastic; MIN and MAX from --nnodes."""
 
@@ -57,6 +60,11 @@ class Elastic:
     def of(cls, cfg) -> "Elastic":
         """The job's rules from its launch config (agent.launch_config)."""
         return cls(cfg.min_nodes, cfg.max_nodes, cfg.elastic)
+
+    def rank_env(self) -> dict:
+        """What a rank is told of it: FT_LAUNCHER_ELASTIC=1 under --elastic (its world may shrink and
+        grow back; ft_launcher.integrations.torchtitan reads it), nothing without."""
+        return {ENV_ELASTIC: "1"} if self.on else {}
 
     # ---- MIN/MAX ----------------------------------------------------------------------------
     def words(self) -> str:

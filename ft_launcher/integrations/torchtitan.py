@@ -43,6 +43,23 @@
   saying why. That position is kept as plain values (`_LoaderState`), not as the bytes torchtitan
   pickles it into: nothing a peer held is unpickled freely.
 
+- HSDP with `--elastic` (data parallelism only: tensor, context and pipeline degrees 1): a lost node
+  that held whole replica groups leaves the others training at once, in place, and its ranks heal
+  from them when it comes back (TorchFT's promise, without its per-step quorum). torchtitan would
+  fill dp_shard from the new world size (another sharding, or an error when both degrees are
+  given): `Trainer.__init__` keeps dp_shard as configured (else as the process's first trainer
+  resolved it) and sets dp_replicate = world // dp_shard, one line saying so; ParallelDims keeps the
+  replicate dimension on the mesh at size 1, so every parameter keeps its placements and shard
+  identity and the survivors keep their state. The loader keeps the first world's split (its
+  `load_state_dict` asserts an unchanged dp_world_size): torchtitan's dataloader config `build` gets
+  the logical dp world and this process's logical dp rank (the one it had, whatever global rank it
+  now has; a joining process takes the lowest no present process holds: one all-gather per
+  trainer). The parts of the groups away are skipped; the loss divides by the tokens of the ranks
+  present (a smaller global batch, as TorchFT). A rank that joins has no record of its loader's
+  position (it was lost with its node): under `--elastic` (FT_LAUNCHER_ELASTIC=1, from the
+  launcher) the LiveState gets `per_rank_fresh=True`, so its loader starts its part of the data
+  from the beginning, said in one line per rank, instead of every rank loading the checkpoint.
+
 `run(main)` calls `main()` inside `ft.restartable` (torchtitan's `main` builds the trainer, which
 builds the process group, on every call: what restartable asks). Imports stay lazy: nothing of
 torchtitan or torch is imported by `import ft_launcher` or by this module until `install()`.
@@ -106,6 +123,9 @@ def _trainer_init(original):
         import ft_launcher as ft
 
         with ft.section(_SECTION_SETUP):
+            config = args[0] if args else kwargs.get("config")
+            if config is not None:
+                _keep_data_parallel_shape(config)
             original(self, *args, **kwargs)
             if _options["live"]:
                 _attach_live(self)
@@ -147,11 +167,104 @@ def _attach_live(trainer) -> None:
         # its position is this data-parallel rank's alone; the model and optimizer have the identity
         # their DTensors give (under HSDP: replicas across the replica groups)
         kwargs["per_rank"] = {"dataloader": int(loader.dp_rank)}
+        if os.environ.get("FT_LAUNCHER_ELASTIC") == "1":   # a group that joins finds no record of its own
+            kwargs.setdefault("per_rank_fresh", True)
     if loader is not None and hasattr(loader, "_rank_id"):
         objects["dataloader"] = _LoaderState(loader)
     live = ft.LiveState(name=LIVE_NAME, **objects, **kwargs)
     checkpointer._ft_launcher_live = trainer._ft_launcher_live = live
     _CommitBracket(trainer, live, _StepFigures(trainer) if _options["guard"] else None)
+
+
+_FIRST: dict = {}   # this process's first trainer: its dp_shard, logical dp world, and its logical dp rank
+
+
+def _keep_data_parallel_shape(config) -> None:
+    """Under HSDP (data_parallel_replicate_degree > 1) with only data parallelism: keep dp_shard as
+    configured (else as the process's first trainer resolved it) and, in a world that shrank or
+    grew (`--elastic`), make dp_replicate = world // dp_shard, the replicate dimension kept on the
+    mesh even at 1 (_replicate_kept: the shards keep their DTensor identity); the loader keeps the
+    logical split (_logical_loader). Elsewhere (pure FSDP or DDP, tensor/context/pipeline degrees
+    above 1): nothing changes."""
+    _FIRST["loader_config"] = _FIRST["keep_replicate"] = None
+    par = getattr(config, "parallelism", None)
+    if par is None or getattr(config, "dataloader", None) is None:
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    other = max(1, par.context_parallel_degree) * max(1, par.tensor_parallel_degree) * max(
+        1, par.pipeline_parallel_degree)
+    rep, shard = int(par.data_parallel_replicate_degree), int(par.data_parallel_shard_degree)
+    if "dp_shard" not in _FIRST:
+        first_shard = shard if shard > 0 else max(1, world // (max(1, rep) * other))
+        _FIRST.update(dp_shard=first_shard, dp_world=max(1, rep) * first_shard,
+                      hsdp=rep > 1 and first_shard > 1 and other == 1)
+    if not _FIRST["hsdp"] or other != 1:
+        return
+    _wrap_for_elastic(config)
+    _FIRST["loader_config"], _FIRST["keep_replicate"] = config.dataloader, True
+    dp_shard = _FIRST["dp_shard"]
+    if world % dp_shard == 0 and world // dp_shard != rep:   # (else the configured shape, or torchtitan says why)
+        par.data_parallel_shard_degree, par.data_parallel_replicate_degree = dp_shard, world // dp_shard
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ft_launcher: torchtitan on {world} ranks: {world // dp_shard} replica group(s) of {dp_shard} "
+                  f"(configured {rep} x {shard}); the loader keeps its split over {_FIRST['dp_world']} "
+                  f"data-parallel ranks: the data of the groups away is skipped", file=sys.stderr, flush=True)
+
+
+def _wrap_for_elastic(config) -> None:
+    """Once per class: the dataloader config's `build` (_logical_loader) and ParallelDims' replicate
+    dimension (_replicate_kept); both act only on the trainer being built (`_FIRST`)."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    owner = next(k for k in type(config.dataloader).__mro__ if "build" in k.__dict__)
+    _wrap(owner, "build", _logical_loader)
+    _wrap(ParallelDims, "_mesh_exist", _replicate_kept)
+    enabled = ParallelDims.__dict__["dp_replicate_enabled"].fget
+    if not getattr(enabled, "_ft_launcher_wrapped", False):
+        def dp_replicate_enabled(self):   # (llama3's parallelize then shards over ["dp_replicate", "fsdp"])
+            return enabled(self) or bool(_FIRST.get("keep_replicate"))
+        dp_replicate_enabled._ft_launcher_wrapped = True
+        ParallelDims.dp_replicate_enabled = property(dp_replicate_enabled)
+
+
+def _replicate_kept(original):
+    """ParallelDims' mesh dimensions: under HSDP the replicate dimension stays on the mesh at size 1
+    (one replica group left): fully_shard then gets the same (replicate, shard) mesh, and every
+    parameter the same placements and shard identity, as before the shrink."""
+    def _mesh_exist(self, name, degree):
+        return original(self, name, degree) or (name == "dp_replicate" and bool(_FIRST.get("keep_replicate")))
+    return _mesh_exist
+
+
+def _logical_loader(build):
+    """torchtitan's dataloader config's `build` with the first world's split: dp_world_size the
+    logical data-parallel world, dp_rank this process's logical rank (_logical_dp_rank)."""
+    def logical(self, *args, **kwargs):
+        if self is _FIRST.get("loader_config") and "dp_world_size" in kwargs:
+            kwargs["dp_world_size"] = _FIRST["dp_world"]
+            kwargs["dp_rank"] = _logical_dp_rank(_FIRST["dp_world"])
+        return build(self, *args, **kwargs)
+    return logical
+
+
+def _logical_dp_rank(dp_world: int) -> int:
+    """This process's logical data-parallel rank: the one it had (a survivor keeps its part of the
+    data, whatever global rank it now has), else the lowest no present process claims (a rank that
+    joined takes a part of a group away). A collective over the world (every rank builds its loader)."""
+    import torch.distributed as dist
+
+    claims = [None] * dist.get_world_size()
+    dist.all_gather_object(claims, _FIRST.get("dp_rank"))
+    taken = set()
+    for r, claim in enumerate(claims):
+        if claim is not None and claim not in taken and claim < dp_world:
+            taken.add(claim)
+        else:
+            claims[r] = None
+    free = iter(k for k in range(dp_world) if k not in taken)
+    claims = [next(free) if c is None else c for c in claims]
+    _FIRST["dp_rank"] = claims[dist.get_rank()]
+    return _FIRST["dp_rank"]
 
 
 _GRAD_NORM: list = [None]   # what torchtitan's clip_grad_norm_ returned last (the guard's grad_norm=)

@@ -138,6 +138,10 @@ class LiveState:
       out of the shard identity and of the replicas' check, kept at each commit in this node's host
       memory (rank_side.live.rank_record), so a rank that heals the rest from a replica takes these
       from its record, never a replica's; no record of the resume step: the checkpoint, said.
+    - `per_rank_fresh` (default False): a rank with no record of the resume step (a node that
+      joined an elastic job: its records were lost with it) keeps its per-rank objects as it built
+      them (a loader at the start of its part of the data), said in one line, instead of the
+      checkpoint on every rank.
     - `rng` (default True): also keep the RNG state (torch CPU and CUDA, Python's `random`) as of
       each commit, so dropout and augmentation continue their stream.
     - `verify` (default True): after a live recovery in which a rank healed from a peer, the
@@ -164,7 +168,8 @@ class LiveState:
     """
 
     def __init__(self, *, name: Optional[str] = None, shard: Optional[int] = None,
-                 per_rank: Optional[Dict[str, int]] = None, rng: bool = True, verify: bool = True,
+                 per_rank: Optional[Dict[str, int]] = None, per_rank_fresh: bool = False,
+                 rng: bool = True, verify: bool = True,
                  buddy_every: int = 0, buddy_memory_limit_mb: Optional[float] = None, buddy_keep: int = 2,
                  spike_factor: float = 10.0, spike_fatal: bool = False, skip_bad_batches: bool = False,
                  transient_window_s: float = 3600.0, fingerprint_every: Optional[int] = None,
@@ -188,6 +193,7 @@ class LiveState:
             raise TypeError(f"LiveState(per_rank=...): {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} "
                             f"none of its objects ({', '.join(sorted(objects))})")
         self._record: Optional[rank_record.RankRecord] = None   # per-rank objects' host records (rank_record)
+        self.per_rank_fresh = bool(per_rank_fresh)
         self.verify = verify
         if not float(spike_factor) > 1.0:
             raise ValueError(f"LiveState(spike_factor={spike_factor}): a factor above 1")

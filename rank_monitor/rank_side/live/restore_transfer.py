@@ -19,6 +19,7 @@ carries the flag. A peer lost on the wire (live_wire.PeerLost) raises: the resta
 """
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Dict, Optional
 
@@ -126,6 +127,12 @@ class OwnRecord(Transport):
         record = live._records()
         slot, why = (record.find(plan.resume, made["own_identity"], made["own_layout"]) if record is not None
                      else (None, "it runs without ft_launcher's host records"))
+        if slot is None and live.per_rank_fresh:   # (LiveState(per_rank_fresh=True): as it built them, said)
+            ready.update({n: live.tracked[n].obj.state_dict() for n in names})
+            print(f"ft_launcher: rank {rank}: its replicated state heals from {origin}; "
+                  f"{', '.join(repr(n) for n in names)} {'starts' if len(names) == 1 else 'start'} as built "
+                  f"(per_rank_fresh): {why}, none of step {plan.resume}", file=sys.stderr, flush=True)
+            return ""
         if slot is None:
             return (f"its replicated state heals from {origin}, but {', '.join(repr(n) for n in names)} "
                     f"{'is' if len(names) == 1 else 'are'} its own (per_rank) and cannot come from a replica: "

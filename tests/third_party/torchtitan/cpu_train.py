@@ -20,6 +20,10 @@ What the tests and the bench read (TITAN_OUT, a folder):
 - `result_rank<R>.json` at the end of training: the last step, its loss (rank 0's log), and the
   SHA-256 of every parameter gathered whole (`full_tensor()`, in name order): equal digests mean
   bit-equal models.
+A reference run in pieces: TITAN_STOP_AFTER=k ends every rank (exit 0) once step k and its checkpoint
+are done; TITAN_PARTIAL_LOAD=1 loads torchtitan's checkpoint with DCP's `allow_partial_load` (a key
+the checkpoint lacks, e.g. a loader position of a data-parallel rank that was away, keeps its value
+as built).
 A fault: TITAN_FAIL_STEP=k and TITAN_FAIL_RANK=r SIGKILL rank r as step k starts, once (a marker
 file in TITAN_OUT says it happened; the restarted rank trains on).
 """
@@ -128,6 +132,17 @@ RANK = int(os.environ.get("RANK", "0"))
 FAIL_STEP = int(os.environ.get("TITAN_FAIL_STEP", "0"))
 FAIL_RANK = int(os.environ.get("TITAN_FAIL_RANK", "1"))
 _losses: dict = {}
+STOP_AFTER = int(os.environ.get("TITAN_STOP_AFTER", "0"))
+if os.environ.get("TITAN_PARTIAL_LOAD") == "1":
+    import torch.distributed.checkpoint as _dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    _dcp_load = _dcp.load
+
+    def _partial_load(*args, **kwargs):
+        kwargs.setdefault("planner", DefaultLoadPlanner(allow_partial_load=True))
+        return _dcp_load(*args, **kwargs)
+    _dcp.load = _partial_load
 
 
 def _write_line(name: str, record: dict) -> None:
@@ -140,6 +155,11 @@ _train_step = Trainer.train_step
 
 
 def train_step(self, *args, **kwargs):
+    if STOP_AFTER and self.step == STOP_AFTER + 1:   # step STOP_AFTER and its checkpoint are done
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     _write_line(f"steps_rank{RANK}.jsonl", {"step": self.step, "t": time.time(), "pid": os.getpid()})
     mark = os.path.join(OUT or ".", "fault_done")
     if FAIL_STEP and self.step == FAIL_STEP and RANK == FAIL_RANK and not os.path.exists(mark):

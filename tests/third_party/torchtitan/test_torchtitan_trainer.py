@@ -14,6 +14,10 @@ fault-free run:
   resumes at step 13, exactly;
 - the step guard on torchtitan's own step (the adapter's `loss=`/`grad_norm=`): a NaN in rank 1's
   gradient at step 14, before FSDP's reduce-scatter, never committed, the step re-run, exact.
+- HSDP 2x2 over 2 agents with `--elastic --nnodes 1:2`: the second node (replica group 1) lost at
+  step 8, ranks 0, 1 go on in place as one group (0 steps redone), the node comes back, its ranks
+  heal from the replicas (0 steps redone), and the end equals the same course run fault-free in
+  three pieces chained by checkpoints (4, 2, then 4 ranks).
 Each run takes 1-2 minutes on 2 cores: the module is `slow`, and skips with one reason where
 torchtitan 0.3.0 (with triton and tokenizers) is not installed. The default test below (lazy
 imports) needs none of it.
@@ -23,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -247,3 +252,117 @@ def test_a_nan_after_torchtitans_norm_is_committed_then_found_and_the_job_loads_
     for rank in (0, 1):   # 11-14 trained again from the checkpoint, once: the `once` fault fires once per job
         assert steps[rank][-1] == STEPS and steps[rank].count(CKPT_EVERY + 1) == 2, steps
     assert results[0] == results[1] == fault_free, (results, fault_free)
+
+
+ELASTIC_STEPS, ELASTIC_KILL = 40, 8
+
+
+@needs_torchtitan
+def test_hsdp_elastic_a_lost_replica_group_goes_on_and_grows_back(launcher, tmp_path, assets):
+    """torchtitan's trainer, HSDP 2 x 2 over 2 agents x 2 ranks, `--elastic --nnodes 1:2`, live
+    state without buddy copies: node 1 (replica group 1, ranks 2, 3, and its agent) SIGKILLed as
+    rank 2 reaches step 8. Ranks 0, 1 go on at once in place on one replica group (the adapter keeps
+    dp_shard 2 and makes dp_replicate 1; their loaders keep their parts of the 4-way split): no
+    completed step redone. Node 1's agent started again: the job grows back to 2 x 2, ranks 0, 1
+    kept, ranks 2, 3 heal model and optimizer from ranks 0, 1 (their loaders start their parts as
+    built: no record of theirs survived, said in one line), the replicas' digests agree, no step
+    redone, and the job ends with all four ranks' models bit-equal (the two replicas agree) and
+    equal, parameters and loss, to the same course run fault-free in three pieces chained by
+    torchtitan's checkpoints (_elastic_reference: 2 x 2 to the shrink's step, 1 x 2 to the grow's,
+    2 x 2 to the end with groups 1's loaders as built)."""
+    from harness import ExampleAgents
+
+    from ft_launcher.agent.observation.live_recovery import per_rank
+
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"TITAN_ASSETS": assets, "TITAN_OUT": str(out), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_CACHE": str(out / "hf_cache"), "TITAN_LIVE": "1", "TITAN_BUDDY_EVERY": "0"}
+    agents = ExampleAgents(launcher, tmp_path, 2, 2, os.path.join(HERE, "cpu_train.py"),
+                           ["--module", "titan_cpu_config", "--config", "cpu_debugmodel",
+                            "--dump_folder", out / "dump", "--training.steps", ELASTIC_STEPS,
+                            "--checkpoint.interval", CKPT_EVERY] + HSDP,
+                           ["--elastic", "--ft-rank-section-timeouts", "setup:300,step:120,checkpointing:300"],
+                           max_restarts=3)
+    agents.args[agents.args.index("--nnodes") + 1] = "1:2"
+    agents.args[agents.args.index("--rdzv-conf") + 1] = "join_timeout=60,last_call_timeout=30"
+    i = agents.args.index("--ft-warm-reserves")   # warm reserves on, the default (cpu_train.py works warm)
+    del agents.args[i:i + 2]
+    start = launcher.start
+
+    def start_with_env(args, extra_env=None, **kw):
+        return start(args, extra_env={**env, **(extra_env or {})}, **kw)
+    launcher.start = start_with_env
+    agents.launch()
+
+    def rows(rank):
+        path = out / f"steps_rank{rank}.jsonl"
+        return [json.loads(line) for line in open(path)] if path.exists() else []
+
+    from conftest import node_tree, wait_for
+
+    wait_for(lambda: any(r["step"] >= ELASTIC_KILL for r in rows(2)), 600, f"rank 2 at step {ELASTIC_KILL}",
+             interval=0.05)
+    for proc in node_tree(agents.agents[1].pid):
+        proc.kill()
+    killed = time.time()
+    wait_for(lambda: [e for e in agents.events() if e["kind"] == "live_recovery"], 300, "the shrink's live recovery")
+    shrink = [e for e in agents.events() if e["kind"] == "live_recovery"][0]["detail"]
+    resume = shrink["resume_step"] or 0
+    wait_for(lambda: any(r["step"] >= resume + 4 and r["t"] > killed for r in rows(0)), 300,
+             "rank 0 four steps on one replica group")
+    agents.agents.append(launcher.start(agents.args, extra_env={"GROUP_RANK": "1"}))   # node 1 comes back
+    results = agents.wait(bound=700, lost=(1,))
+    err = "".join(r[2] for r in results)
+    evs = agents.events()
+    live = [e["detail"] for e in evs if e["kind"] == "live_recovery"]
+    assert len(live) == 2, (live, err[-4000:])
+    assert "no live state to resume from" not in err, err[-4000:]
+    shrink, grow = live
+    assert per_rank(shrink["sources"]) == {"0": "kept", "1": "kept"} and shrink["steps_redone"] == 0, shrink
+    assert "torchtitan on 2 ranks: 1 replica group(s) of 2" in err, err[-4000:]
+    sources = per_rank(grow["sources"])
+    assert sources["0"] == sources["1"] == "kept" and {sources["2"], sources["3"]} == {"peer 0", "peer 1"}, grow
+    assert grow["resume_step"] is not None and grow["steps_redone"] == 0 and grow["check"]["bytes"] > 0, grow
+    assert len([ln for ln in err.splitlines() if "starts as built (per_rank_fresh)" in ln]) == 2, err[-4000:]
+    interrupted = {shrink["resume_step"] + 1, grow["resume_step"] + 1}   # started, cut by the restart, run again
+    for rank in (0, 1):   # kept: one process, every completed step once, none redone
+        steps = [r["step"] for r in rows(rank)]
+        assert steps == sorted(steps) and sorted(set(steps)) == list(range(1, ELASTIC_STEPS + 1)), steps
+        assert all(steps.count(k) == 1 or k in interrupted for k in set(steps)), steps
+        assert len({r["pid"] for r in rows(rank)}) == 1, rows(rank)
+    for rank in (2, 3):   # the newcomers trained on from the resume step to the end
+        new = [r["step"] for r in rows(rank) if r["t"] > killed]
+        assert new == list(range(grow["resume_step"] + 1, ELASTIC_STEPS + 1)), (rank, new)
+    finals = [json.load(open(out / f"result_rank{r}.json")) for r in range(4)]
+    assert all(f["step"] == ELASTIC_STEPS for f in finals), finals
+    assert len({f["checksum"] for f in finals}) == 1, finals   # replica 0 == replica 1, bit for bit
+    first_after = min(r["t"] for r in rows(0) if r["t"] > killed)
+    asked = [e["time"] for e in evs if e["kind"] == "elastic_join"]
+    assert len(asked) == 1, asked
+    back = max(min(r["t"] for r in rows(k) if r["step"] > grow["resume_step"] and r["t"] > asked[0])
+               for k in range(4)) - asked[0]
+    print(f"\nnode lost -> rank 0's next step starts: {first_after - killed:.2f} s; asked to grow -> every rank's "
+          f"first step on 2 x 2 starts: {back:.2f} s\nshrink: {shrink}\ngrow: {grow}")
+    reference = _elastic_reference(launcher, tmp_path / "reference", assets, shrink["resume_step"], grow["resume_step"])
+    assert finals[0] == reference, (finals[0], reference)
+
+
+def _elastic_reference(launcher, root, assets, shrunk_at, grown_at):
+    """The elastic run's model as three fault-free runs chained by torchtitan's checkpoints (interval
+    1): 2 x 2 to step `shrunk_at`; 1 x 2 (the adapter keeps dp_shard 2 and the 4-way split; ranks 0,
+    1 load data-parallel ranks 0, 1's positions) to `grown_at`; 2 x 2 to the end, ranks 2, 3's
+    loader positions absent from that checkpoint (saved on 2 ranks), so as built (DCP's partial
+    load). -> rank 0's result (step, loss, parameters' digest)."""
+    dump = root / "dump"
+    args = [os.path.join(HERE, "cpu_train.py"), "--module", "titan_cpu_config", "--config", "cpu_debugmodel",
+            "--dump_folder", dump, "--training.steps", ELASTIC_STEPS, "--checkpoint.interval", 1,
+            "--checkpoint.keep_latest_k", 2] + HSDP
+    for piece, (nproc, stop) in enumerate([(4, shrunk_at), (2, grown_at), (4, 0)]):
+        out = root / f"piece{piece}"
+        out.mkdir(parents=True)
+        env = {"TITAN_OUT": str(out), "TITAN_LIVE": "0", "TITAN_STOP_AFTER": str(stop), "TITAN_PARTIAL_LOAD": "1"}
+        proc = launcher.run(["--standalone", "--nproc-per-node", nproc, "--log-dir", out / "logs"] + args,
+                            timeout=420, extra_env=env)
+        assert proc.returncode == 0, (piece, proc.stderr[-3000:])
+    return json.load(open(out / "result_rank0.json"))
