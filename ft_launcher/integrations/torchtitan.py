@@ -251,10 +251,18 @@ def _logical_dp_rank(dp_world: int) -> int:
     """This process's logical data-parallel rank: the one it had (a survivor keeps its part of the
     data, whatever global rank it now has), else the lowest no present process claims (a rank that
     joined takes a part of a group away). A collective over the world (every rank builds its loader)."""
+    import torch
     import torch.distributed as dist
 
-    claims = [None] * dist.get_world_size()
-    dist.all_gather_object(claims, _FIRST.get("dp_rank"))
+    from ft_launcher.rank_monitor.rank_side import comm_backend
+
+    # each rank's claim + 1 in its own entry (0: none yet), summed: plain integers, never a peer's
+    # pickle (all_gather_object would unpickle what peers send)
+    mine = _FIRST.get("dp_rank")
+    table = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=comm_backend.transfer_device())
+    table[dist.get_rank()] = 0 if mine is None else int(mine) + 1
+    dist.all_reduce(table)
+    claims = [None if c == 0 else c - 1 for c in table.tolist()]
     taken = set()
     for r, claim in enumerate(claims):
         if claim is not None and claim not in taken and claim < dp_world:
